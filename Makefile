@@ -1,0 +1,31 @@
+# Quick start: `make demo` (main job on a generated sample video) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel for machines without a GPU; GPU users install their own torch first.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test bench-frontend clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/python -m pipeline demo --out out/demo.zarr
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench-frontend: setup
+	$(BIN)/python benchmarks/bench_frontend.py
+
+clean:
+	rm -rf out build *.egg-info

@@ -1,0 +1,495 @@
+"""The zarr v3 output store (public schema: "Output schema" in DESIGN.md / the README).
+
+    OUT.zarr/                attrs: format "arr-coc/1", config {...}
+      streams/<stream_id>/   attrs: source, query, fps, width, height, grid, vlm, complete,
+                                    frames (T committed), answer_count (A committed)
+        pts float64 [T], frame_index int64 [T], relevance float16 [T, gh, gw],
+        tokens uint16 [T, gh, gw], scene_change bool [T], motion float16 [T]
+        answers/ t_start float64 [A], t_end float64 [A], question str [A], text str [A],
+                 tokens_kept int32 [A], tokens_full int32 [A], latency_s float32 [A]
+
+Crash safety. Every file write of zarr's LocalStore is atomic (write to a temporary, rename), so
+each metadata or chunk file is either old or new, never torn. On top of that:
+- a stream group is built complete (attrs + empty arrays) in a staging directory and renamed into
+  `streams/` in one step, so a reader never sees a half-created stream;
+- frames are buffered and written a whole chunk at a time; every array is resized and filled
+  *before* the `frames` attr is raised to the new T. `frames` is the commit point: rows [0, frames)
+  of every per-frame array are on disk. A crash between two array writes can leave some arrays up
+  to one chunk longer than `frames` (never shorter); `read_stream` cuts them to `frames`.
+- answers are committed the same way through `answer_count`.
+Writers of different streams touch disjoint groups, so threads / processes / Ray actors can share
+one store; the only shared writes are creating the root and `streams/` (both idempotent).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import numpy as np
+import zarr
+from zarr.errors import ContainsGroupError
+from zarr.storage import LocalStore
+
+FORMAT = "arr-coc/1"
+STAGING = ".staging"  # inside the store, beside `streams/`: same filesystem, so a rename is atomic
+DEFAULT_CHUNK_FRAMES = 64
+ANSWER_CHUNK = 64
+
+StoreMode = Literal["r", "a", "w"]
+
+
+class SinkError(Exception):
+    """The output cannot be written or read as asked. The message is one line naming the path/value."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    dtype: Any          # numpy dtype, or str for zarr's variable-length UTF-8 strings
+    per_cell: bool = False  # shape (T, gh, gw) instead of (T,)
+
+    @property
+    def fill(self) -> Any:
+        return "" if self.dtype is str else np.zeros((), self.dtype).item()
+
+    def matches(self, dtype: np.dtype) -> bool:
+        # zarr 3 reads its "string" data type back as numpy's StringDType (kind "T")
+        return dtype.kind == "T" if self.dtype is str else dtype == np.dtype(self.dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        return "str" if self.dtype is str else np.dtype(self.dtype).name
+
+
+FRAME_ARRAYS = (
+    ArraySpec("pts", np.float64),
+    ArraySpec("frame_index", np.int64),
+    ArraySpec("relevance", np.float16, per_cell=True),
+    ArraySpec("tokens", np.uint16, per_cell=True),
+    ArraySpec("scene_change", np.bool_),
+    ArraySpec("motion", np.float16),
+)
+ANSWER_ARRAYS = (
+    ArraySpec("t_start", np.float64),
+    ArraySpec("t_end", np.float64),
+    ArraySpec("question", str),
+    ArraySpec("text", str),
+    ArraySpec("tokens_kept", np.int32),
+    ArraySpec("tokens_full", np.int32),
+    ArraySpec("latency_s", np.float32),
+)
+
+
+def validate_stream_id(stream_id: Any) -> str:
+    """Return stream_id if it can name a group under `streams/`, else raise SinkError saying why."""
+    if not isinstance(stream_id, str):
+        raise SinkError(f"stream id must be a string, got {type(stream_id).__name__} {stream_id!r}")
+    why = None
+    if not stream_id.strip():
+        why = "it is empty"
+    elif "/" in stream_id or "\\" in stream_id:
+        why = "it contains a path separator"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in stream_id):
+        why = "it contains control characters"
+    elif stream_id.startswith("."):
+        why = "it starts with '.' (hidden / relative names)"
+    elif stream_id.startswith("__"):
+        why = "names starting with '__' are reserved by zarr v3"
+    elif stream_id == "zarr.json":
+        why = "it is zarr's metadata file name"
+    if why:
+        raise SinkError(f"invalid stream id {stream_id!r}: {why}; use a non-empty name without '/', '\\', "
+                        f"control characters or a leading '.'/'__' (e.g. the file stem)")
+    return stream_id
+
+
+def _open_group(path: Path, group: str = "", *, read_only: bool) -> zarr.Group:
+    return zarr.open_group(LocalStore(path, read_only=read_only), path=group,
+                           mode="r" if read_only else "r+", zarr_format=3)
+
+
+def _open_root(path: Path, *, read_only: bool) -> zarr.Group:
+    """Open an existing arr-coc store, refusing anything else with a one-line SinkError."""
+    try:
+        root = _open_group(path, read_only=read_only)
+    except Exception as e:  # zarr raises several unrelated types for "this is not a group"
+        raise SinkError(f"{path} is not a readable zarr v3 group ({type(e).__name__}: {e})") from e
+    found = root.attrs.get("format")
+    if found != FORMAT:
+        raise SinkError(f"{path} is a zarr store of format {found!r}, not {FORMAT!r}; "
+                        f"refusing to mix outputs, choose another output path")
+    return root
+
+
+def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(config, Mapping):
+        raise SinkError(f"config must be a mapping (dict), got {type(config).__name__}")
+    try:
+        return json.loads(json.dumps(dict(config)))
+    except (TypeError, ValueError) as e:
+        raise SinkError(f"config cannot be stored as JSON zarr attrs: {e}") from e
+
+
+class ZarrStore:
+    """An arr-coc output store. Create with `ZarrStore.open(path, config=..., mode=...)`."""
+
+    def __init__(self, path: Path, root: zarr.Group, *, read_only: bool) -> None:
+        self.path = path
+        self._root = root
+        self.read_only = read_only
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, config: Mapping[str, Any] | None = None,
+             mode: StoreMode = "a") -> "ZarrStore":
+        """Open or create the store at path.
+
+        mode "r": read only, the store must exist. "a": open, or create with `config`.
+        "w": delete an existing arr-coc store at path and create a new one (never deletes
+        anything that is not an arr-coc store). An existing store keeps its stored config.
+        """
+        if mode not in ("r", "a", "w"):
+            raise ValueError(f"Invalid mode ({mode!r}). Supported values are r, a, w.")
+        path = Path(path)
+        exists = (path / "zarr.json").is_file()
+        if mode == "r":
+            if not exists:
+                raise SinkError(f"{path} is not a zarr store (no zarr.json)")
+            return cls(path, _open_root(path, read_only=True), read_only=True)
+        if exists:
+            root = _open_root(path, read_only=False)
+            if mode == "a":
+                return cls(path, root, read_only=False)
+            shutil.rmtree(path)
+        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise SinkError(f"{path} exists and is not a zarr store; refusing to write into it")
+        if config is None:
+            raise ValueError("config is required to create a store")
+        attrs = {"format": FORMAT, "config": _json_config(config)}
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            try:
+                root = zarr.create_group(LocalStore(path), attributes=attrs, overwrite=False, zarr_format=3)
+            except ContainsGroupError:  # another process created it between our check and now
+                root = _open_root(path, read_only=False)
+            root.require_group("streams")
+        except OSError as e:
+            raise SinkError(f"cannot write the output store {path}: {e.strerror or e}") from e
+        return cls(path, root, read_only=False)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self._root.attrs["config"])
+
+    def stream_ids(self) -> list[str]:
+        """Ids of the streams in the store (complete or not), sorted."""
+        streams = self.path / "streams"
+        if not streams.is_dir():
+            return []
+        return sorted(p.name for p in streams.iterdir() if (p / "zarr.json").is_file())
+
+    def is_complete(self, stream_id: str) -> bool:
+        """True only when the stream exists and was processed to its end."""
+        group_dir = self.path / "streams" / validate_stream_id(stream_id)
+        if not (group_dir / "zarr.json").is_file():
+            return False
+        return _open_group(self.path, f"streams/{stream_id}", read_only=True).attrs.get("complete") is True
+
+    def stream(self, stream_id: str, *, source: str, query: str, fps: float, width: int, height: int,
+               grid: tuple[int, int], vlm: str, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
+               overwrite: bool = False) -> "StreamWriter":
+        """Create `streams/<stream_id>` (empty arrays, complete=False) and return its writer.
+
+        An existing incomplete stream is replaced (a resumed batch redoes it); an existing
+        complete one only with overwrite=True.
+        """
+        if self.read_only:
+            raise SinkError(f"{self.path} was opened read-only (mode='r'); cannot write stream {stream_id!r}")
+        validate_stream_id(stream_id)
+        attrs = _stream_attrs(source=source, query=query, fps=fps, width=width, height=height, grid=grid, vlm=vlm)
+        if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
+        if self.is_complete(stream_id) and not overwrite:
+            raise SinkError(f"stream {stream_id!r} is already complete in {self.path}; "
+                            f"pass overwrite=True to replace it")
+        target = self.path / "streams" / stream_id
+        staging = self.path / STAGING
+        try:
+            new = staging / f"{stream_id}.{uuid.uuid4().hex}"
+            _build_stream(new, attrs, tuple(attrs["grid"]), chunk_frames)
+            old = staging / f"{stream_id}.{uuid.uuid4().hex}.old"
+            if target.exists():
+                os.rename(target, old)  # the old stream vanishes in one step, never half-deleted
+            os.rename(new, target)
+            shutil.rmtree(old, ignore_errors=True)
+            try:
+                staging.rmdir()  # keep the store tidy; another writer may still be staging
+            except OSError:
+                pass
+            group = _open_group(self.path, f"streams/{stream_id}", read_only=False)
+        except OSError as e:
+            raise SinkError(f"cannot write stream {stream_id!r} into {self.path}: {e.strerror or e}") from e
+        return StreamWriter(group, stream_id=stream_id, store_path=self.path, chunk_frames=chunk_frames)
+
+    def __repr__(self) -> str:
+        return f"ZarrStore({str(self.path)!r}, read_only={self.read_only})"
+
+
+def _stream_attrs(*, source: str, query: str, fps: float, width: int, height: int,
+                  grid: tuple[int, int], vlm: str) -> dict[str, Any]:
+    for name, value in (("source", source), ("query", query), ("vlm", vlm)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"fps must be a finite number > 0, got {fps!r}")
+    for name, value in (("width", width), ("height", height)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    grid_ok = (isinstance(grid, (tuple, list)) and len(grid) == 2
+               and all(isinstance(g, (int, np.integer)) and not isinstance(g, bool) and g >= 1 for g in grid))
+    if not grid_ok:
+        raise ValueError(f"grid must be (gh, gw) with two ints >= 1, got {grid!r}")
+    return {"source": source, "query": query, "fps": float(fps), "width": int(width), "height": int(height),
+            "grid": [int(grid[0]), int(grid[1])], "vlm": vlm, "complete": False, "frames": 0, "answer_count": 0}
+
+
+def _build_stream(directory: Path, attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: int) -> None:
+    """Write a complete, empty stream group into `directory` (later renamed into place)."""
+    directory.mkdir(parents=True)
+    group = zarr.create_group(LocalStore(directory), attributes=attrs, zarr_format=3)
+    for spec in FRAME_ARRAYS:
+        cell = grid if spec.per_cell else ()
+        group.create_array(spec.name, shape=(0, *cell), chunks=(chunk_frames, *cell),
+                           dtype=spec.dtype, fill_value=spec.fill)
+    answers = group.create_group("answers")
+    for spec in ANSWER_ARRAYS:
+        answers.create_array(spec.name, shape=(0,), chunks=(ANSWER_CHUNK,), dtype=spec.dtype, fill_value=spec.fill)
+
+
+class StreamWriter:
+    """Appends one stream's per-frame arrays and answers. One writer per stream, one thread at a time."""
+
+    def __init__(self, group: zarr.Group, *, stream_id: str, store_path: Path, chunk_frames: int) -> None:
+        self.stream_id = stream_id
+        self.chunk_frames = chunk_frames
+        self._where = f"stream {stream_id!r} in {store_path}"
+        self._group = group
+        self._frames = {spec.name: group[spec.name] for spec in FRAME_ARRAYS}
+        self._answers = {spec.name: group[f"answers/{spec.name}"] for spec in ANSWER_ARRAYS}
+        self.grid = tuple(group.attrs["grid"])
+        self.frames = 0   # committed: rows on disk and recorded in the `frames` attr
+        self.answers = 0  # committed answers (`answer_count` attr)
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._pending_frames = 0
+        self.closed = False
+
+    def append(self, pts: Any, frame_index: Any, relevance: Any, tokens: Any, scene_change: Any,
+               motion: Any) -> None:
+        """Buffer n frames; whole chunks are written as soon as they fill.
+
+        pts (n,), frame_index (n,), relevance (n, gh, gw) clipped to [0, 1], tokens (n, gh, gw)
+        integers in [0, 65535], scene_change (n,) bool, motion (n,).
+        """
+        self._check_open()
+        batch = self._convert(pts=pts, frame_index=frame_index, relevance=relevance, tokens=tokens,
+                              scene_change=scene_change, motion=motion)
+        n = len(batch["pts"])
+        if n == 0:
+            return
+        self._pending.append(batch)
+        self._pending_frames += n
+        self._write(full_chunks_only=True)
+
+    def flush(self) -> None:
+        """Write every buffered frame, including a partial last chunk."""
+        self._check_open()
+        self._write(full_chunks_only=False)
+
+    def add_answer(self, t_start: float, t_end: float, question: str, text: str, tokens_kept: int,
+                   tokens_full: int, latency_s: float) -> None:
+        """Write one answer immediately (answers are rare and must survive a crash)."""
+        self._check_open()
+        for name, value in (("t_start", t_start), ("t_end", t_end), ("latency_s", latency_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name, value in (("question", question), ("text", text)):
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+        for name, value in (("tokens_kept", tokens_kept), ("tokens_full", tokens_full)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**31:
+                raise ValueError(f"{name} must be an int in [0, 2**31), got {value!r}")
+        row = {"t_start": t_start, "t_end": t_end, "question": question, "text": text,
+               "tokens_kept": tokens_kept, "tokens_full": tokens_full, "latency_s": latency_s}
+        a = self.answers
+        try:
+            for name, array in self._answers.items():
+                array.resize((a + 1,))
+                array[a] = row[name]
+            self._group.attrs["answer_count"] = a + 1  # commit point, after every array holds the row
+        except OSError as e:
+            raise SinkError(f"cannot write an answer of {self._where}: {e.strerror or e}") from e
+        self.answers = a + 1
+
+    def close(self, complete: bool) -> None:
+        """Flush, then record `complete` (True only when the stream was processed to its end)."""
+        self._check_open()
+        self._write(full_chunks_only=False)
+        try:
+            self._group.attrs.update({"complete": bool(complete), "frames": self.frames})
+        except OSError as e:
+            raise SinkError(f"cannot finish {self._where}: {e.strerror or e}") from e
+        self.closed = True
+
+    def __enter__(self) -> "StreamWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        # Leaving a `with` block never claims completeness: only an explicit close(True) does.
+        if not self.closed:
+            self.close(complete=False)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SinkError(f"{self._where} is already closed")
+
+    def _convert(self, **columns: Any) -> dict[str, np.ndarray]:
+        gh, gw = self.grid
+        out: dict[str, np.ndarray] = {}
+        for spec in FRAME_ARRAYS:
+            value = np.asarray(columns[spec.name])
+            want = ("n", gh, gw) if spec.per_cell else ("n",)
+            if value.ndim != len(want) or (spec.per_cell and value.shape[1:] != (gh, gw)):
+                raise ValueError(f"{spec.name} must have shape {want}, got {value.shape}")
+            if value.dtype.kind in "fc" and not np.isfinite(value).all():
+                raise ValueError(f"{spec.name} contains NaN or inf")
+            out[spec.name] = value
+        counts = {name: len(v) for name, v in out.items()}
+        if len(set(counts.values())) != 1:
+            raise ValueError(f"append needs the same number of frames in every column, got {counts}")
+        tokens = out["tokens"]
+        if tokens.size and (tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() > 65535):
+            raise ValueError(f"tokens must be integers in [0, 65535], got dtype {tokens.dtype}"
+                             f" range [{tokens.min()}, {tokens.max()}]")
+        if out["frame_index"].dtype.kind not in "iu":
+            raise ValueError(f"frame_index must be integers, got dtype {out['frame_index'].dtype}")
+        out["relevance"] = np.clip(out["relevance"], 0.0, 1.0)
+        return {spec.name: out[spec.name].astype(spec.dtype) for spec in FRAME_ARRAYS}
+
+    def _write(self, *, full_chunks_only: bool) -> None:
+        start = self.frames
+        total = start + self._pending_frames
+        # Writes end on chunk boundaries, so each chunk file is written once (after an explicit
+        # flush() the partial chunk is rewritten once more when it fills).
+        end = (total // self.chunk_frames) * self.chunk_frames if full_chunks_only else total
+        if end <= start:
+            return
+        batch = {name: np.concatenate([p[name] for p in self._pending]) for name in self._frames}
+        n = end - start
+        try:
+            for name, array in self._frames.items():
+                array.resize((end, *array.shape[1:]))
+                array[start:end] = batch[name][:n]
+            self._group.attrs["frames"] = end  # commit point: every array already holds [0, end)
+        except OSError as e:
+            raise SinkError(f"cannot write frames of {self._where}: {e.strerror or e}") from e
+        rest = {name: column[n:] for name, column in batch.items()}
+        self._pending = [rest] if total > end else []
+        self._pending_frames = total - end
+        self.frames = end
+
+
+def read_stream(path: str | os.PathLike, stream_id: str) -> dict[str, Any]:
+    """Read one stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
+    "answers": {<answer array>: ndarray (A,)}}; strings come back as numpy StringDType arrays."""
+    path = Path(path)
+    store = ZarrStore.open(path, mode="r")
+    validate_stream_id(stream_id)
+    if stream_id not in store.stream_ids():
+        raise SinkError(f"stream {stream_id!r} not found in {path}; streams: {', '.join(store.stream_ids()) or 'none'}")
+    group = _open_group(path, f"streams/{stream_id}", read_only=True)
+    attrs = group.attrs.asdict()
+    t, a = int(attrs["frames"]), int(attrs["answer_count"])
+    out: dict[str, Any] = {"attrs": attrs}
+    for spec in FRAME_ARRAYS:
+        out[spec.name] = group[spec.name][:t]
+    out["answers"] = {spec.name: group[f"answers/{spec.name}"][:a] for spec in ANSWER_ARRAYS}
+    return out
+
+
+def validate_store(path: str | os.PathLike) -> list[str]:
+    """Check a store against the public schema; return the problems found (empty when valid).
+
+    Checks names, dtypes, ranks, per-cell shapes against the grid attr, and lengths against the
+    committed counts: every array holds at least `frames` / `answer_count` rows, exactly that many
+    once the stream is complete. Data values are not read.
+    """
+    path = Path(path)
+    try:
+        store = ZarrStore.open(path, mode="r")
+    except SinkError as e:
+        return [str(e)]
+    problems = []
+    if not isinstance(store._root.attrs.get("config"), dict):
+        problems.append(f"root attr 'config' must be a dict, got {store._root.attrs.get('config')!r}")
+    for stream_id in store.stream_ids():
+        try:
+            group = _open_group(path, f"streams/{stream_id}", read_only=True)
+        except Exception as e:
+            problems.append(f"streams/{stream_id}: not a readable zarr group ({type(e).__name__}: {e})")
+            continue
+        problems += [f"streams/{stream_id}: {p}" for p in _stream_problems(group)]
+    return problems
+
+
+_ATTR_TYPES = {"source": str, "query": str, "fps": (int, float), "width": int, "height": int,
+               "grid": list, "vlm": str, "complete": bool, "frames": int, "answer_count": int}
+
+
+def _stream_problems(group: zarr.Group) -> list[str]:
+    attrs = group.attrs.asdict()
+    problems = []
+    for name, kind in _ATTR_TYPES.items():
+        value = attrs.get(name)
+        # bool is an int in Python; only `complete` may be one
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            problems.append(f"attr {name!r} must be {getattr(kind, '__name__', 'a number')}, got {value!r}")
+    if problems:
+        return problems
+    grid = attrs["grid"]
+    if len(grid) != 2 or not all(isinstance(g, int) and g >= 1 for g in grid):
+        return [f"attr 'grid' must be [gh, gw] with ints >= 1, got {grid!r}"]
+    complete = attrs["complete"]
+    problems += _array_problems(group, "", FRAME_ARRAYS, attrs["frames"], tuple(grid), complete)
+    problems += _array_problems(group, "answers/", ANSWER_ARRAYS, attrs["answer_count"], (), complete)
+    return problems
+
+
+def _array_problems(group: zarr.Group, prefix: str, specs: tuple[ArraySpec, ...], committed: int,
+                    grid: tuple[int, ...], complete: bool) -> list[str]:
+    problems = []
+    for spec in specs:
+        name = prefix + spec.name
+        try:
+            array = group[name]
+        except KeyError:
+            problems.append(f"missing array {name!r}")
+            continue
+        if not isinstance(array, zarr.Array):
+            problems.append(f"{name!r} is a group, expected an array")
+            continue
+        if not spec.matches(array.dtype):
+            problems.append(f"{name!r} has dtype {array.dtype}, expected {spec.dtype_name}")
+        want_cells = grid if spec.per_cell else ()
+        if array.ndim != 1 + len(want_cells) or tuple(array.shape[1:]) != want_cells:
+            problems.append(f"{name!r} has shape {array.shape}, expected (T, {', '.join(map(str, want_cells))})"
+                            if want_cells else f"{name!r} has shape {array.shape}, expected (N,)")
+            continue
+        if array.shape[0] < committed or (complete and array.shape[0] != committed):
+            problems.append(f"{name!r} has {array.shape[0]} rows but {committed} are committed"
+                            f"{' (stream complete)' if complete else ''}")
+    return problems

@@ -1,0 +1,113 @@
+"""Qwen2-VL-family models built in code: the ``tiny-random`` smoke-test model and the full-size
+architectures the benchmark times with random weights (nothing is downloaded).
+
+The tokenizer is byte-level BPE without merges: every UTF-8 byte is a token, plus the Qwen special
+tokens, so any text round-trips exactly with a vocabulary of ~270 entries.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+
+Family = Literal["qwen2_vl", "qwen2_5_vl"]
+FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+MODEL_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+TINY_SEED = 1234
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer over the 256 byte symbols + Qwen's special tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in
+                                                          ("<|im_end|>", "<|endoftext|>")]})
+    return tok
+
+
+def _token_ids(tok: PreTrainedTokenizerFast) -> dict:
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+
+
+def _text_config(vocab_size: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
+                 mrope_section: list[int], ids: dict, tie: bool) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32768,
+                rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section},
+                bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+
+
+def _config(family: Family, text: dict, vision: dict, ids: dict):
+    top = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    cls = Qwen2VLConfig if family == "qwen2_vl" else Qwen2_5_VLConfig
+    cfg = cls(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"], **top)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def tiny_config(family: Family, tokenizer: PreTrainedTokenizerFast):
+    """Hidden 64, 2 LM layers, 2 vision blocks: fast on CPU, same code paths as the real models."""
+    ids = _token_ids(tokenizer)
+    text = _text_config(len(tokenizer), 64, 128, 2, 4, 2, [2, 3, 3], ids, tie=False)  # head_dim 16 -> 8 rope pairs
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+    else:
+        # window_size 56 px = 2x2 merged cells, so the tiny frames exercise Qwen2.5's window attention
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1], tokens_per_second=2)
+    return _config(family, text, vision, ids)
+
+
+ARCHS = ("qwen2-vl-2b", "qwen2.5-vl-7b")
+
+
+def arch_config(arch: str, tokenizer: PreTrainedTokenizerFast):
+    """Full-size architectures (published config.json values) with the built-in tokenizer's special ids.
+    The vocabulary keeps the real size so the LM head costs what it costs in the real model."""
+    ids = _token_ids(tokenizer)
+    if arch == "qwen2-vl-2b":
+        text = _text_config(151936, 1536, 8960, 28, 12, 2, [16, 24, 24], ids, tie=True)
+        vision = dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return _config("qwen2_vl", text, vision, ids)
+    if arch == "qwen2.5-vl-7b":
+        text = _text_config(152064, 3584, 18944, 28, 28, 4, [16, 24, 24], ids, tie=False)
+        vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
+        return _config("qwen2_5_vl", text, vision, ids)
+    raise ValueError(f"Invalid architecture ({arch!r}). Supported values are {', '.join(ARCHS)}.")
+
+
+def family_of(config) -> Family:
+    return "qwen2_5_vl" if isinstance(config, Qwen2_5_VLConfig) else "qwen2_vl"
+
+
+def build_model(config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int = TINY_SEED):
+    """Random-weight model built directly in ``dtype`` on ``device`` (no fp32 staging copy, so a 7B
+    model in bf16 on a GPU allocates ~15 GB once)."""
+    previous = torch.get_default_dtype()
+    torch.manual_seed(seed)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = MODEL_CLASSES[family_of(config)](config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()

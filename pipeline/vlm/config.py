@@ -1,0 +1,38 @@
+"""Typed, self-validating configuration of the VLM stage."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from arr_coc._validate import ConfigError, check_choice, check_range
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class VLMConfig:
+    fps: float = 2.0                   # frame rate of answer windows (Qwen2.5-VL's temporal rope uses it)
+    max_new_tokens: int = 64
+    temperature: float = 0.0           # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0                      # sampling seed (per answer batch)
+    max_batch: int = 4                 # requests decoded together by VLMBatcher
+    max_wait_s: float = 0.05           # how long VLMBatcher waits to fill a batch
+    min_pixels: int = 56 * 56          # per-frame pixel range the frames are resized into (video
+    max_pixels: int = 448 * 448        # tokens are 4x cheaper than HF's image defaults)
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
+        for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"vlm.{name} must be an integer, got {value!r}")
+        check_range("vlm.max_new_tokens", self.max_new_tokens, 1, 8192)
+        check_range("vlm.temperature", self.temperature, 0.0, 10.0)
+        check_range("vlm.top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_range("vlm.seed", self.seed, 0, 2**63 - 1)
+        check_range("vlm.max_batch", self.max_batch, 1, 256)
+        check_range("vlm.max_wait_s", self.max_wait_s, 0.0, 60.0)
+        check_range("vlm.min_pixels", self.min_pixels, 28 * 28, 16384 * 16384)
+        check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
+        check_choice("vlm.dtype", self.dtype, DTYPES)

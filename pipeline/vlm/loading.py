@@ -1,0 +1,103 @@
+"""``load_vlm(spec)``: the built-in tiny-random model, a local snapshot directory, or a Hub id."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.vlm.builtin import FAMILIES, MODEL_CLASSES, build_model, build_tokenizer, tiny_config
+from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.geometry import VLMGeometry
+from pipeline.vlm.model import VLM
+from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPreprocessor
+
+TINY_SPECS = {"tiny-random": "qwen2_vl", "tiny-random-qwen2_5_vl": "qwen2_5_vl"}
+TINY_WARNING = "tiny-random is a built-in random model for smoke tests: its answers are meaningless"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class VLMLoadError(RuntimeError):
+    """The VLM spec cannot be loaded. The message is one line, fit for the CLI."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_vlm(spec: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
+             config: VLMConfig | None = None, local_files_only: bool = False) -> VLM:
+    """``spec``: "tiny-random" (or "tiny-random-qwen2_5_vl"), a local snapshot dir, or a Hub id such as
+    "Qwen/Qwen2-VL-2B-Instruct". ``dtype`` defaults to ``config.dtype``."""
+    config = config or VLMConfig()
+    device = resolve_device(device)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype or config.dtype]
+    if spec in TINY_SPECS:
+        return build_tiny_vlm(TINY_SPECS[spec], device=device, dtype=torch_dtype, config=config)
+    return _load_pretrained(spec, device, torch_dtype, config, local_files_only)
+
+
+def build_tiny_vlm(family: str = "qwen2_vl", *, device="cpu", dtype=torch.float32,
+                   config: VLMConfig | None = None) -> VLM:
+    tokenizer = build_tokenizer()
+    model = build_model(tiny_config(family, tokenizer), device=device, dtype=dtype)
+    return _wrap(model, tokenizer, family, f"tiny-random ({family})", config or VLMConfig(), {}, TINY_WARNING)
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.count("/") != 1 or Path(spec).expanduser().exists()
+
+
+def _load_pretrained(spec: str, device, dtype, config: VLMConfig, local_files_only: bool) -> VLM:
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import cached_file
+
+    is_path = _looks_like_path(spec)
+    if is_path:
+        root = Path(spec).expanduser()
+        if not root.exists():
+            raise VLMLoadError(f"VLM path {spec!r} does not exist")
+        if not root.is_dir():
+            raise VLMLoadError(f"VLM path {spec!r} is not a directory (expected a Hugging Face snapshot)")
+        if not (root / "config.json").is_file():
+            raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot: it has no config.json")
+    try:
+        model_config = AutoConfig.from_pretrained(spec, local_files_only=local_files_only)
+    except (OSError, ValueError) as e:
+        if is_path:
+            raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot: config.json is unreadable "
+                               f"({str(e).splitlines()[0]})") from None
+        raise VLMLoadError(f"VLM {spec!r} was not found on the Hugging Face Hub or in the local cache "
+                           f"(offline? pass a local snapshot directory instead)") from None
+    family = getattr(model_config, "model_type", None)
+    if family not in FAMILIES:
+        raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot (model_type={family!r}); "
+                           f"supported: {', '.join(FAMILIES)}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_files_only)
+        model = MODEL_CLASSES[family].from_pretrained(spec, dtype=dtype, local_files_only=local_files_only).to(device)
+    except (OSError, ValueError) as e:
+        raise VLMLoadError(f"cannot load VLM {spec!r}: {str(e).splitlines()[0]}") from None
+    # The processor configs are read as plain JSON: preprocessing runs on the device in our own code,
+    # so HF's (torchvision-based) processor classes are not needed at run time.
+    processor_cfg = {}
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        path = cached_file(spec, name, local_files_only=local_files_only, _raise_exceptions_for_missing_entries=False)
+        if path is not None:
+            processor_cfg = {**json.loads(Path(path).read_text()), **processor_cfg}
+    return _wrap(model, tokenizer, family, spec, config, processor_cfg, None)
+
+
+def _wrap(model, tokenizer, family, name, config: VLMConfig, processor_cfg: dict, warning) -> VLM:
+    vision = model.config.vision_config
+    geometry = VLMGeometry(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                           temporal_patch_size=vision.temporal_patch_size,
+                           min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+    preprocessor = VideoPreprocessor(geometry, tuple(processor_cfg.get("image_mean", OPENAI_CLIP_MEAN)),
+                                     tuple(processor_cfg.get("image_std", OPENAI_CLIP_STD)),
+                                     float(processor_cfg.get("rescale_factor", 1 / 255)),
+                                     int(processor_cfg.get("resample", 3)))
+    return VLM(model, tokenizer, family=family, name=name, config=config, preprocessor=preprocessor,
+               warning=warning)

@@ -1,0 +1,262 @@
+"""The VLM stage: pruned visual tokens in, answers out (Qwen2-VL / Qwen2.5-VL through HF transformers).
+
+Per request: preprocess on the device -> vision tower on ALL patches (its attention needs the full
+grid) -> merged tokens (T', gh, gw, D) -> keep/pool per the allocation -> LM prefix whose visual part
+holds only the kept tokens, each at the M-RoPE position the full (unpruned) sequence gives it ->
+our own KV-cached decoding loop, batched over requests with left padding.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.geometry import VLMGeometry
+from pipeline.vlm.preprocess import VideoPreprocessor
+from pipeline.vlm.selection import pair_lod, select_tokens
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+@dataclass(frozen=True)
+class AnswerRequest:
+    stream_id: str
+    frames: np.ndarray | torch.Tensor   # (T, H, W, 3) uint8 RGB, already sampled at VLMConfig.fps
+    keep: np.ndarray | torch.Tensor | None  # (T, gh, gw) int LOD (0 drop, 1 full, 2 pooled); None = stock
+    question: str
+    t_start: float
+    t_end: float
+    arrival_s: float | None = None      # time.monotonic() when the window was complete; latency starts here
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.frames.shape)
+        if len(shape) != 4 or shape[-1] != 3 or shape[0] < 1:
+            raise ValueError(f"AnswerRequest.frames must be (T, H, W, 3) with T >= 1, got {shape}")
+        if self.frames.dtype not in (np.uint8, torch.uint8):
+            raise ValueError(f"AnswerRequest.frames must be uint8, got {self.frames.dtype}")
+        if self.keep is not None and (len(self.keep.shape) != 3 or self.keep.shape[0] != shape[0]):
+            raise ValueError(f"AnswerRequest.keep must be (T={shape[0]}, gh, gw), got {tuple(self.keep.shape)}")
+        if not self.question.strip():
+            raise ValueError("AnswerRequest.question is empty")
+
+
+@dataclass(frozen=True)
+class AnswerResult:
+    text: str
+    tokens_kept: int     # visual tokens actually sent to the LM
+    tokens_full: int     # visual tokens the stock model would use for the same frames
+    latency_s: float
+
+
+@dataclass
+class Prefix:
+    """LM input of one request, pruned: embeds (L, D), positions (3, L) of the full sequence at the
+    kept tokens, and next_position, the first generated token's position (full max + 1)."""
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    next_position: int
+    tokens_kept: int
+    tokens_full: int
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor               # (B, N) generated ids, pad after EOS
+    lengths: list[int]                 # generated tokens per row up to and including EOS
+    step_logits: list[torch.Tensor]    # N x (B, V) float32, only when requested
+
+
+class VLM:
+    def __init__(self, model, tokenizer, *, family: str, name: str, config: VLMConfig,
+                 preprocessor: VideoPreprocessor, warning: str | None = None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.family = family
+        self.name = name
+        self.config = config
+        self.preprocessor = preprocessor
+        self.warning = warning              # set for tiny-random: its answers are meaningless
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._lm = model.model.language_model
+        self._visual = model.model.visual
+        self._cache_kw = "cache" if "cache" in inspect.signature(self._lm.forward).parameters else "past_key_values"
+        self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
+        self.video_token_id = model.config.video_token_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        self.eos_ids = torch.tensor([i for i in eos if i is not None and i >= 0], device=self.device)
+
+    @property
+    def geometry(self) -> VLMGeometry:
+        return self.preprocessor.geometry
+
+    # ---- participatory-knowing hooks (same embedding space as the LM input) ----
+    @torch.no_grad()
+    def text_embeddings(self, question: str) -> torch.Tensor:
+        ids = torch.tensor(self.tokenizer(question).input_ids, device=self.device)
+        return self._lm.embed_tokens(ids)                                   # (L, D)
+
+    @torch.no_grad()
+    def visual_tokens(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
+        merged = self._merged_tokens([frames])[0]                            # (T', gh, gw, D)
+        return merged.flatten(1, 2)                                          # (T', gh*gw, D)
+
+    # ---- front end: preprocess + vision tower + selection ----
+    def _merged_tokens(self, videos: list) -> list[torch.Tensor]:
+        pixels, grids = zip(*(self.preprocessor(v, self.device) for v in videos))
+        grid_thw = torch.stack(grids).to(self.device)                       # (N, 3) in patches
+        out = self._visual(torch.cat(pixels).to(self.dtype), grid_thw=grid_thw)
+        merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
+        m = self.geometry.merge_size
+        sizes = (grid_thw.prod(-1) // m**2).tolist()
+        return [x.view(int(g[0]), int(g[1]) // m, int(g[2]) // m, -1) for x, g in zip(merged.split(sizes), grids)]
+
+    def prompt_ids(self, question: str, n_video_tokens: int) -> tuple[list[int], list[int]]:
+        """Qwen chat format around one video: ids before and after the video pad tokens."""
+        before = (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
+        after = f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+        return self.tokenizer(before).input_ids, self.tokenizer(after).input_ids
+
+    def full_input_ids(self, question: str, n_video_tokens: int) -> torch.Tensor:
+        before, after = self.prompt_ids(question, n_video_tokens)
+        return torch.tensor(before + [self.video_token_id] * n_video_tokens + after, device=self.device)
+
+    def rope_positions(self, input_ids: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """(L,) unpruned ids, grid (3,) -> (3, L) M-RoPE positions from the model's own get_rope_index."""
+        kwargs = dict(input_ids=input_ids[None], video_grid_thw=grid_thw[None].to(self.device))
+        if self._rope_takes_types:
+            kwargs["mm_token_type_ids"] = (input_ids[None] == self.video_token_id).int() * 2
+        if self.family == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = torch.tensor([self.geometry.temporal_patch_size / self.config.fps])
+        positions, _ = self.model.model.get_rope_index(**kwargs)
+        return positions[:, 0]                                               # (3, L)
+
+    @torch.no_grad()
+    def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
+        merged_all = self._merged_tokens([r.frames for r in requests])
+        prefixes = []
+        for req, merged in zip(requests, merged_all):
+            Tp, gh, gw, _ = merged.shape
+            n_full = Tp * gh * gw
+            if req.keep is None:
+                lod = torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
+            else:
+                keep = torch.as_tensor(req.keep, device=self.device)
+                expected = (req.frames.shape[0], gh, gw)
+                if tuple(keep.shape) != expected:
+                    raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
+                                     f"for {req.frames.shape[2]}x{req.frames.shape[1]} frames")
+                lod = pair_lod(keep, self.geometry.temporal_patch_size)
+            tokens, index = select_tokens(merged, lod)                       # (K, D), (K,)
+            ids = self.full_input_ids(req.question, n_full)                  # (L_full,)
+            grid = torch.tensor([Tp * 1, gh * self.geometry.merge_size, gw * self.geometry.merge_size])
+            full_pos = self.rope_positions(ids, grid)                        # (3, L_full)
+            v0 = int((ids == self.video_token_id).nonzero()[0])
+            text = self._lm.embed_tokens(ids)                                # (L_full, D)
+            embeds = torch.cat([text[:v0], tokens.to(text.dtype), text[v0 + n_full:]])
+            positions = torch.cat([full_pos[:, :v0], full_pos[:, v0 + index], full_pos[:, v0 + n_full:]], 1)
+            prefixes.append(Prefix(embeds, positions, int(full_pos.max()) + 1, int(index.numel()), n_full))
+        return prefixes
+
+    # ---- language model: prefill + cached decoding ----
+    def _lm_step(self, embeds, attention_mask, positions, cache):
+        out = self._lm(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+                       use_cache=cache is not None, **{self._cache_kw: cache})
+        return out.last_hidden_state                                         # (B, L, D)
+
+    def _left_pad(self, prefixes: list[Prefix]):
+        B, L = len(prefixes), max(p.embeds.shape[0] for p in prefixes)
+        D = prefixes[0].embeds.shape[1]
+        pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
+        embeds = pad.expand(B, L, D).clone()                                 # (B, L, D)
+        positions = torch.ones(3, B, L, dtype=torch.long, device=self.device)
+        mask = torch.zeros(B, L, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prefixes):
+            n = p.embeds.shape[0]
+            embeds[b, L - n:] = p.embeds
+            positions[:, b, L - n:] = p.positions
+            mask[b, L - n:] = 1
+        return embeds, positions, mask
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+        return DynamicCache(config=self._lm.config)
+
+    @torch.no_grad()
+    def generate(self, prefixes: list[Prefix], *, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                 return_logits: bool = False) -> Generation:
+        cfg = self.config
+        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+        temperature = cfg.temperature if temperature is None else temperature
+        top_p = cfg.top_p if top_p is None else top_p
+        gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
+        embeds, positions, mask = self._left_pad(prefixes)
+        B = len(prefixes)
+        next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
+        cache = self._new_cache()
+        hidden = self._lm_step(embeds, mask, positions, cache)[:, -1]        # (B, D) prefill
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(B, dtype=torch.long, device=self.device)
+        tokens, step_logits = [], []
+        for step in range(max_new):
+            logits = self.model.lm_head(hidden).float()                      # (B, V)
+            if return_logits:
+                step_logits.append(logits)
+            token = sample_next(logits, temperature, top_p, gen)             # (B,)
+            token = torch.where(done, self.pad_token_id, token)
+            lengths += (~done).long()
+            tokens.append(token)
+            done |= torch.isin(token, self.eos_ids)
+            if bool(done.all()) or step == max_new - 1:
+                break
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], 1)
+            pos = (next_pos + step).view(1, B, 1).expand(3, B, 1)             # continue after the full max
+            hidden = self._lm_step(self._lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
+        return Generation(torch.stack(tokens, 1), lengths.tolist(), step_logits)
+
+    @torch.no_grad()
+    def logits_without_cache(self, prefix: Prefix, continuation: torch.Tensor) -> torch.Tensor:
+        """Reference for the cached loop: one uncached forward over prefix + continuation (N,) ids
+        -> (N + 1, V) float32 logits predicting each next token."""
+        cont = self._lm.embed_tokens(continuation.to(self.device))            # (N, D)
+        embeds = torch.cat([prefix.embeds, cont])[None]                      # (1, L + N, D)
+        pos_cont = prefix.next_position + torch.arange(continuation.numel(), device=self.device)
+        positions = torch.cat([prefix.positions, pos_cont.expand(3, -1)], 1)[:, None]  # (3, 1, L + N)
+        hidden = self._lm_step(embeds, None, positions, None)[0, prefix.embeds.shape[0] - 1:]
+        return self.model.lm_head(hidden).float()
+
+    def decode(self, tokens: torch.Tensor, length: int) -> str:
+        ids = tokens[:length].tolist()
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def answer(self, requests: list[AnswerRequest]) -> list[AnswerResult]:
+        if not requests:
+            return []
+        started = time.monotonic()
+        prefixes = self.prepare(requests)
+        out = self.generate(prefixes)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ready = time.monotonic()
+        return [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
+                             tokens_full=p.tokens_full,
+                             latency_s=ready - (r.arrival_s if r.arrival_s is not None else started))
+                for b, (r, p) in enumerate(zip(requests, prefixes))]
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """logits (B, V) -> (B,) ids: argmax at temperature 0, else nucleus sampling."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    outside = sorted_p.cumsum(-1) - sorted_p > top_p                         # tokens past the nucleus
+    sorted_p = sorted_p.masked_fill(outside, 0)
+    choice = torch.multinomial(sorted_p, 1, generator=generator)              # renormalises internally
+    return order.gather(-1, choice).squeeze(-1)

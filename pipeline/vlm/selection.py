@@ -1,0 +1,48 @@
+"""Which merged visual tokens reach the language model, and where they sit in M-RoPE space.
+
+Temporal rule: a video token covers ``temporal_patch_size`` (2) consecutive frames. The LOD of a
+token is the most detailed LOD either frame of its pair asks for at that cell (1 full > 2 pooled >
+0 dropped), so a token is kept if either frame keeps the cell. An odd frame count repeats the last
+frame, as HF's processor does, so the last pair is that frame twice.
+
+Pooling rule (lod 2): the lod-2 cells of each aligned 2x2 block (rows 2i..2i+1, cols 2j..2j+1) are
+averaged into one token placed at the block's anchor, its first lod-2 cell in raster order (the
+block's top-left cell when the whole block is pooled). Lod-1 cells of a mixed block stay full tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pair_lod(keep: torch.Tensor, temporal_patch_size: int = 2) -> torch.Tensor:
+    """keep (T, gh, gw) int LOD per frame -> (ceil(T/tp), gh, gw) int8 LOD per video token."""
+    if pad := -keep.shape[0] % temporal_patch_size:
+        keep = torch.cat([keep, keep[-1:].expand(pad, -1, -1)])
+    T, gh, gw = keep.shape
+    keep = keep.view(T // temporal_patch_size, temporal_patch_size, gh, gw)  # (T', tp, gh, gw)
+    full = (keep == 1).any(1)
+    pooled = (keep == 2).any(1)
+    return torch.where(full, 1, torch.where(pooled, 2, 0)).to(torch.int8)  # (T', gh, gw)
+
+
+def select_tokens(merged: torch.Tensor, lod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """merged (T', gh, gw, D) visual tokens, lod (T', gh, gw) -> kept tokens (K, D) and the flat
+    cell index (K,) of each in the (T', gh, gw) raster, in raster order (the model's token order)."""
+    Tp, gh, gw, D = merged.shape
+    full = lod == 1
+    pooled = lod == 2
+    ph, pw = gh % 2, gw % 2                      # odd grids: the edge blocks are 2x1 / 1x2 / 1x1
+    m = F.pad(pooled, (0, pw, 0, ph))            # (T', gh2, gw2) bool
+    x = F.pad(merged * pooled[..., None], (0, 0, 0, pw, 0, ph))  # (T', gh2, gw2, D)
+    bh, bw = (gh + ph) // 2, (gw + pw) // 2
+    block_sum = x.view(Tp, bh, 2, bw, 2, D).sum((2, 4))                     # (T', bh, bw, D)
+    block_cnt = m.view(Tp, bh, 2, bw, 2).sum((2, 4))                        # (T', bh, bw)
+    block_mean = block_sum / block_cnt.clamp(min=1)[..., None].to(merged.dtype)
+    in_block = m.view(Tp, bh, 2, bw, 2).permute(0, 1, 3, 2, 4).reshape(Tp, bh, bw, 4)
+    first = in_block & (in_block.cumsum(-1) == 1)                          # (T', bh, bw, 4) anchor
+    anchor = first.view(Tp, bh, bw, 2, 2).permute(0, 1, 3, 2, 4).reshape(Tp, bh * 2, bw * 2)[:, :gh, :gw]
+    pooled_at_cell = block_mean.repeat_interleave(2, 1).repeat_interleave(2, 2)[:, :gh, :gw]  # (T', gh, gw, D)
+    cell_tokens = torch.where(full[..., None], merged, pooled_at_cell)
+    index = (full | anchor).flatten().nonzero().squeeze(1)                 # (K,)
+    return cell_tokens.reshape(-1, D)[index], index

@@ -1,0 +1,370 @@
+"""The zarr output store: public schema, chunked appends, answers, lifecycle, crash safety, concurrency."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from sinks.zarr_store import (ANSWER_ARRAYS, FORMAT, FRAME_ARRAYS, SinkError, ZarrStore, read_stream,
+                              validate_store)
+
+REPO = Path(__file__).resolve().parents[2]
+GRID = (3, 4)
+META = dict(source="clip.mp4", query="where is the red square?", fps=25.0, width=64, height=48,
+            grid=GRID, vlm="none")
+
+
+def columns(start: int, n: int, grid=GRID, seed: int = 0) -> dict[str, np.ndarray]:
+    """n frames numbered from start; relevance deliberately exceeds [0, 1] to exercise clipping."""
+    rng = np.random.default_rng(seed + start)
+    idx = np.arange(start, start + n)
+    return dict(pts=idx / 25.0, frame_index=idx * 2,
+                relevance=rng.uniform(-0.5, 1.5, size=(n, *grid)),
+                tokens=(idx[:, None, None] + np.arange(grid[0] * grid[1]).reshape(grid)) % 7,
+                scene_change=idx % 50 == 0, motion=rng.uniform(0, 1, size=n))
+
+
+def expected(n: int, batch: int = 10, grid=GRID) -> dict[str, np.ndarray]:
+    parts = [columns(s, min(batch, n - s), grid) for s in range(0, n, batch)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def write_frames(writer, n: int, batch: int = 10) -> None:
+    for start in range(0, n, batch):
+        writer.append(**columns(start, min(batch, n - start), writer.grid))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ZarrStore.open(tmp_path / "out.zarr", config={"vlm": {"id": "none"}, "budget": 64})
+
+
+class TestSchema:
+    def test_layout_dtypes_shapes_and_attrs(self, store):
+        writer = store.stream("video7", **META, chunk_frames=16)
+        write_frames(writer, 40)
+        writer.close(complete=True)
+        assert validate_store(store.path) == []
+
+        root = zarr.open_group(store.path, mode="r")
+        assert root.attrs.asdict() == {"format": "arr-coc/1", "config": {"vlm": {"id": "none"}, "budget": 64}}
+        group = root["streams/video7"]
+        assert group.attrs.asdict() == {**META, "grid": [3, 4], "complete": True, "frames": 40, "answer_count": 0}
+        want = {"pts": ("float64", (40,)), "frame_index": ("int64", (40,)), "relevance": ("float16", (40, 3, 4)),
+                "tokens": ("uint16", (40, 3, 4)), "scene_change": ("bool", (40,)), "motion": ("float16", (40,))}
+        for name, (dtype, shape) in want.items():
+            assert (group[name].dtype, group[name].shape) == (np.dtype(dtype), shape), name
+        assert group["relevance"].chunks == (16, 3, 4) and group["pts"].chunks == (16,)
+        answers = {"t_start": "float64", "t_end": "float64", "tokens_kept": "int32", "tokens_full": "int32",
+                   "latency_s": "float32"}
+        for name, dtype in answers.items():
+            assert (group[f"answers/{name}"].dtype, group[f"answers/{name}"].shape) == (np.dtype(dtype), (0,))
+        for name in ("question", "text"):  # zarr v3 variable-length UTF-8
+            meta = json.loads((store.path / "streams/video7/answers" / name / "zarr.json").read_text())
+            assert meta["data_type"] == "string" and group[f"answers/{name}"].shape == (0,)
+        assert {s.name for s in FRAME_ARRAYS} == set(want)
+        assert {s.name for s in ANSWER_ARRAYS} == set(answers) | {"question", "text"}
+
+    def test_validate_store_reports_schema_breaks(self, store):
+        writer = store.stream("a", **META)
+        write_frames(writer, 20)
+        writer.close(complete=True)
+        group = zarr.open_group(store.path / "streams/a", mode="r+")
+        del group["tokens"]
+        group.create_array("tokens", shape=(20, 3, 4), dtype="float32")       # wrong dtype
+        del group["answers/text"]                                              # missing array
+        group["motion"].resize((19,))                                          # shorter than committed
+        problems = validate_store(store.path)
+        assert any("'tokens' has dtype float32, expected uint16" in p for p in problems), problems
+        assert any("missing array 'answers/text'" in p for p in problems), problems
+        assert any("'motion' has 19 rows but 20 are committed" in p for p in problems), problems
+        assert len(problems) == 3
+        group.attrs["grid"] = [3, 5]
+        assert any("'relevance' has shape (20, 3, 4)" in p for p in validate_store(store.path))
+
+    def test_validate_store_on_foreign_or_missing_store(self, tmp_path):
+        assert "not a zarr store" in validate_store(tmp_path / "nothing.zarr")[0]
+        zarr.open_group(tmp_path / "other.zarr", mode="w", attributes={"format": "other/2"})
+        assert "'other/2'" in validate_store(tmp_path / "other.zarr")[0]
+
+
+class TestAppend:
+    def test_appends_across_chunk_boundaries_keep_order(self, store):
+        writer = store.stream("v", **META, chunk_frames=64)
+        write_frames(writer, 150, batch=10)
+        # only whole chunks are on disk before close: 2 x 64
+        assert writer.frames == 128 and read_stream(store.path, "v")["pts"].shape == (128,)
+        writer.close(complete=True)
+        data, want = read_stream(store.path, "v"), expected(150)
+        assert data["attrs"]["frames"] == 150
+        np.testing.assert_array_equal(data["pts"], want["pts"])
+        np.testing.assert_array_equal(data["frame_index"], want["frame_index"])
+        np.testing.assert_array_equal(data["tokens"], want["tokens"].astype(np.uint16))
+        np.testing.assert_array_equal(data["scene_change"], want["scene_change"])
+        np.testing.assert_array_equal(data["motion"], want["motion"].astype(np.float16))
+        np.testing.assert_array_equal(data["relevance"], np.clip(want["relevance"], 0, 1).astype(np.float16))
+        assert data["relevance"].min() == 0.0 and data["relevance"].max() == 1.0  # clipping happened
+
+    def test_flush_writes_partial_chunk_and_writing_continues(self, store):
+        writer = store.stream("v", **META, chunk_frames=16)
+        write_frames(writer, 21, batch=7)
+        assert writer.frames == 16
+        writer.flush()
+        assert read_stream(store.path, "v")["pts"].shape == (21,) and writer.frames == 21
+        for start in range(21, 50, 7):
+            writer.append(**columns(start, 7))
+        writer.close(complete=True)
+        np.testing.assert_array_equal(read_stream(store.path, "v")["frame_index"], np.arange(56) * 2)
+
+    @pytest.mark.parametrize("field, value, message", [
+        ("pts", np.zeros(4), "same number of frames"),
+        ("relevance", np.zeros((5, 4, 3)), "relevance must have shape"),
+        ("tokens", -np.ones((5, 3, 4), int), "tokens must be integers in [0, 65535]"),
+        ("tokens", np.ones((5, 3, 4)), "tokens must be integers"),
+        ("motion", np.full(5, np.nan), "motion contains NaN"),
+    ])
+    def test_bad_columns_are_refused(self, store, field, value, message):
+        writer = store.stream("v", **META)
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            writer.append(**{**columns(0, 5), field: value})
+        assert writer.frames == 0 and writer._pending_frames == 0
+
+
+class TestAnswers:
+    def test_answers_grow_and_strings_round_trip(self, store):
+        writer = store.stream("v", **META)
+        assert read_stream(store.path, "v")["answers"]["text"].shape == (0,)
+        rows = [(0.0, 2.0, "what moves?", "a red square, left → right", 40, 300, 0.25),
+                (2.0, 4.0, "colour?", "红色 (red) ✓", 12, 300, 0.5),
+                (4.0, 6.0, "", "", 0, 300, 1.5)]
+        for i, row in enumerate(rows, 1):
+            writer.add_answer(*row)
+            assert read_stream(store.path, "v")["answers"]["t_end"].shape == (i,)  # written immediately
+        writer.close(complete=True)
+        answers = read_stream(store.path, "v")["answers"]
+        assert list(answers["question"]) == [r[2] for r in rows]
+        assert list(answers["text"]) == [r[3] for r in rows]
+        np.testing.assert_array_equal(answers["tokens_kept"], [40, 12, 0])
+        np.testing.assert_array_equal(answers["latency_s"], np.float32([0.25, 0.5, 1.5]))
+        assert answers["tokens_full"].dtype == np.int32 and validate_store(store.path) == []
+
+    def test_bad_answer_is_refused_before_writing(self, store):
+        writer = store.stream("v", **META)
+        with pytest.raises(ValueError, match="tokens_kept"):
+            writer.add_answer(0.0, 1.0, "q", "a", -1, 10, 0.1)
+        with pytest.raises(ValueError, match="t_end"):
+            writer.add_answer(0.0, float("nan"), "q", "a", 1, 10, 0.1)
+        assert read_stream(store.path, "v")["answers"]["text"].shape == (0,)
+
+
+class TestLifecycle:
+    def test_complete_only_after_close_true(self, store):
+        writer = store.stream("v", **META)
+        write_frames(writer, 5)
+        assert not store.is_complete("v") and read_stream(store.path, "v")["attrs"]["complete"] is False
+        writer.close(complete=True)
+        assert store.is_complete("v")
+        with pytest.raises(SinkError, match="already closed"):
+            writer.append(**columns(5, 1))
+
+    def test_with_block_closes_incomplete(self, store):
+        with store.stream("v", **META) as writer:
+            write_frames(writer, 5)
+        assert not store.is_complete("v") and read_stream(store.path, "v")["pts"].shape == (5,)
+
+    def test_redo_replaces_incomplete_stream(self, store):
+        writer = store.stream("v", **META)
+        write_frames(writer, 100)
+        writer.add_answer(0.0, 1.0, "q", "old", 1, 2, 0.1)
+        writer.close(complete=False)
+        redo = store.stream("v", **{**META, "query": "new question"})
+        data = read_stream(store.path, "v")
+        assert data["pts"].shape == (0,) and data["answers"]["text"].shape == (0,)
+        assert data["attrs"]["query"] == "new question" and store.stream_ids() == ["v"]
+        write_frames(redo, 30)
+        redo.close(complete=True)
+        assert store.is_complete("v") and read_stream(store.path, "v")["pts"].shape == (30,)
+        assert not (store.path / ".staging").exists() and validate_store(store.path) == []
+
+    def test_complete_stream_needs_overwrite(self, store):
+        writer = store.stream("v", **META)
+        write_frames(writer, 10)
+        writer.close(complete=True)
+        with pytest.raises(SinkError, match="already complete"):
+            store.stream("v", **META)
+        assert read_stream(store.path, "v")["pts"].shape == (10,)
+        store.stream("v", **META, overwrite=True).close(complete=False)
+        assert not store.is_complete("v") and read_stream(store.path, "v")["pts"].shape == (0,)
+
+    def test_reopen_keeps_streams_and_config(self, store):
+        store.stream("b", **META).close(complete=True)
+        store.stream("a", **META).close(complete=False)
+        again = ZarrStore.open(store.path, config={"different": True})
+        assert again.config == {"vlm": {"id": "none"}, "budget": 64}
+        assert again.stream_ids() == ["a", "b"] and again.is_complete("b") and not again.is_complete("a")
+        assert not again.is_complete("missing")
+
+    def test_mode_w_recreates_and_mode_r_is_read_only(self, store):
+        store.stream("a", **META).close(complete=True)
+        reader = ZarrStore.open(store.path, mode="r")
+        with pytest.raises(SinkError, match="read-only"):
+            reader.stream("b", **META)
+        fresh = ZarrStore.open(store.path, config={"x": 1}, mode="w")
+        assert fresh.stream_ids() == [] and fresh.config == {"x": 1}
+
+
+class TestCrashSafety:
+    def _assert_consistent_incomplete(self, path: Path, committed_at_least: int) -> int:
+        assert validate_store(path) == []
+        store = ZarrStore.open(path, mode="r")
+        assert store.stream_ids() == ["v"] and not store.is_complete("v")
+        data = read_stream(path, "v")
+        lengths = {s.name: len(data[s.name]) for s in FRAME_ARRAYS}
+        assert len(set(lengths.values())) == 1, lengths
+        t = data["attrs"]["frames"]
+        assert t == lengths["pts"] >= committed_at_least
+        np.testing.assert_array_equal(data["frame_index"], np.arange(t) * 2)  # the committed rows are real
+        return t
+
+    def test_dropped_writer_keeps_full_chunks(self, store):
+        writer = store.stream("v", **META, chunk_frames=64)
+        write_frames(writer, 150)
+        writer.add_answer(0.0, 1.0, "q", "a", 1, 2, 0.1)
+        del writer
+        assert self._assert_consistent_incomplete(store.path, 128) == 128
+        group = zarr.open_group(store.path / "streams/v", mode="r")
+        assert all(group[s.name].shape[0] == 128 for s in FRAME_ARRAYS)
+        assert read_stream(store.path, "v")["answers"]["text"].tolist() == ["a"]
+
+    def _spawn(self, tmp_path: Path, body: str) -> subprocess.Popen:
+        script = textwrap.dedent(f"""
+            import sys, time
+            sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+            from sinks.zarr_store import ZarrStore
+            from test_zarr_store import META, columns
+            store = ZarrStore.open({str(tmp_path / "out.zarr")!r}, config={{}})
+        """) + textwrap.dedent(body)
+        return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+    def test_sigkill_after_writes(self, tmp_path):
+        proc = self._spawn(tmp_path, """
+            w = store.stream("v", **META, chunk_frames=64)
+            for s in range(0, 150, 10):
+                w.append(**columns(s, 10))
+            w.add_answer(0.0, 1.0, "q", "before the crash", 5, 10, 0.2)
+            print("ready", flush=True)
+            time.sleep(60)
+        """)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        path = tmp_path / "out.zarr"
+        assert self._assert_consistent_incomplete(path, 128) == 128
+        group = zarr.open_group(path / "streams/v", mode="r")
+        assert {group[s.name].shape[0] for s in FRAME_ARRAYS} == {128}
+        assert read_stream(path, "v")["answers"]["text"].tolist() == ["before the crash"]
+
+    def test_sigkill_at_a_random_point_of_writing(self, tmp_path):
+        proc = self._spawn(tmp_path, """
+            w = store.stream("v", **META, chunk_frames=8)
+            print("ready", flush=True)
+            s = 0
+            while True:
+                w.append(**columns(s, 3)); s += 3
+                if s % 30 == 0:
+                    w.add_answer(0.0, s / 25, "q", f"after {s}", s, 10 * s, 0.1)
+        """)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 30
+            meta = tmp_path / "out.zarr" / "streams/v/zarr.json"
+            while json.loads(meta.read_text())["attributes"]["frames"] < 40 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.137)  # land somewhere inside a write, not on a boundary we chose
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self._assert_consistent_incomplete(tmp_path / "out.zarr", 40)
+        redo = ZarrStore.open(tmp_path / "out.zarr").stream("v", **META)  # the resumed batch redoes it
+        redo.close(complete=True)
+        assert validate_store(tmp_path / "out.zarr") == []
+
+
+class TestConcurrency:
+    def test_two_threads_write_two_streams_while_reading(self, store):
+        errors: list[BaseException] = []
+
+        def produce(stream_id: str, n: int) -> None:
+            try:
+                writer = store.stream(stream_id, **META, chunk_frames=8)
+                write_frames(writer, n, batch=5)
+                writer.close(complete=True)
+            except BaseException as e:  # surfaced in the main thread below
+                errors.append(e)
+
+        threads = [threading.Thread(target=produce, args=(sid, n)) for sid, n in (("left", 120), ("right", 90))]
+        for t in threads:
+            t.start()
+        reads = 0
+        while any(t.is_alive() for t in threads):
+            for sid in ZarrStore.open(store.path, mode="r").stream_ids():
+                data = read_stream(store.path, sid)
+                assert len({len(data[s.name]) for s in FRAME_ARRAYS}) == 1
+                reads += 1
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert validate_store(store.path) == [] and store.stream_ids() == ["left", "right"]
+        for sid, n in (("left", 120), ("right", 90)):
+            assert store.is_complete(sid)
+            np.testing.assert_array_equal(read_stream(store.path, sid)["pts"], expected(n, batch=5)["pts"])
+
+
+class TestErrors:
+    def test_unwritable_path(self, tmp_path):
+        blocker = tmp_path / "a_file"
+        blocker.write_text("not a directory")
+        with pytest.raises(SinkError, match="cannot write the output store .*a_file/out.zarr"):
+            ZarrStore.open(blocker / "out.zarr", config={})
+
+    def test_foreign_store_is_refused(self, tmp_path):
+        zarr.open_group(tmp_path / "x.zarr", mode="w", attributes={"format": "someone-else/3"})
+        for mode in ("a", "w", "r"):
+            with pytest.raises(SinkError, match=r"format 'someone-else/3', not 'arr-coc/1'") as info:
+                ZarrStore.open(tmp_path / "x.zarr", config={}, mode=mode)
+            assert "\n" not in str(info.value)
+        assert (tmp_path / "x.zarr" / "zarr.json").exists()  # mode "w" deleted nothing
+
+    def test_non_zarr_directory_is_refused(self, tmp_path):
+        (tmp_path / "photos").mkdir()
+        (tmp_path / "photos" / "keep.jpg").write_bytes(b"x")
+        with pytest.raises(SinkError, match="exists and is not a zarr store"):
+            ZarrStore.open(tmp_path / "photos", config={}, mode="w")
+        assert (tmp_path / "photos" / "keep.jpg").exists()
+
+    @pytest.mark.parametrize("bad", ["", "  ", "a/b", "a\\b", "..", ".hidden", "__meta", "zarr.json", "x\ny"])
+    def test_invalid_stream_ids(self, store, bad):
+        with pytest.raises(SinkError, match="invalid stream id"):
+            store.stream(bad, **META)
+        assert store.stream_ids() == []
+
+    def test_bad_stream_attrs(self, store):
+        with pytest.raises(ValueError, match="grid must be"):
+            store.stream("v", **{**META, "grid": (3, 0)})
+        with pytest.raises(ValueError, match="fps must be"):
+            store.stream("v", **{**META, "fps": 0})
+        with pytest.raises(SinkError, match="config cannot be stored as JSON"):
+            ZarrStore.open(store.path.parent / "y.zarr", config={"f": object()})
+        assert FORMAT == "arr-coc/1"

@@ -1,0 +1,66 @@
+"""The whole run's configuration: the ARR-COC model plus decode, VLM, runtime and output settings.
+
+Loaded from YAML (configs/*.yaml) onto these dataclasses; `--set a.b=v` overrides any field and
+the CLI's own flags (--device, --decoder, --vlm, ...) are shorthands for such overrides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from arr_coc._validate import ConfigError, check_range
+from arr_coc.model import ARRCOCConfig
+
+from .vlm.config import VLMConfig
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    decoder: Literal["pyav", "decord"] = "pyav"
+    fps: float | None = None          # sample frames at this rate (None: every frame)
+    start_s: float = 0.0
+    end_s: float | None = None
+    max_frames: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.fps is not None:
+            check_range("decode.fps", self.fps, 0.0, 1000.0, lo_open=True)
+        check_range("decode.start_s", self.start_s, 0.0, None)
+        if self.end_s is not None:
+            check_range("decode.end_s", self.end_s, self.start_s, None, lo_open=True)
+        if self.max_frames is not None:
+            check_range("decode.max_frames", self.max_frames, 1, None)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    vlm: str = "none"                 # HF id, local snapshot path, "tiny-random" or "none"
+    every_s: float | None = None      # one answer per window of this many seconds (None: whole video)
+    batch_size: int = 16              # frames per batch through the GPU stages
+    queue_capacity: int = 4           # batches buffered between two stages
+
+    def __post_init__(self) -> None:
+        if self.every_s is not None:
+            check_range("runtime.every_s", self.every_s, 0.0, None, lo_open=True)
+        check_range("runtime.batch_size", self.batch_size, 1, 4096)
+        check_range("runtime.queue_capacity", self.queue_capacity, 1, 1024)
+        if not self.vlm.strip():
+            raise ConfigError("runtime.vlm must not be empty; use 'none' for allocation only")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    chunk_frames: int = 64            # zarr chunk length along time; a crash loses at most one
+
+    def __post_init__(self) -> None:
+        check_range("output.chunk_frames", self.chunk_frames, 1, 100_000)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    model: ARRCOCConfig = field(default_factory=ARRCOCConfig)
+    vlm: VLMConfig = field(default_factory=VLMConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)

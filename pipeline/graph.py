@@ -1,0 +1,284 @@
+"""A small staged producer-consumer graph: one thread per stage, bounded channels between them.
+
+Stages declare what they do with one item (`process`) and at the end of the input (`finish`);
+the application composes them in one place with `Graph.add_flow(a, b, Channel(...))`, where each
+channel's capacity and policy is visible:
+  - BLOCK: the producer waits when the channel is full (offline input: backpressure, never drop)
+  - DROP_OLDEST: the oldest item is discarded to make room (live input: keep the newest)
+
+An exception in any stage stops the whole graph; `Graph.run` re-raises it in the calling thread
+as a `StageError` naming the stage and the item. `Graph.stop()` (e.g. on Ctrl-C) stops the source,
+and everything already produced drains through to the sink, so the sink can close cleanly.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+
+class Policy(enum.Enum):
+    BLOCK = "block"
+    DROP_OLDEST = "drop_oldest"
+
+
+_END = object()  # end-of-stream marker that flows through every channel
+
+
+class StageError(RuntimeError):
+    """A stage raised; the message names the stage, the item and the original error in one line."""
+
+    def __init__(self, stage: str, item: str, error: BaseException) -> None:
+        self.stage, self.item, self.error = stage, item, error
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        super().__init__(f"stage '{stage}' failed on {item}: {type(error).__name__}: {detail}")
+
+
+class Channel:
+    """Bounded FIFO between two stages with an explicit overflow policy."""
+
+    def __init__(self, capacity: int, policy: Policy = Policy.BLOCK) -> None:
+        if capacity < 1:
+            raise ValueError(f"Channel capacity must be >= 1, got {capacity}")
+        self.capacity, self.policy = capacity, policy
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._aborted = False
+        self.dropped = 0
+        self.max_depth = 0
+
+    def put(self, item: Any) -> bool:
+        """Queue an item; False if the graph was aborted."""
+        with self._cond:
+            if item is not _END and self.policy is Policy.BLOCK:
+                while len(self._items) >= self.capacity and not self._aborted:
+                    self._cond.wait(0.1)
+            if self._aborted:
+                return False
+            if item is not _END and len(self._items) >= self.capacity:  # DROP_OLDEST
+                for i, old in enumerate(self._items):
+                    if old is not _END:
+                        del self._items[i]
+                        self.dropped += 1
+                        break
+            self._items.append(item)
+            self.max_depth = max(self.max_depth, len(self._items))
+            self._cond.notify_all()
+            return True
+
+    def get(self) -> Any:
+        """Next item, or _END when the producer finished or the graph was aborted."""
+        with self._cond:
+            while not self._items and not self._aborted:
+                self._cond.wait(0.1)
+            if self._aborted:
+                return _END
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._items.clear()
+            self._cond.notify_all()
+
+    @property
+    def depth(self) -> int:
+        return len(self._items)
+
+
+class Stage:
+    """One step of the graph. Subclasses override `process` (and `finish`, `close` if needed).
+
+    A stage with no input channel is a source: it overrides `produce` instead of `process`.
+    `count(item)` says how many frames an item holds, for the frames/s metric.
+    """
+
+    name = "stage"
+
+    def produce(self) -> Iterator[Any]:
+        raise NotImplementedError(f"{type(self).__name__} has no input and must implement produce()")
+
+    def process(self, item: Any) -> Iterable[Any]:
+        return (item,)
+
+    def finish(self) -> Iterable[Any]:
+        """Called once after the last input item; may emit buffered items."""
+        return ()
+
+    def close(self) -> None:
+        """Called once when the graph ends, normally or not (release files, devices)."""
+
+    def count(self, item: Any) -> int:
+        return int(getattr(item, "frames_count", 1))
+
+    def describe(self, item: Any) -> str:
+        return getattr(item, "description", type(item).__name__)
+
+
+@dataclass
+class StageMetrics:
+    name: str
+    items: int = 0
+    frames: int = 0
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def fps(self) -> float:
+        return self.frames / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def busy(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class Graph:
+    """A chain or tree of stages joined by channels; `run` blocks until everything drained."""
+
+    def __init__(self) -> None:
+        self.stages: list[Stage] = []
+        self.inputs: dict[int, Channel] = {}
+        self.outputs: dict[int, list[Channel]] = {}
+        self.metrics: dict[str, StageMetrics] = {}
+        self._error: StageError | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def add(self, stage: Stage) -> Stage:
+        if stage not in self.stages:
+            self.stages.append(stage)
+            self.outputs.setdefault(id(stage), [])
+            self.metrics[stage.name] = StageMetrics(stage.name)
+        return stage
+
+    def add_flow(self, src: Stage, dst: Stage, channel: Channel) -> Channel:
+        self.add(src)
+        self.add(dst)
+        if id(dst) in self.inputs:
+            raise ValueError(f"stage '{dst.name}' already has an input")
+        self.outputs[id(src)].append(channel)
+        self.inputs[id(dst)] = channel
+        return channel
+
+    def channels(self) -> dict[str, Channel]:
+        names = {id(s): s.name for s in self.stages}
+        return {f"{names[sid]}->{s.name}": self.inputs[id(s)]
+                for s in self.stages if id(s) in self.inputs
+                for sid, outs in self.outputs.items() if self.inputs[id(s)] in outs}
+
+    def stop(self) -> None:
+        """Ask the sources to stop; what they already produced still flows to the end."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self, on_progress: Callable[[Stage, Any], None] | None = None,
+            on_interrupt: Callable[[], None] | None = None) -> None:
+        """Run every stage in its own thread until all drained; re-raise the first failure.
+
+        Ctrl-C (KeyboardInterrupt in this thread) calls `on_interrupt`, stops the sources and
+        lets what was produced drain, then re-raises.
+        """
+        threads = [threading.Thread(target=self._work, args=(s, on_progress), name=f"stage-{s.name}", daemon=True)
+                   for s in self.stages]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.1)
+        except KeyboardInterrupt:
+            if on_interrupt is not None:
+                on_interrupt()
+            self.stop()
+            for t in threads:
+                t.join()
+            raise
+        finally:
+            for s in self.stages:
+                try:
+                    s.close()
+                except Exception as e:  # closing must not mask the original error
+                    if self._error is None:
+                        self._error = StageError(s.name, "close", e)
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, stage: Stage, item: Any, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                described = stage.describe(item) if item is not None else "start-up"
+                self._error = StageError(stage.name, described, error)
+        self._stop.set()
+        for ch in self.inputs.values():
+            ch.abort()
+
+    def _emit(self, stage: Stage, items: Iterable[Any]) -> bool:
+        for out in items:
+            for ch in self.outputs[id(stage)]:
+                if not ch.put(out):
+                    return False
+        return True
+
+    def _work(self, stage: Stage, on_progress: Callable[[Stage, Any], None] | None) -> None:
+        m = self.metrics[stage.name]
+        start = time.perf_counter()
+        item: Any = None
+        try:
+            inp = self.inputs.get(id(stage))
+            if inp is None:
+                produced = iter(stage.produce())
+                while not self._stop.is_set():
+                    t0 = time.perf_counter()
+                    item = next(produced, _END)
+                    if item is _END:
+                        break
+                    m.busy_s += time.perf_counter() - t0
+                    m.items += 1
+                    m.frames += stage.count(item)
+                    if not self._emit(stage, (item,)):
+                        return
+            else:
+                while True:
+                    item = inp.get()
+                    if item is _END:
+                        break
+                    t0 = time.perf_counter()
+                    outs = list(stage.process(item))
+                    m.busy_s += time.perf_counter() - t0
+                    m.items += 1
+                    m.frames += stage.count(item)
+                    if on_progress is not None:
+                        on_progress(stage, item)
+                    if not self._emit(stage, outs):
+                        return
+            item = None
+            if self._error is None:
+                t0 = time.perf_counter()
+                tail = list(stage.finish())
+                m.busy_s += time.perf_counter() - t0
+                self._emit(stage, tail)
+            for ch in self.outputs[id(stage)]:
+                ch.put(_END)
+        except BaseException as e:  # any failure stops the graph and surfaces in run()
+            self._fail(stage, item, e)
+        finally:
+            m.wall_s = time.perf_counter() - start
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per-stage metrics: frames/s, busy share, input queue depth (max) and drops."""
+        rows = []
+        for s in self.stages:
+            m = self.metrics[s.name]
+            ch = self.inputs.get(id(s))
+            rows.append({"stage": s.name, "items": m.items, "frames": m.frames, "fps": round(m.fps, 2),
+                         "busy": round(m.busy, 3), "queue_max": ch.max_depth if ch else 0,
+                         "queue_capacity": ch.capacity if ch else 0, "dropped": ch.dropped if ch else 0})
+        return rows

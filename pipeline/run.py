@@ -1,0 +1,137 @@
+"""`python -m pipeline run`: one video through decode -> texture -> realize -> [vlm] -> sink.
+
+`compose` is the one place where the graph is wired; each channel's capacity and policy is
+visible there. Offline input blocks (backpressure), it never drops a frame.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from arr_coc._validate import ConfigError
+from arr_coc.model import ARRCOC
+from sinks import ZarrStore
+from sources import open_video
+
+from .config import PipelineConfig
+from .configio import to_dict
+from .graph import Channel, Graph, Policy, Stage
+from .stages import DecodeStage, RealizeStage, RunStatus, SinkStage, TextureStage
+from .vlm.geometry import VLMGeometry
+
+
+@dataclass
+class RunResult:
+    stream_id: str
+    out: Path
+    frames: int
+    complete: bool
+    truncated: bool
+    stopped: bool
+    wall_s: float
+    grid: tuple[int, int]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    answers: list[Any] = field(default_factory=list)
+
+    @property
+    def fps(self) -> float:
+        return self.frames / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but no CUDA GPU is available (use --device auto or cpu)")
+    return torch.device(name)
+
+
+def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> ARRCOC:
+    model = ARRCOC(cfg.model, query_dim=query_dim).to(device).eval()
+    return model
+
+
+def encode_query(question: str, device: torch.device) -> torch.Tensor:
+    from .query import sentence_encoder
+    return sentence_encoder(str(device)).encode(question)
+
+
+def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: tuple[int, int],
+            cfg: PipelineConfig, device: torch.device, status: RunStatus,
+            overlay: Any = None, vlm_stage: Stage | None = None) -> Graph:
+    """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink."""
+    capacity = cfg.runtime.queue_capacity
+    decode = DecodeStage(source, cfg.runtime.batch_size, pin=device.type == "cuda", status=status)
+    texture = TextureStage(model, device, grid)
+    realize = RealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None)
+    sink = SinkStage(writer, status, overlay)
+    graph = Graph()
+    graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))
+    graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))
+    if vlm_stage is None:
+        graph.add_flow(realize, sink, Channel(capacity, Policy.BLOCK))
+    else:
+        graph.add_flow(realize, vlm_stage, Channel(capacity, Policy.BLOCK))
+        graph.add_flow(vlm_stage, sink, Channel(capacity, Policy.BLOCK))
+    return graph
+
+
+def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineConfig, *,
+              overlay_path: str | Path | None = None, progress: bool | None = None,
+              on_graph: Callable[[Graph], None] | None = None) -> RunResult:
+    """Process one video file end to end. Raises SourceError / SinkError / StageError on failure."""
+    from sinks import OverlayWriter
+
+    device = resolve_device(cfg.runtime.device)
+    d = cfg.decode
+    source = open_video(path, decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s,
+                        max_frames=d.max_frames)
+    try:
+        geometry = VLMGeometry(min_pixels=cfg.vlm.min_pixels, max_pixels=cfg.vlm.max_pixels)
+        grid = geometry.grid(source.height, source.width)
+        store = ZarrStore.open(out, config=to_dict(cfg))
+        writer = store.stream(source.stream_id, source=str(path), query=question, fps=float(source.fps),
+                              width=source.width, height=source.height, grid=grid, vlm=cfg.runtime.vlm,
+                              chunk_frames=cfg.output.chunk_frames, overwrite=True)
+    except BaseException:
+        source.close()
+        raise
+    query = encode_query(question, device)
+    model = build_model(cfg, query.shape[-1], device)
+    status = RunStatus()
+    overlay = None
+    if overlay_path is not None:
+        overlay = OverlayWriter(overlay_path, fps=float(source.fps), width=source.width, height=source.height)
+    graph = compose(source, writer, model, query, grid, cfg, device, status, overlay)
+    if on_graph is not None:
+        on_graph(graph)
+    bar = _progress_bar(source, progress)
+    start = time.perf_counter()
+    try:
+        graph.run(on_progress=(lambda stage, item: bar.update(item.frames_count) if stage.name == "sink" else None)
+                  if bar is not None else None,
+                  on_interrupt=lambda: setattr(status, "stopped", True))
+    finally:
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - start
+    sink = graph.stages[-1]
+    return RunResult(stream_id=source.stream_id, out=Path(out), frames=sink.frames_written,
+                     complete=not (status.truncated or status.stopped), truncated=status.truncated,
+                     stopped=status.stopped, wall_s=wall, grid=grid, metrics=graph.report(),
+                     answers=list(sink.answers))
+
+
+def _progress_bar(source: Any, progress: bool | None):
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    from tqdm import tqdm
+    total = getattr(source, "frame_count", None)
+    return tqdm(total=total, unit="frame", desc=source.stream_id, dynamic_ncols=True, file=sys.stderr)

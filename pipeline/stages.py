@@ -1,0 +1,274 @@
+"""The stages of the streaming graph: decode -> texture -> realize -> [vlm] -> sink.
+
+Items flowing between stages:
+  FrameBatch       decoded frames of one stream, stacked in (pinned) host memory
+  TextureBatch     + the texture array on the device and the CUDA event that makes it ready
+  AllocationBatch  + the allocation copied to (pinned) host memory and its ready event
+  AnswerItem       one VLM answer for one window
+
+GPU stages each own a CUDA stream; hand-offs carry CUDA events (`wait_event` on the consumer's
+stream, `event.synchronize()` only where the host must read the data), never a device-wide sync.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from arr_coc.model import ARRCOC, Allocation
+from arr_coc.realizing import StreamState
+from arr_coc.texture import Texture
+from sources.frame import Frame
+
+from .graph import Stage
+
+
+@dataclass
+class RunStatus:
+    """Shared facts about a run that the sink needs when it closes the store."""
+
+    truncated: bool = False
+    stopped: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass
+class FrameBatch:
+    stream_id: str
+    frames: list[Frame]
+    pixels: torch.Tensor            # (T, H, W, 3) uint8, pinned when the model runs on CUDA
+
+    @property
+    def frames_count(self) -> int:
+        return len(self.frames)
+
+    @property
+    def description(self) -> str:
+        return f"stream '{self.stream_id}' frames {self.frames[0].index}-{self.frames[-1].index}"
+
+
+@dataclass
+class TextureBatch:
+    batch: FrameBatch
+    texture: Texture
+    ready: torch.cuda.Event | None
+
+    frames_count = property(lambda self: self.batch.frames_count)
+    description = property(lambda self: self.batch.description)
+
+
+@dataclass
+class AllocationBatch:
+    batch: FrameBatch
+    allocation: Allocation          # on the host (pinned when on CUDA); valid once `ready` fired
+    ready: torch.cuda.Event | None
+
+    frames_count = property(lambda self: self.batch.frames_count)
+    description = property(lambda self: self.batch.description)
+
+    def wait(self) -> Allocation:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.allocation
+
+
+@dataclass
+class AnswerItem:
+    stream_id: str
+    t_start: float
+    t_end: float
+    question: str
+    text: str
+    tokens_kept: int
+    tokens_full: int
+    latency_s: float
+
+    frames_count = 0
+    description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
+
+
+def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
+    """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`."""
+    h, w = frames[0].rgb.shape[:2]
+    out = torch.empty((len(frames), h, w, 3), dtype=torch.uint8, pin_memory=pin)
+    np.stack([f.rgb for f in frames], out=out.numpy())
+    return out
+
+
+class DecodeStage(Stage):
+    """Source stage: batches of consecutive frames from a video source."""
+
+    name = "decode"
+
+    def __init__(self, source: Any, batch_size: int, pin: bool, status: RunStatus,
+                 stop: threading.Event | None = None) -> None:
+        self.source, self.batch_size, self.pin, self.status = source, batch_size, pin, status
+        self._stop = stop
+
+    def produce(self) -> Iterator[FrameBatch]:
+        pending: list[Frame] = []
+        for frame in self.source:
+            if pending and frame.rgb.shape != pending[0].rgb.shape:
+                raise ValueError(f"frame size changed mid-stream at frame {frame.index}: "
+                                 f"{pending[0].rgb.shape[:2]} -> {frame.rgb.shape[:2]}")
+            pending.append(frame)
+            if len(pending) == self.batch_size:
+                yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
+                pending = []
+        if pending:
+            yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
+        if getattr(self.source, "truncated", False):
+            with self.status.lock:
+                self.status.truncated = True
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+
+class TextureStage(Stage):
+    """GPU stream A: host->device copy from pinned memory, then the texture array."""
+
+    name = "texture"
+
+    def __init__(self, model: ARRCOC, device: torch.device, grid: tuple[int, int]) -> None:
+        self.model, self.device, self.grid = model, device, grid
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.last: dict[str, torch.Tensor] = {}  # last frame of each stream, on the device
+
+    @torch.inference_mode()
+    def process(self, item: FrameBatch) -> Iterable[TextureBatch]:
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            pixels = item.pixels.to(self.device, non_blocking=True)       # (T, H, W, 3) uint8
+            frames = pixels.permute(0, 3, 1, 2)                           # (T, 3, H, W)
+            texture = self.model.extract(frames, self.last.get(item.stream_id), self.grid)
+            self.last[item.stream_id] = frames[-1]
+            ready = None
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        return (TextureBatch(item, texture, ready),)
+
+
+class RealizeStage(Stage):
+    """GPU stream B: knowing -> balancing -> temporal realizing -> attending, then device->host."""
+
+    name = "realize"
+
+    def __init__(self, model: ARRCOC, device: torch.device, query: torch.Tensor,
+                 query_mask: torch.Tensor | None = None, vlm_fps: float | None = None) -> None:
+        self.model, self.device = model, device
+        self.query, self.query_mask = query.to(device), None if query_mask is None else query_mask.to(device)
+        self.vlm_fps = vlm_fps
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.states: dict[str, StreamState] = {}
+        self.next_vlm_pts: dict[str, float] = {}
+
+    def vlm_frames(self, item: FrameBatch) -> torch.Tensor | None:
+        """Which frames the VLM will see (sampled at vlm_fps on pts); None when every frame counts."""
+        if self.vlm_fps is None:
+            return None
+        nxt = self.next_vlm_pts.get(item.stream_id)
+        marks = []
+        for f in item.frames:
+            take = nxt is None or f.pts_s >= nxt - 1e-6
+            if take:
+                nxt = (f.pts_s if nxt is None else nxt) + 1.0 / self.vlm_fps
+                while nxt <= f.pts_s:
+                    nxt += 1.0 / self.vlm_fps
+            marks.append(take)
+        self.next_vlm_pts[item.stream_id] = nxt
+        return torch.tensor(marks, dtype=torch.bool)
+
+    @torch.inference_mode()
+    def process(self, item: TextureBatch) -> Iterable[AllocationBatch]:
+        vlm_frames = self.vlm_frames(item.batch)
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            if item.ready is not None:
+                self.stream.wait_event(item.ready)
+                _record_stream(item.texture, self.stream)
+            if vlm_frames is not None:
+                vlm_frames = vlm_frames.to(self.device, non_blocking=True)
+            allocation, state, _ = self.model.realize(
+                item.texture, self.query, self.states.get(item.batch.stream_id),
+                query_mask=self.query_mask, vlm_frames=vlm_frames)
+            self.states[item.batch.stream_id] = state
+            host = allocation.to("cpu", non_blocking=self.cuda)
+            ready = None
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        return (AllocationBatch(item.batch, host, ready),)
+
+
+class SinkStage(Stage):
+    """Writes homunculus sequences and answers to the zarr store (and the overlay video)."""
+
+    name = "sink"
+
+    def __init__(self, writer: Any, status: RunStatus, overlay: Any = None) -> None:
+        self.writer, self.status, self.overlay = writer, status, overlay
+        self.frames_written = 0
+        self.answers: list[AnswerItem] = []
+        self._closed = False
+
+    def count(self, item: Any) -> int:
+        return int(getattr(item, "frames_count", 0))
+
+    def process(self, item: Any) -> Iterable[Any]:
+        if isinstance(item, AnswerItem):
+            self.writer.add_answer(t_start=item.t_start, t_end=item.t_end, question=item.question,
+                                   text=item.text, tokens_kept=item.tokens_kept,
+                                   tokens_full=item.tokens_full, latency_s=item.latency_s)
+            self.answers.append(item)
+            return ()
+        allocation = item.wait()
+        frames = item.batch.frames
+        tokens = allocation.tokens.numpy()
+        relevance = allocation.relevance.float().numpy()
+        self.writer.append(
+            pts=np.array([f.pts_s for f in frames], dtype=np.float64),
+            frame_index=np.array([f.index for f in frames], dtype=np.int64),
+            relevance=relevance,
+            tokens=tokens,
+            scene_change=allocation.scene_change.numpy(),
+            motion=allocation.motion.float().numpy(),
+        )
+        if self.overlay is not None:
+            for f, tok, rel in zip(frames, tokens, relevance):
+                self.overlay.write(f.rgb, tok, rel)
+        self.frames_written += len(frames)
+        return ()
+
+    def finish(self) -> Iterable[Any]:
+        with self.status.lock:
+            complete = not (self.status.truncated or self.status.stopped)
+        self._close(complete)
+        return ()
+
+    def close(self) -> None:
+        self._close(False)  # only reached without finish() after a failure
+
+    def _close(self, complete: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.overlay is not None:
+                self.overlay.close()
+        finally:
+            self.writer.close(complete=complete)
+
+
+def _record_stream(texture: Texture, stream: torch.cuda.Stream) -> None:
+    """Tell the caching allocator that stream B uses tensors made on stream A."""
+    for value in vars(texture).values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(stream)

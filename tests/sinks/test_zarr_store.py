@@ -270,6 +270,7 @@ class TestCrashSafety:
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+            proc.stdout.close()
         path = tmp_path / "out.zarr"
         assert self._assert_consistent_incomplete(path, 128) == 128
         group = zarr.open_group(path / "streams/v", mode="r")
@@ -296,6 +297,7 @@ class TestCrashSafety:
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+            proc.stdout.close()
         self._assert_consistent_incomplete(tmp_path / "out.zarr", 40)
         redo = ZarrStore.open(tmp_path / "out.zarr").stream("v", **META)  # the resumed batch redoes it
         redo.close(complete=True)

@@ -1,0 +1,13 @@
+"""Errors and warnings every frame source raises, so the CLI can print one line instead of a traceback."""
+from __future__ import annotations
+
+
+class SourceError(Exception):
+    """A video input cannot be read: missing, not a video, no video stream, bad arguments.
+
+    The message is one line that names the input and the problem, ready to show to a user.
+    """
+
+
+class VideoTruncatedWarning(UserWarning):
+    """Decoding hit damage (a truncated or corrupt file) and stopped early; earlier frames are valid."""

@@ -1,0 +1,524 @@
+"""Video files as streams of Frames, decoded by PyAV (default, threaded) or decord.
+
+    with open_video("clip.mp4", fps=2.0, end_s=30.0) as video:
+        for frame in video:            # sources.frame.Frame: stream_id, index, pts_s, rgb (H, W, 3)
+            ...
+        video.truncated                # True when damage stopped decoding early (a warning says so)
+
+Both decoders give the same frames: index is the frame's index in the decoded stream (before
+sampling), pts_s its presentation time in seconds from the start of the stream, rgb an upright
+(rotation metadata applied) uint8 C-contiguous array. Sampling to a target fps keeps the first
+frame at or after each 1/fps tick (ticks start at start_s), so variable frame rates are
+sampled on real timestamps and no frame is ever repeated.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+
+import av
+import numpy as np
+from av.video.reformatter import VideoReformatter
+
+from sources.errors import SourceError, VideoTruncatedWarning
+from sources.frame import Frame
+
+Decoder = Literal["pyav", "decord"]
+DECODERS: tuple[str, ...] = ("pyav", "decord")
+
+# Containers round timestamps to their time base (Matroska: 1 ms), so a frame that sits on a
+# sampling tick or on start_s / end_s can read up to half a millisecond early.
+_PTS_TOL_S = 1e-3
+# Decoding that ends this much before the end the file declares means the file was cut short
+# (the slack absorbs a video track that is a little shorter than the container's audio).
+_MISSING_TAIL_S = 0.5
+_MISSING_TAIL_FRAMES = 3
+# Without decode timestamps, B-frames can present at most this long after a later packet.
+_REORDER_SLACK_S = 1.0
+# decord decodes each get_batch chunk into one array: bound it so 4K input stays at ~64 MB.
+_DECORD_CHUNK_BYTES = 64 << 20
+_DECORD_MAX_CHUNK = 32
+_TS_PACKET_SIZES = (188, 192, 204)  # plain, M2TS (timecode prefix), with Reed-Solomon bytes
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What the container says about a video file (sizes are after rotation)."""
+
+    width: int
+    height: int
+    fps: float                 # average frame rate
+    duration_s: float | None   # length of the video stream, None if the container does not say
+    frame_count: int | None    # from the container, else estimated as duration_s * fps
+    codec: str
+    rotation: int = 0          # counter-clockwise degrees applied to make frames upright
+
+
+def probe(path: str | Path) -> VideoInfo:
+    """Read a video file's size, frame rate, duration, frame count and codec (decodes one frame)."""
+    path = Path(path)
+    _check_file(path)
+    container, stream = _open_container(path)
+    with container:
+        first = _first_frame(path, container, stream)
+        return _video_info(container, stream, first)
+
+
+def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None = None,
+               start_s: float = 0.0, end_s: float | None = None, max_frames: int | None = None,
+               stream_id: str | None = None) -> VideoSource:
+    """Open a video file for reading as Frames; see the module docstring for the semantics.
+
+    decoder:    "pyav" (threaded FFmpeg decode, default) or "decord".
+    fps:        target frame rate (first frame at or after each 1/fps tick); None keeps every frame.
+    start_s, end_s: keep frames with start_s <= pts_s < end_s.
+    max_frames: stop after this many frames.
+    stream_id:  Frame.stream_id; defaults to the file stem.
+    Raises SourceError (one line naming the path) for bad arguments and unreadable files.
+    """
+    path = Path(path)
+    _check_args(path, decoder, fps, start_s, end_s, max_frames, stream_id)
+    _check_file(path)
+    cls = _PyAVSource if decoder == "pyav" else _DecordSource
+    return cls(path, fps=None if fps is None else float(fps), start_s=float(start_s),
+               end_s=None if end_s is None else float(end_s), max_frames=max_frames,
+               stream_id=stream_id or path.stem)
+
+
+class VideoSource:
+    """A video file as a one-pass iterable of Frames and a context manager (build with open_video).
+
+    stream_id, fps (of the produced frames), source_fps, width, height (upright), info (VideoInfo),
+    frame_count (estimate of the frames this source will produce, None if unknown),
+    truncated (set, with a VideoTruncatedWarning, when damage stopped decoding early).
+    """
+
+    decoder: str
+
+    def __init__(self, path: Path, *, fps: float | None, start_s: float, end_s: float | None,
+                 max_frames: int | None, stream_id: str) -> None:
+        self.path, self.stream_id = path, stream_id
+        self.start_s, self.end_s, self.max_frames = start_s, end_s, max_frames
+        self.truncated = False
+        self._target_fps = fps
+        self._damage: str | None = None
+        self._ends_mid_packet = False
+        self._iterated = self._closed = False
+        try:
+            self.info = self._open()
+        except BaseException:
+            self.close()
+            raise
+        self.source_fps = self.info.fps
+        self.fps = self.source_fps if fps is None else min(fps, self.source_fps)
+        self.width, self.height = self.info.width, self.info.height
+        self.frame_count = self._estimate_frame_count()
+
+    def _open(self) -> VideoInfo:
+        raise NotImplementedError
+
+    def _frames(self) -> Iterator[Frame]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __iter__(self) -> Iterator[Frame]:
+        if self._closed:
+            raise RuntimeError(f"{self.path}: the video source is closed")
+        if self._iterated:
+            raise RuntimeError(f"{self.path}: a VideoSource is read once; open the video again to re-read it")
+        self._iterated = True
+        return self._frames()
+
+    def __enter__(self) -> VideoSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"VideoSource({str(self.path)!r}, decoder={self.decoder!r}, {self.width}x{self.height}, "
+                f"fps={self.fps:g}, frame_count={self.frame_count})")
+
+    def _sampler(self) -> _Sampler:
+        return _Sampler(self._target_fps, self.start_s, self.end_s, self.max_frames)
+
+    def _estimate_frame_count(self) -> int | None:
+        info = self.info
+        if info.duration_s is None:
+            return self.max_frames
+        if self._target_fps is None and self.start_s == 0 and self.end_s is None and info.frame_count:
+            count = info.frame_count
+        else:
+            span = max(0.0, min(info.duration_s, self.end_s or math.inf) - self.start_s)
+            count = math.ceil(span * self.fps - 1e-6)
+        return count if self.max_frames is None else min(count, self.max_frames)
+
+    def _finish(self, last_pts_s: float | None) -> None:
+        """At the end of the stream: flag and warn if decoding stopped short of the declared end."""
+        reason = self._damage or self._missing_tail(last_pts_s)
+        if reason is None:
+            return
+        self.truncated = True
+        where = "before its first frame" if last_pts_s is None else f"after {last_pts_s:.3f} s"
+        warnings.warn(f"{self.path}: video is truncated or damaged ({reason}); stopped {where}",
+                      VideoTruncatedWarning, stacklevel=3)
+
+    def _missing_tail(self, last_pts_s: float | None) -> str | None:
+        if self._ends_mid_packet:
+            return "the MPEG-TS file ends inside a packet"
+        declared = self.info.duration_s
+        if declared is None:
+            return None
+        expected = declared if self.end_s is None else min(declared, self.end_s)
+        reached = self.start_s if last_pts_s is None else last_pts_s + 1.0 / self.source_fps
+        if expected - reached > max(_MISSING_TAIL_S, _MISSING_TAIL_FRAMES / self.source_fps):
+            return f"frames end at {reached:.2f} s but the file declares {declared:.2f} s"
+        return None
+
+
+class _PyAVSource(VideoSource):
+    decoder = "pyav"
+
+    def _open(self) -> VideoInfo:
+        self._container, stream = _open_container(self.path)
+        self._stream = stream
+        stream.thread_type = "AUTO"  # frame + slice threads: several times faster on multi-core CPUs
+        self._ends_mid_packet = _ends_mid_packet(self.path, self._container)
+        self._t0 = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+        _check_start(self.path, self.start_s, _duration_s(self._container, stream))
+        self._index_base = 0
+        if self.start_s > 0:
+            self._index_base = self._count_frames_before(self.start_s - _PTS_TOL_S)
+            try:
+                self._container.seek(int((self.start_s + self._t0) / stream.time_base), stream=stream)
+            except av.FFmpegError as e:
+                raise SourceError(f"{self.path}: cannot seek to start_s={self.start_s} ({_reason(e)})") from e
+        self._decoded = self._decode()
+        self._first: av.VideoFrame | None = next(self._decoded, None)
+        if self._first is None:
+            raise SourceError(f"{self.path}: not a readable video ({self._damage or 'no frame could be decoded'})")
+        return _video_info(self._container, stream, self._first)
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "_container", None) is not None:
+            self._container.close()
+            self._container = None
+
+    def _count_frames_before(self, limit_s: float) -> int:
+        """Frames presented before limit_s, counted on packet timestamps, so that indices after a
+        seek match a decode from the start (demuxing is cheap next to decoding)."""
+        stream = self._stream
+        tb, t0 = float(stream.time_base), stream.start_time or 0
+        count = 0
+        try:
+            for packet in self._container.demux(stream):
+                if packet.pts is None:
+                    continue
+                order = packet.dts if packet.dts is not None else packet.pts
+                slack = 0.0 if packet.dts is not None else _REORDER_SLACK_S
+                if (order - t0) * tb >= limit_s + slack:  # pts >= dts: no later packet comes earlier
+                    break
+                count += (packet.pts - t0) * tb < limit_s
+        except av.FFmpegError:
+            pass  # damage before start_s: the seek and decode that follow report it
+        return count
+
+    def _decode(self) -> Iterator[av.VideoFrame]:
+        """Decoded frames in presentation order. On damage (a decoder error or a packet the demuxer
+        flags corrupt) note why, hand out what the decoder holds from before the damage, stop."""
+        cut = None  # pts of the damaged packet: frames presented from there on are not trusted
+        try:
+            for packet in self._container.demux(self._stream):
+                if packet.is_corrupt:
+                    self._damage, cut = "corrupt or incomplete packet", packet.pts
+                    break
+                try:
+                    frames = packet.decode()  # the final empty packet flushes the decoder
+                except av.FFmpegError as e:
+                    self._damage, cut = _reason(e), packet.pts
+                    break
+                yield from frames
+        except av.FFmpegError as e:  # the demuxer's own errors
+            self._damage = _reason(e)
+        if self._damage is None:
+            return
+        try:
+            for frame in self._stream.codec_context.decode(None):
+                if cut is None or frame.pts is None or frame.pts < cut:
+                    yield frame
+        except av.FFmpegError:
+            pass
+
+    def _frames(self) -> Iterator[Frame]:
+        rotation, start = self.info.rotation, self.start_s - _PTS_TOL_S
+        # frame.time is not used: frames flushed after damage carry no time_base
+        time_base, start_pts = float(self._stream.time_base), self._stream.start_time or 0
+        # one swscale context for the whole stream: frame.to_ndarray builds one per frame (~2x slower)
+        reformatter = VideoReformatter()
+        sampler = self._sampler()
+        frames, self._first = itertools.chain((self._first,), self._decoded), None
+        index, last_pts = self._index_base - 1, None
+        for frame in frames:
+            t = None if frame.pts is None else (frame.pts - start_pts) * time_base
+            if t is not None and t < start:
+                continue  # decoded from the keyframe before start_s
+            index += 1
+            pts_s = index / self.source_fps if t is None else t
+            last_pts = pts_s
+            keep = sampler.keep(pts_s)
+            if keep is None:
+                return
+            if keep:
+                try:
+                    rgb = reformatter.reformat(frame, format="rgb24").to_ndarray()  # (H, W, 3)
+                except av.FFmpegError as e:
+                    raise SourceError(f"{self.path}: cannot convert frame {index} ({frame.format.name}) "
+                                      f"to RGB ({_reason(e)})") from e
+                yield Frame(self.stream_id, index, pts_s, _upright(rgb, rotation))
+                if sampler.full:
+                    return
+        self._finish(last_pts)
+
+
+class _DecordSource(VideoSource):
+    decoder = "decord"
+
+    def _open(self) -> VideoInfo:
+        try:
+            import decord
+        except ImportError as e:
+            raise SourceError(f"{self.path}: decoder='decord' needs the decord package "
+                              f"(pip install decord); or use decoder='pyav'") from e
+        self._error_types = (decord.DECORDError, RuntimeError)
+        # decord exposes neither rotation nor the declared duration: PyAV reads the header
+        container, stream = _open_container(self.path)
+        with container:
+            self._ends_mid_packet = _ends_mid_packet(self.path, container)
+            info = _video_info(container, stream, _first_frame(self.path, container, stream))
+        _check_start(self.path, self.start_s, info.duration_s)
+        # decord 0.6 applies the display matrix itself: 180 degrees correctly, while 90 / 270 crash
+        # (it keeps the unrotated frame size for the rotated image)
+        if info.rotation in (90, 270):
+            raise SourceError(f"{self.path}: decord cannot decode videos rotated by {info.rotation} degrees; "
+                              f"use decoder='pyav'")
+        try:
+            self._reader = decord.VideoReader(str(self.path), ctx=decord.cpu(0), num_threads=0)
+            count = len(self._reader)
+            self._pts = self._reader.get_frame_timestamp(np.arange(count))[:, 0].astype(np.float64)  # (N,)
+        except self._error_types as e:
+            raise SourceError(f"{self.path}: decord cannot read this video ({_reason(e)}); "
+                              f"try decoder='pyav'") from e
+        self._indices, self._cut_short = self._select(self._pts)
+        self._chunk = int(np.clip(_DECORD_CHUNK_BYTES // (3 * info.width * info.height), 1, _DECORD_MAX_CHUNK))
+        self._pending = self._read(self._indices[:self._chunk])
+        if self._indices and len(self._pending[0]) == 0:
+            raise SourceError(f"{self.path}: decord cannot decode this video ({self._pending[1]}); "
+                              f"try decoder='pyav'")
+        return info
+
+    def _estimate_frame_count(self) -> int:
+        return len(self._indices)  # exact: decord indexes every frame when it opens the file
+
+    def close(self) -> None:
+        super().close()
+        self._reader = None
+        self._pending = ([], None)
+
+    def _select(self, pts: np.ndarray) -> tuple[list[int], bool]:
+        """Indices the sampler keeps and whether it stopped before the last frame."""
+        sampler, kept = self._sampler(), []
+        for i, t in enumerate(pts.tolist()):
+            keep = sampler.keep(t)
+            if keep is None:
+                return kept, True
+            if keep:
+                kept.append(i)
+                if sampler.full:
+                    return kept, i < len(pts) - 1
+        return kept, False
+
+    def _read(self, indices: list[int]) -> tuple[np.ndarray | list[np.ndarray], str | None]:
+        """Decode a chunk; on an error keep the frames before the first one that fails."""
+        if not indices:
+            return [], None
+        try:
+            return self._reader.get_batch(indices).asnumpy(), None  # (n, H, W, 3)
+        except self._error_types as e:
+            intact = []
+            for i in indices:
+                try:
+                    intact.append(self._reader.get_batch([i]).asnumpy()[0])
+                except self._error_types:
+                    break
+            return intact, _reason(e)
+
+    def _frames(self) -> Iterator[Frame]:
+        last_pts = None
+        for start in range(0, len(self._indices), self._chunk):
+            chunk = self._indices[start:start + self._chunk]
+            batch, damage = self._pending if start == 0 else self._read(chunk)
+            self._pending = ([], None)
+            for i, rgb in zip(chunk, batch):
+                last_pts = float(self._pts[i])
+                yield Frame(self.stream_id, i, last_pts, rgb)  # a row of a (n, H, W, 3) C-order batch
+            if damage is not None:
+                self._damage = damage
+                self._finish(last_pts)
+                return
+        if not self._cut_short:
+            self._finish(float(self._pts[-1]) if len(self._pts) else None)
+
+
+class _Sampler:
+    """Keeps frames with start_s <= pts < end_s; with a target fps only the first frame at or after
+    each 1/fps tick (ticks at start_s + k / fps); at most max_frames."""
+
+    def __init__(self, fps: float | None, start_s: float, end_s: float | None, max_frames: int | None):
+        self.period = None if fps is None else 1.0 / fps
+        self.start_s, self.end_s, self.max_frames = start_s, end_s, max_frames
+        self.next_tick, self.kept = start_s, 0
+
+    @property
+    def full(self) -> bool:
+        return self.max_frames is not None and self.kept >= self.max_frames
+
+    def keep(self, pts_s: float) -> bool | None:
+        """True: keep the frame, False: skip it, None: stop (end_s reached)."""
+        if self.end_s is not None and pts_s >= self.end_s - _PTS_TOL_S:
+            return None
+        if pts_s < self.next_tick - _PTS_TOL_S:
+            return False
+        if self.period is not None:  # the next tick strictly after this frame: no frame twice
+            ticks = math.floor((pts_s - self.start_s + _PTS_TOL_S) / self.period) + 1
+            self.next_tick = self.start_s + ticks * self.period
+        self.kept += 1
+        return True
+
+
+def _check_args(path: Path, decoder: object, fps: object, start_s: object, end_s: object,
+                max_frames: object, stream_id: object) -> None:
+    def bad(problem: str) -> SourceError:
+        return SourceError(f"{path}: {problem}")
+
+    if decoder not in DECODERS:
+        raise bad(f"decoder={decoder!r} is not supported; allowed: {', '.join(DECODERS)}")
+    if fps is not None and not (_is_number(fps) and 0 < fps < math.inf):
+        raise bad(f"fps={fps!r} is out of range; allowed: (0, inf), or None for every frame")
+    if not (_is_number(start_s) and 0 <= start_s < math.inf):
+        raise bad(f"start_s={start_s!r} is out of range; allowed: [0, inf)")
+    if end_s is not None and not (_is_number(end_s) and end_s > start_s):
+        raise bad(f"end_s={end_s!r} must be greater than start_s={start_s!r} (or None for the end)")
+    if max_frames is not None and not (isinstance(max_frames, (int, np.integer))
+                                       and not isinstance(max_frames, bool) and max_frames >= 1):
+        raise bad(f"max_frames={max_frames!r} is out of range; allowed: integers >= 1, or None")
+    if stream_id is not None and not (isinstance(stream_id, str) and stream_id):
+        raise bad(f"stream_id={stream_id!r} must be a non-empty string, or None for the file stem")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise SourceError(f"{path}: no such file")
+    if path.is_dir():
+        raise SourceError(f"{path}: is a directory, not a video file")
+    if path.stat().st_size == 0:
+        raise SourceError(f"{path}: file is empty (0 bytes)")
+
+
+def _check_start(path: Path, start_s: float, duration_s: float | None) -> None:
+    if duration_s is not None and start_s >= duration_s:
+        raise SourceError(f"{path}: start_s={start_s} is past the end of the video ({duration_s:.3f} s)")
+
+
+def _open_container(path: Path) -> tuple[av.container.InputContainer, av.video.stream.VideoStream]:
+    """Open with PyAV and pick the video stream (cover art in audio files does not count)."""
+    try:
+        container = av.open(str(path))
+    except OSError as e:  # PyAV's OS errors (permissions, ...) are also FFmpegErrors: catch them first
+        raise SourceError(f"{path}: cannot open ({e.strerror or e})") from e
+    except av.FFmpegError as e:
+        raise SourceError(f"{path}: not a readable video ({_reason(e)})") from e
+    videos = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
+    if not videos:
+        kinds = ", ".join(sorted({s.type for s in container.streams})) or "none"
+        container.close()
+        raise SourceError(f"{path}: no video stream (streams found: {kinds})")
+    return container, videos[0]
+
+
+def _first_frame(path: Path, container: av.container.InputContainer,
+                 stream: av.video.stream.VideoStream) -> av.VideoFrame:
+    try:
+        for frame in container.decode(stream):
+            return frame
+    except av.FFmpegError as e:
+        raise SourceError(f"{path}: not a readable video ({_reason(e)})") from e
+    raise SourceError(f"{path}: not a readable video (no frame could be decoded)")
+
+
+def _video_info(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
+                first: av.VideoFrame) -> VideoInfo:
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    if not rate:
+        raise SourceError(f"{container.name}: the container gives no frame rate for the video stream")
+    fps, duration = float(rate), _duration_s(container, stream)
+    rotation = _rotation(first, stream)
+    width, height = (first.height, first.width) if rotation % 180 else (first.width, first.height)
+    if stream.frames:
+        frame_count = int(stream.frames)
+    else:
+        frame_count = None if duration is None else round(duration * fps)
+    return VideoInfo(width, height, fps, duration, frame_count, stream.codec_context.name, rotation)
+
+
+def _duration_s(container: av.container.InputContainer, stream: av.video.stream.VideoStream) -> float | None:
+    """The video stream's own duration where the container has one (so a longer audio track does
+    not count), else Matroska's per-track DURATION tag, else the container's duration."""
+    if stream.duration is not None:
+        return float(stream.duration * stream.time_base)
+    tag = re.fullmatch(r"(\d+):(\d+):(\d+(?:\.\d*)?)", stream.metadata.get("DURATION", ""))
+    if tag:
+        return int(tag[1]) * 3600 + int(tag[2]) * 60 + float(tag[3])
+    return None if container.duration is None else container.duration / av.time_base
+
+
+def _ends_mid_packet(path: Path, container: av.container.InputContainer) -> bool:
+    """MPEG-TS packets have a fixed size and TS declares no duration: a cut file ends mid-packet."""
+    size = path.stat().st_size
+    return container.format.name == "mpegts" and all(size % n for n in _TS_PACKET_SIZES)
+
+
+def _rotation(frame: av.VideoFrame, stream: av.video.stream.VideoStream) -> int:
+    """Counter-clockwise degrees (0, 90, 180, 270) that make the frame upright."""
+    degrees = float(frame.rotation)  # display matrix, which FFmpeg attaches to every frame
+    if not degrees and "rotate" in stream.metadata:  # legacy tag, clockwise
+        try:
+            degrees = -float(stream.metadata["rotate"])
+        except ValueError:
+            degrees = 0.0
+    return round(degrees / 90) % 4 * 90
+
+
+def _upright(rgb: np.ndarray, rotation: int) -> np.ndarray:
+    """(H, W, 3) -> upright (H', W', 3), C-contiguous (copies only when rotating or row-padded)."""
+    if rotation:
+        rgb = np.rot90(rgb, rotation // 90)
+    return np.ascontiguousarray(rgb)
+
+
+def _reason(error: BaseException) -> str:
+    """One line from an FFmpeg / decord error (decord's carry a C++ backtrace)."""
+    text = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    line = text.strip().splitlines()[0]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)[:200]  # decord's "[time] file.cc:line: " prefix

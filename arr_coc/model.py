@@ -46,6 +46,7 @@ class Allocation:
     scene_change: (T,) bool, True on the first frame of each new shot / fixation
     motion:       (T,) float, mean motion magnitude of the frame (0..1 colour units)
     tensions:     name -> (T,) float, the balancer's tension values (for logging)
+    soft:         (T, gh, gw) float, differentiable soft token budget (train soft, infer hard)
     """
 
     relevance: torch.Tensor
@@ -55,10 +56,11 @@ class Allocation:
     scene_change: torch.Tensor
     motion: torch.Tensor
     tensions: dict[str, torch.Tensor]
+    soft: torch.Tensor
 
     def __post_init__(self) -> None:
         T, gh, gw = self.relevance.shape
-        for name in ("tokens", "lod"):
+        for name in ("tokens", "lod", "soft"):
             if tuple(getattr(self, name).shape) != (T, gh, gw):
                 raise ValueError(f"Allocation.{name} has shape {tuple(getattr(self, name).shape)}, expected {(T, gh, gw)}")
         for name in ("scene_change", "motion"):
@@ -79,7 +81,7 @@ class Allocation:
         return replace(self, relevance=move(self.relevance), tokens=move(self.tokens),
                        selected=move(self.selected), lod=move(self.lod),
                        scene_change=move(self.scene_change), motion=move(self.motion),
-                       tensions={k: move(v) for k, v in self.tensions.items()})
+                       tensions={k: move(v) for k, v in self.tensions.items()}, soft=move(self.soft))
 
 
 class ARRCOC(nn.Module):
@@ -138,6 +140,7 @@ class ARRCOC(nn.Module):
             scene_change=realized.scene_change,
             motion=texture.motion.flatten(1).mean(1),
             tensions=balanced.tensions,
+            soft=allotment.soft,
         )
         return allocation, state, texture.with_channel("relevance_cache", realized.cache)
 

@@ -93,6 +93,9 @@ class OverlayWriter:
         self.out_width, self.out_height = self.width + self.width % 2, self.height + self.height % 2
         self.frames = 0
         self._token_scale = 1.0  # running max, so colours mean the same thing across the video
+        # PyAV opens the file only at the first packet; fail here, before any frame was rendered
+        if not self.path.parent.is_dir():
+            raise SinkError(f"cannot write the overlay video {self.path}: {self.path.parent} is not a directory")
         try:
             self._container = av.open(str(self.path), mode="w")
         except (OSError, av.FFmpegError) as e:

@@ -1,0 +1,117 @@
+"""Homunculus overlay: rendering, H.264 mp4 via PyAV, PNG contact sheet."""
+from __future__ import annotations
+
+import av
+import cv2
+import numpy as np
+import pytest
+
+from sinks.overlay import DROP_DIM, OUTLINE, OverlayWriter, colormap, contact_sheet, render_homunculus
+from sinks.zarr_store import SinkError
+
+GRAY = 128
+
+
+def gray_frame(h: int, w: int) -> np.ndarray:
+    return np.full((h, w, 3), GRAY, np.uint8)
+
+
+def half_kept(gh: int = 4, gw: int = 6) -> np.ndarray:
+    tokens = np.zeros((gh, gw), np.int32)
+    tokens[:, : gw // 2] = 1  # left half kept, right half dropped
+    return tokens
+
+
+def decode(path) -> list[np.ndarray]:
+    with av.open(str(path)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+class TestRender:
+    def test_kept_tinted_and_outlined_dropped_darkened(self):
+        out = render_homunculus(gray_frame(48, 72), half_kept())  # cells are 12 x 12 pixels
+        kept_inside, dropped_inside = out[14:22, 14:22], out[14:22, 50:58]
+        assert np.all(dropped_inside == int(DROP_DIM * GRAY)) and dropped_inside.max() < GRAY // 2
+        assert not np.array_equal(kept_inside[0, 0], [GRAY] * 3)  # tinted by the colour map
+        assert np.all(kept_inside == kept_inside[0, 0])
+        assert np.all(out[12, 0:36] == OUTLINE) and np.all(out[0:48, 11] == OUTLINE)  # kept cell edges
+        assert not np.any(np.all(out[:, 36:] == OUTLINE, axis=-1))  # dropped cells are not outlined
+
+    def test_heat_follows_relevance_or_tokens(self):
+        tokens = np.ones((1, 2), np.int32)
+        low_high = render_homunculus(gray_frame(10, 20), tokens, np.array([[0.0, 1.0]]))
+        assert np.abs(low_high[5, 4].astype(int) - low_high[5, 14].astype(int)).sum() > 100
+        by_tokens = render_homunculus(gray_frame(10, 20), np.array([[1, 4]]))
+        assert not np.array_equal(by_tokens[5, 4], by_tokens[5, 14])
+
+    def test_colormap_is_ordered_dark_to_bright(self):
+        lum = colormap(np.linspace(0, 1, 11)).astype(float) @ [0.299, 0.587, 0.114]  # (11,)
+        assert np.all(np.diff(lum) > 0)
+
+    def test_shape_checks(self):
+        with pytest.raises(ValueError, match="relevance must have the shape of tokens"):
+            render_homunculus(gray_frame(8, 8), np.ones((2, 2)), np.ones((2, 3)))
+        with pytest.raises(ValueError, match="rgb must be uint8"):
+            render_homunculus(np.zeros((8, 8, 3), np.float32), np.ones((2, 2)))
+
+
+class TestOverlayWriter:
+    @pytest.mark.parametrize("h, w", [(48, 72), (47, 71)])
+    def test_decodable_mp4_with_frame_count_size_and_visible_cells(self, tmp_path, h, w):
+        path = tmp_path / "overlay.mp4"
+        with OverlayWriter(path, fps=12, width=w, height=h) as overlay:
+            for _ in range(12):
+                overlay.write(gray_frame(h, w), half_kept())
+        assert overlay.frames == 12
+        frames = decode(path)
+        assert len(frames) == 12
+        assert frames[0].shape == (h + h % 2, w + w % 2, 3)  # odd sides padded to even for yuv420p
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            assert stream.codec_context.name == "h264" and stream.average_rate == 12
+        last = frames[-1].astype(float)
+        kept, dropped = last[14:22, 14:22], last[14:22, 50:58]
+        assert abs(dropped.mean() - DROP_DIM * GRAY) < 6 and dropped.mean() < GRAY / 2  # darkened, via lossy H.264
+        assert kept.mean() - dropped.mean() > 30
+        assert np.abs(kept.mean(axis=(0, 1)) - GRAY).max() > 20    # tinted away from the gray frame
+
+    def test_rejects_wrong_frame_and_write_after_close(self, tmp_path):
+        overlay = OverlayWriter(tmp_path / "o.mp4", fps=10, width=32, height=16)
+        with pytest.raises(ValueError, match=r"rgb must have shape \(16, 32, 3\)"):
+            overlay.write(gray_frame(32, 16), np.ones((2, 4)))
+        overlay.write(gray_frame(16, 32), np.ones((2, 4)))
+        overlay.close()
+        with pytest.raises(SinkError, match="already closed"):
+            overlay.write(gray_frame(16, 32), np.ones((2, 4)))
+        assert len(decode(tmp_path / "o.mp4")) == 1
+
+    def test_unwritable_path(self, tmp_path):
+        with pytest.raises(SinkError, match="cannot write the overlay video .*missing_dir"):
+            OverlayWriter(tmp_path / "missing_dir" / "o.mp4", fps=10, width=32, height=16)
+
+    def test_bad_fps(self, tmp_path):
+        with pytest.raises(ValueError, match="fps must be a number > 0, got 0"):
+            OverlayWriter(tmp_path / "o.mp4", fps=0, width=32, height=16)
+
+
+class TestContactSheet:
+    def test_png_grid_dimensions_and_tiles(self, tmp_path):
+        rng = np.random.default_rng(0)
+        frames = rng.integers(0, 256, size=(5, 30, 40, 3), dtype=np.uint8)
+        tokens = rng.integers(0, 4, size=(5, 3, 4))
+        path = contact_sheet(frames, tokens, tmp_path / "sheet.png", columns=2, gap=4)
+        sheet = cv2.imread(str(path))[..., ::-1]  # BGR -> RGB
+        assert sheet.shape == (3 * (30 + 4) + 4, 2 * (40 + 4) + 4, 3)
+        scale = float(tokens.max())
+        # PNG is lossless: the tile of frame 3 (row 1, column 1) is exactly its overlay
+        y, x = 4 + 1 * 34, 4 + 1 * 44
+        np.testing.assert_array_equal(sheet[y:y + 30, x:x + 40],
+                                      render_homunculus(frames[3], tokens[3], token_scale=scale))
+        assert np.all(sheet[:4] == 24) and np.all(sheet[-34:, 48:] == 24)  # gaps, empty last slot
+
+    def test_bad_paths(self, tmp_path):
+        frames, tokens = np.zeros((1, 8, 8, 3), np.uint8), np.ones((1, 2, 2))
+        with pytest.raises(ValueError, match="must end in .png"):
+            contact_sheet(frames, tokens, tmp_path / "sheet.jpg")
+        with pytest.raises(SinkError, match="cannot write the contact sheet"):
+            contact_sheet(frames, tokens, tmp_path / "missing_dir" / "sheet.png")

@@ -136,6 +136,15 @@ def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise SinkError(f"config cannot be stored as JSON zarr attrs: {e}") from e
 
 
+def _create_root(path: Path, config: Mapping[str, Any]) -> zarr.Group:
+    attrs = {"format": FORMAT, "config": _json_config(config)}
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        return zarr.create_group(LocalStore(path), attributes=attrs, overwrite=False, zarr_format=3)
+    except ContainsGroupError:  # another process created it between our check and now
+        return _open_root(path, read_only=False)
+
+
 class ZarrStore:
     """An arr-coc output store. Create with `ZarrStore.open(path, config=..., mode=...)`."""
 
@@ -161,23 +170,22 @@ class ZarrStore:
             if not exists:
                 raise SinkError(f"{path} is not a zarr store (no zarr.json)")
             return cls(path, _open_root(path, read_only=True), read_only=True)
-        if exists:
-            root = _open_root(path, read_only=False)
-            if mode == "a":
-                return cls(path, root, read_only=False)
+        if exists and mode == "w":
+            _open_root(path, read_only=False)  # refuses to delete anything but an arr-coc store
             shutil.rmtree(path)
-        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+            exists = False
+        elif not exists and path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise SinkError(f"{path} exists and is not a zarr store; refusing to write into it")
-        if config is None:
+        if not exists and config is None:
             raise ValueError("config is required to create a store")
-        attrs = {"format": FORMAT, "config": _json_config(config)}
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            try:
-                root = zarr.create_group(LocalStore(path), attributes=attrs, overwrite=False, zarr_format=3)
-            except ContainsGroupError:  # another process created it between our check and now
-                root = _open_root(path, read_only=False)
-            root.require_group("streams")
+            root = _open_root(path, read_only=False) if exists else _create_root(path, config)
+            if not (path / "streams" / "zarr.json").is_file():
+                # absent only when a creator died between writing the root and `streams/`
+                try:
+                    root.create_group("streams")
+                except ContainsGroupError:  # another process was quicker
+                    pass
         except OSError as e:
             raise SinkError(f"cannot write the output store {path}: {e.strerror or e}") from e
         return cls(path, root, read_only=False)

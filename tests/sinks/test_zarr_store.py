@@ -246,6 +246,15 @@ class TestCrashSafety:
         assert all(group[s.name].shape[0] == 128 for s in FRAME_ARRAYS)
         assert read_stream(store.path, "v")["answers"]["text"].tolist() == ["a"]
 
+    def test_store_without_streams_group_is_valid_and_reopens(self, tmp_path):
+        # what a creator killed between writing the root and `streams/` leaves behind
+        zarr.open_group(tmp_path / "out.zarr", mode="w", attributes={"format": FORMAT, "config": {}})
+        assert validate_store(tmp_path / "out.zarr") == []
+        assert ZarrStore.open(tmp_path / "out.zarr", mode="r").stream_ids() == []
+        store = ZarrStore.open(tmp_path / "out.zarr")
+        store.stream("v", **META).close(complete=True)
+        assert store.stream_ids() == ["v"] and validate_store(store.path) == []
+
     def _spawn(self, tmp_path: Path, body: str) -> subprocess.Popen:
         script = textwrap.dedent(f"""
             import sys, time

@@ -1,0 +1,87 @@
+"""Groups answer requests from several streams into batches for one VLM (thread-safe)."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+from pipeline.vlm.model import VLM, AnswerRequest, AnswerResult
+
+_STOP = object()
+
+
+class VLMBatcher:
+    """``submit(request) -> Future[AnswerResult]`` from any thread. A worker thread waits for the first
+    request, then gathers more until ``max_batch`` requests or ``max_wait_s`` after that first one,
+    and answers them in one batched ``VLM.answer`` call. An error fails every future of its batch."""
+
+    def __init__(self, vlm: VLM, *, max_batch: int | None = None, max_wait_s: float | None = None) -> None:
+        self.vlm = vlm
+        self.max_batch = vlm.config.max_batch if max_batch is None else max_batch
+        self.max_wait_s = vlm.config.max_wait_s if max_wait_s is None else max_wait_s
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._lock = threading.Lock()
+        self.batch_sizes: list[int] = []        # sizes of the batches answered so far (observability)
+        self._worker = threading.Thread(target=self._run, name="vlm-batcher", daemon=True)
+        self._worker.start()
+
+    def submit(self, request: AnswerRequest) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("VLMBatcher is closed")
+            self._queue.put((request, future))
+        return future
+
+    def close(self) -> None:
+        """Answer everything already submitted, then stop the worker."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
+        self._worker.join()
+
+    def __enter__(self) -> "VLMBatcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _gather(self, first) -> tuple[list, bool]:
+        batch, deadline = [first], time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_batch:
+            try:
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item is _STOP:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is _STOP:
+                break
+            batch, stop = self._gather(first)
+            live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            self.batch_sizes.append(len(live))
+            try:
+                results: list[AnswerResult] = self.vlm.answer([r for r, _ in live])
+            except BaseException as e:  # the caller sees it on its future, naming the streams
+                for _, f in live:
+                    f.set_exception(e)
+                continue
+            for (_, f), res in zip(live, results):
+                f.set_result(res)

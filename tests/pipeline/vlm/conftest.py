@@ -1,0 +1,46 @@
+import numpy as np
+import pytest
+import torch
+
+from pipeline.vlm.loading import build_tiny_vlm
+from pipeline.vlm.model import AnswerRequest
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vlm(request):
+    return build_tiny_vlm(request.param)
+
+
+def make_frames(T: int, H: int, W: int, seed: int = 0) -> np.ndarray:
+    """Smooth random video (low-frequency colour fields + noise), so resizing is non-trivial."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:H, 0:W] / max(H, W)
+    base = np.stack([np.sin(6 * yy + c) * np.cos(5 * xx - c) for c in range(3)], -1)
+    video = [(base * 100 + 128 + rng.normal(0, 30, (H, W, 3)) + 10 * t) for t in range(T)]
+    return np.clip(np.stack(video), 0, 255).astype(np.uint8)
+
+
+def random_keep(vlm, frames: np.ndarray, seed: int, p=(0.5, 0.3, 0.2)) -> np.ndarray:
+    """Random LOD map (0 dropped / 1 full / 2 pooled) on the VLM's grid."""
+    gh, gw = vlm.geometry.grid(*frames.shape[1:3])
+    rng = np.random.default_rng(seed)
+    return rng.choice(3, size=(frames.shape[0], gh, gw), p=p).astype(np.int64)
+
+
+def request(frames, keep=None, question="what moves?", stream="s0") -> AnswerRequest:
+    return AnswerRequest(stream, frames, keep, question, 0.0, 1.0)
+
+
+def stock_inputs(vlm, frames, question):
+    """HF model inputs for the unpruned video (pixel values from our preprocessing: test_vlm_preprocess
+    shows they equal HF's processor output)."""
+    pixels, grid = vlm.preprocessor(frames, vlm.device)
+    n_full = int(grid.prod()) // vlm.geometry.merge_size ** 2
+    ids = vlm.full_input_ids(question, n_full)[None]
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values_videos=pixels,
+                  video_grid_thw=grid[None], mm_token_type_ids=(ids == vlm.video_token_id).int() * 2)
+    if vlm.family == "qwen2_5_vl":
+        inputs["second_per_grid_ts"] = torch.tensor([vlm.geometry.temporal_patch_size / vlm.config.fps])
+    return inputs

@@ -13,7 +13,8 @@ does not depend on what else is in the batch):
 - pos_y, pos_x: cell centres in [0, 1]; eccentricity: distance of the cell centre from the frame
   centre over the half-diagonal, in [0, 1].
 - sobel_gx, sobel_gy: divided by the frame's largest |value| -> [-1, 1]; sobel_mag: divided by its
-  max -> [0, 1]; saliency: min-max -> [0, 1]. A flat frame gives zeros, not NaN.
+  max -> [0, 1]; saliency: min-max -> [0, 1]. Each scale has a small floor, so a flat frame gives
+  zeros (not NaN, not amplified round-off).
 - motion: divided by max(frame max, motion_floor) -> [0, 1]; flow_dy, flow_dx: divided by
   max(frame's largest flow magnitude, flow_floor) -> [-1, 1], one scale for both so the direction
   survives. The floors keep sensor noise on a still frame from being stretched into "motion".
@@ -45,6 +46,12 @@ _RGB_TO_XYZ = ((0.412453, 0.357580, 0.180423),
                (0.212671, 0.715160, 0.072169),
                (0.019334, 0.119193, 0.950227))
 _WHITE = (0.950456, 1.0, 1.088754)
+# Smallest frame maxima the gradient (intensity / working pixel) and saliency (Delta E) channels
+# are scaled by: below them a frame is flat, and stretching float round-off to +-1 would paint
+# edges on a blank wall. 1e-3 is a quarter of an 8-bit level per pixel; 1 Delta E is below the
+# just-noticeable colour difference (~2.3).
+_GRADIENT_FLOOR = 1e-3
+_SALIENCY_FLOOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,8 +93,10 @@ class TextureConfig:
 @dataclass(frozen=True)
 class Texture:
     """data (B, C, gh, gw) in CHANNELS order (see the module docstring for each channel's range);
-    flow (B, 2, gh, gw) raw (dy, dx) in grid cells, this(y, x) ~ prev(y - dy, x - dx);
-    motion (B, gh, gw) raw mean |this - prev|; residual (B, gh, gw) raw mean |this - warp(prev, flow)|;
+    flow (B, 2, gh, gw) raw (dy, dx) in grid cells, this(y, x) ~ prev(y - dy, x - dx), set to 0 in
+    cells that no motion explains at least as well (|this - prev| <= |this - warp(prev, flow)|);
+    motion (B, gh, gw) raw mean |this - prev|; residual (B, gh, gw) raw mean |this - warp(prev, flow)|
+    with that same per-cell flow, i.e. min(flow-compensated difference, motion);
     cell_rgb (B, 3, gh, gw) mean colour in [0, 1]; has_prev (B,) bool. Without a previous frame
     flow, motion and residual are zero.
     """
@@ -190,11 +199,11 @@ def _normalize_max(x: torch.Tensor, floor: float) -> torch.Tensor:
     return x / scale.view(-1, *([1] * (x.dim() - 1)))
 
 
-def _normalize_minmax(x: torch.Tensor) -> torch.Tensor:
-    """(B, gh, gw) -> per-frame (x - min) / (max - min) in [0, 1]; a constant frame gives zeros."""
+def _normalize_minmax(x: torch.Tensor, floor: float) -> torch.Tensor:
+    """(B, gh, gw) -> per-frame (x - min) / max(max - min, floor) in [0, 1]."""
     flat = x.flatten(1)
     lo = flat.amin(1).view(-1, 1, 1)
-    span = (flat.amax(1).view(-1, 1, 1) - lo).clamp_min(1e-12)
+    span = (flat.amax(1).view(-1, 1, 1) - lo).clamp_min(floor)
     return (x - lo) / span
 
 
@@ -249,16 +258,22 @@ class TextureExtractor(nn.Module):
         flow_cells = pool(flow) / cell                          # (B, 2, gh, gw)
         motion = pool(motion)[:, 0]                             # (B, gh, gw)
         residual = pool(residual)[:, 0]                         # (B, gh, gw)
+        # Lucas-Kanade windows smear a moving object's flow into the still background around it,
+        # where warping then invents change. Per cell, keep whichever hypothesis explains the frame
+        # better, the estimated flow or no motion, so still cells get flow 0 and residual = motion.
+        still = motion <= residual                              # (B, gh, gw)
+        flow_cells = flow_cells.masked_fill(still.unsqueeze(1), 0.0)
+        residual = torch.minimum(residual, motion)
         flow_scale = torch.hypot(flow_cells[:, 0], flow_cells[:, 1]).flatten(1).amax(1)
         flow_norm = flow_cells / flow_scale.clamp_min(cfg.flow_floor).view(b, 1, 1, 1)
 
         channels = [
             cell_rgb[:, 0], cell_rgb[:, 1], cell_rgb[:, 2],
             cell_lab[:, 0] / 100.0, (cell_lab[:, 1] / 128.0).clamp(-1.0, 1.0),
-            _normalize_max(gxy[:, 1], 1e-12), _normalize_max(gxy[:, 0], 1e-12),
-            _normalize_max(magnitude, 1e-12),
+            _normalize_max(gxy[:, 1], _GRADIENT_FLOOR), _normalize_max(gxy[:, 0], _GRADIENT_FLOOR),
+            _normalize_max(magnitude, _GRADIENT_FLOOR),
             pos_y.expand(b, gh, gw), pos_x.expand(b, gh, gw), eccentricity.expand(b, gh, gw),
-            _normalize_minmax(salient), pool(luminance)[:, 0],
+            _normalize_minmax(salient, _SALIENCY_FLOOR), pool(luminance)[:, 0],
             _normalize_max(motion, cfg.motion_floor), flow_norm[:, 0], flow_norm[:, 1],
             torch.zeros_like(motion),
         ]

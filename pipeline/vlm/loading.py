@@ -56,29 +56,21 @@ def _load_pretrained(spec: str, device, dtype, config: VLMConfig, local_files_on
 
     is_path = _looks_like_path(spec)
     if is_path:
-        root = Path(spec).expanduser()
-        if not root.exists():
-            raise VLMLoadError(f"VLM path {spec!r} does not exist")
-        if not root.is_dir():
-            raise VLMLoadError(f"VLM path {spec!r} is not a directory (expected a Hugging Face snapshot)")
-        if not (root / "config.json").is_file():
-            raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot: it has no config.json")
+        _check_snapshot_dir(spec)
     try:
         model_config = AutoConfig.from_pretrained(spec, local_files_only=local_files_only)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # hub/network/parse errors of every kind become one line
         if is_path:
-            raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot: config.json is unreadable "
+            raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot: its config.json does not load "
                                f"({str(e).splitlines()[0]})") from None
         raise VLMLoadError(f"VLM {spec!r} was not found on the Hugging Face Hub or in the local cache "
                            f"(offline? pass a local snapshot directory instead)") from None
     family = getattr(model_config, "model_type", None)
-    if family not in FAMILIES:
-        raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot (model_type={family!r}); "
-                           f"supported: {', '.join(FAMILIES)}")
+    _check_family(spec, family)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_files_only)
         model = MODEL_CLASSES[family].from_pretrained(spec, dtype=dtype, local_files_only=local_files_only).to(device)
-    except (OSError, ValueError) as e:
+    except Exception as e:
         raise VLMLoadError(f"cannot load VLM {spec!r}: {str(e).splitlines()[0]}") from None
     # The processor configs are read as plain JSON: preprocessing runs on the device in our own code,
     # so HF's (torchvision-based) processor classes are not needed at run time.
@@ -88,6 +80,27 @@ def _load_pretrained(spec: str, device, dtype, config: VLMConfig, local_files_on
         if path is not None:
             processor_cfg = {**json.loads(Path(path).read_text()), **processor_cfg}
     return _wrap(model, tokenizer, family, spec, config, processor_cfg, None)
+
+
+def _check_snapshot_dir(spec: str) -> None:
+    root = Path(spec).expanduser()
+    if not root.exists():
+        raise VLMLoadError(f"VLM path {spec!r} does not exist")
+    if not root.is_dir():
+        raise VLMLoadError(f"VLM path {spec!r} is not a directory (expected a Hugging Face snapshot)")
+    if not (root / "config.json").is_file():
+        raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot: it has no config.json")
+    try:
+        family = json.loads((root / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot: config.json is not a JSON object") from None
+    _check_family(spec, family)
+
+
+def _check_family(spec: str, family) -> None:
+    if family not in FAMILIES:
+        raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot (model_type={family!r}); "
+                           f"supported: {', '.join(FAMILIES)}")
 
 
 def _wrap(model, tokenizer, family, name, config: VLMConfig, processor_cfg: dict, warning) -> VLM:

@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -127,9 +128,9 @@ def _report(result: Any, verbose: bool) -> None:
                      "tokens_full": a.tokens_full} for a in result.answers],
     }
     print(json.dumps(summary))
-    if result.truncated:
-        print(f"warning: {result.stream_id}: the video is damaged or truncated; stored the {result.frames} "
-              "frames decoded before the damage (complete=false)", file=sys.stderr)
+    if result.truncated:  # the source already warned about the damage itself
+        print(f"warning: {result.stream_id}: stored the {result.frames} frames decoded before the damage "
+              "(complete=false)", file=sys.stderr)
     if verbose:
         for row in result.metrics:
             print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
@@ -149,8 +150,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends cleanly, like Ctrl-C
+    warnings.formatwarning = _one_line_warning
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     try:
         args = build_parser().parse_args(argv)

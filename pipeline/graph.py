@@ -65,7 +65,8 @@ class Channel:
                         self.dropped += 1
                         break
             self._items.append(item)
-            self.max_depth = max(self.max_depth, len(self._items))
+            if item is not _END:
+                self.max_depth = max(self.max_depth, len(self._items))
             self._cond.notify_all()
             return True
 

@@ -83,8 +83,12 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
 
 def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineConfig, *,
               overlay_path: str | Path | None = None, progress: bool | None = None,
-              on_graph: Callable[[Graph], None] | None = None) -> RunResult:
-    """Process one video file end to end. Raises SourceError / SinkError / StageError on failure."""
+              on_graph: Callable[[Graph], None] | None = None,
+              query_embedding: torch.Tensor | None = None) -> RunResult:
+    """Process one video file end to end. Raises SourceError / SinkError / StageError on failure.
+
+    query_embedding: (Dq,) use this instead of encoding `question` (callers with their own encoder).
+    """
     from sinks import OverlayWriter
 
     device = resolve_device(cfg.runtime.device)
@@ -101,7 +105,7 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
     except BaseException:
         source.close()
         raise
-    query = encode_query(question, device)
+    query = encode_query(question, device) if query_embedding is None else query_embedding.to(device)
     model = build_model(cfg, query.shape[-1], device)
     status = RunStatus()
     overlay = None

@@ -1,0 +1,205 @@
+"""VLM stage benchmark: stock Qwen2-VL-family model (all visual tokens) vs ARR-COC token retention.
+
+For each architecture (random weights from configs written in code; speed does not depend on the
+weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setting:
+  front end (preprocess + vision tower + selection, also split), prefill, time to first token,
+  decode tokens/s and peak GPU memory. Keep maps come from arr_coc.ARRCOC (untrained weights) when it
+  imports and runs, else from a top-k of a deterministic relevance map; the JSON says which.
+
+    python benchmarks/bench_vlm.py                 # GPU: qwen2-vl-2b and qwen2.5-vl-7b, bf16
+    python benchmarks/bench_vlm.py --tiny          # CPU smoke test with the tiny random models
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
+from pipeline.vlm.config import VLMConfig  # noqa: E402
+from pipeline.vlm.loading import _wrap  # noqa: E402
+from pipeline.vlm.model import AnswerRequest  # noqa: E402
+from pipeline.vlm.selection import pair_lod  # noqa: E402
+
+QUESTION = "What is the person on the left doing with the red object?"
+
+
+def synthetic_window(T: int, H: int, W: int) -> np.ndarray:
+    """Deterministic moving colour blobs over a gradient: (T, H, W, 3) uint8."""
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    frames = []
+    for t in range(T):
+        cy, cx = H * (0.3 + 0.4 * np.sin(t / 5)), W * (0.3 + 0.4 * np.cos(t / 7))
+        blob = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * (H / 10) ** 2))
+        rgb = np.stack([blob * 255, yy / H * 200, xx / W * 200], -1)
+        frames.append(rgb)
+    return np.clip(np.stack(frames), 0, 255).astype(np.uint8)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int) -> tuple[float, object]:
+    fn()                                                               # warm-up (kernels, allocator)
+    times, out = [], None
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def relevance_keep_maps(vlm, frames: np.ndarray, retentions: list[float]) -> tuple[dict, str]:
+    """Per-frame LOD maps (T, gh, gw) for each retention, and a note on where they came from."""
+    grid = vlm.geometry.grid(*frames.shape[1:3])
+    device = vlm.device
+    try:
+        from arr_coc.attending import AttendingConfig
+        from arr_coc.model import ARRCOC, ARRCOCConfig
+        query = vlm.text_embeddings(QUESTION).float()                  # (L, D): LM token embeddings
+        video = torch.as_tensor(frames, device=device).permute(0, 3, 1, 2)  # (T, 3, H, W) uint8
+        maps = {}
+        for r in retentions:
+            torch.manual_seed(0)
+            model = ARRCOC(ARRCOCConfig(attending=AttendingConfig(retention=r)), query_dim=query.shape[-1])
+            with torch.no_grad():
+                allocation, _ = model.to(device)(video, query, grid=grid)
+            maps[r] = allocation.lod.to(torch.int64)
+        return maps, "arr_coc.ARRCOC (untrained weights) allocation"
+    except Exception as e:  # arr_coc missing or failing: still benchmark the VLM side
+        note = f"top-k of a deterministic relevance map (arr_coc unavailable: {type(e).__name__}: {e})"
+    T, (gh, gw) = frames.shape[0], grid
+    yy, xx = torch.meshgrid(torch.linspace(-1, 1, gh), torch.linspace(-1, 1, gw), indexing="ij")
+    t = torch.arange(T).div(2, rounding_mode="floor").float()[:, None, None]  # same map in a frame pair
+    relevance = torch.exp(-((yy - 0.3 * torch.sin(t / 3)) ** 2 + (xx - 0.3 * torch.cos(t / 4)) ** 2) / 0.3)
+    maps = {}
+    for r in retentions:
+        k = max(1, round(r * gh * gw))
+        top = relevance.flatten(1).topk(k, dim=1).indices                      # (T, k)
+        keep = torch.zeros(T, gh * gw, dtype=torch.int64).scatter_(1, top, 1)
+        maps[r] = keep.view(T, gh, gw).to(device)
+    return maps, note
+
+
+def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
+    device = vlm.device
+    req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps)
+    pre_s, (pixels, grid) = timed(lambda: vlm.preprocessor(frames, device), device, reps)
+    vis_s, _ = timed(lambda: vlm._visual(pixels.to(vlm.dtype), grid_thw=grid[None].to(device)), device, reps)
+    front_s, prefixes = timed(lambda: vlm.prepare([req]), device, reps)
+    prefix = prefixes[0]
+
+    def prefill():
+        cache = vlm._new_cache()
+        embeds, positions, mask = vlm._left_pad([prefix])
+        return vlm.model.lm_head(vlm._lm_step(embeds, mask, positions, cache)[:, -1])
+
+    prefill_s, _ = timed(prefill, device, reps)
+    ttft_s, _ = timed(lambda: vlm.generate(vlm.prepare([req]), max_new_tokens=1), device, reps)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    full_s, out = timed(lambda: vlm.generate(vlm.prepare([req]), max_new_tokens=new_tokens), device, reps)
+    n = out.lengths[0]
+    decode_tps = (n - 1) / max(full_s - ttft_s, 1e-9)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return dict(tokens_kept=prefix.tokens_kept, tokens_full=prefix.tokens_full,
+                retention_actual=prefix.tokens_kept / prefix.tokens_full, prefix_len=prefix.embeds.shape[0],
+                preprocess_ms=pre_s * 1e3, vision_ms=vis_s * 1e3,
+                selection_ms=max(front_s - pre_s - vis_s, 0.0) * 1e3, front_end_ms=front_s * 1e3,
+                prefill_ms=prefill_s * 1e3, ttft_ms=ttft_s * 1e3, decode_tokens=n, decode_tok_s=decode_tps,
+                peak_mem_gib=peak)
+
+
+def build_vlm(name: str, device: torch.device, dtype: torch.dtype, cfg: VLMConfig):
+    tokenizer = build_tokenizer()
+    if name.startswith("tiny-"):
+        family = name.removeprefix("tiny-")
+        model_cfg, family_name = tiny_config(family, tokenizer), family
+    else:
+        model_cfg = arch_config(name, tokenizer)
+        family_name = model_cfg.model_type
+    model = build_model(model_cfg, device=device, dtype=dtype)
+    vlm = _wrap(model, tokenizer, family_name, name, cfg, {}, "random weights (benchmark)")
+    # random weights emit EOS at random; decode speed is measured over a fixed token count
+    vlm.eos_ids = torch.empty(0, dtype=torch.long, device=device)
+    return vlm
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test with the tiny random models")
+    ap.add_argument("--arch", nargs="+", default=None, help=f"architectures (default: {', '.join(ARCHS)})")
+    ap.add_argument("--frames", type=int, default=None, help="frames per window (default 32; --tiny 4)")
+    ap.add_argument("--size", type=int, default=None, help="frame side in pixels (default 448; --tiny 112)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 64; --tiny 6)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 3; --tiny 1)")
+    ap.add_argument("--retention", type=float, nargs="+", default=[0.5, 0.25, 0.1])
+    ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
+    args = ap.parse_args(argv)
+    tiny = args.tiny
+    device = torch.device(args.device or ("cpu" if tiny else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_vlm: no CUDA GPU here; use --tiny for the CPU smoke test", file=sys.stderr)
+        return 2
+    archs = args.arch or (["tiny-qwen2_vl", "tiny-qwen2_5_vl"] if tiny else list(ARCHS))
+    T, size = args.frames or (4 if tiny else 32), args.size or (112 if tiny else 448)
+    new_tokens, reps = args.new_tokens or (6 if tiny else 64), args.reps or (1 if tiny else 3)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    cfg = VLMConfig(max_pixels=max(size * size, 56 * 56), max_new_tokens=new_tokens, dtype=str(dtype)[6:])
+    frames = synthetic_window(T, size, size)
+    results, rows = [], []
+    for arch in archs:
+        t0 = time.perf_counter()
+        vlm = build_vlm(arch, device, dtype, cfg)
+        build_s = time.perf_counter() - t0
+        maps, source = relevance_keep_maps(vlm, frames, args.retention)
+        settings = [("stock", None)] + [(f"arr-coc {int(r * 100)}%", maps[r]) for r in args.retention]
+        for label, keep in settings:
+            r = bench_setting(vlm, frames, keep, new_tokens, reps)
+            r.update(arch=arch, setting=label, keep_source=None if keep is None else source, build_s=build_s)
+            results.append(r)
+            rows.append(r)
+        del vlm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print_table(rows)
+    import transformers
+    report = dict(command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                  torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype),
+                  frames=T, size=size, new_tokens=new_tokens, reps=reps, results=results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [("arch", "{}"), ("setting", "{}"), ("tokens_kept", "{}"), ("tokens_full", "{}"),
+            ("preprocess_ms", "{:.1f}"), ("vision_ms", "{:.1f}"), ("selection_ms", "{:.1f}"),
+            ("front_end_ms", "{:.1f}"), ("prefill_ms", "{:.1f}"), ("ttft_ms", "{:.1f}"),
+            ("decode_tok_s", "{:.1f}"), ("peak_mem_gib", "{:.2f}")]
+    cells = [[c for c, _ in cols]] + [[fmt.format(r[c]) for c, fmt in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,6 +43,7 @@ _REORDER_SLACK_S = 1.0
 # decord decodes each get_batch chunk into one array: bound it so 4K input stays at ~64 MB.
 _DECORD_CHUNK_BYTES = 64 << 20
 _DECORD_MAX_CHUNK = 32
+_DECORD_NOPTS_S = 1e9
 _TS_PACKET_SIZES = (188, 192, 204)  # plain, M2TS (timecode prefix), with Reed-Solomon bytes
 
 
@@ -107,7 +108,6 @@ class VideoSource:
         self.truncated = False
         self._target_fps = fps
         self._damage: str | None = None
-        self._ends_mid_packet = False
         self._iterated = self._closed = False
         try:
             self.info = self._open()
@@ -171,8 +171,6 @@ class VideoSource:
                       VideoTruncatedWarning, stacklevel=3)
 
     def _missing_tail(self, last_pts_s: float | None) -> str | None:
-        if self._ends_mid_packet:
-            return "the MPEG-TS file ends inside a packet"
         declared = self.info.duration_s
         if declared is None:
             return None
@@ -191,6 +189,7 @@ class _PyAVSource(VideoSource):
         self._stream = stream
         stream.thread_type = "AUTO"  # frame + slice threads: several times faster on multi-core CPUs
         self._ends_mid_packet = _ends_mid_packet(self.path, self._container)
+        self._held_back_pts: int | None = None
         self._t0 = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
         _check_start(self.path, self.start_s, _duration_s(self._container, stream))
         self._index_base = 0
@@ -231,12 +230,29 @@ class _PyAVSource(VideoSource):
             pass  # damage before start_s: the seek and decode that follow report it
         return count
 
+    def _packets(self) -> Iterator[av.Packet]:
+        """Demuxed packets. A cut MPEG-TS file's last packet is incomplete (the demuxer does not
+        flag it): hold it back and note the damage."""
+        packets = self._container.demux(self._stream)
+        if not self._ends_mid_packet:
+            yield from packets  # ends with an empty packet that flushes the decoder
+            return
+        held = None
+        for packet in packets:
+            if packet.size == 0:
+                break
+            if held is not None:
+                yield held
+            held = packet
+        if held is not None:
+            self._damage, self._held_back_pts = "the MPEG-TS file ends inside a packet", held.pts
+
     def _decode(self) -> Iterator[av.VideoFrame]:
         """Decoded frames in presentation order. On damage (a decoder error or a packet the demuxer
         flags corrupt) note why, hand out what the decoder holds from before the damage, stop."""
         cut = None  # pts of the damaged packet: frames presented from there on are not trusted
         try:
-            for packet in self._container.demux(self._stream):
+            for packet in self._packets():
                 if packet.is_corrupt:
                     self._damage, cut = "corrupt or incomplete packet", packet.pts
                     break
@@ -248,6 +264,7 @@ class _PyAVSource(VideoSource):
                 yield from frames
         except av.FFmpegError as e:  # the demuxer's own errors
             self._damage = _reason(e)
+        cut = self._held_back_pts if cut is None else cut
         if self._damage is None:
             return
         try:
@@ -301,9 +318,12 @@ class _DecordSource(VideoSource):
         # decord exposes neither rotation nor the declared duration: PyAV reads the header
         container, stream = _open_container(self.path)
         with container:
-            self._ends_mid_packet = _ends_mid_packet(self.path, container)
             info = _video_info(container, stream, _first_frame(self.path, container, stream))
+            container_format = container.format.name
         _check_start(self.path, self.start_s, info.duration_s)
+        # decord 0.6 returns frames shifted against their timestamps in MPEG-TS (or fails on them)
+        if container_format == "mpegts":
+            raise SourceError(f"{self.path}: decord misreads MPEG-TS files; use decoder='pyav'")
         # decord 0.6 applies the display matrix itself: 180 degrees correctly, while 90 / 270 crash
         # (it keeps the unrotated frame size for the rotated image)
         if info.rotation in (90, 270):
@@ -312,10 +332,13 @@ class _DecordSource(VideoSource):
         try:
             self._reader = decord.VideoReader(str(self.path), ctx=decord.cpu(0), num_threads=0)
             count = len(self._reader)
-            self._pts = self._reader.get_frame_timestamp(np.arange(count))[:, 0].astype(np.float64)  # (N,)
+            pts = self._reader.get_frame_timestamp(np.arange(count))[:, 0].astype(np.float64)  # (N,)
         except self._error_types as e:
             raise SourceError(f"{self.path}: decord cannot read this video ({_reason(e)}); "
                               f"try decoder='pyav'") from e
+        # decord turns a missing pts into ~9.2e15 s (AV_NOPTS_VALUE): fall back to index / fps there
+        missing = ~np.isfinite(pts) | (np.abs(pts) > _DECORD_NOPTS_S)
+        self._pts = np.where(missing, np.arange(count) / info.fps, pts)  # (N,)
         self._indices, self._cut_short = self._select(self._pts)
         self._chunk = int(np.clip(_DECORD_CHUNK_BYTES // (3 * info.width * info.height), 1, _DECORD_MAX_CHUNK))
         self._pending = self._read(self._indices[:self._chunk])
@@ -521,4 +544,4 @@ def _reason(error: BaseException) -> str:
     """One line from an FFmpeg / decord error (decord's carry a C++ backtrace)."""
     text = getattr(error, "strerror", None) or str(error) or type(error).__name__
     line = text.strip().splitlines()[0]
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)[:200]  # decord's "[time] file.cc:line: " prefix
+    return re.sub(r"^(\[[\d:]+\] \S+:\d+: )+", "", line)[:200]  # decord's "[time] file.cc:line: " prefix

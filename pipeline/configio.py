@@ -36,7 +36,17 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "")
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{prefix + ': ' if prefix else ''}{e}") from None
+        raise ConfigError(_qualify(str(e), prefix)) from None
+
+
+def _qualify(message: str, prefix: str) -> str:
+    """Name the field by its full dotted path: 'attending.x=..' inside 'model.attending' -> 'model.attending.x=..'."""
+    if not prefix or message.startswith(prefix):
+        return message
+    last = prefix.rsplit(".", 1)[-1]
+    if message.startswith(last + "."):
+        return prefix[: len(prefix) - len(last)] + message
+    return f"{prefix}: {message}"
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:

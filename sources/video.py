@@ -248,8 +248,8 @@ class _PyAVSource(VideoSource):
             self._damage, self._held_back_pts = "the MPEG-TS file ends inside a packet", held.pts
 
     def _decode(self) -> Iterator[av.VideoFrame]:
-        """Decoded frames in presentation order. On damage (a decoder error or a packet the demuxer
-        flags corrupt) note why, hand out what the decoder holds from before the damage, stop."""
+        """Decoded frames in presentation order. On damage (a decoder error, a packet the demuxer or a
+        frame the decoder flags corrupt) note why, hand out what the decoder holds from before it, stop."""
         cut = None  # pts of the damaged packet: frames presented from there on are not trusted
         try:
             for packet in self._packets():
@@ -261,7 +261,12 @@ class _PyAVSource(VideoSource):
                 except av.FFmpegError as e:
                     self._damage, cut = _reason(e), packet.pts
                     break
-                yield from frames
+                intact = [f for f in frames if not f.is_corrupt]  # concealed decode errors
+                yield from intact
+                if len(intact) < len(frames):
+                    self._damage = "the decoder reported a corrupt frame"
+                    cut = min(f.pts for f in frames if f.is_corrupt)
+                    break
         except av.FFmpegError as e:  # the demuxer's own errors
             self._damage = _reason(e)
         cut = self._held_back_pts if cut is None else cut

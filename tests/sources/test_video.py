@@ -416,8 +416,10 @@ class TestDamagedFiles:
             assert frame_errors(decoded, frames).max() < 3.0
 
     @pytest.mark.parametrize("decoder", DECODERS)
-    def test_corrupt_bytes_mid_file_stop_with_a_warning(self, damaged: dict, decoder: str):
-        self.read_damaged(damaged["corrupt"], decoder)
+    def test_corrupt_bytes_mid_file_stop_with_a_warning(self, damaged: dict, frames: np.ndarray, decoder: str):
+        decoded, _ = self.read_damaged(damaged["corrupt"], decoder)
+        if decoder == "pyav":  # decord has no corrupt-frame flag: its last frame may be concealed garbage
+            assert frame_errors(decoded, frames).max() < 3.0
 
     @pytest.mark.parametrize("decoder", DECODERS)
     @pytest.mark.parametrize("kind", ["mkv", "ts", "fragmented", "faststart"])

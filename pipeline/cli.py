@@ -127,7 +127,11 @@ def _report(result: Any, verbose: bool) -> None:
         "answers": [{"t_start": a.t_start, "t_end": a.t_end, "text": a.text, "tokens_kept": a.tokens_kept,
                      "tokens_full": a.tokens_full} for a in result.answers],
     }
+    if result.notes:
+        summary["notes"] = result.notes
     print(json.dumps(summary))
+    for note in result.notes:
+        print(f"warning: {note}", file=sys.stderr)
     if result.truncated:  # the source already warned about the damage itself
         print(f"warning: {result.stream_id}: stored the {result.frames} frames decoded before the damage "
               "(complete=false)", file=sys.stderr)

@@ -21,7 +21,7 @@ from sources import open_video
 from .config import PipelineConfig
 from .configio import to_dict
 from .graph import Channel, Graph, Policy, Stage
-from .stages import DecodeStage, RealizeStage, RunStatus, SinkStage, TextureStage
+from .stages import DecodeStage, RealizeStage, RunStatus, SinkStage, TextureStage, VLMStage
 from .vlm.geometry import VLMGeometry
 
 
@@ -37,6 +37,7 @@ class RunResult:
     grid: tuple[int, int]
     metrics: list[dict[str, Any]] = field(default_factory=list)
     answers: list[Any] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def fps(self) -> float:
@@ -59,6 +60,16 @@ def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> AR
 def encode_query(question: str, device: torch.device) -> torch.Tensor:
     from .query import sentence_encoder
     return sentence_encoder(str(device)).encode(question)
+
+
+def load_answerer(cfg: PipelineConfig, device: torch.device):
+    """The VLM named by runtime.vlm, or None for allocation only."""
+    if cfg.runtime.vlm == "none":
+        return None
+    from .vlm import load_vlm
+    # bf16 matrix products are slow on CPUs; there the VLM runs in float32
+    dtype = "float32" if device.type == "cpu" else cfg.vlm.dtype
+    return load_vlm(cfg.runtime.vlm, device=device, dtype=dtype, config=cfg.vlm)
 
 
 def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: tuple[int, int],
@@ -96,7 +107,9 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
     source = open_video(path, decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s,
                         max_frames=d.max_frames)
     try:
-        geometry = VLMGeometry(min_pixels=cfg.vlm.min_pixels, max_pixels=cfg.vlm.max_pixels)
+        vlm = load_answerer(cfg, device)
+        geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
+                                                                    max_pixels=cfg.vlm.max_pixels)
         grid = geometry.grid(source.height, source.width)
         store = ZarrStore.open(out, config=to_dict(cfg))
         writer = store.stream(source.stream_id, source=str(path), query=question, fps=float(source.fps),
@@ -105,13 +118,19 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
     except BaseException:
         source.close()
         raise
-    query = encode_query(question, device) if query_embedding is None else query_embedding.to(device)
+    if query_embedding is not None:
+        query = query_embedding.to(device)
+    elif vlm is not None:  # the VLM's own token embeddings: same space as its visual tokens
+        query = vlm.text_embeddings(question).float()                       # (L, D)
+    else:
+        query = encode_query(question, device)                              # (384,)
     model = build_model(cfg, query.shape[-1], device)
     status = RunStatus()
     overlay = None
     if overlay_path is not None:
         overlay = OverlayWriter(overlay_path, fps=float(source.fps), width=source.width, height=source.height)
-    graph = compose(source, writer, model, query, grid, cfg, device, status, overlay)
+    vlm_stage = None if vlm is None else VLMStage(vlm, question, cfg.runtime.every_s)
+    graph = compose(source, writer, model, query, grid, cfg, device, status, overlay, vlm_stage)
     if on_graph is not None:
         on_graph(graph)
     bar = _progress_bar(source, progress)
@@ -128,7 +147,7 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
     return RunResult(stream_id=source.stream_id, out=Path(out), frames=sink.frames_written,
                      complete=not (status.truncated or status.stopped), truncated=status.truncated,
                      stopped=status.stopped, wall_s=wall, grid=grid, metrics=graph.report(),
-                     answers=list(sink.answers))
+                     answers=list(sink.answers), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
 
 
 def _progress_bar(source: Any, progress: bool | None):

@@ -12,6 +12,7 @@ stream, `event.synchronize()` only where the host must read the data), never a d
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -66,6 +67,7 @@ class AllocationBatch:
     batch: FrameBatch
     allocation: Allocation          # on the host (pinned when on CUDA); valid once `ready` fired
     ready: torch.cuda.Event | None
+    vlm_frames: list[bool] | None = None  # frames sampled for the VLM (None: no VLM in the graph)
 
     frames_count = property(lambda self: self.batch.frames_count)
     description = property(lambda self: self.batch.description)
@@ -190,6 +192,7 @@ class RealizeStage(Stage):
     @torch.inference_mode()
     def process(self, item: TextureBatch) -> Iterable[AllocationBatch]:
         vlm_frames = self.vlm_frames(item.batch)
+        marks = None if vlm_frames is None else vlm_frames.tolist()
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
             if item.ready is not None:
                 self.stream.wait_event(item.ready)
@@ -205,7 +208,65 @@ class RealizeStage(Stage):
             if self.cuda:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
-        return (AllocationBatch(item.batch, host, ready),)
+        return (AllocationBatch(item.batch, host, ready, marks),)
+
+
+class VLMStage(Stage):
+    """Collects the VLM-sampled frames and their token maps into answer windows and asks the VLM.
+
+    Allocation batches pass straight through to the sink; an AnswerItem follows each window.
+    Windows are `every_s` seconds of video (None: the whole video, answered at the end).
+    """
+
+    name = "vlm"
+
+    def __init__(self, vlm: Any, question: str, every_s: float | None, max_frames: int = 256) -> None:
+        self.vlm, self.question, self.every_s, self.max_frames = vlm, question, every_s, max_frames
+        self.rgb: list[np.ndarray] = []
+        self.lod: list[np.ndarray] = []
+        self.pts: list[float] = []
+        self.stream_id = ""
+        self.window_start: float | None = None
+        self.answered = 0
+
+    def count(self, item: Any) -> int:
+        return int(getattr(item, "frames_count", 0))
+
+    def process(self, item: AllocationBatch) -> Iterable[Any]:
+        out: list[Any] = [item]
+        allocation = item.wait()
+        self.stream_id = item.batch.stream_id
+        for frame, lod, take in zip(item.batch.frames, allocation.lod.numpy(), item.vlm_frames or []):
+            if self.window_start is None:
+                self.window_start = frame.pts_s
+            if self.every_s is not None and frame.pts_s >= self.window_start + self.every_s and self.rgb:
+                out.append(self._answer(end=self.window_start + self.every_s))
+                self.window_start += self.every_s * ((frame.pts_s - self.window_start) // self.every_s)
+            if take:
+                if len(self.rgb) == self.max_frames:  # a long window keeps an even spread of frames
+                    del self.rgb[::2], self.lod[::2], self.pts[::2]
+                self.rgb.append(frame.rgb)
+                self.lod.append(lod)
+                self.pts.append(frame.pts_s)
+        return out
+
+    def finish(self) -> Iterable[Any]:
+        if self.rgb:
+            return (self._answer(end=self.pts[-1]),)
+        return ()
+
+    def _answer(self, end: float) -> AnswerItem:
+        from .vlm import AnswerRequest
+
+        request = AnswerRequest(stream_id=self.stream_id, frames=np.stack(self.rgb), keep=np.stack(self.lod),
+                                question=self.question, t_start=float(self.window_start), t_end=float(end),
+                                arrival_s=time.monotonic())
+        result = self.vlm.answer([request])[0]
+        self.rgb, self.lod, self.pts = [], [], []
+        self.answered += 1
+        return AnswerItem(stream_id=self.stream_id, t_start=request.t_start, t_end=request.t_end,
+                          question=self.question, text=result.text, tokens_kept=result.tokens_kept,
+                          tokens_full=result.tokens_full, latency_s=result.latency_s)
 
 
 class SinkStage(Stage):

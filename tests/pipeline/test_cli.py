@@ -70,6 +70,21 @@ class TestRun:
         assert root.attrs["config"]["runtime"]["batch_size"] == 8
         assert '"frames": 60' in stdout
 
+    def test_tiny_random_vlm_writes_answers_with_fewer_tokens(self, capsys, tmp_path, videos):
+        out = tmp_path / "vlm.zarr"
+        code, stdout, err = run_cli(capsys, "run", str(videos["clip"]), "--query", "what moves?", "--out", str(out),
+                                    "--vlm", "tiny-random", "--every", "1", "--device", "cpu",
+                                    "--set", "vlm.max_new_tokens=4")
+        assert code == 0, err
+        assert "meaningless" in err and "meaningless" in stdout
+        assert validate_store(out) == []
+        answers = read_stream(out, "clip")["answers"]
+        assert len(answers["text"]) == 3                                    # 2.4 s of video, 1 s windows
+        assert answers["t_start"].tolist() == [0.0, 1.0, 2.0]
+        assert np.all(answers["tokens_kept"] < answers["tokens_full"])
+        assert np.all(answers["tokens_kept"] > 0) and np.all(answers["latency_s"] > 0)
+        assert set(answers["question"].tolist()) == {"what moves?"}
+
     def test_overlay_video(self, capsys, tmp_path, videos):
         import av
         overlay = tmp_path / "overlay.mp4"

@@ -106,6 +106,39 @@ class TestRun:
         assert 0 < len(data["pts"]) < 60
 
 
+class TestBoundedQueues:
+    def test_slow_sink_holds_the_decoder_back(self, tmp_path, videos):
+        """Backpressure through the real run graph: a slow sink never lets the queues grow."""
+        import time as _time
+
+        from pipeline.config import PipelineConfig
+        from pipeline.configio import load_config
+        from pipeline.run import run_video
+        from sinks.zarr_store import StreamWriter
+
+        cfg = load_config(PipelineConfig, None, ["runtime.device=cpu", "runtime.batch_size=4",
+                                                 "runtime.queue_capacity=2"])
+        graphs = []
+        original = StreamWriter.append
+
+        def slow_append(self, *args, **kwargs):
+            _time.sleep(0.05)
+            return original(self, *args, **kwargs)
+
+        StreamWriter.append = slow_append
+        try:
+            result = run_video(videos["clip"], "q", tmp_path / "slow.zarr", cfg, progress=False,
+                               on_graph=graphs.append)
+        finally:
+            StreamWriter.append = original
+        assert result.frames == 60 and result.complete
+        channels = graphs[0].channels()
+        assert channels and all(c.max_depth <= 2 and c.dropped == 0 for c in channels.values())
+        # the sink was the bottleneck, and everything upstream waited for it
+        busy = {row["stage"]: row["busy"] for row in result.metrics}
+        assert busy["sink"] > busy["decode"]
+
+
 class TestBadInput:
     @pytest.mark.parametrize("case, args, message", [
         ("missing file", ["run", "{missing}", "--query", "q"], "nope.mp4: no such file"),

@@ -68,6 +68,7 @@ class Generation:
     tokens: torch.Tensor               # (B, N) generated ids, pad after EOS
     lengths: list[int]                 # generated tokens per row up to and including EOS
     step_logits: list[torch.Tensor]    # N x (B, V) float32, only when requested
+    decode_s: float = float("nan")     # first token -> last token wall time, only when timed
 
 
 class VLM:
@@ -108,13 +109,19 @@ class VLM:
 
     # ---- front end: preprocess + vision tower + selection ----
     def _merged_tokens(self, videos: list) -> list[torch.Tensor]:
+        return self._vision(*self._preprocess(videos))
+
+    def _preprocess(self, videos: list) -> tuple[torch.Tensor, torch.Tensor]:
         pixels, grids = zip(*(self.preprocessor(v, self.device) for v in videos))
-        grid_thw = torch.stack(grids).to(self.device)                       # (N, 3) in patches
-        out = self._visual(torch.cat(pixels).to(self.dtype), grid_thw=grid_thw)
+        return torch.cat(pixels).to(self.dtype), torch.stack(grids).to(self.device)  # (N_patches, F), (N, 3)
+
+    def _vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """All patches through the vision tower -> per video merged tokens (T', gh, gw, D)."""
+        out = self._visual(pixels, grid_thw=grid_thw)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
         m = self.geometry.merge_size
         sizes = (grid_thw.prod(-1) // m**2).tolist()
-        return [x.view(int(g[0]), int(g[1]) // m, int(g[2]) // m, -1) for x, g in zip(merged.split(sizes), grids)]
+        return [x.view(int(g[0]), int(g[1]) // m, int(g[2]) // m, -1) for x, g in zip(merged.split(sizes), grid_thw)]
 
     def prompt_ids(self, question: str, n_video_tokens: int) -> tuple[list[int], list[int]]:
         """Qwen chat format around one video: ids before and after the video pad tokens."""
@@ -139,29 +146,31 @@ class VLM:
     @torch.no_grad()
     def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
         merged_all = self._merged_tokens([r.frames for r in requests])
-        prefixes = []
-        for req, merged in zip(requests, merged_all):
-            Tp, gh, gw, _ = merged.shape
-            n_full = Tp * gh * gw
-            if req.keep is None:
-                lod = torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
-            else:
-                keep = torch.as_tensor(req.keep, device=self.device)
-                expected = (req.frames.shape[0], gh, gw)
-                if tuple(keep.shape) != expected:
-                    raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
-                                     f"for {req.frames.shape[2]}x{req.frames.shape[1]} frames")
-                lod = pair_lod(keep, self.geometry.temporal_patch_size)
-            tokens, index = select_tokens(merged, lod)                       # (K, D), (K,)
-            ids = self.full_input_ids(req.question, n_full)                  # (L_full,)
-            grid = torch.tensor([Tp * 1, gh * self.geometry.merge_size, gw * self.geometry.merge_size])
-            full_pos = self.rope_positions(ids, grid)                        # (3, L_full)
-            v0 = int((ids == self.video_token_id).nonzero()[0])
-            text = self._lm.embed_tokens(ids)                                # (L_full, D)
-            embeds = torch.cat([text[:v0], tokens.to(text.dtype), text[v0 + n_full:]])
-            positions = torch.cat([full_pos[:, :v0], full_pos[:, v0 + index], full_pos[:, v0 + n_full:]], 1)
-            prefixes.append(Prefix(embeds, positions, int(full_pos.max()) + 1, int(index.numel()), n_full))
-        return prefixes
+        return [self.build_prefix(req, merged) for req, merged in zip(requests, merged_all)]
+
+    @torch.no_grad()
+    def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:
+        """Selection: merged tokens (T', gh, gw, D) of req's frames -> its pruned LM prefix."""
+        Tp, gh, gw, _ = merged.shape
+        n_full = Tp * gh * gw
+        if req.keep is None:
+            lod = torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
+        else:
+            keep = torch.as_tensor(req.keep, device=self.device)
+            expected = (req.frames.shape[0], gh, gw)
+            if tuple(keep.shape) != expected:
+                raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
+                                 f"for {req.frames.shape[2]}x{req.frames.shape[1]} frames")
+            lod = pair_lod(keep, self.geometry.temporal_patch_size)
+        tokens, index = select_tokens(merged, lod)                           # (K, D), (K,)
+        ids = self.full_input_ids(req.question, n_full)                      # (L_full,)
+        m = self.geometry.merge_size
+        full_pos = self.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))  # (3, L_full)
+        v0 = int((ids == self.video_token_id).nonzero()[0])
+        text = self._lm.embed_tokens(ids)                                    # (L_full, D)
+        embeds = torch.cat([text[:v0], tokens.to(text.dtype), text[v0 + n_full:]])
+        positions = torch.cat([full_pos[:, :v0], full_pos[:, v0 + index], full_pos[:, v0 + n_full:]], 1)
+        return Prefix(embeds, positions, int(full_pos.max()) + 1, int(index.numel()), n_full)
 
     # ---- language model: prefill + cached decoding ----
     def _lm_step(self, embeds, attention_mask, positions, cache):
@@ -190,7 +199,7 @@ class VLM:
     @torch.no_grad()
     def generate(self, prefixes: list[Prefix], *, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                 return_logits: bool = False) -> Generation:
+                 return_logits: bool = False, timed: bool = False) -> Generation:
         cfg = self.config
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         temperature = cfg.temperature if temperature is None else temperature
@@ -204,6 +213,7 @@ class VLM:
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         tokens, step_logits = [], []
+        t_first = None
         for step in range(max_new):
             logits = self.model.lm_head(hidden).float()                      # (B, V)
             if return_logits:
@@ -213,12 +223,23 @@ class VLM:
             lengths += (~done).long()
             tokens.append(token)
             done |= torch.isin(token, self.eos_ids)
+            if timed and step == 0:
+                self._sync()
+                t_first = time.perf_counter()
             if bool(done.all()) or step == max_new - 1:
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], 1)
             pos = (next_pos + step).view(1, B, 1).expand(3, B, 1)             # continue after the full max
             hidden = self._lm_step(self._lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
-        return Generation(torch.stack(tokens, 1), lengths.tolist(), step_logits)
+        decode_s = float("nan")
+        if timed:
+            self._sync()
+            decode_s = time.perf_counter() - t_first
+        return Generation(torch.stack(tokens, 1), lengths.tolist(), step_logits, decode_s)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def logits_without_cache(self, prefix: Prefix, continuation: torch.Tensor) -> torch.Tensor:
@@ -241,8 +262,7 @@ class VLM:
         started = time.monotonic()
         prefixes = self.prepare(requests)
         out = self.generate(prefixes)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._sync()
         ready = time.monotonic()
         return [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
                              tokens_full=p.tokens_full,

@@ -161,6 +161,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends cleanly, like Ctrl-C
     warnings.formatwarning = _one_line_warning
+    _quiet_ffmpeg()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     try:
         args = build_parser().parse_args(argv)
@@ -180,6 +181,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             first = f"{type(e).__name__}: {first}"
         print(f"error: {first}", file=sys.stderr)
         return EXIT_USAGE if user else EXIT_FAILED
+
+
+def _quiet_ffmpeg() -> None:
+    """FFmpeg's own log lines (e.g. on a damaged file) would break the one-line error rule:
+    damage is reported by the sources as a warning or a SourceError instead."""
+    try:
+        import av.logging
+        av.logging.set_level(av.logging.PANIC)
+    except (ImportError, AttributeError):
+        pass
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -180,7 +180,8 @@ def _wait_for_frames(store: Path, stream: str, at_least: int, proc: subprocess.P
     while time.time() < deadline:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else "process ended early"
         try:
-            if zarr.open_group(str(store / "streams" / stream), mode="r")["pts"].shape[0] >= at_least:
+            # `frames` counts rows safely written (arrays grow before their data lands)
+            if zarr.open_group(str(store / "streams" / stream), mode="r").attrs.get("frames", 0) >= at_least:
                 return
         except Exception:
             pass

@@ -7,6 +7,10 @@
         tokens uint16 [T, gh, gw], scene_change bool [T], motion float16 [T]
         answers/ t_start float64 [A], t_end float64 [A], question str [A], text str [A],
                  tokens_kept int32 [A], tokens_full int32 [A], latency_s float32 [A]
+        gaps/    (added array group; attr gap_count = G committed, absent = 0) where a live stream was cut off:
+                 start_pts float64 [G] pts of the last frame before, end_pts float64 [G] of the first
+                 frame after, start_wall / end_wall float64 [G] their arrival times (Unix s),
+                 reason str [G]; empty for files. Stores written before it existed have no `gaps/`.
 
 Crash safety. Every file write of zarr's LocalStore is atomic (write to a temporary, rename), so
 each metadata or chunk file is either old or new, never torn. On top of that:
@@ -83,6 +87,13 @@ ANSWER_ARRAYS = (
     ArraySpec("tokens_kept", np.int32),
     ArraySpec("tokens_full", np.int32),
     ArraySpec("latency_s", np.float32),
+)
+GAP_ARRAYS = (
+    ArraySpec("start_pts", np.float64),
+    ArraySpec("end_pts", np.float64),
+    ArraySpec("start_wall", np.float64),
+    ArraySpec("end_wall", np.float64),
+    ArraySpec("reason", str),
 )
 
 
@@ -277,6 +288,9 @@ def _build_stream(directory: Path, attrs: dict[str, Any], grid: tuple[int, int],
     answers = group.create_group("answers")
     for spec in ANSWER_ARRAYS:
         answers.create_array(spec.name, shape=(0,), chunks=(ANSWER_CHUNK,), dtype=spec.dtype, fill_value=spec.fill)
+    gaps = group.create_group("gaps")
+    for spec in GAP_ARRAYS:
+        gaps.create_array(spec.name, shape=(0,), chunks=(ANSWER_CHUNK,), dtype=spec.dtype, fill_value=spec.fill)
 
 
 class StreamWriter:
@@ -289,9 +303,11 @@ class StreamWriter:
         self._group = group
         self._frames = {spec.name: group[spec.name] for spec in FRAME_ARRAYS}
         self._answers = {spec.name: group[f"answers/{spec.name}"] for spec in ANSWER_ARRAYS}
+        self._gaps = {spec.name: group[f"gaps/{spec.name}"] for spec in GAP_ARRAYS}
         self.grid = tuple(group.attrs["grid"])
         self.frames = 0   # committed: rows on disk and recorded in the `frames` attr
         self.answers = 0  # committed answers (`answer_count` attr)
+        self.gaps = 0     # committed gaps (`gap_count` attr)
         self._pending: list[dict[str, np.ndarray]] = []
         self._pending_frames = 0
         self.closed = False
@@ -342,6 +358,30 @@ class StreamWriter:
         except OSError as e:
             raise SinkError(f"cannot write an answer of {self._where}: {e.strerror or e}") from e
         self.answers = a + 1
+
+    def add_gap(self, start_pts: float, end_pts: float, start_wall: float, end_wall: float,
+                reason: str) -> None:
+        """Record immediately that a live stream was cut off between two frames (see module doc)."""
+        self._check_open()
+        row = {"start_pts": start_pts, "end_pts": end_pts, "start_wall": start_wall, "end_wall": end_wall}
+        for name, value in row.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if end_pts < start_pts or end_wall < start_wall:
+            raise ValueError(f"a gap must end after it starts, got pts {start_pts}..{end_pts}, "
+                             f"wall {start_wall}..{end_wall}")
+        if not isinstance(reason, str):
+            raise ValueError(f"reason must be a string, got {type(reason).__name__}")
+        row["reason"] = reason
+        g = self.gaps
+        try:
+            for name, array in self._gaps.items():
+                array.resize((g + 1,))
+                array[g] = row[name]
+            self._group.attrs["gap_count"] = g + 1  # commit point, after every array holds the row
+        except OSError as e:
+            raise SinkError(f"cannot write a gap of {self._where}: {e.strerror or e}") from e
+        self.gaps = g + 1
 
     def close(self, complete: bool) -> None:
         """Flush, then record `complete` (True only when the stream was processed to its end)."""
@@ -426,6 +466,9 @@ def read_stream(path: str | os.PathLike, stream_id: str) -> dict[str, Any]:
     for spec in FRAME_ARRAYS:
         out[spec.name] = group[spec.name][:t]
     out["answers"] = {spec.name: group[f"answers/{spec.name}"][:a] for spec in ANSWER_ARRAYS}
+    if "gaps" in group:
+        g = int(attrs.get("gap_count", 0))
+        out["gaps"] = {spec.name: group[f"gaps/{spec.name}"][:g] for spec in GAP_ARRAYS}
     return out
 
 
@@ -474,6 +517,12 @@ def _stream_problems(group: zarr.Group) -> list[str]:
     complete = attrs["complete"]
     problems += _array_problems(group, "", FRAME_ARRAYS, attrs["frames"], tuple(grid), complete)
     problems += _array_problems(group, "answers/", ANSWER_ARRAYS, attrs["answer_count"], (), complete)
+    if "gaps" in group:  # optional: stores written before gaps were recorded have none
+        gap_count = attrs.get("gap_count", 0)
+        if isinstance(gap_count, bool) or not isinstance(gap_count, int) or gap_count < 0:
+            problems.append(f"attr 'gap_count' must be an int >= 0 when gaps/ exists, got {gap_count!r}")
+        else:
+            problems += _array_problems(group, "gaps/", GAP_ARRAYS, gap_count, (), complete)
     return problems
 
 

@@ -144,6 +144,10 @@ class TextureStage(Stage):
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.last: dict[str, torch.Tensor] = {}  # last frame of each stream, on the device
 
+    def reset(self, stream_id: str) -> None:
+        """Forget the stream's last frame: the next one has no predecessor (a live reconnect)."""
+        self.last.pop(stream_id, None)
+
     @torch.inference_mode()
     def process(self, item: FrameBatch) -> Iterable[TextureBatch]:
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
@@ -172,6 +176,11 @@ class RealizeStage(Stage):
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.states: dict[str, StreamState] = {}
         self.next_vlm_pts: dict[str, float] = {}
+
+    def reset(self, stream_id: str) -> None:
+        """Drop the stream's temporal state: its next frame is a new fixation (scene_change True)."""
+        self.states.pop(stream_id, None)
+        self.next_vlm_pts.pop(stream_id, None)
 
     def vlm_frames(self, item: FrameBatch) -> torch.Tensor | None:
         """Which frames the VLM will see (sampled at vlm_fps on pts); None when every frame counts."""

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is n
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -30,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from arr_coc.model import ARRCOC
 from pipeline.vlm.geometry import VLMGeometry
@@ -106,6 +108,26 @@ def parse_ints(name: str, text: str) -> list[int]:
     return values
 
 
+class CompiledOrEager(nn.Module):
+    """`torch.compile(module)`, falling back to eager for good at the first compile failure (which
+    happens in a warm-up step), so --compile never loses a run; `failures` records why."""
+
+    def __init__(self, module: nn.Module, name: str, failures: dict[str, str]) -> None:
+        super().__init__()
+        self.eager, self.compiled = module, torch.compile(module)
+        self.stage_name, self.failures = name, failures
+
+    def forward(self, *args, **kwargs):
+        if self.stage_name not in self.failures:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # inductor raises many types; any of them means "run eager"
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                self.failures[self.stage_name] = f"{type(e).__name__}: {first}"[:300]
+                print(f"# --compile: {self.stage_name} runs eager ({self.failures[self.stage_name]})", flush=True)
+        return self.eager(*args, **kwargs)
+
+
 def pool_size(batches: list[int]) -> int:
     """Frames in the cycled pool: even (forward + backward), a multiple of every batch size
     (each batch is a plain slice), and at least two of the largest batches (and 16 frames)."""
@@ -179,11 +201,12 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--device cuda was asked for, but no CUDA GPU is available (use --device auto or cpu)")
     torch.manual_seed(0)
     model = ARRCOC(query_dim=QUERY_DIM).to(device).eval()
+    fallbacks: dict[str, str] = {}
     if args.compile:
         # Compile the pieces, not `extract`/`realize` themselves: they take and return dataclasses
         # (Texture, StreamState) and the stream's first batch takes another branch.
         for name in ("texture", "knowing", "balancer", "realizer", "allocator"):
-            setattr(model, name, torch.compile(getattr(model, name)))
+            setattr(model, name, CompiledOrEager(getattr(model, name), name, fallbacks))
     # A unit-norm query like the sentence encoder's; the benchmark needs no text model.
     query = torch.nn.functional.normalize(torch.randn(QUERY_DIM, generator=torch.Generator().manual_seed(1)), dim=0)
     query = query.to(device)
@@ -215,12 +238,15 @@ def run(args: argparse.Namespace) -> dict:
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
+        # other jobs on the machine skew CPU numbers; this says how busy it was when the run ended
+        "load_avg_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
         "timing": ("CUDA events around each step, synchronized after it" if device.type == "cuda"
                    else "time.perf_counter around each step") + f"; {args.warmup} warm-up steps, median of {args.repeats}",
         "frames": "generated pan + moving square, uint8 (B, H, W, 3) permuted to (B, 3, H, W); "
                   "on the device unless upload=true (pinned host memory, copied inside the step)",
         "grid_rule": "VLMGeometry(max_pixels=H*W).grid(H, W)",
         "targets": {"cuda_batched_fps_448": TARGET_BATCHED_FPS_448, "cuda_ms_per_frame_batch1": TARGET_LATENCY_MS_BATCH1},
+        "compile_fallbacks": fallbacks,  # stage -> why it ran eager under --compile
         "rows": [asdict(r) for r in rows],
     }
 
@@ -244,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default=None, help="comma-separated N or HxW (default 448,1024; --quick: 112,224)")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64; --quick: 1,4)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per row (default 50 on CUDA, 5 on CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10 on CUDA, 1 on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10 on CUDA, 1 on CPU, 5 on CPU with --compile)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run for CI")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's stages (off by default)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_frontend_<device>.json)")
@@ -253,7 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     args.sizes = [parse_size(s) for s in (args.sizes or ("112,224" if args.quick else "448,1024")).split(",")]
     args.batches = parse_ints("--batches", args.batches or ("1,4" if args.quick else "1,64"))
     args.repeats = args.repeats or (3 if args.quick else (50 if cuda else 5))
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick or not cuda else 10)
+    if args.warmup is None:
+        # --compile: the first batch of a stream, the next ones and each new shape all compile
+        args.warmup = 10 if cuda else (5 if args.compile else 1)
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     result = run(args)

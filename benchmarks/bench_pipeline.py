@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         "device_name": name,
         "cpu_name": cpu_name(),
         "cpu_count": os.cpu_count(),
+        # other jobs on the machine skew CPU numbers; this says how busy it was when the run ended
+        "load_avg_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
         "versions": versions(),
         "config": "PipelineConfig() defaults + runtime.device, decode.decoder, runtime.vlm=none",
         "video": f"generated H.264 (libx264 crf 18 veryfast, yuv420p, 25 fps), {frames} frames, pan + moving square",

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--query", default="where is the red square?", help="question (default: %(default)s)")
     _common(demo)
     demo.set_defaults(func=cmd_demo)
+    from .batch import add_batch_parser; add_batch_parser(sub, _common)  # noqa: E702 (one registration line)
+    from .evaluate import add_eval_parser; add_eval_parser(sub)  # noqa: E702 (one registration line)
     return parser
 
 

@@ -1,0 +1,268 @@
+"""`python -m pipeline batch`: answer every question of a dataset split, one video at a time.
+
+Work plan: questions grouped by video; each video is decoded once, ARR-COC allocates its tokens once
+(attending to all of its questions together), and the VLM answers all of its questions from one
+set of vision tokens (`VLM.answer_questions`). Videos are sharded across workers (`--shard i/n`,
+or the Ray actor pool of pipeline/ray_batch.py).
+
+Resumable: each video lands in the store as its own stream group with its answers, marked
+complete=true only after the last answer is written. A re-run skips complete videos and redoes
+incomplete ones (the store replaces an incomplete group wholesale), so a run killed at any moment
+and restarted answers every question exactly once.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from arr_coc._validate import ConfigError
+from sinks import ZarrStore
+from sources import SourceError, open_video
+from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
+
+from .config import PipelineConfig
+from .configio import to_dict
+from .graph import StageError
+from .run import build_model, compose, load_answerer, resolve_device
+from .stages import AnswerItem, RunStatus, VLMStage
+
+DATASETS = ("msrvtt",)
+
+
+@dataclass
+class VideoOutcome:
+    """What one video's job did; `status` is done | skipped (already complete) | missing | failed."""
+    video_id: str
+    status: str
+    questions: int = 0
+    frames: int = 0
+    tokens_kept: int = 0
+    tokens_full: int = 0
+    wall_s: float = 0.0
+    message: str = ""
+
+    def to_row(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """'i/n' (0 <= i < n) -> (i, n); None -> (0, 1)."""
+    if text is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard must be i/n with integers 0 <= i < n, got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise ConfigError(f"--shard must be i/n with integers 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def make_plan(dataset: Dataset, *, limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> list[VideoWork]:
+    """The videos this worker answers: the first `limit` videos of the split (video-number order),
+    then every n-th from i, so shards of the same limit partition the same set."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    videos = dataset.videos()
+    if limit is not None:
+        videos = videos[:limit]
+    i, n = shard
+    return videos[i::n]
+
+
+class QuestionsStage(VLMStage):
+    """The VLM stage of a batch job: collects the VLM-sampled frames and keep maps of the whole video
+    (as VLMStage does), then answers all the video's questions from one set of vision tokens.
+    `stock`: send every visual token (the baseline ARR-COC is measured against)."""
+
+    def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False) -> None:
+        super().__init__(vlm, query_text(work), every_s=None)
+        self.work, self.stock = work, stock
+
+    def finish(self) -> Iterable[AnswerItem]:
+        if not self.rgb:
+            return ()
+        keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
+        questions = [q.question for q in self.work.questions]
+        results = self.vlm.answer_questions(np.stack(self.rgb), keep, questions)
+        t_start, t_end = float(self.window_start), float(self.pts[-1])
+        self.answered += len(results)
+        return [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
+                           tokens_kept=r.tokens_kept, tokens_full=r.tokens_full, latency_s=r.latency_s)
+                for q, r in zip(questions, results)]
+
+
+def query_text(work: VideoWork) -> str:
+    """What ARR-COC attends to: all of the video's questions (one allocation serves them all)."""
+    return "\n".join(q.question for q in work.questions)
+
+
+class VideoAnswerer:
+    """One worker's loaded models (VLM + ARR-COC) and open store; `answer(work)` does one video.
+
+    Used by the local loop and by each Ray actor, so both paths write identical stream groups.
+    """
+
+    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False) -> None:
+        if cfg.runtime.vlm == "none":
+            raise ConfigError("batch answers questions, so it needs a VLM: pass --vlm ID|PATH|tiny-random")
+        if cfg.runtime.every_s is not None:
+            raise ConfigError("batch answers each question once over the whole video; --every/runtime.every_s "
+                              "does not apply (leave it unset)")
+        self.cfg, self.stock = cfg, stock
+        self.device = resolve_device(cfg.runtime.device)
+        self.vlm = load_answerer(cfg, self.device)
+        self.store = ZarrStore.open(out, config=to_dict(cfg))
+        self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
+
+    def answer(self, work: VideoWork) -> VideoOutcome:
+        if self.store.is_complete(work.video_id):
+            return VideoOutcome(work.video_id, "skipped", questions=len(work.questions))
+        if work.path is None:
+            return VideoOutcome(work.video_id, "missing", message=f"video file of {work.video_id} not found")
+        start = time.perf_counter()
+        try:
+            frames, answers = self._run_graph(work)
+        except (SourceError, StageError) as e:
+            cause = e.error if isinstance(e, StageError) else e
+            if isinstance(e, StageError) and not isinstance(cause, SourceError):
+                raise
+            return VideoOutcome(work.video_id, "failed", message=str(cause).splitlines()[0])
+        # every question of a video is asked over the same selected tokens: the first answer's count is the video's
+        kept, full = (answers[0].tokens_kept, answers[0].tokens_full) if answers else (0, 0)
+        return VideoOutcome(work.video_id, "done", questions=len(answers), frames=frames, tokens_kept=kept,
+                            tokens_full=full, wall_s=time.perf_counter() - start)
+
+    def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem]]:
+        cfg, d = self.cfg, self.cfg.decode
+        source = open_video(work.path, decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s,
+                            max_frames=d.max_frames, stream_id=work.video_id)
+        try:
+            grid = self.vlm.geometry.grid(source.height, source.width)
+            writer = self.store.stream(work.video_id, source=str(work.path), query=query_text(work),
+                                       fps=float(source.fps), width=source.width, height=source.height, grid=grid,
+                                       vlm=cfg.runtime.vlm, chunk_frames=cfg.output.chunk_frames)
+        except BaseException:
+            source.close()
+            raise
+        query = self.vlm.text_embeddings(query_text(work)).float()            # (L, D)
+        if self.model is None:
+            self.model = build_model(cfg, query.shape[-1], self.device)
+        status = RunStatus()
+        graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
+                        vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock))
+        graph.run(on_interrupt=lambda: setattr(status, "stopped", True))
+        if status.stopped:
+            raise KeyboardInterrupt
+        sink = graph.stages[-1]
+        return sink.frames_written, list(sink.answers)
+
+
+@dataclass
+class BatchSummary:
+    out: Path
+    videos: int                       # in this worker's plan
+    questions: int
+    wall_s: float
+    outcomes: list[VideoOutcome] = field(default_factory=list)
+    backend: str = "local"
+
+    def count(self, status: str) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+    def to_dict(self) -> dict[str, Any]:
+        done = [o for o in self.outcomes if o.status == "done"]
+        answered = sum(o.questions for o in done)
+        kept, full = sum(o.tokens_kept for o in done), sum(o.tokens_full for o in done)
+        return {
+            "out": str(self.out), "backend": self.backend, "videos": self.videos, "questions": self.questions,
+            "done": len(done), "skipped_complete": self.count("skipped"), "missing": self.count("missing"),
+            "failed": self.count("failed"), "answered": answered, "wall_s": round(self.wall_s, 3),
+            "videos_per_s": round(len(done) / self.wall_s, 4) if self.wall_s > 0 else 0.0,
+            "questions_per_s": round(answered / self.wall_s, 4) if self.wall_s > 0 else 0.0,
+            "tokens_kept_per_video": round(kept / len(done), 1) if done else 0.0,
+            "tokens_full_per_video": round(full / len(done), 1) if done else 0.0,
+        }
+
+
+def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
+              progress: bool | None = None) -> BatchSummary:
+    """The local path: this process answers the plan's videos one after another."""
+    answerer = VideoAnswerer(cfg, out, stock=stock)
+    start = time.perf_counter()
+    outcomes = []
+    for outcome in _with_progress(map(answerer.answer, plan), len(plan), progress):
+        outcomes.append(outcome)
+        report_outcome(outcome)
+    return BatchSummary(Path(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
+                        outcomes)
+
+
+def report_outcome(outcome: VideoOutcome) -> None:
+    if outcome.status in ("missing", "failed"):
+        print(f"warning: skipped {outcome.video_id}: {outcome.message}", file=sys.stderr)
+
+
+def _with_progress(items: Iterator[VideoOutcome], total: int, progress: bool | None) -> Iterator[VideoOutcome]:
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        yield from items
+        return
+    from tqdm import tqdm
+    with tqdm(total=total, unit="video", desc="batch", dynamic_ncols=True, file=sys.stderr) as bar:
+        answered = 0
+        for outcome in items:
+            answered += outcome.questions if outcome.status == "done" else 0
+            bar.set_postfix(questions=answered, refresh=False)
+            bar.update(1)
+            yield outcome
+
+
+# ---- command line ----
+
+def add_batch_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("batch", help="answer every question of a dataset split (resumable, optionally on Ray)")
+    p.add_argument("--dataset", required=True, choices=DATASETS, help="dataset layout")
+    p.add_argument("--root", required=True, help="dataset root (annotation JSON files; videos under videos/ ...)")
+    p.add_argument("--split", default="test", help="train, val or test (default: %(default)s)")
+    p.add_argument("--task", default="qa", choices=TASKS, help="qa (MSRVTT-QA) or caption (videodatainfo)")
+    p.add_argument("--videos", help="directory holding video<N>.mp4 (default: found under --root)")
+    p.add_argument("--limit", type=int, help="only the first N videos of the split")
+    p.add_argument("--shard", metavar="I/N", help="answer every N-th video from the I-th (0-based)")
+    p.add_argument("--ray", metavar="ADDRESS", help="run on Ray Data: 'auto' (a running cluster), 'local', "
+                                                    "or a cluster address")
+    p.add_argument("--workers", type=int, help="Ray: actors in the pool (default: one per GPU, else 2)")
+    p.add_argument("--stock-tokens", action="store_true",
+                   help="send the VLM every visual token (the baseline ARR-COC is measured against)")
+    common(p)
+    p.set_defaults(func=cmd_batch)
+
+
+def cmd_batch(args: Any) -> int:
+    from .cli import load_run_config
+
+    if args.overlay:
+        raise ConfigError("--overlay renders one video; batch does not support it")
+    cfg = load_run_config(args)
+    dataset = load_msrvtt(args.root, args.split, task=args.task, videos_dir=args.videos)
+    plan = make_plan(dataset, limit=args.limit, shard=parse_shard(args.shard))
+    out = args.out or f"{args.dataset}_{args.split}.zarr"
+    if args.ray:
+        from .ray_batch import run_ray_batch
+        summary = run_ray_batch(plan, out, cfg, address=args.ray, stock=args.stock_tokens,
+                                workers=args.workers, progress=args.progress)
+    else:
+        summary = run_batch(plan, out, cfg, stock=args.stock_tokens, progress=args.progress)
+    row = summary.to_dict()
+    if cfg.runtime.vlm.startswith("tiny-random"):
+        row["notes"] = ["tiny-random is a built-in random model for smoke tests: its answers are meaningless"]
+    print(json.dumps(row))
+    return 0

@@ -154,7 +154,7 @@ class TextureStage(Stage):
             pixels = item.pixels.to(self.device, non_blocking=True)       # (T, H, W, 3) uint8
             frames = pixels.permute(0, 3, 1, 2)                           # (T, 3, H, W)
             texture = self.model.extract(frames, self.last.get(item.stream_id), self.grid)
-            self.last[item.stream_id] = frames[-1]
+            self.last[item.stream_id] = frames[-1].clone()  # not a view that pins the whole batch
             ready = None
             if self.cuda:
                 ready = torch.cuda.Event()

@@ -269,6 +269,30 @@ class VLM:
                              latency_s=ready - (r.arrival_s if r.arrival_s is not None else started))
                 for b, (r, p) in enumerate(zip(requests, prefixes))]
 
+    @torch.no_grad()
+    def answer_questions(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
+                         questions: list[str], *, max_batch: int | None = None) -> list[AnswerResult]:
+        """Several questions about one window: the vision tower runs once, each question gets its own
+        prefix over the same selected tokens, and they decode together (`max_batch` per generate call,
+        None: all at once). latency_s is the time from this call to each answer."""
+        if not questions:
+            return []
+        started = time.monotonic()
+        requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0) for q in questions]
+        merged = self._merged_tokens([frames])[0]                            # (T', gh, gw, D)
+        prefixes = [self.build_prefix(r, merged) for r in requests]
+        step = len(prefixes) if max_batch is None else max_batch
+        results = []
+        for i in range(0, len(prefixes), step):
+            chunk = prefixes[i:i + step]
+            out = self.generate(chunk)
+            self._sync()
+            ready = time.monotonic()
+            results += [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
+                                     tokens_full=p.tokens_full, latency_s=ready - started)
+                        for b, p in enumerate(chunk)]
+        return results
+
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
     """logits (B, V) -> (B,) ids: argmax at temperature 0, else nucleus sampling."""

@@ -41,8 +41,9 @@ class TestAgainstHF:
 
     def test_input_ids_equal_hf_processor(self, vlm):
         hf = hf_video_processor()
-        from transformers import Qwen2VLProcessor
-        processor = Qwen2VLProcessor(image_processor=None, tokenizer=vlm.tokenizer, video_processor=hf)
+        from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+        processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=vlm.tokenizer,
+                                     video_processor=hf)
         frames = make_frames(4, 56, 84)
         before, after = vlm.prompt_ids("what?", 0)
         text = vlm.tokenizer.decode(before + [vlm.video_token_id] + after)

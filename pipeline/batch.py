@@ -34,6 +34,7 @@ from .run import build_model, compose, load_answerer, resolve_device
 from .stages import AnswerItem, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
+MODEL_SEED = 0
 
 
 @dataclass
@@ -119,8 +120,12 @@ class VideoAnswerer:
         self.cfg, self.stock = cfg, stock
         self.device = resolve_device(cfg.runtime.device)
         self.vlm = load_answerer(cfg, self.device)
-        self.store = ZarrStore.open(out, config=to_dict(cfg))
+        self.store = self.create_store(cfg, out)
         self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
+
+    @staticmethod
+    def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
+        return ZarrStore.open(out, config=to_dict(cfg))
 
     def answer(self, work: VideoWork) -> VideoOutcome:
         if self.store.is_complete(work.video_id):
@@ -154,7 +159,11 @@ class VideoAnswerer:
             raise
         query = self.vlm.text_embeddings(query_text(work)).float()            # (L, D)
         if self.model is None:
-            self.model = build_model(cfg, query.shape[-1], self.device)
+            # Untrained ARR-COC weights are random: seed them, so a video's result does not depend on
+            # which worker (local process, Ray actor, shard) answered it.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(MODEL_SEED)
+                self.model = build_model(cfg, query.shape[-1], self.device)
         status = RunStatus()
         graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
                         vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock))

@@ -1,0 +1,111 @@
+"""The batch work on Ray Data: plan rows -> an actor pool (one GPU, or one CPU slot, and a loaded
+VLM + ARR-COC per actor) that decodes, allocates and answers each video -> per-video outcomes.
+
+Each actor is a `batch.VideoAnswerer`, the same object the local path uses, so both paths write
+identical stream groups; every actor writes its videos' groups straight into the shared store
+(writers of different streams touch disjoint groups: see sinks/zarr_store.py). Ray Data streams the
+plan with backpressure: each actor has at most `MAX_IN_FLIGHT` videos queued, so a slow actor never
+hoards work and the driver never materialises results it has not consumed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from arr_coc._validate import ConfigError
+
+from .batch import BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, report_outcome
+from .config import PipelineConfig
+from sources.msrvtt import Question, VideoWork
+
+MAX_IN_FLIGHT = 2
+REPO = Path(__file__).resolve().parents[1]
+
+
+def store_path(out: str | Path) -> Path:
+    """The shared store as a local path. Stores are zarr LocalStores, so every node must see the same
+    filesystem (NFS, Lustre, a FUSE-mounted bucket); `file://` URLs are accepted as such."""
+    text = str(out)
+    if "://" in text:
+        scheme, _, rest = text.partition("://")
+        if scheme != "file":
+            raise ConfigError(f"store URL scheme {scheme!r} is not supported; use a path on a filesystem every "
+                              f"Ray node mounts, or a file:// URL")
+        text = rest
+    return Path(text).absolute()
+
+
+def plan_rows(plan: list[VideoWork]) -> list[dict[str, Any]]:
+    # questions travel as a JSON string: Arrow would turn nested lists of dicts into numpy object arrays
+    return [{"video_id": w.video_id, "path": "" if w.path is None else str(w.path),
+             "questions": json.dumps([asdict(q) for q in w.questions])} for w in plan]
+
+
+def work_of(row: dict[str, Any]) -> VideoWork:
+    questions = tuple(Question(**{**q, "references": tuple(q["references"])}) for q in json.loads(row["questions"]))
+    return VideoWork(str(row["video_id"]), Path(row["path"]) if row["path"] else None, questions)
+
+
+class AnswerActor:
+    """One Ray actor: owns a device and a loaded model; answers one video per call."""
+
+    def __init__(self, cfg: PipelineConfig, out: str, stock: bool) -> None:
+        self.answerer = VideoAnswerer(cfg, out, stock=stock)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        outcomes = [self.answerer.answer(work_of(r)).to_row() for r in rows]
+        return {k: [o[k] for o in outcomes] for k in outcomes[0]} if outcomes else {}
+
+
+def _connect(address: str) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    # local workers import the project from the checkout; a cluster must have it installed
+    env = {"env_vars": {"PYTHONPATH": str(REPO)}}
+    if address == "local":
+        ray.init(include_dashboard=False, runtime_env=env, log_to_driver=False)
+    else:
+        try:
+            ray.init(address=address, runtime_env=env if address == "auto" else None, log_to_driver=False)
+        except ConnectionError as e:
+            raise ConfigError(f"cannot connect to the Ray cluster at --ray {address}: {str(e).splitlines()[0]}") \
+                from None
+
+
+def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",
+                  stock: bool = False, workers: int | None = None, progress: bool | None = None) -> BatchSummary:
+    """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu)."""
+    import ray
+
+    out = store_path(out)
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    _connect(address)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    use_gpu = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and gpus > 0)
+    if cfg.runtime.device == "cuda" and gpus == 0:
+        raise ConfigError("--device cuda was asked for, but the Ray cluster has no GPUs")
+    size = workers or (gpus if use_gpu else 1)
+    size = max(1, min(size, len(plan)))
+    # the driver creates the store once, so actors never race to create its root
+    VideoAnswerer.create_store(cfg, out)
+    start = time.perf_counter()
+    outcomes: list[VideoOutcome] = []
+    if plan:
+        ds = ray.data.from_items(plan_rows(plan), override_num_blocks=len(plan))
+        ds = ds.map_batches(AnswerActor, batch_size=1, fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock),
+                            compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=MAX_IN_FLIGHT),
+                            num_gpus=1 if use_gpu else 0, num_cpus=1)
+        rows = (VideoOutcome(**{k: v.item() if hasattr(v, "item") else v for k, v in row.items()})
+                for row in ds.iter_rows())
+        for outcome in _with_progress(rows, len(plan), progress):
+            outcomes.append(outcome)
+            report_outcome(outcome)
+    return BatchSummary(out, len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start, outcomes,
+                        backend=f"ray ({size} {'GPU' if use_gpu else 'CPU'} actors)")

@@ -1,0 +1,469 @@
+"""Live sources: cameras (OpenCV), network streams (PyAV) and files played at their real frame rate.
+
+    with open_live("rtsp://10.0.0.5/cam", config=LiveConfig(read_timeout_s=3)) as cam:
+        while not cam.finished:
+            frames, gap = cam.take(max_frames=8, timeout_s=0.1)   # the newest frames, oldest first
+
+One capture thread per source reads as fast as the source delivers and keeps only the newest
+`buffer_frames` frames: when the consumer (GPU, VLM) is slower, the oldest frames are dropped and
+counted, so neither latency nor memory grows. Each Frame carries its wall-clock arrival time
+(`arrival_s`, time.time()) and its pts.
+
+pts of a live stream are seconds on the session's timeline: within one connection they follow the
+stream's own timestamps, and each (re)connection starts at its arrival time since the session
+began (or just after the last frame, if the stream's clock ran ahead). So pts never go backwards
+across a reconnect; the exact outage is in the Gap's wall-clock times.
+
+When a stream stalls (no frame for read_timeout_s) or drops, the thread reconnects with capped
+exponential backoff and jitter, forever unless `max_reconnects` attempts in a row fail. The first
+frames after a reconnect come with a `Gap` (last frame before, first frame after), which is never
+dropped: it moves to the next surviving frame. Failing to open a source at start is a SourceError.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import av
+import numpy as np
+from av.video.reformatter import VideoReformatter
+
+from sources.errors import SourceError
+from sources.frame import Frame
+
+SourceKind = Literal["camera", "network", "file"]
+NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
+TRANSPORTS = ("tcp", "udp")
+_FALLBACK_FPS = 30.0  # for streams that declare no frame rate (the store needs one)
+_RATE_WINDOW_S = 2.0  # fps_in is measured over this many recent seconds
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    """How live sources connect, buffer and recover.
+
+    transport:         RTSP lower transport; TCP survives lossy networks and NAT (default).
+    open_timeout_s:    give up connecting after this long.
+    read_timeout_s:    a stream that delivers nothing for this long has stalled: reconnect.
+    backoff_initial_s, backoff_max_s: reconnect delays double from the first to the cap.
+    backoff_jitter:    each delay is scaled by a random factor in [1 - j, 1 + j], so that many
+                       clients of one server do not reconnect in lockstep.
+    max_reconnects:    give up after this many failed reconnect attempts in a row (None: never).
+    buffer_frames:     newest frames kept per source; older ones are dropped (and counted).
+    realtime:          files are allowed and played at their frame rate (demos, tests).
+    """
+
+    transport: Literal["tcp", "udp"] = "tcp"
+    open_timeout_s: float = 5.0
+    read_timeout_s: float = 5.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 1.0
+    backoff_jitter: float = 0.2
+    max_reconnects: int | None = None
+    buffer_frames: int = 8
+    realtime: bool = False
+
+    def __post_init__(self) -> None:
+        from arr_coc._validate import check_choice, check_range
+
+        check_choice("live.transport", self.transport, TRANSPORTS)
+        check_range("live.open_timeout_s", self.open_timeout_s, 0.0, 3600.0, lo_open=True)
+        check_range("live.read_timeout_s", self.read_timeout_s, 0.0, 3600.0, lo_open=True)
+        check_range("live.backoff_initial_s", self.backoff_initial_s, 0.0, 3600.0)
+        check_range("live.backoff_max_s", self.backoff_max_s, self.backoff_initial_s, 3600.0)
+        check_range("live.backoff_jitter", self.backoff_jitter, 0.0, 1.0)
+        if self.max_reconnects is not None:
+            check_range("live.max_reconnects", self.max_reconnects, 0, None)
+        check_range("live.buffer_frames", self.buffer_frames, 1, 10_000)
+
+    def backoff_s(self, attempt: int, rng: random.Random) -> float:
+        """Delay before reconnect attempt `attempt` (0-based)."""
+        base = min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** min(attempt, 30))
+        return base * (1.0 + self.backoff_jitter * rng.uniform(-1.0, 1.0))
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    kind: SourceKind
+    target: int | str   # camera index, device path, URL or file path
+    stream_id: str
+    name: str           # what messages show: the spec with any password removed
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A live stream was cut off: no frames between these two (pts on the session timeline)."""
+
+    stream_id: str
+    start_pts: float    # last frame before the outage
+    end_pts: float      # first frame after the reconnect
+    start_wall: float   # their arrival times (time.time())
+    end_wall: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    frames_in: int      # frames the source delivered
+    dropped: int        # of those, dropped because the consumer was slower
+    reconnects: int     # successful reconnections
+    fps_in: float       # delivery rate over the last few seconds
+
+
+def redact(url: str) -> str:
+    """The URL without a password (user:pass@host -> user:***@host), for messages and attrs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_.") or "live"
+
+
+def parse_source(spec: str, *, realtime: bool = False) -> SourceSpec:
+    """Classify a live SOURCE argument: camera index, device path, stream URL, or (realtime) file."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise SourceError(f"invalid live source {spec!r}: expected a camera index (0), a device path "
+                          f"(/dev/video0), an rtsp(s):// or http(s):// URL, or a file with --realtime")
+    if spec.isdigit():
+        return SourceSpec("camera", int(spec), f"camera{int(spec)}", f"camera {int(spec)}")
+    scheme = urlsplit(spec).scheme.lower()
+    if scheme in NETWORK_SCHEMES:
+        parts = urlsplit(spec)
+        name = "_".join(str(v) for v in (parts.hostname, parts.port, parts.path) if v)
+        return SourceSpec("network", spec, _sanitize(name), redact(spec))
+    if "://" in spec:
+        raise SourceError(f"unsupported live source scheme {scheme!r} in {redact(spec)!r}; "
+                          f"supported: {', '.join(NETWORK_SCHEMES)}")
+    if spec.startswith("/dev/"):
+        return SourceSpec("camera", spec, _sanitize(Path(spec).name), spec)
+    path = Path(spec)
+    if not path.exists():
+        raise SourceError(f"live source {spec!r} not found: not a camera index, device, URL or file")
+    if not realtime:
+        raise SourceError(f"{spec} is a file; pass --realtime to play it as a live source at its frame rate "
+                          f"(or use `python -m pipeline run` to process it offline)")
+    return SourceSpec("file", str(path), _sanitize(path.stem), spec)
+
+
+class _Connection:
+    """One open connection to a source: `frames()` yields (stream pts or None, rgb) until it drops."""
+
+    width: int
+    height: int
+    fps: float
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _NetworkConnection(_Connection):
+    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        options = {"rtsp_transport": cfg.transport} if urlsplit(spec.target).scheme.lower().startswith("rtsp") else {}
+        started = time.monotonic()
+        try:
+            # PyAV's (open, read) timeouts abort a blocked open / read through FFmpeg's interrupt callback
+            self.container = av.open(spec.target, options=options, timeout=(cfg.open_timeout_s, cfg.read_timeout_s))
+        except (av.FFmpegError, OSError) as e:
+            waited = time.monotonic() - started
+            if waited >= 0.9 * cfg.open_timeout_s:
+                raise SourceError(f"{spec.name}: no answer from the server within the {cfg.open_timeout_s:g} s "
+                                  f"open timeout") from e
+            raise SourceError(f"{spec.name}: cannot open the stream ({_reason(e)})") from e
+        if not self.container.streams.video:
+            self.container.close()
+            raise SourceError(f"{spec.name}: the stream has no video track")
+        self.stream = self.container.streams.video[0]
+        self.stream.thread_type = "AUTO"
+        rate = self.stream.average_rate or self.stream.guessed_rate
+        self.fps = float(rate) if rate and 0 < float(rate) <= 1000 else _FALLBACK_FPS
+        ctx = self.stream.codec_context
+        # a stream that comes back at another size is scaled to the size it started with (the
+        # allocation grid of a stream is fixed)
+        self.width, self.height = size or (ctx.width, ctx.height)
+        self._reformatter = VideoReformatter()
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+        for packet in self.container.demux(self.stream):
+            for frame in packet.decode():
+                if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
+                    continue
+                rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
+                                                 format="rgb24").to_ndarray()     # (H, W, 3)
+                yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb
+
+    def close(self) -> None:
+        self.container.close()
+
+
+class _CameraConnection(_Connection):
+    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        import cv2
+
+        params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(cfg.open_timeout_s * 1000),
+                  cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(cfg.read_timeout_s * 1000)]
+        self.cap = cv2.VideoCapture(spec.target, cv2.CAP_ANY, params)
+        if not self.cap.isOpened():
+            self.cap.release()
+            raise SourceError(f"{spec.name}: cannot open the camera (no such device, busy, or no permission)")
+        ok, bgr = self.cap.read()
+        if not ok:
+            self.cap.release()
+            raise SourceError(f"{spec.name}: the camera opened but delivers no frames")
+        self._first = bgr
+        fps = self.cap.get(cv2.CAP_PROP_FPS)
+        self.fps = float(fps) if 0 < fps <= 1000 else _FALLBACK_FPS
+        self.width, self.height = size or (bgr.shape[1], bgr.shape[0])
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+        import cv2
+
+        bgr, self._first = self._first, None
+        while True:
+            if bgr is None:
+                ok, bgr = self.cap.read()
+                if not ok:
+                    return  # unplugged or stalled past the backend's read timeout
+            if bgr.shape[:2] != (self.height, self.width):
+                bgr = cv2.resize(bgr, (self.width, self.height), interpolation=cv2.INTER_AREA)
+            msec = self.cap.get(cv2.CAP_PROP_POS_MSEC)
+            yield (msec / 1000.0 if msec > 0 else None), cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+            bgr = None
+
+    def close(self) -> None:
+        self.cap.release()
+
+
+class _FileConnection(_Connection):
+    """A video file paced to its own timestamps, like a camera that ends when the file does."""
+
+    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        from sources.video import open_video
+
+        self.video = open_video(spec.target, stream_id=spec.stream_id)
+        self.fps, self.width, self.height = float(self.video.fps), self.video.width, self.video.height
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+        start = first_pts = None
+        for frame in self.video:
+            if start is None:
+                start, first_pts = time.monotonic(), frame.pts_s
+            delay = start + (frame.pts_s - first_pts) - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            yield frame.pts_s, frame.rgb
+
+    def close(self) -> None:
+        self.video.close()
+
+
+_CONNECTIONS = {"network": _NetworkConnection, "camera": _CameraConnection, "file": _FileConnection}
+
+
+class LatestFrames:
+    """The newest `capacity` frames of one source; older ones are dropped and counted.
+
+    A Gap rides on the first frame after it; when that frame is dropped the gap moves to the next
+    one, so a consumer always learns of every gap before the frames that follow it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: collections.deque[tuple[Frame, Gap | None]] = collections.deque()
+        self._cond = threading.Condition()
+        self.dropped = 0
+        self.closed = False
+
+    def put(self, frame: Frame, gap: Gap | None = None) -> None:
+        with self._cond:
+            self._items.append((frame, gap))
+            while len(self._items) > self.capacity:
+                _, carried = self._items.popleft()
+                self.dropped += 1
+                if carried is not None:
+                    nxt, own = self._items[0]
+                    self._items[0] = (nxt, own or carried)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more frames will come: wake the consumer."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def take(self, max_frames: int, timeout_s: float) -> tuple[list[Frame], Gap | None]:
+        """Up to max_frames of the oldest buffered frames (waiting up to timeout_s for one); a batch
+        never spans a gap: the gap, if any, comes before the first returned frame."""
+        with self._cond:
+            if not self._items and not self.closed:
+                self._cond.wait(timeout_s)
+            frames: list[Frame] = []
+            gap = None
+            while self._items and len(frames) < max_frames:
+                frame, item_gap = self._items[0]
+                if item_gap is not None and frames:
+                    break
+                self._items.popleft()
+                gap = gap or item_gap
+                frames.append(frame)
+            return frames, gap
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class LiveSource:
+    """A live source with its capture thread (build and start with `open_live`)."""
+
+    def __init__(self, spec: SourceSpec, config: LiveConfig) -> None:
+        self.spec, self.config = spec, config
+        self.stream_id, self.name = spec.stream_id, spec.name
+        self.buffer = LatestFrames(config.buffer_frames)
+        self.frames_in = 0
+        self.reconnects = 0
+        self.error: SourceError | None = None   # why the source gave up, if it did
+        self._stop = threading.Event()
+        self._rng = random.Random()
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
+        self._thread: threading.Thread | None = None
+        self._conn: _Connection | None = None
+        self._t0 = 0.0
+        self._last: tuple[float, float] | None = None   # (pts, arrival) of the last frame
+
+    def start(self) -> "LiveSource":
+        """Open the source (SourceError if it cannot be opened) and start capturing."""
+        self._conn = _CONNECTIONS[self.spec.kind](self.spec, self.config, None)
+        self.width, self.height, self.fps = self._conn.width, self._conn.height, self._conn.fps
+        self._t0 = time.time()
+        self._thread = threading.Thread(target=self._capture, name=f"capture-{self.stream_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def finished(self) -> bool:
+        """The capture ended (file at its end, gave up, or closed) and every frame was taken."""
+        return self.buffer.closed and len(self.buffer) == 0
+
+    def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
+        return self.buffer.take(max_frames, timeout_s)
+
+    def stats(self) -> SourceStats:
+        now = time.time()
+        arrivals = [a for a in list(self._arrivals) if a >= now - _RATE_WINDOW_S]
+        span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
+        fps = (len(arrivals) - 1) / span if span > 0 else 0.0
+        return SourceStats(self.frames_in, self.buffer.dropped, self.reconnects, fps)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.config.read_timeout_s + self.config.open_timeout_s + 1.0)
+        self.buffer.close()
+
+    def __enter__(self) -> "LiveSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LiveSource({self.name!r}, kind={self.spec.kind!r}, stream_id={self.stream_id!r})"
+
+    def _capture(self) -> None:
+        conn: _Connection | None = self._conn
+        gap_reason: str | None = None
+        try:
+            while conn is not None and not self._stop.is_set():
+                reason = self._pump(conn, gap_reason)
+                conn.close()
+                if self._stop.is_set() or self.spec.kind == "file":
+                    break
+                gap_reason, conn = reason, self._reconnect(reason)
+        except BaseException as e:  # a bug here must not hang the consumer: it surfaces as error
+            self.error = SourceError(f"{self.name}: capture failed ({type(e).__name__}: {e})")
+        finally:
+            self.buffer.close()
+
+    def _pump(self, conn: _Connection, gap_reason: str | None) -> str:
+        """Deliver frames from one connection until it drops; return why it ended."""
+        segment: tuple[float, float] | None = None   # (session pts, stream pts) of the first timed frame
+        try:
+            for stream_pts, rgb in conn.frames():
+                if self._stop.is_set():
+                    return "stopped"
+                arrival = time.time()
+                if segment is None and stream_pts is not None:
+                    # a segment's clock may run ahead of arrival (frames buffered while the stream
+                    # was probed): start it after the last frame so pts never go backwards
+                    base = arrival - self._t0 if self._last is None else max(arrival - self._t0, self._last[0] + 1e-3)
+                    segment = (base, stream_pts)
+                pts = segment[0] + (stream_pts - segment[1]) if segment and stream_pts is not None else arrival - self._t0
+                if self._last is not None:
+                    pts = max(pts, self._last[0] + 1e-6)   # never backwards, also across reconnects
+                gap = None
+                if gap_reason is not None and self._last is not None:
+                    gap = Gap(self.stream_id, self._last[0], pts, self._last[1], arrival, gap_reason)
+                    gap_reason = None
+                self.buffer.put(Frame(self.stream_id, self.frames_in, pts, np.ascontiguousarray(rgb), arrival), gap)
+                self.frames_in += 1
+                self._last = (pts, arrival)
+                self._arrivals.append(arrival)
+        except (av.FFmpegError, OSError) as e:
+            return f"stream error: {_reason(e)}"
+        return "end of file" if self.spec.kind == "file" else "the stream ended (server closed or stalled)"
+
+    def _reconnect(self, reason: str) -> _Connection | None:
+        """Reconnect with capped exponential backoff and jitter; None when stopped or giving up."""
+        attempt = 0
+        size = (self.width, self.height)
+        while not self._stop.is_set():
+            if self.config.max_reconnects is not None and attempt >= self.config.max_reconnects:
+                self.error = SourceError(f"{self.name}: gave up after {attempt} failed reconnect attempts "
+                                         f"(--max-reconnects {self.config.max_reconnects}); last: {reason}")
+                return None
+            if self._stop.wait(self.config.backoff_s(attempt, self._rng)):
+                return None
+            attempt += 1
+            try:
+                conn = _CONNECTIONS[self.spec.kind](self.spec, self.config, size)
+            except SourceError as e:
+                reason = str(e)
+                continue
+            self.reconnects += 1
+            return conn
+        return None
+
+
+def open_live(spec: str, *, config: LiveConfig | None = None, stream_id: str | None = None) -> LiveSource:
+    """Parse SOURCE, open it and start its capture thread. SourceError (one line) if it can't be opened."""
+    config = config or LiveConfig()
+    parsed = parse_source(spec, realtime=config.realtime)
+    if stream_id is not None:
+        parsed = SourceSpec(parsed.kind, parsed.target, stream_id, parsed.name)
+    return LiveSource(parsed, config).start()
+
+
+def _reason(e: BaseException) -> str:
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def percentile(values: list[float], q: float) -> float:
+    """q-th percentile (0..100) of values, nan when empty (for status lines and benchmarks)."""
+    if not values:
+        return math.nan
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))

@@ -1,0 +1,212 @@
+"""Live capture: source parsing, the latest-frame buffer, backoff, and real RTSP streams on loopback
+(frames, reconnect after the server dies and returns, timeouts, giving up)."""
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arr_coc._validate import ConfigError
+from sources import SourceError
+from sources.frame import Frame
+from sources.live import Gap, LatestFrames, LiveConfig, open_live, parse_source, redact
+from sources.synthetic import render_clip, Shot, write_video
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "live"))
+from live_servers import SilentServer, free_port, rtsp_or_skip  # noqa: E402
+
+FAST = LiveConfig(open_timeout_s=2.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.4)
+
+
+def frame(i: int, sid: str = "s") -> Frame:
+    return Frame(sid, i, i / 10, np.zeros((2, 2, 3), np.uint8), arrival_s=time.time())
+
+
+def drain(source, seconds: float, *, until=None) -> tuple[list[Frame], list[tuple[float, Gap]]]:
+    """Take frames as fast as they come for `seconds` (or until until(frames) is true)."""
+    frames, gaps = [], []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not source.finished:
+        got, gap = source.take(8, timeout_s=0.05)
+        if gap is not None:
+            gaps.append((time.monotonic(), gap))
+        frames += got
+        if until is not None and until(frames):
+            break
+    return frames, gaps
+
+
+class TestParse:
+    @pytest.mark.parametrize("spec, kind, target, sid", [
+        ("0", "camera", 0, "camera0"),
+        ("/dev/video2", "camera", "/dev/video2", "video2"),
+        ("rtsp://10.0.0.5:554/live/main", "network", "rtsp://10.0.0.5:554/live/main", "10.0.0.5_554_live_main"),
+        ("rtsps://cam.local/a", "network", "rtsps://cam.local/a", "cam.local_a"),
+        ("https://example.org/s.ts", "network", "https://example.org/s.ts", "example.org_s.ts"),
+    ])
+    def test_kinds(self, spec, kind, target, sid):
+        parsed = parse_source(spec)
+        assert (parsed.kind, parsed.target, parsed.stream_id) == (kind, target, sid)
+
+    def test_password_never_shown(self):
+        parsed = parse_source("rtsp://admin:hunter2@10.0.0.5/cam")
+        assert "hunter2" not in parsed.name and "hunter2" not in parsed.stream_id
+        assert redact("rtsp://admin:hunter2@10.0.0.5:8554/x") == "rtsp://admin:***@10.0.0.5:8554/x"
+
+    def test_bad_specs(self, tmp_path):
+        with pytest.raises(SourceError, match="unsupported live source scheme 'ftp'.*rtsp, rtsps, http, https"):
+            parse_source("ftp://host/x")
+        with pytest.raises(SourceError, match="not found"):
+            parse_source(str(tmp_path / "missing.mp4"))
+        video = tmp_path / "clip.mp4"
+        video.write_bytes(b"x")
+        with pytest.raises(SourceError, match="--realtime"):
+            parse_source(str(video))
+        assert parse_source(str(video), realtime=True).kind == "file"
+
+    def test_config_validation(self):
+        with pytest.raises(ConfigError, match="live.transport"):
+            LiveConfig(transport="http")
+        with pytest.raises(ConfigError, match="live.backoff_max_s"):
+            LiveConfig(backoff_initial_s=2.0, backoff_max_s=1.0)
+
+    def test_backoff_is_capped_exponential_with_jitter(self):
+        cfg = LiveConfig(backoff_initial_s=0.1, backoff_max_s=1.0, backoff_jitter=0.2)
+        rng = random.Random(0)
+        delays = [[cfg.backoff_s(a, rng) for _ in range(200)] for a in range(8)]
+        for attempt, ds in enumerate(delays):
+            base = min(1.0, 0.1 * 2 ** attempt)
+            assert base * 0.8 - 1e-9 <= min(ds) and max(ds) <= base * 1.2 + 1e-9
+            assert np.std(ds) > 0.03 * base   # jittered, not lockstep
+        assert max(delays[7]) <= 1.2
+
+
+class TestLatestFrames:
+    def test_keeps_newest_and_counts_drops(self):
+        buf = LatestFrames(4)
+        for i in range(10):
+            buf.put(frame(i))
+        got, gap = buf.take(100, 0.0)
+        assert [f.index for f in got] == [6, 7, 8, 9] and gap is None
+        assert buf.dropped == 6 and len(buf) == 0
+
+    def test_gap_survives_drops_and_splits_batches(self):
+        buf = LatestFrames(3)
+        g = Gap("s", 1.0, 2.0, 10.0, 11.0, "test")
+        buf.put(frame(0))
+        buf.put(frame(1), g)
+        for i in range(2, 4):
+            buf.put(frame(i))
+        assert buf.dropped == 1
+        buf.put(frame(4))   # drops frame 1, which carried the gap: it moves on to frame 2
+        got, gap = buf.take(10, 0.0)
+        assert gap is g and [f.index for f in got] == [2, 3, 4]
+        buf.put(frame(5))
+        buf.put(frame(6), g)
+        got, gap = buf.take(10, 0.0)
+        assert [f.index for f in got] == [5] and gap is None   # a batch never spans a gap
+        got, gap = buf.take(10, 0.0)
+        assert [f.index for f in got] == [6] and gap is g
+
+    def test_take_waits_then_returns_empty(self):
+        buf = LatestFrames(2)
+        t = time.monotonic()
+        assert buf.take(4, 0.1) == ([], None)
+        assert 0.08 <= time.monotonic() - t < 1.0
+
+
+class TestOpenErrors:
+    def test_missing_camera_is_one_line(self):
+        t = time.monotonic()
+        with pytest.raises(SourceError) as e:
+            open_live("/dev/video97", config=FAST)
+        assert "/dev/video97" in str(e.value) and "cannot open the camera" in str(e.value)
+        assert "\n" not in str(e.value) and time.monotonic() - t < 5
+
+    def test_refused_url(self):
+        url = f"rtsp://127.0.0.1:{free_port()}/cam"
+        with pytest.raises(SourceError, match=r"rtsp://127\.0\.0\.1:\d+/cam: cannot open the stream \(.*refused"):
+            open_live(url, config=FAST)
+
+    @pytest.mark.parametrize("scheme", ["rtsp", "http"])
+    def test_silent_server_times_out(self, scheme):
+        with SilentServer() as server:
+            t = time.monotonic()
+            with pytest.raises(SourceError, match="no answer from the server within the 1 s open timeout"):
+                open_live(f"{scheme}://127.0.0.1:{server.port}/cam",
+                          config=LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0))
+            assert 0.9 <= time.monotonic() - t < 4.0
+
+
+class TestRealtimeFile:
+    def test_played_at_its_frame_rate_then_finished(self, tmp_path):
+        clip = render_clip([Shot("moving_object", 20, speed=1.0)], height=64, width=80, seed=1)
+        path = write_video(tmp_path / "c.mp4", clip.frames, fps=20)
+        t = time.monotonic()
+        with open_live(str(path), config=LiveConfig(realtime=True, buffer_frames=64)) as src:
+            assert (src.width, src.height, src.fps) == (80, 64, 20.0)
+            frames, gaps = drain(src, 5.0)
+            elapsed = time.monotonic() - t
+        assert len(frames) == 20 and not gaps and src.finished and src.error is None
+        assert 0.85 <= elapsed < 3.0                               # 20 frames at 20 fps: ~0.95 s
+        assert all(f.arrival_s is not None for f in frames)
+        arrivals = np.array([f.arrival_s for f in frames])
+        assert np.all(np.diff(arrivals) > 0.02)                    # paced, not read as fast as possible
+
+
+class TestRTSP:
+    def test_frames_arrive(self):
+        with rtsp_or_skip(fps=20) as server, open_live(server.url(), config=FAST) as src:
+            assert (src.width, src.height) == (160, 120) and src.stream_id == f"127.0.0.1_{server.port}_cam"
+            frames, _ = drain(src, 2.0)
+            stats = src.stats()
+        assert len(frames) >= 20 and frames[0].rgb.shape == (120, 160, 3)
+        pts = np.array([f.pts_s for f in frames])
+        assert np.all(np.diff(pts) > 0)
+        assert 0.02 < np.median(np.diff(pts)) < 0.08              # 20 fps stream timestamps
+        assert [f.index for f in frames] == list(range(frames[0].index, frames[0].index + len(frames)))
+        assert stats.dropped == 0 and stats.reconnects == 0 and 12 < stats.fps_in < 30
+
+    def test_reconnects_after_server_dies_and_returns(self):
+        server = rtsp_or_skip(fps=20)
+        try:
+            with open_live(server.url(), config=FAST) as src:
+                before, _ = drain(src, 1.5)
+                server.kill()
+                died = time.monotonic()
+                more, gaps = drain(src, 1.5)
+                assert not gaps
+                server.start()   # same port
+                after, gaps = drain(src, 6.0, until=lambda fs: len(fs) >= 10)
+                stats = src.stats()
+        finally:
+            server.stop()
+        assert len(before) >= 10 and len(after) >= 10
+        assert len(gaps) == 1
+        resumed, gap = gaps[0]
+        assert resumed - server.ready_at < 2.0, f"resumed {resumed - server.ready_at:.2f} s after the server returned"
+        last = (before + more)[-1]
+        assert gap.start_pts == last.pts_s and gap.end_pts == after[0].pts_s
+        assert gap.end_pts > gap.start_pts
+        assert gap.end_wall - gap.start_wall >= resumed - died - 0.5   # the outage, on the wall clock
+        assert after[0].arrival_s == gap.end_wall and last.arrival_s == gap.start_wall
+        # nothing before the gap was lost: every frame delivered before it was taken, in order
+        indices = [f.index for f in before + more + after]
+        assert indices == list(range(indices[0], indices[0] + len(indices)))
+        assert stats.dropped == 0 and stats.reconnects == 1
+
+    def test_gives_up_after_max_reconnects(self):
+        server = rtsp_or_skip(fps=20)
+        cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.1,
+                         max_reconnects=2)
+        with open_live(server.url(), config=cfg) as src:
+            drain(src, 0.5)
+            server.kill()
+            drain(src, 5.0)
+            assert src.finished
+        assert src.error is not None and "gave up after 2 failed reconnect attempts" in str(src.error)
+        assert "\n" not in str(src.error)

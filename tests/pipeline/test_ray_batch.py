@@ -1,0 +1,56 @@
+"""The batch on Ray Data (a local Ray instance) writes the same per-video results as the local path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pipeline.batch import make_plan, run_batch  # noqa: E402
+from pipeline.config import PipelineConfig  # noqa: E402
+from pipeline.configio import load_config  # noqa: E402
+from pipeline.ray_batch import run_ray_batch, store_path  # noqa: E402
+from arr_coc._validate import ConfigError  # noqa: E402
+from sinks import ZarrStore, read_stream, validate_store  # noqa: E402
+from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a local Ray instance takes ~20 s to start and tear down
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_path_matches_local_path(tmp_path, local_ray):
+    root = tmp_path / "ds"
+    write_fixture(root, videos=3, questions_per_video=2, seconds=0.8, height=64, width=96)
+    (root / "videos/all/video7012.mp4").unlink()  # a missing video is skipped on both paths
+    cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu", "vlm.max_new_tokens=3"])
+    plan = make_plan(load_msrvtt(root))
+    local = run_batch(plan, tmp_path / "local.zarr", cfg, progress=False)
+    distributed = run_ray_batch(plan, f"file://{tmp_path / 'ray.zarr'}", cfg, address="local", workers=2,
+                                progress=False)
+    assert distributed.backend == "ray (2 CPU actors)"
+    assert (local.count("done"), local.count("missing")) == (distributed.count("done"), distributed.count("missing")) \
+        == (2, 1)
+    assert validate_store(tmp_path / "ray.zarr") == []
+    ids = ZarrStore.open(tmp_path / "local.zarr", mode="r").stream_ids()
+    assert ids == ZarrStore.open(tmp_path / "ray.zarr", mode="r").stream_ids() == ["video7010", "video7011"]
+    for sid in ids:
+        a, b = read_stream(tmp_path / "local.zarr", sid), read_stream(tmp_path / "ray.zarr", sid)
+        assert b["attrs"]["complete"] is True
+        for name in ("pts", "frame_index", "tokens", "relevance", "scene_change"):
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{sid} {name}")
+        for name in ("question", "text", "tokens_kept", "tokens_full"):
+            assert a["answers"][name].tolist() == b["answers"][name].tolist(), f"{sid} answers/{name}"
+    again = run_ray_batch(plan, tmp_path / "ray.zarr", cfg, address="local", workers=2, progress=False)
+    assert again.count("skipped") == 2 and again.count("done") == 0
+
+
+def test_store_urls(tmp_path):
+    assert store_path(f"file://{tmp_path}/x.zarr") == tmp_path / "x.zarr"
+    with pytest.raises(ConfigError, match="store URL scheme 's3' is not supported"):
+        store_path("s3://bucket/x.zarr")

@@ -57,6 +57,8 @@ class LiveConfig:
     backoff_jitter:    each delay is scaled by a random factor in [1 - j, 1 + j], so that many
                        clients of one server do not reconnect in lockstep.
     max_reconnects:    give up after this many failed reconnect attempts in a row (None: never).
+    probe_s:           how much of a network stream FFmpeg reads to learn its codec and rate (its
+                       default, 5 s, would delay every reconnect by seconds).
     buffer_frames:     newest frames kept per source; older ones are dropped (and counted).
     realtime:          files are allowed and played at their frame rate (demos, tests).
     """
@@ -68,6 +70,7 @@ class LiveConfig:
     backoff_max_s: float = 1.0
     backoff_jitter: float = 0.2
     max_reconnects: int | None = None
+    probe_s: float = 0.5
     buffer_frames: int = 8
     realtime: bool = False
 
@@ -82,6 +85,7 @@ class LiveConfig:
         check_range("live.backoff_jitter", self.backoff_jitter, 0.0, 1.0)
         if self.max_reconnects is not None:
             check_range("live.max_reconnects", self.max_reconnects, 0, None)
+        check_range("live.probe_s", self.probe_s, 0.0, 60.0, lo_open=True)
         check_range("live.buffer_frames", self.buffer_frames, 1, 10_000)
 
     def backoff_s(self, attempt: int, rng: random.Random) -> float:
@@ -173,7 +177,9 @@ class _Connection:
 
 class _NetworkConnection(_Connection):
     def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
-        options = {"rtsp_transport": cfg.transport} if urlsplit(spec.target).scheme.lower().startswith("rtsp") else {}
+        options = {"analyzeduration": str(int(cfg.probe_s * 1e6))}
+        if urlsplit(spec.target).scheme.lower().startswith("rtsp"):
+            options["rtsp_transport"] = cfg.transport
         started = time.monotonic()
         try:
             # PyAV's (open, read) timeouts abort a blocked open / read through FFmpeg's interrupt callback
@@ -192,6 +198,10 @@ class _NetworkConnection(_Connection):
         rate = self.stream.average_rate or self.stream.guessed_rate
         self.fps = float(rate) if rate and 0 < float(rate) <= 1000 else _FALLBACK_FPS
         ctx = self.stream.codec_context
+        if not ctx.width or not ctx.height:
+            self.container.close()
+            raise SourceError(f"{spec.name}: no video size found in the first {cfg.probe_s:g} s of the stream "
+                              f"(raise live.probe_s)")
         # a stream that comes back at another size is scaled to the size it started with (the
         # allocation grid of a stream is fixed)
         self.width, self.height = size or (ctx.width, ctx.height)
@@ -292,12 +302,15 @@ class LatestFrames:
         with self._cond:
             self._items.append((frame, gap))
             while len(self._items) > self.capacity:
-                _, carried = self._items.popleft()
-                self.dropped += 1
-                if carried is not None:
-                    nxt, own = self._items[0]
-                    self._items[0] = (nxt, own or carried)
+                self._drop_oldest()
             self._cond.notify_all()
+
+    def _drop_oldest(self) -> None:
+        _, carried = self._items.popleft()
+        self.dropped += 1
+        if carried is not None:
+            nxt, own = self._items[0]
+            self._items[0] = (nxt, own or carried)
 
     def close(self) -> None:
         """No more frames will come: wake the consumer."""
@@ -306,11 +319,14 @@ class LatestFrames:
             self._cond.notify_all()
 
     def take(self, max_frames: int, timeout_s: float) -> tuple[list[Frame], Gap | None]:
-        """Up to max_frames of the oldest buffered frames (waiting up to timeout_s for one); a batch
-        never spans a gap: the gap, if any, comes before the first returned frame."""
+        """The newest buffered frames, at most max_frames, oldest first (waiting up to timeout_s for
+        one). Frames older than those are dropped: a consumer that fell behind catches up at once.
+        A batch never spans a gap: the gap, if any, comes before the first returned frame."""
         with self._cond:
             if not self._items and not self.closed:
                 self._cond.wait(timeout_s)
+            while len(self._items) > max_frames:
+                self._drop_oldest()
             frames: list[Frame] = []
             gap = None
             while self._items and len(frames) < max_frames:

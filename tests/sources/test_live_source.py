@@ -112,6 +112,13 @@ class TestLatestFrames:
         got, gap = buf.take(10, 0.0)
         assert [f.index for f in got] == [6] and gap is g
 
+    def test_take_keeps_the_newest(self):
+        buf = LatestFrames(8)
+        for i in range(6):
+            buf.put(frame(i))
+        got, _ = buf.take(2, 0.0)
+        assert [f.index for f in got] == [4, 5] and buf.dropped == 4
+
     def test_take_waits_then_returns_empty(self):
         buf = LatestFrames(2)
         t = time.monotonic()

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     from .batch import add_batch_parser; add_batch_parser(sub, _common)  # noqa: E702 (one registration line)
     from .evaluate import add_eval_parser; add_eval_parser(sub)  # noqa: E702 (one registration line)
+    from .live import add_live_parser; add_live_parser(sub, _common)  # noqa: E702 (one registration line)
     return parser
 
 

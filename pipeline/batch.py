@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ class VideoOutcome:
     tokens_full: int = 0
     wall_s: float = 0.0
     message: str = ""
+    finished_at: float = 0.0  # time.time() when the worker finished it (Ray delivers rows in bursts)
 
     def to_row(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -111,7 +112,8 @@ class VideoAnswerer:
     Used by the local loop and by each Ray actor, so both paths write identical stream groups.
     """
 
-    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False) -> None:
+    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False,
+                 vlm_factory: Callable[[torch.device], Any] | None = None) -> None:
         if cfg.runtime.vlm == "none":
             raise ConfigError("batch answers questions, so it needs a VLM: pass --vlm ID|PATH|tiny-random")
         if cfg.runtime.every_s is not None:
@@ -119,7 +121,8 @@ class VideoAnswerer:
                               "does not apply (leave it unset)")
         self.cfg, self.stock = cfg, stock
         self.device = resolve_device(cfg.runtime.device)
-        self.vlm = load_answerer(cfg, self.device)
+        # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
+        self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
         self.store = self.create_store(cfg, out)
         self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
 
@@ -143,7 +146,7 @@ class VideoAnswerer:
         # every question of a video is asked over the same selected tokens: the first answer's count is the video's
         kept, full = (answers[0].tokens_kept, answers[0].tokens_full) if answers else (0, 0)
         return VideoOutcome(work.video_id, "done", questions=len(answers), frames=frames, tokens_kept=kept,
-                            tokens_full=full, wall_s=time.perf_counter() - start)
+                            tokens_full=full, wall_s=time.perf_counter() - start, finished_at=time.time())
 
     def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem]]:
         cfg, d = self.cfg, self.cfg.decode
@@ -202,10 +205,10 @@ class BatchSummary:
 
 
 def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
-              progress: bool | None = None) -> BatchSummary:
+              progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None) -> BatchSummary:
     """The local path: this process answers the plan's videos one after another."""
-    answerer = VideoAnswerer(cfg, out, stock=stock)
     start = time.perf_counter()
+    answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
     outcomes = []
     for outcome in _with_progress(map(answerer.answer, plan), len(plan), progress):
         outcomes.append(outcome)

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from arr_coc._validate import ConfigError
 
@@ -52,8 +52,8 @@ def work_of(row: dict[str, Any]) -> VideoWork:
 class AnswerActor:
     """One Ray actor: owns a device and a loaded model; answers one video per call."""
 
-    def __init__(self, cfg: PipelineConfig, out: str, stock: bool) -> None:
-        self.answerer = VideoAnswerer(cfg, out, stock=stock)
+    def __init__(self, cfg: PipelineConfig, out: str, stock: bool, vlm_factory: Callable | None = None) -> None:
+        self.answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -79,7 +79,8 @@ def _connect(address: str) -> None:
 
 
 def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",
-                  stock: bool = False, workers: int | None = None, progress: bool | None = None) -> BatchSummary:
+                  stock: bool = False, workers: int | None = None, progress: bool | None = None,
+                  vlm_factory: Callable | None = None) -> BatchSummary:
     """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu)."""
     import ray
 
@@ -99,7 +100,8 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     outcomes: list[VideoOutcome] = []
     if plan:
         ds = ray.data.from_items(plan_rows(plan), override_num_blocks=len(plan))
-        ds = ds.map_batches(AnswerActor, batch_size=1, fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock),
+        ds = ds.map_batches(AnswerActor, batch_size=1, fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock,
+                                                                           vlm_factory=vlm_factory),
                             compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=MAX_IN_FLIGHT),
                             num_gpus=1 if use_gpu else 0, num_cpus=1)
         rows = (VideoOutcome(**{k: v.item() if hasattr(v, "item") else v for k, v in row.items()})

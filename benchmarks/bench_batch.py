@@ -1,0 +1,150 @@
+"""Batch benchmark: MSR-VTT-QA-shaped work (generated videos in the MSRVTT-QA layout, many questions
+per video) through `pipeline batch`, local path and Ray Data, stock tokens vs ARR-COC retention.
+
+Reports per setting videos/s and questions/s, both over the whole wall time (model loading
+included) and steady-state (after each worker's first video, which carries its model load), plus
+the ARR-COC/stock speed-up and the Ray scaling efficiency qps(n GPUs) / (n * qps(1 GPU)).
+The VLM is the Qwen2-VL-2B architecture with random weights (nothing is downloaded; speed does not
+depend on the weights); its answers are meaningless.
+
+    python3 benchmarks/bench_batch.py --device cuda                    # 1..all GPUs of this machine
+    python3 benchmarks/bench_batch.py --device cuda --gpus 1 2 4       # choose the GPU counts
+    python3 benchmarks/bench_batch.py --quick                          # CPU smoke test (tiny-random)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.batch import BatchSummary, make_plan, run_batch  # noqa: E402
+from pipeline.config import PipelineConfig  # noqa: E402
+from pipeline.configio import load_config  # noqa: E402
+from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
+
+
+def qwen2_vl_2b_factory(device: torch.device):
+    """Qwen2-VL-2B architecture, random bf16 weights, built on the actor's own device."""
+    from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer
+    from pipeline.vlm.config import VLMConfig
+    from pipeline.vlm.loading import _wrap
+
+    tokenizer = build_tokenizer()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(arch_config("qwen2-vl-2b", tokenizer), device=device, dtype=dtype)
+    return _wrap(model, tokenizer, "qwen2_vl", "qwen2-vl-2b (random weights)", BENCH_VLM, {}, None)
+
+
+BENCH_VLM = None  # set in main (VLMConfig of this run), read by the factory in every worker
+
+
+def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
+    """videos/s and questions/s after the first `workers` videos (each worker's first carries its load)."""
+    done = sorted((o for o in s.outcomes if o.status == "done"), key=lambda o: o.finished_at)
+    if len(done) <= workers:
+        return float("nan"), float("nan")
+    rest, t0 = done[workers:], done[workers - 1].finished_at
+    span = rest[-1].finished_at - t0
+    return len(rest) / span, sum(o.questions for o in rest) / span
+
+
+def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path) -> dict:
+    out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
+    shutil.rmtree(out, ignore_errors=True)
+    if path == "local":
+        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=factory)
+    else:
+        from pipeline.ray_batch import run_ray_batch
+        s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
+                          vlm_factory=factory)
+    row = s.to_dict()
+    vps, qps = steady_rates(s, workers)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"path": path, "workers": workers, "tokens": "stock" if stock else "arrcoc",
+            "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
+            "steady_videos_per_s": round(vps, 4), "steady_questions_per_s": round(qps, 4),
+            "tokens_kept_per_video": row["tokens_kept_per_video"], "tokens_full_per_video": row["tokens_full_per_video"],
+            "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"]}
+
+
+def main() -> None:
+    global BENCH_VLM
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny-random VLM, 3 small videos")
+    ap.add_argument("--gpus", type=int, nargs="*", help="Ray actor counts to time (default 1, 2, 4 up to #GPUs)")
+    ap.add_argument("--videos", type=int, default=32)
+    ap.add_argument("--questions", type=int, default=16, help="per video (MSRVTT-QA test averages ~24)")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--size", type=int, nargs=2, default=[240, 320], metavar=("H", "W"), help="MSR-VTT is 320x240")
+    ap.add_argument("--retention", type=float, default=0.25)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.device, args.videos, args.questions, args.seconds, args.size = "cpu", 3, 3, 1.0, [64, 96]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA GPU here (use --quick on CPU)")
+    n_gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+    counts = args.gpus or [n for n in (1, 2, 4, 8) if n <= n_gpus]
+    overrides = [f"runtime.device={args.device}", f"model.attending.retention={args.retention}",
+                 "vlm.max_new_tokens=8" if not args.quick else "vlm.max_new_tokens=2", "vlm.fps=2.0"]
+    if args.quick:
+        overrides.append("runtime.vlm=tiny-random")
+        factory = None
+    else:
+        overrides.append("runtime.vlm=qwen2-vl-2b-random")  # a label in the store; the factory builds it
+        factory = qwen2_vl_2b_factory
+    cfg = load_config(PipelineConfig, None, overrides)
+    BENCH_VLM = cfg.vlm
+    scratch = Path(tempfile.mkdtemp(prefix="bench_batch_"))
+    try:
+        write_fixture(scratch / "msrvtt", videos=args.videos, questions_per_video=args.questions, seconds=args.seconds,
+                      height=args.size[0], width=args.size[1], fps=30 if not args.quick else 10)
+        plan = make_plan(load_msrvtt(scratch / "msrvtt"))
+        import ray
+        ray.init(include_dashboard=False, log_to_driver=False,
+                 **({"num_cpus": 2} if args.quick else {}))
+        rows = []
+        for stock in (True, False):
+            rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory, scratch=scratch))
+            print(json.dumps(rows[-1]), flush=True)
+            for n in counts:
+                rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch))
+                print(json.dumps(rows[-1]), flush=True)
+        ray.shutdown()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+              "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
+              "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
+              "size": args.size, "retention": args.retention, "runs": rows, "summary": summarize(rows, counts)}
+    print(json.dumps(result["summary"], indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+def summarize(rows: list[dict], counts: list[int]) -> dict:
+    get = lambda path, n, tok: next(r for r in rows if (r["path"], r["workers"], r["tokens"]) == (path, n, tok))  # noqa: E731
+    out = {"speedup_questions_per_s_arrcoc_over_stock": {}, "ray_scaling_efficiency": {}}
+    for path, n in [("local", 1)] + [("ray", n) for n in counts]:
+        s, a = get(path, n, "stock"), get(path, n, "arrcoc")
+        out["speedup_questions_per_s_arrcoc_over_stock"][f"{path}_{n}"] = round(
+            a["steady_questions_per_s"] / s["steady_questions_per_s"], 3) if s["steady_questions_per_s"] else None
+    for tok in ("stock", "arrcoc"):
+        one = get("ray", counts[0], tok)["steady_questions_per_s"] / counts[0]
+        out["ray_scaling_efficiency"][tok] = {str(n): round(get("ray", n, tok)["steady_questions_per_s"] / (n * one), 3)
+                                              for n in counts}
+    return out
+
+
+if __name__ == "__main__":
+    main()

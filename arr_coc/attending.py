@@ -67,7 +67,8 @@ class Allotment:
     lod: torch.Tensor  # (B, gh, gw) int8: 0 dropped, 1 full token, 2 covered by a pooled 2x2 token
     budget: torch.Tensor  # (B,) int64 tokens spent per frame
     soft: torch.Tensor  # (B, gh, gw) float differentiable soft budget, sums to budget per frame
-    selected: torch.Tensor  # (B, K) int64 flat indices of cells holding a token (raster order), -1 padded
+    selected: torch.Tensor  # (B, K) int64 flat indices of cells holding a token (raster order), -1 padded;
+    #                         K = the most any frame of this grid can get (max_budget), fixed per grid
 
 
 def _rank(key: torch.Tensor) -> torch.Tensor:
@@ -133,7 +134,7 @@ class TokenAllocator(nn.Module):
             lod=lod.view(B, gh, gw),
             budget=budget,
             soft=soft.view(B, gh, gw),
-            selected=self._selected(tokens > 0, budget),
+            selected=self._selected(tokens > 0, self.max_budget(gh * gw)),
         )
 
     def _hard(self, r, demand, avail, rank, budget, pooled, gh, gw):
@@ -186,11 +187,15 @@ class TokenAllocator(nn.Module):
         share = gate * demand  # (B, N)
         return share * (budget.to(share.dtype) / share.sum(dim=1).clamp_min(1e-12)).unsqueeze(1)
 
+    def max_budget(self, n_cells: int) -> int:
+        """Most tokens a frame of n_cells can get: the width of `selected`, known on the host, so the
+        output shape never waits for the GPU (and the step can be captured in a CUDA graph)."""
+        return int(self.frame_budget(torch.tensor([n_cells]))[0])
+
     @staticmethod
-    def _selected(has_token: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        """(B, max K) int64 flat indices of cells with a token, raster order, -1 padded."""
+    def _selected(has_token: torch.Tensor, k_max: int) -> torch.Tensor:
+        """(B, k_max) int64 flat indices of cells with a token, raster order, -1 padded."""
         B, N = has_token.shape
-        k_max = int(budget.max()) if B > 0 else 0  # one host sync: the output width depends on it
         idx = torch.arange(N, device=has_token.device).expand(B, N)  # (B, N)
         key = torch.where(has_token, idx, N)  # (B, N) cells without a token sort last
         first = torch.sort(key, dim=1).values[:, :k_max]  # (B, K)

@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._consts import arange, constant
+
 # Tikhonov term added to the diagonal of the 2x2 structure tensor (intensity^2 / pixel^2, images in
 # [0, 1]). It keeps flat regions at zero update instead of NaN, and damps the aperture problem along
 # straight edges; real texture has eigenvalues orders of magnitude above it.
@@ -21,6 +23,10 @@ _RIDGE = 1e-6
 # Largest update one iteration may take (pixels at the current level). Lucas-Kanade's linearisation
 # only holds for about a pixel; the pyramid, not one big step, handles large motion.
 _MAX_STEP = 1.0
+# Sobel d/dy and d/dx kernels, scaled by 1/8 to give intensity per pixel; 5-tap binomial blur
+_SOBEL = tuple(v / 8.0 for v in (-1.0, -2.0, -1.0, 0.0, 0.0, 0.0, 1.0, 2.0, 1.0,
+                                 -1.0, 0.0, 1.0, -2.0, 0.0, 2.0, -1.0, 0.0, 1.0))
+_BINOMIAL = tuple(v / 16.0 for v in (1.0, 4.0, 6.0, 4.0, 1.0))
 
 
 def sobel(gray: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,9 +34,7 @@ def sobel(gray: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Borders are replicated, so a flat image has exactly zero gradient everywhere.
     """
-    kx = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]],
-                      device=gray.device, dtype=gray.dtype) / 8.0
-    kernels = torch.stack([kx.t(), kx]).unsqueeze(1)          # (2, 1, 3, 3): d/dy, d/dx
+    kernels = constant(_SOBEL, (2, 1, 3, 3), gray.device, gray.dtype)  # (2, 1, 3, 3): d/dy, d/dx
     padded = F.pad(gray, (1, 1, 1, 1), mode="replicate")      # (B, 1, H+2, W+2)
     grad = F.conv2d(padded, kernels)                          # (B, 2, H, W)
     return grad[:, 0:1], grad[:, 1:2]
@@ -48,21 +52,31 @@ def warp(image: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
     if image.shape[0] != flow.shape[0] or image.shape[-2:] != flow.shape[-2:]:
         raise ValueError(f"warp: image {tuple(image.shape)} and flow {tuple(flow.shape)} "
                          f"must share batch and spatial size")
-    b, _, h, w = image.shape
-    ys = torch.arange(h, device=image.device, dtype=flow.dtype).view(1, h, 1)
-    xs = torch.arange(w, device=image.device, dtype=flow.dtype).view(1, 1, w)
+    return sample(image, sampling_grid(flow))
+
+
+def sampling_grid(flow: torch.Tensor) -> torch.Tensor:
+    """(B, 2, h, w) flow (dy, dx) in pixels -> (B, h, w, 2) grid_sample grid of the points p - flow(p).
+
+    Split from `warp` so a caller warping many maps with one flow builds the grid once."""
+    _, _, h, w = flow.shape
+    ys = arange(h, flow.device, flow.dtype).view(1, h, 1)
+    xs = arange(w, flow.device, flow.dtype).view(1, 1, w)
     src_y = ys - flow[:, 0]                                   # (B, h, w) source row of each output pixel
     src_x = xs - flow[:, 1]                                   # (B, h, w)
     # align_corners=True maps pixel centres 0 and n-1 to -1 and +1; max() keeps 1-pixel axes finite
-    grid = torch.stack([src_x * (2.0 / max(w - 1, 1)) - 1.0,
+    return torch.stack([src_x * (2.0 / max(w - 1, 1)) - 1.0,
                         src_y * (2.0 / max(h - 1, 1)) - 1.0], dim=-1)  # (B, h, w, 2) as (x, y)
-    return F.grid_sample(image, grid.to(image.dtype), mode="bilinear",
-                         padding_mode="border", align_corners=True)
+
+
+def sample(image: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Bilinear grid_sample of (B, C, h, w) at a `sampling_grid`, borders replicated."""
+    return F.grid_sample(image, grid.to(image.dtype), mode="bilinear", padding_mode="border", align_corners=True)
 
 
 def _blur(gray: torch.Tensor) -> torch.Tensor:
     """Separable 5-tap binomial blur (sigma ~ 1 px) of (B, 1, H, W), borders replicated."""
-    k = torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0], device=gray.device, dtype=gray.dtype) / 16.0
+    k = constant(_BINOMIAL, (5,), gray.device, gray.dtype)
     out = F.conv2d(F.pad(gray, (2, 2, 0, 0), mode="replicate"), k.view(1, 1, 1, 5))
     return F.conv2d(F.pad(out, (0, 0, 2, 2), mode="replicate"), k.view(1, 1, 5, 1))
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._validate import check_range
-from .flow import warp
+from .flow import sample, sampling_grid
 from .texture import Texture
 
 
@@ -58,7 +58,7 @@ class StreamState:
     ref_rgb:        (3, gh, gw) each cell's colour when the VLM last saw it
     stale:          (gh, gw) bool, cells the VLM must see again (after a cut or refresh)
     scores:         (cut_window,) latest cut scores, NaN where there is no history yet
-    frames:         frames processed so far
+    frames:         () int64, frames processed so far (a device tensor: no host sync to advance it)
     """
 
     prev_frame: torch.Tensor | None = None
@@ -66,7 +66,7 @@ class StreamState:
     ref_rgb: torch.Tensor | None = None
     stale: torch.Tensor | None = None
     scores: torch.Tensor | None = None
-    frames: int = 0
+    frames: torch.Tensor | None = None
 
     def detached(self) -> "StreamState":
         """Cut the autograd history between batches (truncated back-propagation through time)."""
@@ -139,8 +139,9 @@ class TemporalRelevanceRealizer(nn.Module):
         if vlm_frames is None:
             vlm_frames = torch.ones(T, dtype=torch.bool, device=device)
         reset = scene_change.clone()                                             # (T,) everything is new
+        done = state.frames if state.frames is not None else torch.zeros((), dtype=torch.long, device=device)
         if cfg.refresh_frames:
-            reset |= (state.frames + torch.arange(T, device=device)) % cfg.refresh_frames == 0
+            reset |= (done + torch.arange(T, device=device)) % cfg.refresh_frames == 0
         cells = texture.cell_rgb.detach()                                        # (T, 3, gh, gw)
         ref = state.ref_rgb if state.ref_rgb is not None else torch.zeros_like(cells[0])
         stale = state.stale if state.stale is not None else torch.ones_like(cells[0, 0], dtype=torch.bool)
@@ -150,28 +151,29 @@ class TemporalRelevanceRealizer(nn.Module):
         #  - redundancy compares each cell with what the VLM last saw *of that cell* (not with the
         #    previous frame, which would let a slow change slip under the threshold forever).
         keep = (~scene_change).to(boosted.dtype)                                 # (T,)
-        decay = self.decay
+        weight = self.decay * keep                                               # (T,) cache weight
+        grids = sampling_grid(texture.flow)                                      # (T, gh, gw, 2), built once
+        left_vlm = ~vlm_frames
         prev = state.prev_relevance
         if prev is None:
             prev = torch.zeros_like(boosted[0])
         out, caches, avail = [], [], []
         for t in range(T):
-            cache = warp(prev[None, None], texture.flow[t:t + 1])[0, 0] * keep[t]  # (gh, gw)
-            prev = boosted[t] + decay * keep[t] * (cache - boosted[t])
-            stale = stale | reset[t]
+            cache = sample(prev[None, None], grids[t:t + 1])[0, 0]               # (gh, gw)
+            prev = torch.lerp(boosted[t], cache, weight[t])
             if cfg.redundancy:
+                stale = stale | reset[t]
                 available = stale | ((cells[t] - ref).abs().mean(0) >= cfg.redundancy_threshold)
-            else:
-                available = torch.ones_like(stale)
-            seen = available & vlm_frames[t]                                     # the VLM gets these now
-            ref = torch.where(seen[None], cells[t], ref)
-            stale = stale & ~vlm_frames[t]
+                ref = torch.where(available & vlm_frames[t], cells[t], ref)     # the VLM gets these now
+                stale = stale & left_vlm[t]
+                avail.append(available)
             out.append(prev)
             caches.append(cache)
-            avail.append(available)
+        available = (torch.stack(avail) if cfg.redundancy
+                     else torch.ones_like(boosted, dtype=torch.bool))            # (T, gh, gw)
         relevance = torch.stack(out).clamp(0, 1)                                 # (T, gh, gw)
-        realized = Realized(relevance=relevance, available=torch.stack(avail), scene_change=scene_change,
-                            cut_score=cut_score, cache=torch.stack(caches))
+        realized = Realized(relevance=relevance, available=available, scene_change=scene_change,
+                            cut_score=cut_score, cache=torch.stack(caches) * keep[:, None, None])
         new_state = replace(state, prev_relevance=relevance[-1], ref_rgb=ref, stale=stale, scores=scores,
-                            frames=state.frames + T)
+                            frames=done + T)
         return realized, new_state

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc._consts import constant
 from arr_coc.flow import optical_flow, sobel, warp
 
 CHANNELS = ("r", "g", "b", "lab_l", "lab_a", "sobel_gx", "sobel_gy", "sobel_mag",
@@ -147,9 +148,9 @@ def rgb_to_lab(rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """sRGB (B, 3, H, W) in [0, 1] -> (CIE L*a*b* (B, 3, H, W) with L* in [0, 100],
     relative luminance Y (B, 1, H, W) in [0, 1]), D65 white, the exact sRGB transfer curve."""
     linear = torch.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
-    matrix = torch.tensor(_RGB_TO_XYZ, device=rgb.device, dtype=rgb.dtype)
+    matrix = constant(tuple(v for row in _RGB_TO_XYZ for v in row), (3, 3), rgb.device, rgb.dtype)
     xyz = torch.einsum("ij,bjhw->bihw", matrix, linear)        # (B, 3, H, W)
-    white = torch.tensor(_WHITE, device=rgb.device, dtype=rgb.dtype).view(1, 3, 1, 1)
+    white = constant(tuple(_WHITE), (1, 3, 1, 1), rgb.device, rgb.dtype)
     t = xyz / white
     delta = 6.0 / 29.0
     f = torch.where(t > delta ** 3, t.clamp_min(delta ** 3) ** (1.0 / 3.0), t / (3 * delta ** 2) + 4.0 / 29.0)
@@ -160,7 +161,7 @@ def rgb_to_lab(rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _luma(rgb: torch.Tensor) -> torch.Tensor:
     """Rec. 601 luma of gamma-encoded RGB (B, 3, H, W) -> (B, 1, H, W): what flow tracks."""
-    weights = torch.tensor([0.299, 0.587, 0.114], device=rgb.device, dtype=rgb.dtype)
+    weights = constant((0.299, 0.587, 0.114), (3,), rgb.device, rgb.dtype)
     return torch.einsum("c,bchw->bhw", weights, rgb).unsqueeze(1)
 
 

@@ -48,8 +48,9 @@ def check_allotment(out: Allotment, cfg: AttendingConfig, relevance: torch.Tenso
     assert torch.equal((b_tok * (b_lod == 2)).sum(-1), pooled_block.long())
     top = torch.where(b_lod == 2, b_rel, torch.full_like(b_rel, -2)).argmax(-1, keepdim=True)
     assert (b_tok.gather(-1, top).squeeze(-1)[pooled_block] == 1).all()
-    # selected: the token cells in raster order, then -1
-    assert out.selected.shape == (B, int(k.max()))
+    # selected: the token cells in raster order, then -1, as wide as any frame of this grid can need
+    alloc = TokenAllocator(cfg)
+    assert out.selected.shape == (B, alloc.max_budget(gh * gw)) and out.selected.shape[1] >= int(k.max())
     for b in range(B):
         cells = out.tokens[b].flatten().nonzero().squeeze(1)
         assert torch.equal(out.selected[b, : k[b]], cells)
@@ -123,7 +124,7 @@ class TestExactBudget:
     def test_nothing_available_spends_nothing(self):
         out = TokenAllocator(AttendingConfig(min_tokens=4))(torch.rand(2, 3, 3), torch.zeros(2, 3, 3, dtype=torch.bool))
         assert out.budget.tolist() == [0, 0] and out.tokens.sum() == 0 and out.lod.sum() == 0
-        assert out.selected.shape == (2, 0) and out.soft.abs().sum() == 0
+        assert out.selected.shape == (2, 4) and (out.selected == -1).all() and out.soft.abs().sum() == 0
 
     def test_min_tokens_and_topk_limits(self):
         rel = torch.rand(1, 4, 4)

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .batch import add_batch_parser; add_batch_parser(sub, _common)  # noqa: E702 (one registration line)
     from .evaluate import add_eval_parser; add_eval_parser(sub)  # noqa: E702 (one registration line)
     from .live import add_live_parser; add_live_parser(sub, _common)  # noqa: E702 (one registration line)
+    from . import evaluate_relevance, train; train.add_parser(sub); evaluate_relevance.add_parser(sub)  # noqa: E702
     return parser
 
 

@@ -39,6 +39,7 @@ class RuntimeConfig:
     every_s: float | None = None      # one answer per window of this many seconds (None: whole video)
     batch_size: int = 16              # frames per batch through the GPU stages
     queue_capacity: int = 4           # batches buffered between two stages
+    model_weights: str = "default"    # ARR-COC weights: "default" (shipped, trained), "none" (initial values) or a path
 
     def __post_init__(self) -> None:
         if self.every_s is not None:

@@ -53,8 +53,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> ARRCOC:
-    model = ARRCOC(cfg.model, query_dim=query_dim).to(device).eval()
-    return model
+    from .weights import load_default
+    model = ARRCOC(cfg.model, query_dim=query_dim)
+    load_default(model, cfg.runtime.model_weights)
+    return model.to(device).eval()
 
 
 def encode_query(question: str, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Fine-tuning ARR-COC through a frozen VLM's answer loss (seed Part 45).
+
+The pipeline's VLM stage keeps or drops visual tokens (hard selection), which has no gradient.
+For training, every merged visual token is instead scaled by its soft keep weight — ARR-COC's
+differentiable budget, averaged over the frames one temporal patch merges and capped at one
+token — before it enters the language model. The VLM's parameters are frozen (requires_grad
+off); the loss is the cross-entropy of the ground-truth answer given the question, so only the
+ARR-COC parameters learn which tokens the answer needs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from arr_coc.model import ARRCOC
+
+_ROWS = ("top", "middle", "bottom")
+_COLS = ("left", "center", "right")
+
+
+def where_answer(box: tuple[int, int, int, int], size: tuple[int, int]) -> str:
+    """Ground-truth answer to "where is X?": the 3x3 region of the box centre, e.g. "top left"."""
+    cy, cx = (box[0] + box[2]) / 2 / size[0], (box[1] + box[3]) / 2 / size[1]
+    row, col = _ROWS[min(2, int(cy * 3))], _COLS[min(2, int(cx * 3))]
+    return "center" if (row, col) == ("middle", "center") else f"{row} {col}"
+
+
+def soft_keep(soft: torch.Tensor, temporal_patch: int) -> torch.Tensor:
+    """(T, gh, gw) soft budget -> (T', gh, gw) keep weight in [0, 1] per merged VLM token."""
+    T = soft.shape[0]
+    pad = (-T) % temporal_patch
+    if pad:  # the VLM repeats the last frame to fill a temporal patch
+        soft = torch.cat([soft, soft[-1:].expand(pad, *soft.shape[1:])])
+    pairs = soft.view(-1, temporal_patch, *soft.shape[1:]).mean(1)        # (T', gh, gw)
+    return pairs.clamp(max=1.0)
+
+
+def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: str,
+                query: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Cross-entropy of `answer` after the question, with ARR-COC's soft keep on the visual tokens.
+
+    frames: uint8 (T, H, W, 3) of one video; query: (L, D) question embedding (default: the VLM's).
+    Returns (loss, the balancer's tensions). Gradients reach ARR-COC only.
+    """
+    device = vlm.device
+    T, H, W = frames.shape[:3]
+    grid = vlm.geometry.grid(H, W)
+    if query is None:
+        query = vlm.text_embeddings(question).float()                      # (L, D)
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(device)  # (T, 3, H, W)
+    with torch.no_grad():
+        texture = model.extract(x, None, grid)
+        merged = vlm._merged_tokens([frames])[0]                           # (T', gh, gw, D)
+    allocation, _, _ = model.realize(texture, query)
+    keep = soft_keep(allocation.soft, vlm.geometry.temporal_patch_size)    # (T', gh, gw)
+    if tuple(keep.shape) != tuple(merged.shape[:3]):
+        raise ValueError(f"soft keep {tuple(keep.shape)} does not match the VLM's merged tokens {tuple(merged.shape[:3])}")
+    visual = (merged.float() * keep.unsqueeze(-1)).flatten(0, 2)           # (N, D)
+    Tp, gh, gw = merged.shape[:3]
+    n_full = Tp * gh * gw
+    ids = vlm.full_input_ids(question, n_full)                             # (L_full,)
+    m = vlm.geometry.merge_size
+    positions = vlm.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))  # (3, L_full)
+    target = torch.tensor(vlm.tokenizer(answer + "<|im_end|>").input_ids, device=device)  # (A,)
+    v0 = int((ids == vlm.video_token_id).nonzero()[0])
+    with torch.no_grad():
+        text = vlm._lm.embed_tokens(torch.cat([ids, target[:-1]])).float()  # (L_full + A - 1, D)
+    L = ids.shape[0]
+    embeds = torch.cat([text[:v0], visual, text[v0 + n_full:]]).to(vlm.dtype)  # (L_full + A - 1, D)
+    next_pos = int(positions.max()) + 1
+    answer_pos = (next_pos + torch.arange(target.numel() - 1, device=device)).expand(3, -1)
+    pos = torch.cat([positions, answer_pos], 1)[:, None]                   # (3, 1, L + A - 1)
+    hidden = vlm._lm_step(embeds[None], None, pos, None)[0, L - 1:]        # (A, D) predicts each answer token
+    logits = vlm.model.lm_head(hidden).float()                             # (A, V)
+    return F.cross_entropy(logits, target), allocation.tensions
+
+
+def vlm_step_loss(model: ARRCOC, vlm, scenes, idx, embed) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean answer loss over a batch of still scenes (each shown as a two-frame clip)."""
+    losses, tensions = [], {}
+    for i in idx.tolist():
+        scene = scenes[i]
+        target = scene.objects[scene.target]
+        question = f"where is the {target.color} {target.shape}?"
+        frames = np.stack([scene.image, scene.image])
+        loss, tensions = answer_loss(vlm, model, frames, question, where_answer(target.box, scene.image.shape[:2]),
+                                     query=embed(question))
+        losses.append(loss)
+    return torch.stack(losses).mean(), tensions

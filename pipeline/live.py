@@ -356,12 +356,14 @@ def open_sources(specs: list[str], config: LiveConfig) -> list[LiveSource]:
 def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConfig, *,
              live: LiveConfig | None = None, options: LiveOptions | None = None,
              answers_out: TextIO | None = None, status_out: TextIO | None = None, status_tty: bool | None = None,
-             stop: threading.Event | None = None, on_graph: Any = None, slow_stage_s: float = 0.0) -> LiveResult:
+             stop: threading.Event | None = None, on_graph: Any = None, slow_stage_s: float = 0.0,
+             vlm: Any = None) -> LiveResult:
     """Watch the live sources and answer `question` until the duration ends, the sources end
     (realtime files), `stop` is set, or Ctrl-C / SIGTERM (KeyboardInterrupt, re-raised after the
     store is closed). Raises SourceError when a source cannot be opened at start.
 
     slow_stage_s: extra seconds the texture stage spends per batch (overload tests and benchmarks).
+    vlm: an already loaded VLM to use instead of loading cfg.runtime.vlm (benchmarks reuse one).
     """
     from .live_status import StatusReporter, snapshot
     from .run import build_model, encode_query, load_answerer, resolve_device
@@ -371,7 +373,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     device = resolve_device(cfg.runtime.device)
     sources = open_sources(specs, live)
     try:
-        vlm = load_answerer(cfg, device)
+        vlm = load_answerer(cfg, device) if vlm is None else vlm
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
         grids = {s.stream_id: geometry.grid(s.height, s.width) for s in sources}

@@ -1,0 +1,302 @@
+"""Live serving benchmark: 1, 4 and 16 concurrent 720p30 streams through `pipeline.live` on one GPU.
+
+    python3 benchmarks/bench_live.py --device cuda                  # GPU: streams 1,4,16 + 10-minute soak
+    python3 benchmarks/bench_live.py --quick                        # CPU smoke test (small, short)
+
+Streams are served from loopback by a small HTTP server in this file that sends MPEG-TS, remuxed
+with PyAV from one H.264 clip encoded at start-up and paced at its real frame rate (looped). Why
+not RTSP: the GPU machine has no GStreamer, and HTTP/MPEG-TS goes through exactly the same client
+path as an RTSP camera (PyAV demux -> decode -> the capture thread's latest-frame buffer); only
+the session protocol differs. Each client gets its own connection and its own paced copy.
+
+The VLM is the Qwen2-VL-2B architecture with random weights (nothing is downloaded), answering
+every --every seconds per stream through one VLMBatcher; random weights stop at random, so EOS
+is disabled and every answer decodes exactly --new-tokens tokens.
+
+Reported per stream count: processed fps per stream (frames written / s), input fps, drop share,
+answer latency p50/p95 (last frame arrival of the window -> answer ready), answers/s. Targets:
+16 streams at the full 30 fps through the front end, answer latency p95 <= 500 ms at 4 streams.
+The soak runs one stream for --soak seconds and compares process RSS and CUDA memory at the
+end with minute one (target: within 5%).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import av  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
+from pipeline.live import LiveOptions, run_live  # noqa: E402
+from pipeline.live_status import snapshot  # noqa: E402
+from pipeline.vlm.config import VLMConfig  # noqa: E402
+from sources.live import LiveConfig, percentile  # noqa: E402
+
+
+def encode_clip(path: Path, width: int, height: int, fps: int, seconds: float) -> Path:
+    """A moving textured scene with a bright square, H.264 in MPEG-TS, a keyframe every second."""
+    rng = np.random.default_rng(0)
+    tex = rng.integers(0, 255, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    tex = np.repeat(np.repeat(tex, 8, 0), 8, 1)[:height, :width]             # (H, W, 3)
+    with av.open(str(path), "w", format="mpegts") as out:
+        stream = out.add_stream("libx264", rate=fps, options={"preset": "veryfast", "tune": "zerolatency",
+                                                              "g": str(fps), "bf": "0"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for t in range(int(seconds * fps)):
+            img = np.roll(tex, 3 * t, axis=1).copy()                          # a slow pan
+            y, x = (height // 3 + int(height / 4 * np.sin(t / 15))), (t * 11) % (width - 64)
+            img[y:y + 64, x:x + 64] = (255, 40, 40)                           # a moving object
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return path
+
+
+def serve_ts(clip: Path, wfile, stop: threading.Event) -> None:
+    """Send the clip as one endless MPEG-TS stream, paced at its frame rate, looping."""
+    src = av.open(str(clip))
+    ins = src.streams.video[0]
+    out = av.open(wfile, "w", format="mpegts", options={"flush_packets": "1"})
+    ost = out.add_stream_from_template(ins)
+    tb = float(ins.time_base)
+    packets = [p for p in src.demux(ins) if p.dts is not None]
+    first = packets[0].pts
+    loop_ticks = round((packets[-1].pts - first) / max(1, len(packets) - 1) * len(packets))
+    start, loop = time.monotonic(), 0
+    try:
+        while not stop.is_set():
+            for p in packets:
+                due = start + (p.pts - first + loop * loop_ticks) * tb
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                pkt = av.Packet(bytes(p))
+                pkt.pts, pkt.dts = p.pts + loop * loop_ticks, p.dts + loop * loop_ticks
+                pkt.time_base, pkt.stream, pkt.is_keyframe = ins.time_base, ost, p.is_keyframe
+                out.mux(pkt)
+                if stop.is_set():
+                    break
+            loop += 1
+    finally:
+        src.close()
+        try:
+            out.close()
+        except (OSError, av.FFmpegError):
+            pass
+
+
+class TSServer:
+    """http://127.0.0.1:PORT/<anything>.ts -> the clip, live. One thread per client."""
+
+    def __init__(self, clip: Path) -> None:
+        self.stop = threading.Event()
+        stop = self.stop
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                self.send_response(200)
+                self.send_header("Content-Type", "video/mp2t")
+                self.end_headers()
+                try:
+                    serve_ts(clip, self.wfile, stop)
+                except (BrokenPipeError, ConnectionResetError, av.FFmpegError, OSError):
+                    pass  # the client went away
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.port}/stream{i}.ts"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def build_vlm(arch: str, device: torch.device, new_tokens: int):
+    """Qwen2-VL architecture with random weights (or the tiny one for --quick), EOS disabled."""
+    from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer, tiny_config
+    from pipeline.vlm.loading import _wrap
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = build_tokenizer()
+    config = tiny_config("qwen2_vl", tokenizer) if arch == "tiny" else arch_config(arch, tokenizer)
+    model = build_model(config, device=device, dtype=dtype)
+    vlm_cfg = VLMConfig(max_new_tokens=new_tokens, max_batch=16, max_wait_s=0.01)
+    vlm = _wrap(model, tokenizer, "qwen2_vl", f"{arch} (random weights)", vlm_cfg, {}, "random weights (benchmark)")
+    vlm.eos_ids = torch.empty(0, dtype=torch.long, device=device)   # every answer decodes new_tokens
+    return vlm
+
+
+def pipeline_config(vlm, args, device: torch.device) -> PipelineConfig:
+    # Speed does not depend on the relevance weights' values: the initial ones need no weights file.
+    untrained = {"model_weights": "none"} if "model_weights" in {f.name for f in fields(RuntimeConfig)} else {}
+    return PipelineConfig(runtime=RuntimeConfig(device=device.type, vlm=vlm.name, batch_size=args.batch_size,
+                                                **untrained), vlm=vlm.config)
+
+
+def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict:
+    """One live run over `urls`; metrics over the `args.seconds` after `args.warmup` seconds."""
+    graphs: list = []
+    stop = threading.Event()
+    marks: dict = {}
+
+    def mark():
+        time.sleep(args.warmup)
+        sink = graphs[0].stages[-1]
+        marks["t0"], marks["s0"] = time.monotonic(), snapshot(list(sink.sources.values()), sink.counters)
+        marks["lat0"] = {sid: len(c.answer_latency) for sid, c in sink.counters.items()}
+        time.sleep(args.seconds)
+        marks["t1"], marks["s1"] = time.monotonic(), snapshot(list(sink.sources.values()), sink.counters)
+        marks["lat"] = [lat for sid, c in sink.counters.items() for lat in list(c.answer_latency)[marks["lat0"][sid]:]]
+        stop.set()
+
+    def on_graph(graph):
+        graphs.append(graph)
+        threading.Thread(target=mark, daemon=True).start()
+
+    cfg = pipeline_config(vlm, args, device)
+    live = LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0)
+    run_live(urls, "what is moving, and where?", out, cfg, live=live,
+             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0), stop=stop, on_graph=on_graph,
+             vlm=vlm, status_out=open(os.devnull, "w"))
+    span = marks["t1"] - marks["t0"]
+    s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]
+    per = {sid: {"fps_processed": (s1[sid]["frames_out"] - s0[sid]["frames_out"]) / span,
+                 "fps_in": (s1[sid]["frames_in"] - s0[sid]["frames_in"]) / span,
+                 "dropped": s1[sid]["dropped"] - s0[sid]["dropped"],
+                 "answers": s1[sid]["answers"] - s0[sid]["answers"]} for sid in s1}
+    fps = [p["fps_processed"] for p in per.values()]
+    frames_in = sum(s1[sid]["frames_in"] - s0[sid]["frames_in"] for sid in s1)
+    return {"streams": len(urls), "seconds": round(span, 1),
+            "fps_processed_per_stream_mean": round(float(np.mean(fps)), 2),
+            "fps_processed_per_stream_min": round(float(np.min(fps)), 2),
+            "fps_in_per_stream_mean": round(float(np.mean([p["fps_in"] for p in per.values()])), 2),
+            "dropped": int(sum(p["dropped"] for p in per.values())),
+            "drop_share": round(sum(p["dropped"] for p in per.values()) / max(1, frames_in), 4),
+            "answers": int(sum(p["answers"] for p in per.values())),
+            "answer_latency_p50_ms": round(percentile(marks["lat"], 50) * 1e3, 1),
+            "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1)}
+
+
+def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
+    """One stream for args.soak seconds; memory sampled every few seconds."""
+    samples: list[tuple[float, float, float]] = []
+    stop = threading.Event()
+    period = max(1.0, min(10.0, args.soak / 60))
+
+    def sample():
+        t0 = time.monotonic()
+        while not stop.wait(period):
+            cuda = torch.cuda.memory_allocated() / 2**20 if device.type == "cuda" else 0.0
+            samples.append((time.monotonic() - t0, rss_mb(), cuda))
+            if samples[-1][0] >= args.soak:
+                stop.set()
+
+    cfg = pipeline_config(vlm, args, device)
+    threading.Thread(target=sample, daemon=True).start()
+    run_live([url], "what is moving, and where?", out, cfg,
+             live=LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0),
+             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0), stop=stop, vlm=vlm,
+             status_out=open(os.devnull, "w"))
+    minute = min(60.0, args.soak / 5)   # "minute one" (scaled down for --quick)
+    first = [s for s in samples if s[0] <= minute][-1]
+    last = samples[-1]
+    return {"seconds": round(last[0], 1), "reference_s": round(first[0], 1),
+            "rss_mb_ref": round(first[1], 1), "rss_mb_end": round(last[1], 1),
+            "rss_change": round(last[1] / first[1] - 1, 4),
+            "cuda_mb_ref": round(first[2], 1), "cuda_mb_end": round(last[2], 1),
+            "cuda_change": round(last[2] / first[2] - 1, 4) if first[2] else 0.0,
+            "rss_mb_max": round(max(s[1] for s in samples), 1)}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="CPU smoke test: 320x180@15, tiny VLM, short runs")
+    p.add_argument("--streams", default=None, help="comma-separated stream counts (default 1,4,16; quick 1,2)")
+    p.add_argument("--seconds", type=float, default=None, help="measured seconds per count (default 30; quick 6)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds before measuring (default 10; quick 3)")
+    p.add_argument("--soak", type=float, default=None, help="soak seconds, 0 to skip (default 600; quick 20)")
+    p.add_argument("--every", type=float, default=2.0)
+    p.add_argument("--new-tokens", type=int, default=None, help="answer length in tokens (default 16; quick 4)")
+    p.add_argument("--batch-size", type=int, default=8, help="frames per batch through the GPU stages")
+    p.add_argument("--buffer", type=int, default=8, help="newest frames kept per source")
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/bench_live_<device>.json)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    w, h, fps = (320, 180, 15) if quick else (1280, 720, 30)
+    counts = [int(c) for c in (args.streams or ("1,2" if quick else "1,4,16")).split(",")]
+    args.seconds = args.seconds or (6.0 if quick else 30.0)
+    args.warmup = args.warmup if args.warmup is not None else (3.0 if quick else 10.0)
+    args.soak = args.soak if args.soak is not None else (20.0 if quick else 600.0)
+    new_tokens = args.new_tokens or (4 if quick else 16)
+    device = torch.device(args.device)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_live_{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    clip = encode_clip(work / "clip.ts", w, h, fps, seconds=4.0)
+    server = TSServer(clip)
+    vlm = build_vlm("tiny" if quick else "qwen2-vl-2b", device, new_tokens)
+    rows = []
+    try:
+        for n in counts:
+            row = measure([server.url(i) for i in range(n)], vlm, args, device, work / f"live{n}.zarr")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        soak_row = soak(server.url(999), vlm, args, device, work / "soak.zarr") if args.soak > 0 else None
+        if soak_row:
+            print(json.dumps({"soak": soak_row}), flush=True)
+    finally:
+        server.close()
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+              "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
+              "vlm": vlm.name, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
+              "rows": rows, "soak": soak_row,
+              "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bench_live_{device.type}{'_quick' if quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(rows, soak_row, fps)
+    print(f"wrote {out}")
+    return 0
+
+
+def print_table(rows: list[dict], soak_row: dict | None, target_fps: int) -> None:
+    print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} {'p95 ms':>7}")
+    for r in rows:
+        print(f"{r['streams']:>7} {r['fps_processed_per_stream_mean']:>10.1f} {r['fps_processed_per_stream_min']:>6.1f} "
+              f"{r['fps_in_per_stream_mean']:>6.1f} {100 * r['drop_share']:>6.1f} {r['answers']:>7} "
+              f"{r['answer_latency_p50_ms']:>7.0f} {r['answer_latency_p95_ms']:>7.0f}")
+    if soak_row:
+        print(f"soak {soak_row['seconds']:.0f} s: RSS {soak_row['rss_mb_ref']:.0f} -> {soak_row['rss_mb_end']:.0f} MB "
+              f"({100 * soak_row['rss_change']:+.1f}%), CUDA {soak_row['cuda_mb_ref']:.0f} -> "
+              f"{soak_row['cuda_mb_end']:.0f} MB ({100 * soak_row['cuda_change']:+.1f}%)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

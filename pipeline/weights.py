@@ -42,6 +42,7 @@ def save_weights(model: nn.Module, path: str | Path, metadata: dict[str, str] | 
     tensors.update({k: v.detach().cpu().contiguous() for k, v in (extra or {}).items()})
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata=metadata or {})
+    tmp.chmod(0o644)  # shipped as package data: readable by every user
     tmp.replace(path)  # a crash mid-write never leaves a half checkpoint behind
     return path
 

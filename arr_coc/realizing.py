@@ -30,9 +30,9 @@ from .texture import Texture
 class RealizingConfig:
     # Cut detection works on the median over cells of the flow-compensated residual: a pan or a
     # moving object leaves most cells explained by the flow (low median), a cut leaves none.
-    cut_threshold: float = 0.08        # absolute median residual (0..1 colour units) for a cut
-    cut_ratio: float = 3.0             # ... and at least this many times the recent level
-    cut_window: int = 8                # frames in the trailing mean that defines "recent level"
+    cut_threshold: float = 0.04        # absolute median residual (0..1 colour units) for a cut
+    cut_ratio: float = 6.0             # ... and at least this many times the recent level
+    cut_window: int = 4                # frames in the trailing mean that defines "recent level"
     initial_decay: float = 0.5         # weight of the warped cache in the blend (learned)
     initial_motion_boost: float = 0.3  # weight of the motion channel added to relevance (learned)
     redundancy: bool = True            # drop cells the VLM saw unchanged

@@ -22,6 +22,7 @@ dropped: it moves to the next surviving frame. Failing to open a source at start
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import random
 import re
@@ -287,8 +288,8 @@ _CONNECTIONS = {"network": _NetworkConnection, "camera": _CameraConnection, "fil
 class LatestFrames:
     """The newest `capacity` frames of one source; older ones are dropped and counted.
 
-    A Gap rides on the first frame after it; when that frame is dropped the gap moves to the next
-    one, so a consumer always learns of every gap before the frames that follow it.
+    A Gap rides on the first frame after it; when that frame is dropped the gap moves to (and now
+    ends at) the next one, so a consumer learns of every gap before the frames that follow it.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -309,8 +310,9 @@ class LatestFrames:
         _, carried = self._items.popleft()
         self.dropped += 1
         if carried is not None:
+            # the gap now ends at the first frame a consumer will see after it
             nxt, own = self._items[0]
-            self._items[0] = (nxt, own or carried)
+            self._items[0] = (nxt, own or dataclasses.replace(carried, end_pts=nxt.pts_s, end_wall=nxt.arrival_s))
 
     def close(self) -> None:
         """No more frames will come: wake the consumer."""

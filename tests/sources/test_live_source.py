@@ -102,9 +102,10 @@ class TestLatestFrames:
         for i in range(2, 4):
             buf.put(frame(i))
         assert buf.dropped == 1
-        buf.put(frame(4))   # drops frame 1, which carried the gap: it moves on to frame 2
+        buf.put(frame(4))   # drops frame 1, which carried the gap: it moves on to frame 2 and ends there
         got, gap = buf.take(10, 0.0)
-        assert gap is g and [f.index for f in got] == [2, 3, 4]
+        assert [f.index for f in got] == [2, 3, 4]
+        assert (gap.start_pts, gap.end_pts, gap.end_wall) == (1.0, got[0].pts_s, got[0].arrival_s)
         buf.put(frame(5))
         buf.put(frame(6), g)
         got, gap = buf.take(10, 0.0)

@@ -39,6 +39,7 @@ class RuntimeConfig:
     every_s: float | None = None      # one answer per window of this many seconds (None: whole video)
     batch_size: int = 16              # frames per batch through the GPU stages
     queue_capacity: int = 4           # batches buffered between two stages
+    cuda_graphs: bool = True          # replay full batches of the front end as CUDA graphs (GPU only)
     model_weights: str = "default"    # ARR-COC weights: "default" (shipped, trained), "none" (initial values) or a path
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from sources import open_video
 
 from .config import PipelineConfig
 from .configio import to_dict
+from .cudagraph import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
 from .stages import DecodeStage, RealizeStage, RunStatus, SinkStage, TextureStage, VLMStage
 from .vlm.geometry import VLMGeometry
@@ -80,8 +81,11 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
     """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink."""
     capacity = cfg.runtime.queue_capacity
     decode = DecodeStage(source, cfg.runtime.batch_size, pin=device.type == "cuda", status=status)
-    texture = TextureStage(model, device, grid)
-    realize = RealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None)
+    batch = cfg.runtime.batch_size
+    graphs = FrontendGraphs(model, grid, query.to(device)) if device.type == "cuda" and cfg.runtime.cuda_graphs else None
+    texture = TextureStage(model, device, grid, graphs, batch)
+    realize = RealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
+                           graphs=graphs, batch_size=batch)
     sink = SinkStage(writer, status, overlay)
     graph = Graph()
     graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))

@@ -1,0 +1,93 @@
+"""CUDA-graph replay for the front end's steady state.
+
+Run eagerly, texture + realize launch about a thousand small kernels per batch and the host,
+not the GPU, sets the pace (H200, 448x448: ~10 ms per batch at any batch size up to 64). A CUDA
+graph records those launches once and replays them with one call, so a batch costs what the GPU
+needs (1.5 ms at batch 1, 5.5 ms at batch 64; see benchmarks/profile_frontend.py).
+
+A graph replays fixed shapes on fixed memory: every input (frames, the stream's last frame and
+state) is copied into the graph's buffers before each replay, and the outputs are the graph's
+own buffers, valid until its next replay (callers copy them out first, in stream order). The
+graphs hold no state of their own, so eager batches (a stream's first, a short last one) and
+graph replays interleave freely.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Callable
+
+import torch
+
+from arr_coc.model import ARRCOC, Allocation
+from arr_coc.realizing import StreamState
+from arr_coc.texture import Texture
+
+STATE_FIELDS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")
+TEXTURE_FIELDS = tuple(f.name for f in fields(Texture))
+
+
+class GraphedCall:
+    """fn(buffers) captured once on `stream`; call(**inputs) copies inputs in and replays."""
+
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], Any], example: dict[str, torch.Tensor],
+                 stream: torch.cuda.Stream, warmup: int = 2) -> None:
+        self.buffers = {k: v.clone() for k, v in example.items()}
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):  # kernels get chosen and workspaces allocated before capture
+                fn(self.buffers)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=stream):
+                self.outputs = fn(self.buffers)
+
+    def __call__(self, **inputs: torch.Tensor) -> Any:
+        """Replay on the current stream; the outputs are overwritten by the next call."""
+        for name, value in inputs.items():
+            self.buffers[name].copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+class FrontendGraphs:
+    """Per stream and batch shape: one graph for extract() and one for realize()."""
+
+    def __init__(self, model: ARRCOC, grid: tuple[int, int], query: torch.Tensor,
+                 query_mask: torch.Tensor | None = None) -> None:
+        self.model, self.grid, self.query, self.query_mask = model, grid, query, query_mask
+        self.texture_graphs: dict[tuple, GraphedCall] = {}
+        self.realize_graphs: dict[tuple, GraphedCall] = {}
+
+    def extract(self, key: Any, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream) -> Texture:
+        graph = self.texture_graphs.get((key, tuple(frames.shape)))
+        if graph is None:
+            graph = self.texture_graphs[(key, tuple(frames.shape))] = GraphedCall(
+                lambda b: self.model.extract(b["frames"], b["last"], self.grid),
+                {"frames": frames, "last": last}, stream)
+        out = graph(frames=frames, last=last)
+        # the realize stage reads this on its own stream while the next batch may replay here
+        return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
+
+    def realize(self, key: Any, texture: Texture, state: StreamState, vlm_frames: torch.Tensor,
+                stream: torch.cuda.Stream) -> tuple[Allocation, StreamState]:
+        shape = tuple(texture.data.shape)
+        graph = self.realize_graphs.get((key, shape))
+        inputs = {"tex_" + n: getattr(texture, n) for n in TEXTURE_FIELDS}
+        inputs.update({n: getattr(state, n) for n in STATE_FIELDS})
+        inputs["vlm_frames"] = vlm_frames
+        if graph is None:
+            graph = self.realize_graphs[(key, shape)] = GraphedCall(self._realize_step, inputs, stream)
+        allocation, new_state = graph(**inputs)
+        # the next replay overwrites the outputs; the state must survive until the next batch
+        return allocation, StreamState(**{n: getattr(new_state, n).clone() for n in STATE_FIELDS})
+
+    def _realize_step(self, b: dict[str, torch.Tensor]) -> tuple[Allocation, StreamState]:
+        texture = Texture(**{n: b["tex_" + n] for n in TEXTURE_FIELDS})
+        state = StreamState(**{n: b[n] for n in STATE_FIELDS})
+        allocation, new_state, _ = self.model.realize(texture, self.query, state, query_mask=self.query_mask,
+                                                      vlm_frames=b["vlm_frames"])
+        return allocation, new_state
+
+
+def graphable(state: StreamState | None) -> bool:
+    """A graph needs every state tensor to exist; after a stream's first batch they do."""
+    return state is not None and all(getattr(state, n) is not None for n in STATE_FIELDS)

@@ -26,6 +26,7 @@ import platform
 import shlex
 import statistics
 import time
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -34,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from arr_coc.model import ARRCOC
+from pipeline.cudagraph import FrontendGraphs, graphable
 from pipeline.vlm.geometry import VLMGeometry
 from sources.synthetic import Shot, render_clip
 
@@ -51,6 +53,7 @@ class Row:
     batch: int
     device: str
     upload: bool            # True: the timed step includes the pinned host->device copy
+    graphs: bool            # True: steady-state batches replay CUDA graphs (the pipeline's default on GPU)
     compiled: bool
     repeats: int
     ms_per_batch: float     # median over repeats
@@ -156,7 +159,7 @@ def make_timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 
 
 def bench_one(model: ARRCOC, query: torch.Tensor, pool: torch.Tensor, grid: tuple[int, int], batch: int,
-              device: torch.device, warmup: int, repeats: int, upload: bool) -> list[float]:
+              device: torch.device, warmup: int, repeats: int, upload: bool, graphs: bool = False) -> list[float]:
     """Per-step milliseconds for `repeats` consecutive batches of one stream (after `warmup`).
 
     pool: (N, H, W, 3) uint8 frames, N a multiple of batch; on the device, or in pinned host
@@ -164,6 +167,11 @@ def bench_one(model: ARRCOC, query: torch.Tensor, pool: torch.Tensor, grid: tupl
     """
     laps = pool.shape[0] // batch
     stream = {"last": None, "state": None, "k": 0}
+    # graphs=True: the pipeline's steady state, every batch after a stream's first replays the
+    # texture and realize CUDA graphs (pipeline/cudagraph.py), on a side stream as the stages do
+    frontend = FrontendGraphs(model, grid, query) if graphs else None
+    side = torch.cuda.Stream(device) if graphs else None
+    ones = torch.ones(batch, dtype=torch.bool, device=device)
 
     def step() -> None:
         k = stream["k"] % laps
@@ -171,14 +179,18 @@ def bench_one(model: ARRCOC, query: torch.Tensor, pool: torch.Tensor, grid: tupl
         if upload:
             pixels = pixels.to(device, non_blocking=True)
         frames = pixels.permute(0, 3, 1, 2)                               # (B, 3, H, W)
-        texture = model.extract(frames, stream["last"], grid)
-        _, stream["state"], _ = model.realize(texture, query, stream["state"])
-        stream["last"] = frames[-1]
+        if frontend is not None and graphable(stream["state"]):
+            texture = frontend.extract("bench", frames, stream["last"], side)
+            _, stream["state"] = frontend.realize("bench", texture, stream["state"], ones, side)
+        else:
+            texture = model.extract(frames, stream["last"], grid)
+            _, stream["state"], _ = model.realize(texture, query, stream["state"])
+        stream["last"] = frames[-1].clone()
         stream["k"] += 1
 
     timed = make_timer(device)
-    with torch.inference_mode():
-        for _ in range(warmup):
+    with torch.inference_mode(), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+        for _ in range(max(warmup, 2 if graphs else 0)):  # graphs: eager first batch, then capture
             timed(step)
         return [timed(step) for _ in range(repeats)]
 
@@ -216,14 +228,17 @@ def run(args: argparse.Namespace) -> dict:
         host = torch.from_numpy(motion_frames(pool_size(args.batches) // 2, h, w))  # (N, H, W, 3)
         on_device = host.to(device)
         pinned = host.pin_memory() if device.type == "cuda" else None
+        modes = [(False, False)]  # (upload, graphs)
+        if pinned is not None:
+            modes = [(False, False), (False, True), (True, True)] if args.graphs else [(False, False), (True, False)]
         for batch in args.batches:
-            for upload in ((False, True) if pinned is not None else (False,)):
+            for upload, graphs in modes:
                 times = bench_one(model, query, pinned if upload else on_device, grid, batch, device,
-                                  args.warmup, args.repeats, upload)
+                                  args.warmup, args.repeats, upload, graphs)
                 ms = statistics.median(times)
                 fps = batch / ms * 1e3
                 target, met = judge((h, w), batch, ms / batch, fps, device) if not upload else (None, None)
-                rows.append(Row(size=f"{h}x{w}", grid=grid, batch=batch, device=device.type, upload=upload,
+                rows.append(Row(size=f"{h}x{w}", grid=grid, batch=batch, device=device.type, upload=upload, graphs=graphs,
                                 compiled=args.compile, repeats=args.repeats, ms_per_batch=round(ms, 4),
                                 ms_per_batch_min=round(min(times), 4), ms_per_frame=round(ms / batch, 4),
                                 frames_per_s=round(fps, 2), target=target, target_met=met))
@@ -251,7 +266,7 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-HEADER = f"{'size':>10} {'grid':>6} {'batch':>5} {'device':>6} {'upload':>6} {'frames/s':>10} {'ms/frame':>9} {'ms/batch':>9}  target met?"
+HEADER = f"{'size':>10} {'grid':>6} {'batch':>5} {'device':>6} {'upload':>6} {'graphs':>6} {'frames/s':>10} {'ms/frame':>9} {'ms/batch':>9}  target met?"
 
 
 def print_row(r: Row, name: str) -> None:
@@ -260,7 +275,7 @@ def print_row(r: Row, name: str) -> None:
         print(HEADER)
         print_row.printed = True
     met = "-" if r.target is None else ("n/a (GPU target)" if r.target_met is None else ("yes" if r.target_met else "NO"))
-    print(f"{r.size:>10} {r.grid[0]:>2}x{r.grid[1]:<3} {r.batch:>5} {r.device:>6} {str(r.upload).lower():>6} "
+    print(f"{r.size:>10} {r.grid[0]:>2}x{r.grid[1]:<3} {r.batch:>5} {r.device:>6} {str(r.upload).lower():>6} {str(r.graphs).lower():>6} "
           f"{r.frames_per_s:>10.1f} {r.ms_per_frame:>9.3f} {r.ms_per_batch:>9.3f}  {met}", flush=True)
 
 
@@ -273,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10 on CUDA, 1 on CPU, 5 on CPU with --compile)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run for CI")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's stages (off by default)")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+                   help="on CUDA, skip the CUDA-graph rows (the pipeline's default steady state)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_frontend_<device>.json)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

@@ -37,7 +37,9 @@ class GraphedCall:
             for _ in range(warmup):  # kernels get chosen and workspaces allocated before capture
                 fn(self.buffers)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=stream):
+            # thread_local: the other stages' threads keep allocating pinned memory and launching
+            # work on their own streams while this one captures
+            with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
                 self.outputs = fn(self.buffers)
 
     def __call__(self, **inputs: torch.Tensor) -> Any:

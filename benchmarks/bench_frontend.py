@@ -180,8 +180,8 @@ def bench_one(model: ARRCOC, query: torch.Tensor, pool: torch.Tensor, grid: tupl
             pixels = pixels.to(device, non_blocking=True)
         frames = pixels.permute(0, 3, 1, 2)                               # (B, 3, H, W)
         if frontend is not None and graphable(stream["state"]):
-            texture = frontend.extract("bench", frames, stream["last"], side)
-            _, stream["state"] = frontend.realize("bench", texture, stream["state"], ones, side)
+            texture = frontend.extract(frames, stream["last"], side)
+            _, stream["state"] = frontend.realize(texture, stream["state"], ones, side)
         else:
             texture = model.extract(frames, stream["last"], grid)
             _, stream["state"], _ = model.realize(texture, query, stream["state"])

@@ -8,8 +8,8 @@ needs (1.5 ms at batch 1, 5.5 ms at batch 64; see benchmarks/profile_frontend.py
 A graph replays fixed shapes on fixed memory: every input (frames, the stream's last frame and
 state) is copied into the graph's buffers before each replay, and the outputs are the graph's
 own buffers, valid until its next replay (callers copy them out first, in stream order). The
-graphs hold no state of their own, so eager batches (a stream's first, a short last one) and
-graph replays interleave freely.
+graphs hold no state of their own, so one graph per batch shape serves every stream, and eager
+batches (a stream's first) and replays interleave freely.
 """
 from __future__ import annotations
 
@@ -51,7 +51,10 @@ class GraphedCall:
 
 
 class FrontendGraphs:
-    """Per stream and batch shape: one graph for extract() and one for realize()."""
+    """Per batch shape: one graph for extract() and one for realize(), shared by all streams.
+
+    Each stage replays its graphs on its own CUDA stream, so two replays of one graph never overlap.
+    """
 
     def __init__(self, model: ARRCOC, grid: tuple[int, int], query: torch.Tensor,
                  query_mask: torch.Tensor | None = None) -> None:
@@ -59,25 +62,25 @@ class FrontendGraphs:
         self.texture_graphs: dict[tuple, GraphedCall] = {}
         self.realize_graphs: dict[tuple, GraphedCall] = {}
 
-    def extract(self, key: Any, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream) -> Texture:
-        graph = self.texture_graphs.get((key, tuple(frames.shape)))
+    def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream) -> Texture:
+        graph = self.texture_graphs.get(tuple(frames.shape))
         if graph is None:
-            graph = self.texture_graphs[(key, tuple(frames.shape))] = GraphedCall(
+            graph = self.texture_graphs[tuple(frames.shape)] = GraphedCall(
                 lambda b: self.model.extract(b["frames"], b["last"], self.grid),
                 {"frames": frames, "last": last}, stream)
         out = graph(frames=frames, last=last)
         # the realize stage reads this on its own stream while the next batch may replay here
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
 
-    def realize(self, key: Any, texture: Texture, state: StreamState, vlm_frames: torch.Tensor,
+    def realize(self, texture: Texture, state: StreamState, vlm_frames: torch.Tensor,
                 stream: torch.cuda.Stream) -> tuple[Allocation, StreamState]:
         shape = tuple(texture.data.shape)
-        graph = self.realize_graphs.get((key, shape))
+        graph = self.realize_graphs.get(shape)
         inputs = {"tex_" + n: getattr(texture, n) for n in TEXTURE_FIELDS}
         inputs.update({n: getattr(state, n) for n in STATE_FIELDS})
         inputs["vlm_frames"] = vlm_frames
         if graph is None:
-            graph = self.realize_graphs[(key, shape)] = GraphedCall(self._realize_step, inputs, stream)
+            graph = self.realize_graphs[shape] = GraphedCall(self._realize_step, inputs, stream)
         allocation, new_state = graph(**inputs)
         # the next replay overwrites the outputs; the state must survive until the next batch
         return allocation, StreamState(**{n: getattr(new_state, n).clone() for n in STATE_FIELDS})

@@ -305,8 +305,11 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
         raise ConfigError(f"live sources of different sizes give different allocation grids {sorted(set(grids.values()))}; "
                           f"run them as separate `live` commands")
     capture = CaptureStage(sources, cfg.runtime.batch_size, pin=device.type == "cuda", stop=stop)
-    texture = LiveTextureStage(model, device, grid)
-    realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None)
+    from .run import frontend_graphs
+    graphs = frontend_graphs(model, grid, query, cfg, device)  # one graph per batch size, all streams
+    texture = LiveTextureStage(model, device, grid, graphs)
+    realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
+                               graphs=graphs)
     sink = LiveSinkStage(writers, counters, answers_out)
     graph = Graph()
     capture.outlet = graph.add_flow(capture, texture, Channel(1, Policy.DROP_OLDEST))

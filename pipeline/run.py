@@ -75,17 +75,24 @@ def load_answerer(cfg: PipelineConfig, device: torch.device):
     return load_vlm(cfg.runtime.vlm, device=device, dtype=dtype, config=cfg.vlm)
 
 
+def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, cfg: PipelineConfig,
+                    device: torch.device) -> FrontendGraphs | None:
+    """CUDA-graph replay for the texture and realize stages (GPU only, runtime.cuda_graphs)."""
+    if device.type != "cuda" or not cfg.runtime.cuda_graphs:
+        return None
+    return FrontendGraphs(model, grid, query.to(device))
+
+
 def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: tuple[int, int],
             cfg: PipelineConfig, device: torch.device, status: RunStatus,
             overlay: Any = None, vlm_stage: Stage | None = None) -> Graph:
     """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink."""
     capacity = cfg.runtime.queue_capacity
     decode = DecodeStage(source, cfg.runtime.batch_size, pin=device.type == "cuda", status=status)
-    batch = cfg.runtime.batch_size
-    graphs = FrontendGraphs(model, grid, query.to(device)) if device.type == "cuda" and cfg.runtime.cuda_graphs else None
-    texture = TextureStage(model, device, grid, graphs, batch)
+    graphs = frontend_graphs(model, grid, query, cfg, device)
+    texture = TextureStage(model, device, grid, graphs)
     realize = RealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
-                           graphs=graphs, batch_size=batch)
+                           graphs=graphs)
     sink = SinkStage(writer, status, overlay)
     graph = Graph()
     graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))

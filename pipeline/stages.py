@@ -140,13 +140,14 @@ class TextureStage(Stage):
     name = "texture"
 
     def __init__(self, model: ARRCOC, device: torch.device, grid: tuple[int, int],
-                 graphs: FrontendGraphs | None = None, batch_size: int | None = None) -> None:
+                 graphs: FrontendGraphs | None = None) -> None:
         self.model, self.device, self.grid = model, device, grid
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.last: dict[str, torch.Tensor] = {}  # last frame of each stream, on the device
-        # full batches of a stream with history replay a CUDA graph; the rest run eagerly
-        self.graphs, self.batch_size = graphs, batch_size
+        # batches of a stream with history replay a CUDA graph (one per batch shape); a stream's
+        # first batch runs eagerly
+        self.graphs = graphs
 
     def reset(self, stream_id: str) -> None:
         """Forget the stream's last frame: the next one has no predecessor (a live reconnect)."""
@@ -158,8 +159,8 @@ class TextureStage(Stage):
             pixels = item.pixels.to(self.device, non_blocking=True)       # (T, H, W, 3) uint8
             frames = pixels.permute(0, 3, 1, 2)                           # (T, 3, H, W)
             last = self.last.get(item.stream_id)
-            if self.graphs is not None and last is not None and len(item.frames) == self.batch_size:
-                texture = self.graphs.extract(item.stream_id, frames, last, self.stream)
+            if self.graphs is not None and last is not None:
+                texture = self.graphs.extract(frames, last, self.stream)
             else:
                 texture = self.model.extract(frames, last, self.grid)
             self.last[item.stream_id] = frames[-1].clone()  # not a view that pins the whole batch
@@ -177,7 +178,7 @@ class RealizeStage(Stage):
 
     def __init__(self, model: ARRCOC, device: torch.device, query: torch.Tensor,
                  query_mask: torch.Tensor | None = None, vlm_fps: float | None = None,
-                 graphs: FrontendGraphs | None = None, batch_size: int | None = None) -> None:
+                 graphs: FrontendGraphs | None = None) -> None:
         self.model, self.device = model, device
         self.query, self.query_mask = query.to(device), None if query_mask is None else query_mask.to(device)
         self.vlm_fps = vlm_fps
@@ -185,7 +186,7 @@ class RealizeStage(Stage):
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.states: dict[str, StreamState] = {}
         self.next_vlm_pts: dict[str, float] = {}
-        self.graphs, self.batch_size = graphs, batch_size
+        self.graphs = graphs
 
     def reset(self, stream_id: str) -> None:
         """Drop the stream's temporal state: its next frame is a new fixation (scene_change True)."""
@@ -219,11 +220,10 @@ class RealizeStage(Stage):
             if vlm_frames is not None and self.cuda:  # pinned, so the copy does not wait for the GPU
                 vlm_frames = vlm_frames.pin_memory().to(self.device, non_blocking=True)
             state = self.states.get(item.batch.stream_id)
-            if self.graphs is not None and graphable(state) and item.batch.frames_count == self.batch_size:
+            if self.graphs is not None and graphable(state):
                 if vlm_frames is None:
                     vlm_frames = torch.ones(item.batch.frames_count, dtype=torch.bool, device=self.device)
-                allocation, state = self.graphs.realize(item.batch.stream_id, item.texture, state,
-                                                        vlm_frames, self.stream)
+                allocation, state = self.graphs.realize(item.texture, state, vlm_frames, self.stream)
             else:
                 allocation, state, _ = self.model.realize(item.texture, self.query, state,
                                                           query_mask=self.query_mask, vlm_frames=vlm_frames)

@@ -31,9 +31,9 @@ def test_graph_replay_matches_eager():
         eager, eager_state, _ = model.realize(tex, query, eager_state)
         if graphable(graph_state):
             with torch.cuda.stream(stream):
-                gtex = graphs.extract("s", batch, graph_last, stream)
+                gtex = graphs.extract(batch, graph_last, stream)
                 vlm = torch.ones(T, dtype=torch.bool, device=device)
-                graphed, graph_state = graphs.realize("s", gtex, graph_state, vlm, stream)
+                graphed, graph_state = graphs.realize(gtex, graph_state, vlm, stream)
             stream.synchronize()
         else:
             gtex = model.extract(batch, graph_last, grid)

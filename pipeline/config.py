@@ -21,6 +21,8 @@ class DecodeConfig:
     start_s: float = 0.0
     end_s: float | None = None
     max_frames: int | None = None
+    # decode in a worker process: the GIL-heavy stages cannot starve it (file inputs)
+    process: bool = True
 
     def __post_init__(self) -> None:
         if self.fps is not None:

@@ -17,6 +17,7 @@ from arr_coc._validate import ConfigError
 from arr_coc.model import ARRCOC
 from sinks import ZarrStore
 from sources import open_video
+from sources.process import ProcessSource
 
 from .config import PipelineConfig
 from .configio import to_dict
@@ -117,8 +118,9 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
 
     device = resolve_device(cfg.runtime.device)
     d = cfg.decode
-    source = open_video(path, decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s,
-                        max_frames=d.max_frames)
+    kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames)
+    source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2, **kwargs)
+              if d.process else open_video(path, **kwargs))
     try:
         vlm = load_answerer(cfg, device)
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,

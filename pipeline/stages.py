@@ -24,6 +24,7 @@ from arr_coc.model import ARRCOC, Allocation
 from arr_coc.realizing import StreamState
 from arr_coc.texture import Texture
 from sources.frame import Frame
+from sources.process import ProcessSource
 
 from .cudagraph import FrontendGraphs, graphable
 from .graph import Stage
@@ -113,6 +114,24 @@ class DecodeStage(Stage):
         self._stop = stop
 
     def produce(self) -> Iterator[FrameBatch]:
+        batches = (self._from_process() if isinstance(self.source, ProcessSource) else self._from_thread())
+        yield from batches
+        if getattr(self.source, "truncated", False):
+            with self.status.lock:
+                self.status.truncated = True
+
+    def _from_process(self) -> Iterator[FrameBatch]:
+        """Batches decoded by the worker process: one copy from its shared slot into (pinned) memory."""
+        sid = self.source.stream_id
+        for decoded in self.source.batches():
+            pixels = torch.empty(decoded.rgb.shape, dtype=torch.uint8, pin_memory=self.pin)
+            rgb = pixels.numpy()
+            np.copyto(rgb, decoded.rgb)
+            self.source.release(decoded)
+            frames = [Frame(sid, index, pts, rgb[k]) for k, (index, pts) in enumerate(zip(decoded.indices, decoded.pts))]
+            yield FrameBatch(sid, frames, pixels)
+
+    def _from_thread(self) -> Iterator[FrameBatch]:
         pending: list[Frame] = []
         for frame in self.source:
             if pending and frame.rgb.shape != pending[0].rgb.shape:
@@ -124,9 +143,6 @@ class DecodeStage(Stage):
                 pending = []
         if pending:
             yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
-        if getattr(self.source, "truncated", False):
-            with self.status.lock:
-                self.status.truncated = True
 
     def close(self) -> None:
         close = getattr(self.source, "close", None)

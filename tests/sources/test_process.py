@@ -1,0 +1,82 @@
+"""Decoding in a worker process gives exactly what decoding in the caller's thread gives."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from sources import SourceError, VideoTruncatedWarning, open_video
+from sources.process import ProcessSource
+from sources.synthetic import Shot, render_clip, write_video
+
+
+@pytest.fixture(scope="module")
+def clip_path(tmp_path_factory):
+    clip = render_clip([Shot("moving_object", 23, speed=2.0), Shot("pan", 20)], height=72, width=96, seed=5)
+    return write_video(tmp_path_factory.mktemp("proc") / "clip.mkv", clip.frames, fps=25)
+
+
+def collect(source: ProcessSource):
+    indices, pts, rgb = [], [], []
+    for batch in source.batches():
+        indices += batch.indices
+        pts += batch.pts
+        rgb.append(batch.rgb.copy())
+        source.release(batch)
+    return indices, pts, np.concatenate(rgb)
+
+
+def test_same_frames_as_in_process_decoding(clip_path):
+    with open_video(clip_path, fps=10) as src:
+        ref = list(src)
+    with ProcessSource(clip_path, batch_size=4, slots=2, fps=10) as src:
+        assert (src.stream_id, src.width, src.height, src.fps) == ("clip", 96, 72, 10)
+        indices, pts, rgb = collect(src)
+        assert not src.truncated
+    assert indices == [f.index for f in ref]
+    assert pts == pytest.approx([f.pts_s for f in ref])
+    assert np.array_equal(rgb, np.stack([f.rgb for f in ref]))
+    assert len(indices) % 4 != 0  # the short last batch arrived too
+
+
+def test_bad_input_fails_in_the_caller(tmp_path):
+    with pytest.raises(SourceError, match="no such file"):
+        ProcessSource(tmp_path / "missing.mp4", batch_size=4)
+    with pytest.raises(ValueError, match="slots >= 2"):
+        ProcessSource(tmp_path / "x.mp4", batch_size=4, slots=1)
+
+
+def test_truncated_file_warns_and_flags(clip_path, tmp_path):
+    data = clip_path.read_bytes()
+    cut = tmp_path / "cut.mkv"
+    cut.write_bytes(data[: len(data) * 6 // 10])
+    with ProcessSource(cut, batch_size=8) as src, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        indices, _, _ = collect(src)
+        assert src.truncated
+    assert 0 < len(indices) < 43
+    assert any(issubclass(w.category, VideoTruncatedWarning) for w in caught)
+
+
+def test_dead_worker_is_a_clear_error(clip_path):
+    with ProcessSource(clip_path, batch_size=2, slots=2) as src:
+        batches = src.batches()
+        next(batches)                        # the worker now waits for a free slot
+        os.kill(src._proc.pid, signal.SIGKILL)
+        with pytest.raises(SourceError, match="decoder process died"):
+            for _ in range(100):
+                next(batches)
+
+
+def test_worker_exits_when_the_parent_stops_it_early(clip_path):
+    src = ProcessSource(clip_path, batch_size=2, slots=2)
+    next(src.batches())
+    src.close()
+    deadline = time.time() + 5
+    while src._proc.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not src._proc.is_alive()

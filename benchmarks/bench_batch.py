@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--size", type=int, nargs=2, default=[240, 320], metavar=("H", "W"), help="MSR-VTT is 320x240")
     ap.add_argument("--retention", type=float, default=0.25)
+    ap.add_argument("--no-ray", action="store_true", help="time the local path only (where Ray is not installed)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -94,7 +95,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA GPU here (use --quick on CPU)")
     n_gpus = torch.cuda.device_count() if args.device == "cuda" else 2
-    counts = args.gpus or [n for n in (1, 2, 4, 8) if n <= n_gpus]
+    counts = [] if args.no_ray else (args.gpus or [n for n in (1, 2, 4, 8) if n <= n_gpus])
     overrides = [f"runtime.device={args.device}", f"model.attending.retention={args.retention}",
                  "vlm.max_new_tokens=8" if not args.quick else "vlm.max_new_tokens=2", "vlm.fps=2.0"]
     if args.quick:
@@ -110,9 +111,10 @@ def main() -> None:
         write_fixture(scratch / "msrvtt", videos=args.videos, questions_per_video=args.questions, seconds=args.seconds,
                       height=args.size[0], width=args.size[1], fps=30 if not args.quick else 10)
         plan = make_plan(load_msrvtt(scratch / "msrvtt"))
-        import ray
-        ray.init(include_dashboard=False, log_to_driver=False,
-                 **({"num_cpus": 2} if args.quick else {}))
+        if counts:
+            import ray
+            ray.init(include_dashboard=False, log_to_driver=False,
+                     **({"num_cpus": 2} if args.quick else {}))
         rows = []
         for stock in (True, False):
             rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory, scratch=scratch))
@@ -120,7 +122,8 @@ def main() -> None:
             for n in counts:
                 rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch))
                 print(json.dumps(rows[-1]), flush=True)
-        ray.shutdown()
+        if counts:
+            ray.shutdown()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
@@ -139,7 +142,7 @@ def summarize(rows: list[dict], counts: list[int]) -> dict:
         s, a = get(path, n, "stock"), get(path, n, "arrcoc")
         out["speedup_questions_per_s_arrcoc_over_stock"][f"{path}_{n}"] = round(
             a["steady_questions_per_s"] / s["steady_questions_per_s"], 3) if s["steady_questions_per_s"] else None
-    for tok in ("stock", "arrcoc"):
+    for tok in ("stock", "arrcoc") if counts else ():
         one = get("ray", counts[0], tok)["steady_questions_per_s"] / counts[0]
         out["ray_scaling_efficiency"][tok] = {str(n): round(get("ray", n, tok)["steady_questions_per_s"] / (n * one), 3)
                                               for n in counts}

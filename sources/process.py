@@ -54,7 +54,9 @@ class ProcessSource:
         shape = (slots, batch_size, self.height, self.width, 3)
         self._shm = SharedMemory(create=True, size=int(np.prod(shape)))
         self._buffers = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
-        ctx = mp.get_context("spawn")  # no fork of a process holding threads and a CUDA context
+        # fork, as PyTorch's DataLoader does: the worker starts at once and never touches CUDA or
+        # the parent's threads; spawn would re-import the caller's main script (seconds) first
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self._free, self._filled = ctx.Queue(), ctx.Queue()
         for slot in range(slots):
             self._free.put(slot)

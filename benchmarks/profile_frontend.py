@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", type=int, default=448)
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--kernels", type=int, default=0, help="also list the N costliest GPU kernels at batch 1")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -78,6 +79,25 @@ def main() -> None:
                 print(f"# batch {b}: graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         print(f"{b:>5} {ex[0]:>9.2f}/{ex[1]:<9.2f} {re[0]:>9.2f}/{re[1]:<9.2f} {graph_ms:>16.3f} "
               f"{b / graph_ms * 1e3 if graph_ms == graph_ms else float('nan'):>10.0f}")
+    if args.kernels:
+        top_kernels(model, query, size, grid, device, args.kernels)
+
+
+def top_kernels(model, query, size: int, grid, device, n: int) -> None:
+    """The costliest GPU kernels of one eager batch-1 step (the same kernels a graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+    frames = torch.randint(0, 255, (1, 3, size, size), dtype=torch.uint8, device=device)
+    last = torch.randint(0, 255, (3, size, size), dtype=torch.uint8, device=device)
+    with torch.inference_mode():
+        _, state, _ = model.realize(model.extract(frames, last, grid), query, StreamState())
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.realize(model.extract(frames, last, grid), query, state)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"# {sum(e.count for e in events)} kernels, {total / 1e3:.3f} ms GPU in all")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:n]:
+        print(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:110]}")
 
 
 if __name__ == "__main__":

@@ -102,15 +102,7 @@ class ARRCOC(nn.Module):
 
         last_frame: (3, H, W) the frame before frames[0], or None at the start of the stream.
         """
-        T = frames.shape[0]
-        if last_frame is None and T == 1:
-            return self.texture(frames, None, grid)
-        first = last_frame[None] if last_frame is not None else frames[:1]
-        prev = torch.cat([first, frames[:-1]])                            # (T, 3, H, W)
-        has_prev = torch.ones(T, dtype=torch.bool, device=frames.device)
-        if last_frame is None:
-            has_prev[0] = False  # the stream's first frame has no predecessor
-        return self.texture(frames, prev, grid, has_prev=has_prev)
+        return self.texture.sequence(frames, last_frame, grid)
 
     def realize(self, texture: Texture, query: torch.Tensor, state: StreamState | None = None, *,
                 query_mask: torch.Tensor | None = None, visual_tokens: torch.Tensor | None = None,

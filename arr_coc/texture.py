@@ -24,6 +24,7 @@ The raw (unnormalised) flow, motion, residual and cell colours are kept beside t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -165,22 +166,48 @@ def _luma(rgb: torch.Tensor) -> torch.Tensor:
     return torch.einsum("c,bchw->bhw", weights, rgb).unsqueeze(1)
 
 
+@functools.lru_cache(maxsize=64)
+def _positions(gh: int, gw: int, height: int, width: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cell-centre y and x in [0, 1] and eccentricity (distance from the frame centre, 1 at a
+    corner, in frame pixels so it stays round on wide frames); constant per grid and frame size."""
+    with torch.inference_mode(False), torch.no_grad():
+        pos_y = (torch.arange(gh, device=device, dtype=dtype) + 0.5) / gh
+        pos_x = (torch.arange(gw, device=device, dtype=dtype) + 0.5) / gw
+        pos_y, pos_x = torch.meshgrid(pos_y, pos_x, indexing="ij")  # (gh, gw) each
+        ecc = torch.hypot((pos_y - 0.5) * height, (pos_x - 0.5) * width) / (0.5 * math.hypot(height, width))
+        return pos_y, pos_x, ecc
+
+
+def _gaussian_taps(sigma: float, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """Normalised 1-D Gaussian taps (cached per device) and their radius."""
+    radius = max(1, math.ceil(3 * sigma))
+    taps = [math.exp(-0.5 * (t / sigma) ** 2) for t in range(-radius, radius + 1)]
+    total = sum(taps)
+    return constant(tuple(v / total for v in taps), (len(taps),), device, dtype), radius
+
+
+def _separable_blur(t: torch.Tensor, k: torch.Tensor, radius: int) -> torch.Tensor:
+    n = t.shape[1]
+    t = F.conv2d(t, k.view(1, 1, 1, -1).expand(n, 1, 1, -1), padding=(0, radius), groups=n)
+    return F.conv2d(t, k.view(1, 1, -1, 1).expand(n, 1, -1, 1), padding=(radius, 0), groups=n)
+
+
+@functools.lru_cache(maxsize=64)
+def _blur_weight(h: int, w: int, sigma: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, h, w) share of each pixel's Gaussian window inside the image: the normaliser of
+    `_gaussian_blur`, fixed per size, so it is computed once instead of in every frame's graph."""
+    with torch.inference_mode(False), torch.no_grad():
+        k, radius = _gaussian_taps(sigma, device, dtype)
+        return _separable_blur(torch.ones(1, 1, h, w, device=device, dtype=dtype), k, radius)
+
+
 def _gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
     """Separable Gaussian blur of (B, C, h, w) that treats outside the image as missing
     (normalised convolution), so borders are neither darkened nor mirrored at any sigma."""
-    radius = max(1, math.ceil(3 * sigma))
-    taps = torch.arange(-radius, radius + 1, device=x.device, dtype=x.dtype)
-    k = torch.exp(-0.5 * (taps / sigma) ** 2)
-    k = k / k.sum()
-    c = x.shape[1]
-    ones = torch.ones_like(x[:1, :1])                           # (1, 1, h, w)
-
-    def blur(t: torch.Tensor) -> torch.Tensor:
-        n = t.shape[1]
-        t = F.conv2d(t, k.view(1, 1, 1, -1).expand(n, 1, 1, -1), padding=(0, radius), groups=n)
-        return F.conv2d(t, k.view(1, 1, -1, 1).expand(n, 1, -1, 1), padding=(radius, 0), groups=n)
-
-    return blur(x) / blur(ones).expand(-1, c, -1, -1)
+    k, radius = _gaussian_taps(sigma, x.device, x.dtype)
+    weight = _blur_weight(x.shape[-2], x.shape[-1], sigma, x.device, x.dtype)  # (1, 1, h, w)
+    return _separable_blur(x, k, radius) / weight
 
 
 def _saliency(lab: torch.Tensor, scales: tuple[float, ...]) -> torch.Tensor:
@@ -289,11 +316,7 @@ class TextureExtractor(nn.Module):
         half_cells = F.adaptive_avg_pool2d(lab, (2 * gh, 2 * gw))  # (B, 3, 2gh, 2gw)
         salient = F.avg_pool2d(_saliency(half_cells, cfg.saliency_scales).unsqueeze(1), 2)[:, 0]  # (B, gh, gw)
 
-        pos_y = (torch.arange(gh, device=cur.device, dtype=work) + 0.5) / gh
-        pos_x = (torch.arange(gw, device=cur.device, dtype=work) + 0.5) / gw
-        pos_y, pos_x = torch.meshgrid(pos_y, pos_x, indexing="ij")  # (gh, gw) each
-        height, width = frame_hw
-        eccentricity = torch.hypot((pos_y - 0.5) * height, (pos_x - 0.5) * width) / (0.5 * math.hypot(height, width))
+        pos_y, pos_x, eccentricity = _positions(gh, gw, *frame_hw, cur.device, work)  # (gh, gw) each
 
         flow, motion, residual, valid = self._motion(cur, gray, before, has_prev, size, work)
         flow_cells = pool(flow) / cell                          # (B, 2, gh, gw)

@@ -305,7 +305,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
         raise ConfigError(f"live sources of different sizes give different allocation grids {sorted(set(grids.values()))}; "
                           f"run them as separate `live` commands")
     capture = CaptureStage(sources, cfg.runtime.batch_size, pin=device.type == "cuda", stop=stop)
-    from .run import frontend_graphs
+    from .run import add_answer_tail, frontend_graphs
     graphs = frontend_graphs(model, grid, query, cfg, device)  # one graph per batch size, all streams
     texture = LiveTextureStage(model, device, grid, graphs)
     realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
@@ -314,11 +314,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     graph = Graph()
     capture.outlet = graph.add_flow(capture, texture, Channel(1, Policy.DROP_OLDEST))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))
-    if vlm_stage is None:
-        graph.add_flow(realize, sink, Channel(capacity, Policy.BLOCK))
-    else:
-        graph.add_flow(realize, vlm_stage, Channel(capacity, Policy.BLOCK))
-        graph.add_flow(vlm_stage, sink, Channel(capacity, Policy.BLOCK))
+    add_answer_tail(graph, realize, vlm_stage, sink, capacity)
     return graph
 
 

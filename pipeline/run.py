@@ -98,12 +98,17 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
     graph = Graph()
     graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))
+    add_answer_tail(graph, realize, vlm_stage, sink, capacity)
+    return graph
+
+
+def add_answer_tail(graph: Graph, realize: Stage, vlm_stage: Stage | None, sink: Stage, capacity: int) -> None:
+    """realize -> [vlm] -> sink, blocking: allocations and answers are never dropped."""
     if vlm_stage is None:
         graph.add_flow(realize, sink, Channel(capacity, Policy.BLOCK))
     else:
         graph.add_flow(realize, vlm_stage, Channel(capacity, Policy.BLOCK))
         graph.add_flow(vlm_stage, sink, Channel(capacity, Policy.BLOCK))
-    return graph
 
 
 def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineConfig, *,

@@ -54,9 +54,11 @@ class ProcessSource:
         shape = (slots, batch_size, self.height, self.width, 3)
         self._shm = SharedMemory(create=True, size=int(np.prod(shape)))
         self._buffers = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
-        # fork, as PyTorch's DataLoader does: the worker starts at once and never touches CUDA or
-        # the parent's threads; spawn would re-import the caller's main script (seconds) first
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        # spawn, not fork: the parent runs threads (stages, FFmpeg, torch), and a forked child can
+        # inherit a lock one of them held and hang (seen in the test suite). The cost: the worker
+        # starts with a fresh interpreter (~0.3 s under `python -m pipeline`; more when the
+        # caller's main script imports heavy modules, which spawn re-imports).
+        ctx = mp.get_context("spawn")
         self._free, self._filled = ctx.Queue(), ctx.Queue()
         for slot in range(slots):
             self._free.put(slot)

@@ -12,10 +12,12 @@ errors and warnings come back as messages and are raised / re-emitted in the par
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import warnings
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
@@ -55,9 +57,8 @@ class ProcessSource:
         self._shm = SharedMemory(create=True, size=int(np.prod(shape)))
         self._buffers = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
         # spawn, not fork: the parent runs threads (stages, FFmpeg, torch), and a forked child can
-        # inherit a lock one of them held and hang (seen in the test suite). The cost: the worker
-        # starts with a fresh interpreter (~0.3 s under `python -m pipeline`; more when the
-        # caller's main script imports heavy modules, which spawn re-imports).
+        # inherit a lock one of them held and hang (seen in the test suite). The worker starts a
+        # fresh interpreter that imports only this module (~0.3 s).
         ctx = mp.get_context("spawn")
         self._free, self._filled = ctx.Queue(), ctx.Queue()
         for slot in range(slots):
@@ -65,7 +66,8 @@ class ProcessSource:
         kwargs = dict(open_kwargs, stream_id=self.stream_id)
         self._proc = ctx.Process(target=_worker, name=f"decode-{self.stream_id}", daemon=True,
                                  args=(str(path), kwargs, self._shm.name, shape, self._free, self._filled))
-        self._proc.start()
+        with _main_not_reimported():
+            self._proc.start()
         self._closed = False
 
     def batches(self) -> Iterator[DecodedBatch]:
@@ -116,6 +118,23 @@ class ProcessSource:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Spawn re-runs the caller's main script in the child unless __main__ has no __file__; the
+    worker needs nothing from it (its target lives here), and a script importing torch would
+    cost the child seconds. Hide __file__ while the child starts."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _next_slot(free: Any, parent: int) -> int | None:

@@ -55,7 +55,6 @@ def top_fraction_iou(relevance: torch.Tensor, coverage: torch.Tensor, fraction: 
     The box's cells are those at least `inside` covered. Ties are broken by raster order, so a
     uniform map picks the first cells (its IoU is whatever those happen to cover).
     """
-    B = relevance.shape[0]
     r = relevance.flatten(1)                                        # (B, N)
     k = max(1, math.ceil(fraction * r.shape[1]))
     top = torch.zeros_like(r, dtype=torch.bool)

@@ -19,7 +19,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +34,6 @@ from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
 def qwen2_vl_2b_factory(device: torch.device):
     """Qwen2-VL-2B architecture, random bf16 weights, built on the actor's own device."""
     from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer
-    from pipeline.vlm.config import VLMConfig
     from pipeline.vlm.loading import _wrap
 
     tokenizer = build_tokenizer()

@@ -73,7 +73,7 @@ def main() -> None:
                 torch.cuda.current_stream().wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    out = model.realize(model.extract(frames, last, grid), query, state)
+                    model.realize(model.extract(frames, last, grid), query, state)
                 _, graph_ms = gpu_ms(g.replay)
             except Exception as e:  # report why capture failed, keep the eager numbers
                 print(f"# batch {b}: graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

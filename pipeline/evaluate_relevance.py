@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from arr_coc._validate import check_range
-from arr_coc.metrics import (best_share, box_coverage, consecutive_cosine, cut_scores, distinctiveness,
+from arr_coc.metrics import (best_share, consecutive_cosine, cut_scores, distinctiveness,
                              own_object_accuracy, share_inside, top_fraction_iou)
 from arr_coc.model import ARRCOC, ARRCOCConfig
 
-from .train import QueryEmbedder, clip_data, frames_tensor, scene_examples, still_forward, take
+from .train import QueryEmbedder, clip_data, scene_examples, still_forward, take
 
 METHODS = ("uniform", "saliency", "untrained", "trained")
 TARGETS = {"token_share": 0.6, "iou_top20": 0.5, "distinctiveness": 0.3, "in_shot_coherence": 0.9,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ import torch
 from arr_coc._validate import ConfigError, check_range
 from sinks import ZarrStore
 from sources.frame import Frame
-from sources.live import Gap, LiveConfig, LiveSource, open_live, percentile
+from sources.live import Gap, LiveConfig, LiveSource, open_live
 
 from .config import PipelineConfig
 from .configio import to_dict

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from arr_coc._validate import ConfigError, check_choice, check_range
-from arr_coc.metrics import box_coverage, consecutive_cosine, share_inside
+from arr_coc.metrics import box_coverage, share_inside
 from arr_coc.model import ARRCOC, ARRCOCConfig
 from arr_coc.realizing import StreamState
 from arr_coc.texture import Texture

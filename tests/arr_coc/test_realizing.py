@@ -71,7 +71,7 @@ class TestFollowsContent:
         tokens, relevance = cat(allocs, "tokens").float(), cat(allocs, "relevance")
         cell = 144 // GRID[0]
         inside_tok = outside_tok = inside_rel = outside_rel = 0.0
-        n_in = n_out = 0
+        n_in = 0
         for t in range(1, 30):
             y0, x0, y1, x1 = clip.boxes[t]
             mask = torch.zeros(GRID, dtype=torch.bool)

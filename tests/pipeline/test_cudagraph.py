@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from arr_coc.model import ARRCOC
-from arr_coc.realizing import StreamState
 from pipeline.cudagraph import FrontendGraphs, graphable
 from sources.synthetic import Shot, render_clip
 

@@ -349,15 +349,7 @@ class StreamWriter:
                 raise ValueError(f"{name} must be an int in [0, 2**31), got {value!r}")
         row = {"t_start": t_start, "t_end": t_end, "question": question, "text": text,
                "tokens_kept": tokens_kept, "tokens_full": tokens_full, "latency_s": latency_s}
-        a = self.answers
-        try:
-            for name, array in self._answers.items():
-                array.resize((a + 1,))
-                array[a] = row[name]
-            self._group.attrs["answer_count"] = a + 1  # commit point, after every array holds the row
-        except OSError as e:
-            raise SinkError(f"cannot write an answer of {self._where}: {e.strerror or e}") from e
-        self.answers = a + 1
+        self.answers = self._append_row(self._answers, self.answers, row, "answer_count", "an answer")
 
     def add_gap(self, start_pts: float, end_pts: float, start_wall: float, end_wall: float,
                 reason: str) -> None:
@@ -373,15 +365,20 @@ class StreamWriter:
         if not isinstance(reason, str):
             raise ValueError(f"reason must be a string, got {type(reason).__name__}")
         row["reason"] = reason
-        g = self.gaps
+        self.gaps = self._append_row(self._gaps, self.gaps, row, "gap_count", "a gap")
+
+    def _append_row(self, arrays: dict[str, Any], n: int, row: dict[str, Any], count_attr: str,
+                    what: str) -> int:
+        """Write one row at index n of every array, then raise the count attr (the commit point,
+        after every array holds the row); returns the new count."""
         try:
-            for name, array in self._gaps.items():
-                array.resize((g + 1,))
-                array[g] = row[name]
-            self._group.attrs["gap_count"] = g + 1  # commit point, after every array holds the row
+            for name, array in arrays.items():
+                array.resize((n + 1,))
+                array[n] = row[name]
+            self._group.attrs[count_attr] = n + 1
         except OSError as e:
-            raise SinkError(f"cannot write a gap of {self._where}: {e.strerror or e}") from e
-        self.gaps = g + 1
+            raise SinkError(f"cannot write {what} of {self._where}: {e.strerror or e}") from e
+        return n + 1
 
     def close(self, complete: bool) -> None:
         """Flush, then record `complete` (True only when the stream was processed to its end)."""

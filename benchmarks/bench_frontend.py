@@ -20,7 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not pip-installed on the GPU box
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -35,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from arr_coc.model import ARRCOC
+from benchmarks.common import device_name, write_result
 from pipeline.cudagraph import FrontendGraphs, graphable
 from pipeline.vlm.geometry import VLMGeometry
 from sources.synthetic import Shot, render_clip
@@ -62,18 +62,6 @@ class Row:
     frames_per_s: float
     target: str | None      # which issue target applies to this row, if any
     target_met: bool | None  # None off CUDA: the targets are for the GPU
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def motion_frames(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -303,9 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     result = run(args)
     out = Path(args.out or Path(__file__).parent / "results" / f"bench_frontend_{result['device']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(result, out)
 
 
 if __name__ == "__main__":

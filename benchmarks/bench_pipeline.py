@@ -23,7 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not pip-installed on the GPU box
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -39,6 +38,7 @@ import torch
 
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
+from benchmarks.common import cpu_name, device_name, write_result
 from pipeline.query import QueryEncoderError
 from pipeline.run import encode_query, resolve_device, run_video
 from sources import open_video
@@ -174,16 +174,6 @@ def parse_size(text: str) -> tuple[str, tuple[int, int]]:
     return text, (h, w)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def versions() -> dict[str, str]:
     import av
     import zarr
@@ -235,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         QUERY = torch.nn.functional.normalize(torch.randn(384, generator=torch.Generator().manual_seed(0)), dim=0)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    name = device_name(device)
     print(f"# {name}, CPU: {cpu_name()}, torch {torch.__version__}, {frames} frames per video, median of {repeats}")
     print(f"{'size':>7} {'grid':>6} {'decoder':>7} {'device':>6} {'frames':>6} {'decode fps':>10} "
           f"{'pipeline fps':>12} {'ratio':>6} {'setup_s':>7}  {'>= 0.9x?':<16} busy share per stage")
@@ -270,9 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": [asdict(r) for r in rows],
     }
     out = Path(args.out or Path(__file__).parent / "results" / f"bench_pipeline_{device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(result, out)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
   front end (preprocess + vision tower + selection, also split), prefill, time to first token,
   decode tokens/s and peak GPU memory. Keep maps come from arr_coc.ARRCOC (untrained weights) when it
   imports and runs (its realized relevance, top-k per frame pair so the retention is exact at
-  the token level), else from a deterministic relevance map; the JSON says which.
+  the token level), else from a deterministic relevance map; the JSON says which. Decoding runs
+  from a static KV cache with each step replayed as a CUDA graph (--eager-decode: the same
+  static-cache steps launched eagerly, for comparison).
 
     python benchmarks/bench_vlm.py                 # GPU: qwen2-vl-2b and qwen2.5-vl-7b, bf16
     python benchmarks/bench_vlm.py --tiny          # CPU smoke test with the tiny random models
+    python benchmarks/bench_vlm.py --eager-decode  # GPU, decode steps without CUDA graphs
 """
 from __future__ import annotations
 
@@ -120,10 +123,8 @@ def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
     pre_s, vis_s, sel_s = (statistics.median(v[1:]) for v in phases.values())
     front_s = pre_s + vis_s + sel_s
 
-    def prefill():
-        cache = vlm._new_cache()
-        embeds, positions, mask = vlm._left_pad([prefix])
-        return vlm.model.lm_head(vlm._lm_step(embeds, mask, positions, cache)[:, -1])
+    def prefill():                                    # into the static cache generate() decodes from
+        return vlm._prefill([prefix], new_tokens)[1]
 
     prefill_s, _ = timed(prefill, device, reps)
     ttft_s, _ = timed(lambda: vlm.generate(vlm.prepare([req]), max_new_tokens=1), device, reps)
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 64; --tiny 6)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 3; --tiny 1)")
     ap.add_argument("--retention", type=float, nargs="+", default=[0.5, 0.25, 0.1])
+    ap.add_argument("--eager-decode", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
     args = ap.parse_args(argv)
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     T, size = args.frames or (4 if tiny else 32), args.size or (112 if tiny else 448)
     new_tokens, reps = args.new_tokens or (6 if tiny else 64), args.reps or (1 if tiny else 3)
     dtype = torch.float32 if tiny else torch.bfloat16
-    cfg = VLMConfig(max_pixels=max(size * size, 56 * 56), max_new_tokens=new_tokens, dtype=str(dtype)[6:])
+    cfg = VLMConfig(max_pixels=max(size * size, 56 * 56), max_new_tokens=new_tokens, dtype=str(dtype)[6:],
+                    cuda_graphs=not args.eager_decode)
     frames = synthetic_window(T, size, size)
     results, rows = [], []
     for arch in archs:
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype),
-                  frames=T, size=size, new_tokens=new_tokens, reps=reps, results=results)
+                  frames=T, size=size, new_tokens=new_tokens, reps=reps,
+                  cuda_graphs=cfg.cuda_graphs and device.type == "cuda", results=results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -20,6 +20,7 @@ class VLMConfig:
     min_pixels: int = 56 * 56          # per-frame pixel range the frames are resized into (video
     max_pixels: int = 448 * 448        # tokens are 4x cheaper than HF's image defaults)
     dtype: str = "bfloat16"
+    cuda_graphs: bool = True           # on CUDA, replay each decode step as a captured graph
 
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
@@ -36,3 +37,5 @@ class VLMConfig:
         check_range("vlm.min_pixels", self.min_pixels, 28 * 28, 16384 * 16384)
         check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
         check_choice("vlm.dtype", self.dtype, DTYPES)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"vlm.cuda_graphs must be true or false, got {self.cuda_graphs!r}")

@@ -20,6 +20,10 @@ from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
 
 SYSTEM_PROMPT = "You are a helpful assistant."
+CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
+MAX_DECODERS = 4          # (batch, cache length) decoders kept per VLM, each with its KV cache (and graph)
+DONE_CHECK_EVERY = 8      # decode steps between host checks for "every row has finished" (each one syncs)
+ATTENTION_IMPLS = ("sdpa", "eager")   # the ones that take our prebuilt 4-D masks
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,16 @@ class VLM:
         self._visual = model.model.visual
         self._cache_kw = "cache" if "cache" in inspect.signature(self._lm.forward).parameters else "past_key_values"
         self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
+        self._attn_impl = self._lm.config._attn_implementation
+        if self._attn_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"Invalid LM attention implementation ({self._attn_impl!r}). "
+                             f"Supported values are {', '.join(ATTENTION_IMPLS)}.")
+        layer_types = set(getattr(self._lm.config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(f"Invalid LM layer types ({sorted(layer_types)}): only full attention is "
+                             f"supported (a sliding window needs its own mask)")
+        self._decoders: dict[tuple[int, int], StaticDecoder] = {}
+        self._graph_pool = None             # one CUDA memory pool for every captured decode step
         self.video_token_id = model.config.video_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -178,23 +192,59 @@ class VLM:
                        use_cache=cache is not None, **{self._cache_kw: cache})
         return out.last_hidden_state                                         # (B, L, D)
 
-    def _left_pad(self, prefixes: list[Prefix]):
+    def _left_pad(self, prefixes: list[Prefix]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """-> embeds (B, L, D), positions (3, B, L), and how many pad slots lead each row."""
         B, L = len(prefixes), max(p.embeds.shape[0] for p in prefixes)
         D = prefixes[0].embeds.shape[1]
         pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
         embeds = pad.expand(B, L, D).clone()                                 # (B, L, D)
         positions = torch.ones(3, B, L, dtype=torch.long, device=self.device)
-        mask = torch.zeros(B, L, dtype=torch.long, device=self.device)
+        pads = []
         for b, p in enumerate(prefixes):
             n = p.embeds.shape[0]
             embeds[b, L - n:] = p.embeds
             positions[:, b, L - n:] = p.positions
-            mask[b, L - n:] = 1
-        return embeds, positions, mask
+            pads.append(L - n)
+        return embeds, positions, pads
 
-    def _new_cache(self):
-        from transformers import DynamicCache
-        return DynamicCache(config=self._lm.config)
+    def _masks(self, allowed: torch.Tensor | None) -> dict:
+        """(B, 1, Q, K) bool, True = may attend -> the per-layer-type mask mapping the HF text model
+        takes as given (so it builds none of its own, with its host-side checks). None: plain causal."""
+        if allowed is not None and self._attn_impl == "eager":             # eager adds the mask to the scores
+            allowed = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~allowed, torch.finfo(self.dtype).min)
+        return {"full_attention": allowed}
+
+    def _decoder(self, batch: int, length: int, steps: bool) -> StaticDecoder:
+        """The (B, Lmax) decoder, reused across calls; on CUDA with cuda_graphs its step is a graph,
+        captured the first time decode steps are asked for (a one-token answer needs none)."""
+        key = (batch, length)
+        decoder = self._decoders.pop(key, None)
+        if decoder is None:
+            if len(self._decoders) >= MAX_DECODERS:                          # each holds a KV cache
+                self._decoders.pop(next(iter(self._decoders)))
+            decoder = StaticDecoder(self, batch, length)
+        if steps and decoder.graph is None and self.device.type == "cuda" and self.config.cuda_graphs:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            decoder.capture(self._graph_pool)
+        self._decoders[key] = decoder                                        # most recently used last
+        return decoder
+
+    @torch.no_grad()
+    def _prefill(self, prefixes: list[Prefix], max_new: int) -> tuple[StaticDecoder, torch.Tensor]:
+        """Left-padded prefixes into a static cache with room for max_new tokens -> the decoder,
+        ready for its first step, and the (B, V) float32 logits of the first generated token."""
+        embeds, positions, pads = self._left_pad(prefixes)
+        B, L = embeds.shape[:2]
+        # the last token fed back sits at slot L + max_new - 2; rounding up lets nearby prompt
+        # lengths share one cache (and one graph)
+        length = -(-(L + max_new - 1) // CACHE_BUCKET) * CACHE_BUCKET
+        decoder = self._decoder(B, length, steps=max_new > 1)
+        hidden = decoder.prefill(embeds, positions, pads)[:, -1]             # (B, D)
+        next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
+        decoder.start(next_pos, pads, L)
+        return decoder, self.model.lm_head(hidden).float()
 
     @torch.no_grad()
     def generate(self, prefixes: list[Prefix], *, max_new_tokens: int | None = None,
@@ -205,19 +255,15 @@ class VLM:
         temperature = cfg.temperature if temperature is None else temperature
         top_p = cfg.top_p if top_p is None else top_p
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
-        embeds, positions, mask = self._left_pad(prefixes)
         B = len(prefixes)
-        next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
-        cache = self._new_cache()
-        hidden = self._lm_step(embeds, mask, positions, cache)[:, -1]        # (B, D) prefill
+        decoder, logits = self._prefill(prefixes, max_new)                   # (B, V)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         tokens, step_logits = [], []
         t_first = None
         for step in range(max_new):
-            logits = self.model.lm_head(hidden).float()                      # (B, V)
             if return_logits:
-                step_logits.append(logits)
+                step_logits.append(logits.clone())                           # a graph overwrites its output
             token = sample_next(logits, temperature, top_p, gen)             # (B,)
             token = torch.where(done, self.pad_token_id, token)
             lengths += (~done).long()
@@ -226,16 +272,18 @@ class VLM:
             if timed and step == 0:
                 self._sync()
                 t_first = time.perf_counter()
-            if bool(done.all()) or step == max_new - 1:
+            # bool() waits for the GPU, so it is asked only every few steps; the steps in between
+            # emit pad for finished rows and are trimmed below
+            if step == max_new - 1 or (step % DONE_CHECK_EVERY == DONE_CHECK_EVERY - 1 and bool(done.all())):
                 break
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], 1)
-            pos = (next_pos + step).view(1, B, 1).expand(3, B, 1)             # continue after the full max
-            hidden = self._lm_step(self._lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
+            logits = decoder.step(token)
         decode_s = float("nan")
         if timed:
             self._sync()
             decode_s = time.perf_counter() - t_first
-        return Generation(torch.stack(tokens, 1), lengths.tolist(), step_logits, decode_s)
+        lengths_list = lengths.tolist()
+        n = max(lengths_list)
+        return Generation(torch.stack(tokens[:n], 1), lengths_list, step_logits[:n], decode_s)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -304,3 +352,104 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     sorted_p = sorted_p.masked_fill(outside, 0)
     choice = torch.multinomial(sorted_p, 1, generator=generator)              # renormalises internally
     return order.gather(-1, choice).squeeze(-1)
+
+
+class StaticKVCache:
+    """Preallocated keys and values per LM layer, (B, H_kv, Lmax, hd) each, written in place.
+
+    It implements the one cache method the Qwen2-VL-family attention layers call, update(), so it
+    fits every transformers version alike (StaticCache's constructor and position handling differ
+    between them); the attention masks come prebuilt, so nothing asks the cache for its length.
+    """
+
+    def __init__(self, lm, batch: int, length: int, dtype: torch.dtype, device: torch.device) -> None:
+        attn = lm.layers[0].self_attn
+        shape = (batch, attn.k_proj.out_features // attn.head_dim, length, attn.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in lm.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in lm.layers]
+        self.slots = torch.zeros(0, dtype=torch.long, device=device)
+        self.visible = length
+
+    def at(self, slots: torch.Tensor, visible: int) -> None:
+        """The next forward's tokens go to `slots` (n,); attention sees slots [0, visible)."""
+        self.slots, self.visible = slots, visible
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.slots, key_states)                          # (B, H_kv, n, hd) in
+        values.index_copy_(2, self.slots, value_states)
+        return keys[:, :, :self.visible], values[:, :, :self.visible]
+
+
+class StaticDecoder:
+    """Prefill into a static cache of (B, Lmax) slots, then fixed-shape decode steps.
+
+    A step's inputs live in buffers the step reads and advances on the device (the cache slot of
+    the token fed back, its M-RoPE position), so a step needs no host values and no host sync:
+    on CUDA it is captured once as a graph and replayed, one launch per token instead of hundreds.
+    """
+
+    def __init__(self, vlm: VLM, batch: int, length: int) -> None:
+        self.vlm, self.length = vlm, length
+        device = vlm.device
+        self.cache = StaticKVCache(vlm._lm, batch, length, vlm.dtype, device)
+        self.token = torch.full((batch,), vlm.pad_token_id, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)        # where the fed token goes
+        self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)  # M-RoPE position - slot
+        self.pad = torch.zeros(batch, dtype=torch.long, device=device)      # first real slot per row
+        self.key_slots = torch.arange(length, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None                             # the graph's output
+
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int]) -> torch.Tensor:
+        """embeds (B, L, D), positions (3, B, L), left pads per row -> hidden (B, L, D); fills slots [0, L)."""
+        vlm, L = self.vlm, embeds.shape[1]
+        slots = torch.arange(L, device=vlm.device)
+        self.cache.at(slots, L)
+        allowed = None                                   # unpadded under sdpa: its causal kernel
+        if any(pads) or vlm._attn_impl == "eager":
+            pad = torch.tensor(pads, device=vlm.device)[:, None, None]       # (B, 1, 1)
+            allowed = (slots[:, None] >= slots) & (slots >= pad)             # (B, L, L) causal, real keys
+            # a padded query row would have nothing to attend to, and a fully masked softmax row is
+            # NaN, which the attention weights 0 * NaN would carry into every real row
+            allowed = (allowed | torch.eye(L, dtype=torch.bool, device=vlm.device))[:, None]
+        return vlm._lm_step(embeds, vlm._masks(allowed), positions, self.cache)
+
+    def start(self, next_position: torch.Tensor, pads: list[int], prefix_len: int) -> None:
+        """Decoding continues at slot prefix_len with M-RoPE positions next_position (B,) onward."""
+        self.slot.fill_(prefix_len)
+        self.rope_offset.copy_(next_position - prefix_len)
+        self.pad.copy_(torch.tensor(pads))
+        self.cache.at(self.slot, self.length)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed token (B,) -> (B, V) float32 logits of the next one (a graph's: valid until the next step)."""
+        self.token.copy_(token)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+    def _forward(self) -> torch.Tensor:
+        vlm = self.vlm
+        embeds = vlm._lm.embed_tokens(self.token)[:, None]                   # (B, 1, D)
+        allowed = (self.key_slots >= self.pad[:, None]) & (self.key_slots <= self.slot)  # (B, Lmax)
+        positions = (self.rope_offset + self.slot).view(1, -1, 1).expand(3, -1, 1)     # (3, B, 1)
+        hidden = vlm._lm_step(embeds, vlm._masks(allowed[:, None, None]), positions, self.cache)
+        logits = vlm.model.lm_head(hidden[:, -1]).float()                    # (B, V)
+        self.slot.add_(1)
+        return logits
+
+    def capture(self, pool) -> None:
+        """Record one step as a CUDA graph (the buffers' values now do not matter: start() resets them)."""
+        self.cache.at(self.slot, self.length)
+        stream = torch.cuda.Stream(self.vlm.device)
+        stream.wait_stream(torch.cuda.current_stream(self.vlm.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):              # kernels get chosen and workspaces allocated before capture
+                self._forward()
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: in live mode the other stages keep launching work from their threads
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                self.logits = self._forward()
+        torch.cuda.current_stream(self.vlm.device).wait_stream(stream)

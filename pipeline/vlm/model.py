@@ -23,7 +23,8 @@ SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
 MAX_DECODERS = 4          # (batch, cache length) decoders kept per VLM, each with its KV cache (and graph)
 DONE_CHECK_EVERY = 8      # decode steps between host checks for "every row has finished" (each one syncs)
-ATTENTION_IMPLS = ("sdpa", "eager")   # the ones that take our prebuilt 4-D masks
+PACKED_SDPA = "arr_coc_sdpa"          # sdpa, with GQA decode steps packed per KV head (sdpa_packed_gqa)
+ATTENTION_IMPLS = ("sdpa", "eager", PACKED_SDPA)   # the ones that take our prebuilt 4-D masks
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class VLM:
         if self._attn_impl not in ATTENTION_IMPLS:
             raise ValueError(f"Invalid LM attention implementation ({self._attn_impl!r}). "
                              f"Supported values are {', '.join(ATTENTION_IMPLS)}.")
+        if self._attn_impl == "sdpa":       # the LM's config only: the vision tower keeps its own
+            register_packed_sdpa()
+            self._lm.config._attn_implementation = self._attn_impl = PACKED_SDPA
         layer_types = set(getattr(self._lm.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise ValueError(f"Invalid LM layer types ({sorted(layer_types)}): only full attention is "
@@ -340,6 +344,31 @@ class VLM:
                                      tokens_full=p.tokens_full, latency_s=ready - started)
                         for b, p in enumerate(chunk)]
         return results
+
+
+def sdpa_packed_gqa(module, query, key, value, attention_mask, **kwargs):
+    """HF's sdpa attention, except for one query token against a masked static cache with grouped
+    KV heads: there each KV head attends with its group of query heads side by side, where HF's
+    sdpa (before transformers 5.2x) copies every cached key and value once per query head
+    (repeat_kv), which for a long cache costs more memory traffic than the layer's weights."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, H, q_len, d = query.shape
+    if q_len != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    packed = query.reshape(B, H // groups, groups, d)                          # (B, H_kv, groups, d)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
+                                                           scale=kwargs.get("scaling"))
+    return out.reshape(B, 1, H, d), None                                       # (B, q, H, d) like sdpa's
+
+
+def register_packed_sdpa() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, sdpa_packed_gqa)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)                  # masks exactly as for sdpa
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

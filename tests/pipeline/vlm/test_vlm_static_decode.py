@@ -10,7 +10,7 @@ from arr_coc._validate import ConfigError
 from conftest import make_frames, random_keep, request
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import CACHE_BUCKET, DONE_CHECK_EVERY, sample_next
+from pipeline.vlm.model import CACHE_BUCKET, DONE_CHECK_EVERY, PACKED_SDPA, sample_next, sdpa_packed_gqa
 
 # aten ops that read a device value on the host (or size a tensor by one): a CUDA graph cannot hold them
 HOST_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "_unique2",
@@ -109,27 +109,32 @@ class TestStaticCache:
             assert decoder.length % CACHE_BUCKET == 0
             assert L + max_new - 1 <= decoder.length < L + max_new - 1 + CACHE_BUCKET
 
-    def test_decode_step_has_no_host_sync(self, vlm):
+    def test_decode_step_has_no_host_sync_and_no_cache_copy(self, vlm):
         class OpLog(TorchDispatchMode):
             def __init__(self):
                 super().__init__()
                 self.ops = []
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.ops.append(func.overloadpacket.__name__)
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                self.ops.append((func.overloadpacket.__name__, tuple(getattr(out, "shape", ()))))
+                return out
 
         prefixes = mixed_prefixes(vlm)
         decoder, logits = vlm._prefill(prefixes, 4)
         token = logits.argmax(-1)
+        attn = vlm._lm.layers[0].self_attn
+        per_query_head = (3, attn.num_heads, decoder.length, attn.head_dim)   # what repeat_kv would make
         shapes = []
         for _ in range(3):
             with OpLog() as log:
                 logits = decoder.step(token)
             shapes.append(logits.shape)
             token = logits.argmax(-1)
-            assert "mm" in log.ops or "addmm" in log.ops                     # the log sees the LM's ops
-            assert not HOST_SYNC_OPS & set(log.ops), sorted(HOST_SYNC_OPS & set(log.ops))
+            names = {name for name, _ in log.ops}
+            assert "mm" in names or "addmm" in names                         # the log sees the LM's ops
+            assert not HOST_SYNC_OPS & names, sorted(HOST_SYNC_OPS & names)
+            assert per_query_head not in {shape for _, shape in log.ops}
         assert shapes == [(3, vlm.model.config.text_config.vocab_size)] * 3
 
     def test_rows_finishing_early(self, vlm):
@@ -166,6 +171,31 @@ class TestStaticCache:
         for b, prefix in enumerate(prefixes):
             reference = vlm.logits_without_cache(prefix, out.tokens[b, :4])
             assert_steps_close([s[b] for s in out.step_logits], list(reference))
+
+
+class TestPackedAttention:
+    def test_lm_uses_it_and_the_vision_tower_does_not(self, vlm):
+        assert vlm._lm.config._attn_implementation == PACKED_SDPA
+        assert vlm.model.config.vision_config._attn_implementation == "sdpa"
+
+    @pytest.mark.parametrize("q_len", [1, 3])
+    def test_equals_hf_sdpa(self, q_len):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        class Attn(torch.nn.Module):
+            num_key_value_groups = 3
+
+        gen = torch.Generator().manual_seed(0)
+        B, H_kv, K, d = 2, 2, 40, 16
+        query = torch.randn(B, 3 * H_kv, q_len, d, generator=gen)
+        key, value = (torch.randn(B, H_kv, K, d, generator=gen) for _ in range(2))
+        allowed = torch.rand(B, 1, q_len, K, generator=gen) > 0.3
+        allowed[..., 0] = True
+        module = Attn().eval()
+        got, _ = sdpa_packed_gqa(module, query, key, value, allowed, scaling=0.3)
+        want, _ = sdpa_attention_forward(module, query, key, value, allowed, scaling=0.3)
+        assert got.shape == want.shape == (B, q_len, 3 * H_kv, d)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_config_cuda_graphs_must_be_bool():

@@ -36,6 +36,7 @@ class KnowingConfig:
     channels: tuple[str, ...] = DEFAULT_CHANNELS  # texture channel names, in texture order
     query_dim: int = 1536  # Dq: the VLM's text embedding width
     hidden_dim: int = 64  # participatory projection C -> hidden -> Dq; 0 = one Linear C -> Dq
+    context_dim: int = 8  # channels of the 3x3 convs that read each cell's neighbours' coupling; 0 = none
     salience_channels: tuple[str, ...] = ("saliency", "sobel_mag", "eccentricity", "motion")
     information_window: int = 3  # odd side (cells) of the neighbourhood the information is measured in
     token_pooling: Literal["max", "attention"] = "max"  # how query tokens (B, L, Dq) are reduced
@@ -43,12 +44,13 @@ class KnowingConfig:
     def __post_init__(self) -> None:
         if len(self.channels) < 1 or len(set(self.channels)) != len(self.channels):
             raise ConfigError(f"knowing.channels={self.channels!r} must be non-empty and unique")
-        for name in ("query_dim", "hidden_dim", "information_window"):
+        for name in ("query_dim", "hidden_dim", "context_dim", "information_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"knowing.{name} must be an integer, got {value!r}")
         check_range("knowing.query_dim", self.query_dim, 1)
         check_range("knowing.hidden_dim", self.hidden_dim, 0)
+        check_range("knowing.context_dim", self.context_dim, 0)
         check_range("knowing.information_window", self.information_window, 3, 15)
         if self.information_window % 2 == 0:
             raise ConfigError(f"knowing.information_window={self.information_window} must be odd")
@@ -136,9 +138,17 @@ class ParticipatoryScorer(nn.Module):
 
     Cell embeddings come from a learned texture -> query-space projection, or, when the VLM
     supplies them, from its own visual tokens (already in the text embedding space).
+
+    A cell's own cosine says how much of the named thing it shows, not how much of the named
+    object's extent it holds: a cell on a triangle's empty box corner or a car's cut-away cabin
+    corner shows mostly background, yet the object is there. Two 3x3 convolutions over the
+    frame's cosine map (context_dim channels, 5x5 cells of context) add a learned term to each
+    cell's coupling logit from its neighbours' coupling, so cells next to a strongly coupled
+    cell can rank above equally weak cells elsewhere. It reads cosines only, so it works the
+    same on the projected texture and on a VLM's visual tokens.
     """
 
-    def __init__(self, channels: int, query_dim: int, hidden_dim: int, pooling: str):
+    def __init__(self, channels: int, query_dim: int, hidden_dim: int, pooling: str, context_dim: int = 0):
         super().__init__()
         if hidden_dim == 0:
             self.project = nn.Linear(channels, query_dim)
@@ -152,6 +162,15 @@ class ParticipatoryScorer(nn.Module):
         self.bias = nn.Parameter(torch.tensor(0.0))
         if pooling == "attention":
             self.log_pool_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+        self.context = None
+        if context_dim > 0:
+            self.context = nn.Sequential(nn.Conv2d(1, context_dim, 3, padding=1), nn.GELU(),
+                                         nn.Conv2d(context_dim, 1, 3, padding=1))
+            # Start (almost) as the plain per-cell coupling; not exactly zero, so that the first
+            # conv gets a gradient from the first step.
+            with torch.no_grad():
+                self.context[2].weight.mul_(0.01)
+                self.context[2].bias.zero_()
 
     def forward(self, x: torch.Tensor, query: torch.Tensor, query_mask: torch.Tensor | None,
                 visual_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -172,8 +191,10 @@ class ParticipatoryScorer(nn.Module):
             logits = (cos * self.log_pool_scale.exp()).masked_fill(~valid, float("-inf"))  # (B, N, L)
             attn = torch.softmax(logits, dim=-1)  # (B, N, L)
             sim = (attn * cos.masked_fill(~valid, 0.0)).sum(dim=-1)  # (B, N)
-        coupling = torch.sigmoid(self.log_scale.exp() * sim + self.bias)  # (B, N)
-        return coupling.view(B, gh, gw)
+        logit = self.log_scale.exp() * sim + self.bias  # (B, N)
+        if self.context is not None:
+            logit = logit + self.context(sim.view(B, 1, gh, gw)).flatten(1)  # (B, N)
+        return torch.sigmoid(logit).view(B, gh, gw)
 
 
 class Knowing(nn.Module):
@@ -186,7 +207,8 @@ class Knowing(nn.Module):
         index = [cfg.channels.index(name) for name in cfg.salience_channels]
         self.propositional = PropositionalScorer(C, cfg.information_window)
         self.perspectival = PerspectivalScorer(index, cfg.salience_channels)
-        self.participatory = ParticipatoryScorer(C, cfg.query_dim, cfg.hidden_dim, cfg.token_pooling)
+        self.participatory = ParticipatoryScorer(C, cfg.query_dim, cfg.hidden_dim, cfg.token_pooling,
+                                                 cfg.context_dim)
 
     def forward(self, texture_data: torch.Tensor, query: torch.Tensor,
                 query_mask: torch.Tensor | None = None,

@@ -25,6 +25,8 @@ class TestConfig:
     @pytest.mark.parametrize("kw, needle", [
         (dict(query_dim=0), "knowing.query_dim=0 is out of range; allowed: [1, inf)"),
         (dict(hidden_dim=-1), "knowing.hidden_dim=-1"),
+        (dict(context_dim=-2), "knowing.context_dim=-2 is out of range; allowed: [0, inf)"),
+        (dict(context_dim=2.0), "knowing.context_dim must be an integer"),
         (dict(information_window=4), "knowing.information_window=4 must be odd"),
         (dict(information_window=1), "knowing.information_window=1 is out of range; allowed: [3, 15]"),
         (dict(query_dim=3.5), "knowing.query_dim must be an integer"),
@@ -100,14 +102,16 @@ class TestCoupling:
         q3[0, 0] = torch.randn(DQ)  # an unmasked token does matter
         assert not torch.allclose(k(x, q3, mask).coupling[0], ref[0])
 
+    # Pooling reduces the tokens' cosines per cell; the neighbourhood context then reads the pooled
+    # map, so the pooling identities are checked without it.
     def test_max_pooling_is_the_best_single_token(self):
-        k = make(token_pooling="max")
+        k = make(token_pooling="max", context_dim=0)
         x, q = texture(), torch.randn(2, 3, DQ)
         per_token = torch.stack([k(x, q[:, l]).coupling for l in range(3)])  # (L, B, gh, gw)
         assert torch.allclose(k(x, q).coupling, per_token.amax(0), atol=1e-6)
 
     def test_attention_pooling_lies_between_tokens(self):
-        k = make(token_pooling="attention")
+        k = make(token_pooling="attention", context_dim=0)
         x, q = texture(), torch.randn(2, 3, DQ)
         per_token = torch.stack([k(x, q[:, l]).coupling for l in range(3)])
         c = k(x, q).coupling
@@ -125,6 +129,53 @@ class TestCoupling:
         assert torch.equal(a, b), "with visual tokens the texture must not affect coupling"
         assert a[0].flatten().argmax().item() == 17 and a[1].flatten().argmax().item() == 40
         assert not torch.allclose(k(texture(seed=1), q).coupling, a)
+
+
+class TestContext:
+    def _with_context(self) -> Knowing:
+        k = make()
+        with torch.no_grad():  # a trained-sized context term, not the near-zero initial one
+            k.participatory.context[2].weight.mul_(100.0)
+        return k
+
+    def test_a_cells_coupling_reads_only_its_5x5_neighbourhood(self):
+        k = self._with_context()
+        x, q = texture(B=1, gh=9, gw=9), torch.randn(1, DQ)
+        x2 = x.clone()
+        x2[0, :, 4, 4] = torch.randn(len(DEFAULT_CHANNELS)) * 5  # change one cell's texture
+        changed = (k(x, q).coupling[0] != k(x2, q).coupling[0])  # (gh, gw)
+        near = torch.zeros(9, 9, dtype=torch.bool)
+        near[2:7, 2:7] = True
+        assert changed[4, 4] and changed[4, 2] and changed[2, 6], "two 3x3 convs reach 2 cells away"
+        assert not changed[~near].any(), "and no further"
+
+    def test_without_context_a_cell_reads_only_itself(self):
+        k = make(context_dim=0)
+        assert k.participatory.context is None
+        x, q = texture(B=1, gh=9, gw=9), torch.randn(1, DQ)
+        x2 = x.clone()
+        x2[0, :, 4, 4] = torch.randn(len(DEFAULT_CHANNELS)) * 5
+        changed = (k(x, q).coupling[0] != k(x2, q).coupling[0])
+        assert changed.sum() == 1 and changed[4, 4]
+
+    def test_starts_close_to_the_per_cell_coupling(self):
+        torch.manual_seed(0)
+        with_ctx = Knowing(KnowingConfig(query_dim=DQ, hidden_dim=16))
+        torch.manual_seed(0)
+        plain = Knowing(KnowingConfig(query_dim=DQ, hidden_dim=16, context_dim=0))
+        plain.participatory.project.load_state_dict(with_ctx.participatory.project.state_dict())
+        x, q = texture(), torch.randn(2, DQ)
+        a, b = with_ctx(x, q).coupling, plain(x, q).coupling
+        assert (a - b).abs().max() < 0.01 and not torch.equal(a, b)
+
+    def test_also_applies_to_visual_tokens(self):
+        k = self._with_context()
+        q = torch.randn(1, DQ)
+        v = torch.randn(1, 63, DQ)
+        v2 = v.clone()
+        v2[0, 4 * 9 + 4] = q[0] * 3  # cell (4, 4) now says what the question says
+        changed = k(texture(B=1), q, visual_tokens=v).coupling[0] != k(texture(B=1), q, visual_tokens=v2).coupling[0]
+        assert changed[4, 4] and changed[3, 5] and changed[2, 4] and not changed[4, 7]
 
 
 class TestGradients:

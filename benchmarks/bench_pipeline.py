@@ -10,6 +10,8 @@ it, H.264 via sources.synthetic.write_video) and cached in --workdir. For each s
                pipeline's source, so the difference is what the graph adds;
   pipeline     pipeline.run.run_video(path, question, out, cfg) with runtime.vlm=none; its
                frames/s is RunResult.frames / RunResult.wall_s.
+  no-RGB       (PyAV) decoding that stops at the decoder's YUV frames: what the pipeline's worker
+               does on a GPU run, where the conversion to RGB happens on the device.
 Both clocks start after the file is opened: run_video's wall_s covers only graph.run (decode ->
 texture -> realize -> sink, store close included); opening the video and the store, encoding the
 query and building the model come before it and are reported apart as setup_s. The sentence
@@ -127,6 +129,8 @@ class Row:
     decode_fps: float           # median over repeats
     pipeline_fps: float         # median over repeats, RunResult.frames / RunResult.wall_s
     ratio: float                # pipeline_fps / decode_fps
+    decode_no_rgb_fps: float | None  # PyAV only: decoding without the conversion to RGB
+    ratio_no_rgb: float | None  # pipeline_fps / decode_no_rgb_fps
     setup_s: float              # run_video's time outside wall_s (open, store, query, model)
     target_met: bool | None     # ratio >= TARGET_RATIO; None off CUDA (the target is for the GPU)
     decode_s: list[float] = field(default_factory=list)
@@ -134,14 +138,28 @@ class Row:
     stages: list[dict[str, Any]] = field(default_factory=list)  # RunResult.metrics of the median run
 
 
+def raw_decode_planes(path: Path) -> tuple[int, float]:
+    """(frames, seconds) to decode with PyAV and touch each frame's planes, with no conversion
+    to RGB: the decoder's own bound, which the pipeline's YUV hand-over can approach."""
+    with open_video(path, decoder="pyav") as video:
+        t0 = time.perf_counter()
+        frames, touched = 0, 0
+        for _, _, frame in video.decoded_frames():
+            touched += memoryview(frame.planes[0])[-1]
+            frames += 1
+        return frames, time.perf_counter() - t0
+
+
 def bench(path: Path, name: str, size: tuple[int, int], decoder: str, device: torch.device, repeats: int, workdir: Path) -> Row:
     cfg = pipeline_config(device.type, decoder)
     out = workdir / f"out_{name}_{decoder}.zarr"
     # warm-up: decoder libraries, allocator, kernels for this frame size; not timed
     run_pipeline(path, out, pipeline_config(device.type, decoder, max_frames=2 * cfg.runtime.batch_size))
-    decodes, runs = [], []
-    for _ in range(repeats):  # interleaved so both see the same page cache and clocks
+    decodes, planes, runs = [], [], []
+    for _ in range(repeats):  # interleaved so all see the same page cache and clocks
         decodes.append(raw_decode(path, decoder))
+        if decoder == "pyav":
+            planes.append(raw_decode_planes(path))
         runs.append(run_pipeline(path, out, cfg))
     shutil.rmtree(out, ignore_errors=True)
     frames = decodes[0][0]
@@ -150,13 +168,16 @@ def bench(path: Path, name: str, size: tuple[int, int], decoder: str, device: to
             raise SystemExit(f"{path.name} ({decoder}): the pipeline wrote {result.frames} frames "
                              f"(complete={result.complete}), raw decode gave {frames}")
     decode_fps = statistics.median(n / s for n, s in decodes)
+    planes_fps = statistics.median(n / s for n, s in planes) if planes else None
     by_fps = sorted(runs, key=lambda r: r[0].fps)
     median_run, outer = by_fps[len(by_fps) // 2]
     pipeline_fps = median_run.fps
     ratio = pipeline_fps / decode_fps
     return Row(size=name, height=size[0], width=size[1], grid=median_run.grid, decoder=decoder, device=device.type,
                frames=frames, decode_fps=round(decode_fps, 2), pipeline_fps=round(pipeline_fps, 2),
-               ratio=round(ratio, 3), setup_s=round(outer - median_run.wall_s, 3),
+               ratio=round(ratio, 3),
+               decode_no_rgb_fps=None if planes_fps is None else round(planes_fps, 2),
+               ratio_no_rgb=None if planes_fps is None else round(pipeline_fps / planes_fps, 3), setup_s=round(outer - median_run.wall_s, 3),
                target_met=(ratio >= TARGET_RATIO) if device.type == "cuda" else None,
                decode_s=[round(s, 4) for _, s in decodes], pipeline_wall_s=[round(r.wall_s, 4) for r, _ in runs],
                stages=median_run.metrics)
@@ -190,8 +211,9 @@ def versions() -> dict[str, str]:
 def print_row(r: Row) -> None:
     busy = " ".join(f"{s['stage']}={s['busy']:.2f}" for s in r.stages)
     met = "n/a (GPU target)" if r.target_met is None else ("yes" if r.target_met else "NO")
+    no_rgb = "-" if r.decode_no_rgb_fps is None else f"{r.decode_no_rgb_fps:.1f}"
     print(f"{r.size:>7} {r.grid[0]:>2}x{r.grid[1]:<3} {r.decoder:>7} {r.device:>6} {r.frames:>6} {r.decode_fps:>10.1f} "
-          f"{r.pipeline_fps:>12.1f} {r.ratio:>6.3f} {r.setup_s:>7.2f}  {met:<16} {busy}", flush=True)
+          f"{no_rgb:>10} {r.pipeline_fps:>12.1f} {r.ratio:>6.3f} {r.setup_s:>7.2f}  {met:<16} {busy}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     name = device_name(device)
     print(f"# {name}, CPU: {cpu_name()}, torch {torch.__version__}, {frames} frames per video, median of {repeats}")
-    print(f"{'size':>7} {'grid':>6} {'decoder':>7} {'device':>6} {'frames':>6} {'decode fps':>10} "
+    print(f"{'size':>7} {'grid':>6} {'decoder':>7} {'device':>6} {'frames':>6} {'decode fps':>10} {'no-RGB fps':>10} "
           f"{'pipeline fps':>12} {'ratio':>6} {'setup_s':>7}  {'>= 0.9x?':<16} busy share per stage")
     rows: list[Row] = []
     try:

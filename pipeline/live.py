@@ -99,7 +99,7 @@ class CaptureStage(Stage):
                 frames, gap = source.take(self.batch_size, timeout_s=0.0)
                 if frames:
                     turn = (turn + k + 1) % len(self.sources)
-                    yield LiveBatch(source.stream_id, frames, stack_frames(frames, self.pin), gap)
+                    yield LiveBatch(source.stream_id, frames, stack_frames(frames, self.pin), gap=gap)
                     break
             else:
                 self.stop.wait(_POLL_S)

@@ -89,8 +89,13 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
             overlay: Any = None, vlm_stage: Stage | None = None) -> Graph:
     """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink."""
     capacity = cfg.runtime.queue_capacity
-    decode = DecodeStage(source, cfg.runtime.batch_size, pin=device.type == "cuda", status=status)
+    # frames go straight to the device unless something reads them on the host (VLM, overlay)
+    host_frames = vlm_stage is not None or overlay is not None
+    decode = DecodeStage(source, cfg.runtime.batch_size, pin=device.type == "cuda", status=status,
+                         device=None if host_frames else device)
     graphs = frontend_graphs(model, grid, query, cfg, device)
+    if graphs is not None:  # the run's full batches: captured now, not inside the timed run
+        graphs.prepare(cfg.runtime.batch_size, source.height, source.width)
     texture = TextureStage(model, device, grid, graphs)
     realize = RealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
                            graphs=graphs)
@@ -124,7 +129,10 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
     device = resolve_device(cfg.runtime.device)
     d = cfg.decode
     kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames)
-    source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2, **kwargs)
+    # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV
+    device_color = device.type == "cuda" and cfg.runtime.vlm == "none" and overlay_path is None
+    source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
+                            device_color=device_color, **kwargs)
               if d.process else open_video(path, **kwargs))
     try:
         vlm = load_answerer(cfg, device)
@@ -145,6 +153,13 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
     else:
         query = encode_query(question, device)                              # (384,)
     model = build_model(cfg, query.shape[-1], device)
+    if isinstance(source, ProcessSource):
+        try:
+            source.wait_ready()  # its start overlapped the setup above; decoding starts with the clock
+        except BaseException:
+            source.close()
+            writer.close(complete=False)
+            raise
     status = RunStatus()
     overlay = None
     if overlay_path is not None:

@@ -25,6 +25,7 @@ from arr_coc.realizing import StreamState
 from arr_coc.texture import Texture
 from sources.frame import Frame
 from sources.process import ProcessSource
+from sources.yuv import yuv_to_rgb
 
 from .cudagraph import FrontendGraphs, graphable
 from .graph import Stage
@@ -39,11 +40,22 @@ class RunStatus:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
+@dataclass(frozen=True)
+class FrameRef:
+    """A frame's place in its stream, for batches whose pixels live only on the device."""
+
+    stream_id: str
+    index: int
+    pts_s: float
+    arrival_s: float | None = None
+
+
 @dataclass
 class FrameBatch:
     stream_id: str
-    frames: list[Frame]
-    pixels: torch.Tensor            # (T, H, W, 3) uint8, pinned when the model runs on CUDA
+    frames: list[Frame] | list[FrameRef]  # FrameRef when the pixels went straight to the device
+    pixels: torch.Tensor            # (T, H, W, 3) uint8: on the host (pinned on CUDA), or on the device
+    ready: torch.cuda.Event | None = None  # device pixels: ready once this fires
 
     @property
     def frames_count(self) -> int:
@@ -104,17 +116,35 @@ def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
 
 
 class DecodeStage(Stage):
-    """Source stage: batches of consecutive frames from a video source."""
+    """Source stage: batches of consecutive frames from a video source.
+
+    device: with a ProcessSource and a CUDA device, batches go from the worker's shared slots
+    straight to the device (the slots are page-locked in place, so no host copy is made; YUV
+    planes are converted to RGB there) and carry FrameRefs instead of host frames. For runs that
+    never read pixels on the host (no VLM, no overlay).
+    """
 
     name = "decode"
 
     def __init__(self, source: Any, batch_size: int, pin: bool, status: RunStatus,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, device: torch.device | None = None) -> None:
         self.source, self.batch_size, self.pin, self.status = source, batch_size, pin, status
         self._stop = stop
+        self.device = device if isinstance(source, ProcessSource) and device is not None and device.type == "cuda" else None
+        if self.device is None and getattr(source, "yuv", None) is not None:
+            raise ValueError("a ProcessSource handing over YUV planes needs a CUDA device to convert them")
+        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
+        self._registered: int | None = None  # address of the page-locked slots
+        if self.device is not None:
+            self._page_lock(source.buffer)
 
     def produce(self) -> Iterator[FrameBatch]:
-        batches = (self._from_process() if isinstance(self.source, ProcessSource) else self._from_thread())
+        if self.device is not None:
+            batches = self._to_device()
+        elif isinstance(self.source, ProcessSource):
+            batches = self._from_process()
+        else:
+            batches = self._from_thread()
         yield from batches
         if getattr(self.source, "truncated", False):
             with self.status.lock:
@@ -131,6 +161,31 @@ class DecodeStage(Stage):
             frames = [Frame(sid, index, pts, rgb[k]) for k, (index, pts) in enumerate(zip(decoded.indices, decoded.pts))]
             yield FrameBatch(sid, frames, pixels)
 
+    def _to_device(self) -> Iterator[FrameBatch]:
+        """Shared slot -> device (DMA from the page-locked slot), YUV -> RGB on the device. The slot
+        goes back to the worker as soon as its copy is done; conversion and the next stages run on."""
+        sid, source = self.source.stream_id, self.source
+        for decoded in source.batches():
+            with torch.cuda.stream(self.stream):
+                data = torch.from_numpy(decoded.pixels).to(self.device, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+                pixels = yuv_to_rgb(data, decoded.yuv) if decoded.yuv is not None else data  # (T, H, W, 3)
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            copied.synchronize()
+            source.release(decoded)
+            frames = [FrameRef(sid, index, pts) for index, pts in zip(decoded.indices, decoded.pts)]
+            yield FrameBatch(sid, frames, pixels, ready)
+
+    def _page_lock(self, buffer: np.ndarray) -> None:
+        """cudaHostRegister the slots so copies from them are asynchronous DMA. Where the driver
+        refuses (some containers limit locked memory), copies still work, synchronously."""
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0)
+        if int(getattr(err, "value", err)) == 0:
+            self._registered = buffer.ctypes.data
+
     def _from_thread(self) -> Iterator[FrameBatch]:
         pending: list[Frame] = []
         for frame in self.source:
@@ -145,6 +200,10 @@ class DecodeStage(Stage):
             yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
 
     def close(self) -> None:
+        if self._registered is not None:  # before the slots are unmapped
+            torch.cuda.synchronize(self.device)
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
         close = getattr(self.source, "close", None)
         if close is not None:
             close()
@@ -172,12 +231,16 @@ class TextureStage(Stage):
     @torch.inference_mode()
     def process(self, item: FrameBatch) -> Iterable[TextureBatch]:
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            if item.ready is not None:  # decoded straight to the device on the decode stage's stream
+                self.stream.wait_event(item.ready)
+                item.pixels.record_stream(self.stream)
             pixels = item.pixels.to(self.device, non_blocking=True)       # (T, H, W, 3) uint8
             frames = pixels.permute(0, 3, 1, 2)                           # (T, 3, H, W)
             last = self.last.get(item.stream_id)
+            texture = None
             if self.graphs is not None and last is not None:
-                texture = self.graphs.extract(frames, last, self.stream)
-            else:
+                texture = self.graphs.extract(frames, last, self.stream)     # None: no graph for this shape
+            if texture is None:
                 texture = self.model.extract(frames, last, self.grid)
             self.last[item.stream_id] = frames[-1].clone()  # not a view that pins the whole batch
             ready = None
@@ -236,10 +299,14 @@ class RealizeStage(Stage):
             if vlm_frames is not None and self.cuda:  # pinned, so the copy does not wait for the GPU
                 vlm_frames = vlm_frames.pin_memory().to(self.device, non_blocking=True)
             state = self.states.get(item.batch.stream_id)
+            replayed = None
             if self.graphs is not None and graphable(state):
-                if vlm_frames is None:
-                    vlm_frames = torch.ones(item.batch.frames_count, dtype=torch.bool, device=self.device)
-                allocation, state = self.graphs.realize(item.texture, state, vlm_frames, self.stream)
+                marks_dev = vlm_frames
+                if marks_dev is None:
+                    marks_dev = torch.ones(item.batch.frames_count, dtype=torch.bool, device=self.device)
+                replayed = self.graphs.realize(item.texture, state, marks_dev, self.stream)  # None: no graph
+            if replayed is not None:
+                allocation, state = replayed
             else:
                 allocation, state, _ = self.model.realize(item.texture, self.query, state,
                                                           query_mask=self.query_mask, vlm_frames=vlm_frames)

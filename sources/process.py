@@ -5,14 +5,20 @@ launches, zarr writes, VLM generation) hold the GIL often, and a decode thread t
 every frame starves: with one busy Python thread beside it, PyAV's decode rate here fell from
 ~740 to ~30 frames/s. In its own process the decoder keeps its rate whatever the stages do.
 
-Protocol: the parent owns `slots` shared-memory batch buffers of (batch, H, W, 3) uint8. It
-hands free slot numbers to the worker; the worker fills a slot with up to `batch` frames and
-answers with their (index, pts) list. A short or empty batch ends the stream. The worker's
-errors and warnings come back as messages and are raised / re-emitted in the parent.
+Protocol: the parent owns `slots` shared-memory batch buffers, of (batch, H, W, 3) uint8 RGB,
+or with `device_color` and a PyAV stream of 8-bit YUV 4:2:0, of (batch, frame_bytes) raw planes
+that the consumer converts on its device (sources/yuv.py: half the bytes, and the worker's thread
+skips swscale, its most expensive step). The worker opens the video and says so ("ready"); from
+the first `batches()` call the parent hands it free slot numbers; the worker fills a slot with up
+to `batch` frames and answers with their (index, pts) list. A short or empty batch ends the
+stream. The worker's errors and warnings come back as messages and are raised / re-emitted in
+the parent.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -28,32 +34,52 @@ import numpy as np
 
 from .errors import SourceError, VideoTruncatedWarning
 from .video import open_video
+from .yuv import YuvLayout, matches, write_planes, yuv_layout
 
 _POLL_S = 0.5
 
 
 @dataclass
 class DecodedBatch:
-    """Frames of one batch: `rgb` (n, H, W, 3) is a view into a shared slot, valid until release()."""
+    """Frames of one batch: `pixels` is a view into a shared slot, valid until release(): (n, H, W, 3)
+    RGB, or (n, yuv.frame_bytes) planes when the source's `yuv` layout is set."""
 
     indices: list[int]
     pts: list[float]
-    rgb: np.ndarray
+    pixels: np.ndarray
     slot: int
+    yuv: YuvLayout | None = None
+
+    @property
+    def rgb(self) -> np.ndarray:
+        if self.yuv is not None:
+            raise ValueError("this batch holds YUV planes; convert them with sources.yuv.yuv_to_rgb")
+        return self.pixels
 
 
 class ProcessSource:
-    """Like `open_video(...)`, but decoding happens in a child process; iterate `batches()`."""
+    """Like `open_video(...)`, but decoding happens in a child process; iterate `batches()`.
 
-    def __init__(self, path: str | Path, *, batch_size: int, slots: int = 4, **open_kwargs: Any) -> None:
+    device_color: hand over YUV 4:2:0 planes instead of RGB where the stream allows it (PyAV,
+    8-bit 4:2:0, BT.601/709, even size); `yuv` is then the layout, else None.
+    """
+
+    def __init__(self, path: str | Path, *, batch_size: int, slots: int = 4, device_color: bool = False,
+                 **open_kwargs: Any) -> None:
         if batch_size < 1 or slots < 2:
             raise ValueError(f"batch_size must be >= 1 and slots >= 2, got {batch_size} and {slots}")
         with open_video(path, **open_kwargs) as probe:  # errors (missing, corrupt, ...) surface here
             self.stream_id, self.fps, self.source_fps = probe.stream_id, probe.fps, probe.source_fps
             self.width, self.height, self.frame_count = probe.width, probe.height, probe.frame_count
+            info = probe.info
         self.path, self.batch_size, self.slots = Path(path), batch_size, slots
         self.truncated = False
-        shape = (slots, batch_size, self.height, self.width, 3)
+        self.yuv: YuvLayout | None = None
+        if device_color and open_kwargs.get("decoder", "pyav") == "pyav":
+            coded = (self.width, self.height) if info.rotation % 180 else (self.height, self.width)
+            self.yuv = yuv_layout(info.pixel_format, info.colorspace, info.color_range, *coded, info.rotation)
+        frame_shape = (self.yuv.frame_bytes,) if self.yuv is not None else (self.height, self.width, 3)
+        shape = (slots, batch_size) + frame_shape
         self._shm = SharedMemory(create=True, size=int(np.prod(shape)))
         self._buffers = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
         # spawn, not fork: the parent runs threads (stages, FFmpeg, torch), and a forked child can
@@ -61,17 +87,37 @@ class ProcessSource:
         # fresh interpreter that imports only this module (~0.3 s).
         ctx = mp.get_context("spawn")
         self._free, self._filled = ctx.Queue(), ctx.Queue()
-        for slot in range(slots):
-            self._free.put(slot)
         kwargs = dict(open_kwargs, stream_id=self.stream_id)
         self._proc = ctx.Process(target=_worker, name=f"decode-{self.stream_id}", daemon=True,
-                                 args=(str(path), kwargs, self._shm.name, shape, self._free, self._filled))
+                                 args=(str(path), kwargs, self._shm.name, shape, self.yuv, self._free, self._filled))
         with _main_not_reimported():
             self._proc.start()
         self._closed = False
+        self._ready = self._started = False
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """All slots, (slots, batch, ...) uint8: the memory a consumer may page-lock (cudaHostRegister)."""
+        return self._buffers
+
+    def wait_ready(self) -> None:
+        """Block until the worker has opened the video (it starts a fresh interpreter: ~0.3-0.6 s).
+        Call it after other setup work so that the two overlap; `batches()` calls it too."""
+        if not self._ready:
+            kind, *payload = self._next_message()
+            if kind == "error":
+                raise SourceError(payload[0])
+            if kind != "ready":
+                raise RuntimeError(f"decode worker protocol: expected 'ready', got {kind!r}")
+            self._ready = True
 
     def batches(self) -> Iterator[DecodedBatch]:
         """Batches in order; call `release(batch)` once its frames are copied out."""
+        self.wait_ready()
+        if not self._started:  # decoding starts now, not during the caller's setup
+            self._started = True
+            for slot in range(self.slots):
+                self._free.put(slot)
         while True:
             kind, *payload = self._next_message()
             if kind == "warning":
@@ -83,7 +129,7 @@ class ProcessSource:
                 return
             else:
                 slot, indices, pts = payload
-                yield DecodedBatch(indices, pts, self._buffers[slot, :len(indices)], slot)
+                yield DecodedBatch(indices, pts, self._buffers[slot, :len(indices)], slot, self.yuv)
 
     def release(self, batch: DecodedBatch) -> None:
         self._free.put(batch.slot)
@@ -148,7 +194,8 @@ def _next_slot(free: Any, parent: int) -> int | None:
                 return None
 
 
-def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, free: Any, filled: Any) -> None:
+def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout | None,
+            free: Any, filled: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     parent = os.getppid()
     shm = SharedMemory(name=shm_name)
@@ -158,19 +205,19 @@ def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, free: Any, fil
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with open_video(path, **kwargs) as source:
-                frames = iter(source)
+                # fault every page of the slots in now, while the parent sets up, not while decoding
+                buffers.reshape(-1)[::mmap.PAGESIZE] = 0
+                filled.put(("ready",))
+                frames = _planes(source, yuv, path) if yuv is not None else _rgb(source, shape[2:], path)
                 while True:
                     slot = _next_slot(free, parent)
                     if slot is None:
                         return
                     indices, pts = [], []
-                    for frame in frames:
-                        if frame.rgb.shape != shape[2:]:
-                            raise SourceError(f"{path}: frame size changed mid-stream at frame {frame.index}: "
-                                              f"{shape[2:4]} -> {frame.rgb.shape[:2]}")
-                        buffers[slot, len(indices)] = frame.rgb
-                        indices.append(frame.index)
-                        pts.append(frame.pts_s)
+                    for index, pts_s, write in frames:
+                        write(buffers[slot, len(indices)])
+                        indices.append(index)
+                        pts.append(pts_s)
                         if len(indices) == batch:
                             break
                     if indices:
@@ -187,3 +234,21 @@ def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, free: Any, fil
     finally:
         del buffers
         shm.close()
+
+
+def _rgb(source: Any, shape: tuple, path: str) -> Iterator[tuple[int, float, Any]]:
+    """(index, pts, write(out)) per frame, writing its RGB pixels into out (H, W, 3)."""
+    for frame in source:
+        if frame.rgb.shape != shape:
+            raise SourceError(f"{path}: frame size changed mid-stream at frame {frame.index}: "
+                              f"{shape[:2]} -> {frame.rgb.shape[:2]}")
+        yield frame.index, frame.pts_s, functools.partial(np.copyto, src=frame.rgb)
+
+
+def _planes(source: Any, yuv: YuvLayout, path: str) -> Iterator[tuple[int, float, Any]]:
+    """(index, pts, write(out)) per frame, writing its Y, U, V planes into out (frame_bytes,)."""
+    for index, pts_s, frame in source.decoded_frames():
+        if not matches(yuv, frame):
+            raise SourceError(f"{path}: pixel format or size changed mid-stream at frame {index}: "
+                              f"{frame.format.name} {frame.width}x{frame.height}")
+        yield index, pts_s, functools.partial(write_planes, frame, layout=yuv)

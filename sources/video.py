@@ -58,6 +58,9 @@ class VideoInfo:
     frame_count: int | None    # from the container, else estimated as duration_s * fps
     codec: str
     rotation: int = 0          # counter-clockwise degrees applied to make frames upright
+    pixel_format: str | None = None  # of the decoded frames (PyAV's name, e.g. "yuv420p")
+    colorspace: int = 2        # FFmpeg AVColorSpace of the first frame (2: unspecified)
+    color_range: int = 0       # FFmpeg AVColorRange of the first frame (1: limited, 2: full, 0: unspecified)
 
 
 def probe(path: str | Path) -> VideoInfo:
@@ -279,12 +282,19 @@ class _PyAVSource(VideoSource):
         except av.FFmpegError:
             pass
 
-    def _frames(self) -> Iterator[Frame]:
-        rotation, start = self.info.rotation, self.start_s - _PTS_TOL_S
+    def decoded_frames(self) -> Iterator[tuple[int, float, av.VideoFrame]]:
+        """(index, pts_s, frame) of the kept frames as FFmpeg decoded them, before any conversion to
+        RGB or rotation: for callers that convert elsewhere (the decode worker hands YUV planes to
+        the GPU). Read once, like iterating the source."""
+        if self._closed or self._iterated:
+            iter(self)  # raises the same errors
+        self._iterated = True
+        return self._kept()
+
+    def _kept(self) -> Iterator[tuple[int, float, av.VideoFrame]]:
+        start = self.start_s - _PTS_TOL_S
         # frame.time is not used: frames flushed after damage carry no time_base
         time_base, start_pts = float(self._stream.time_base), self._stream.start_time or 0
-        # one swscale context for the whole stream: frame.to_ndarray builds one per frame (~2x slower)
-        reformatter = VideoReformatter()
         sampler = self._sampler()
         frames, self._first = itertools.chain((self._first,), self._decoded), None
         index, last_pts = self._index_base - 1, None
@@ -299,15 +309,22 @@ class _PyAVSource(VideoSource):
             if keep is None:
                 return
             if keep:
-                try:
-                    rgb = reformatter.reformat(frame, format="rgb24").to_ndarray()  # (H, W, 3)
-                except av.FFmpegError as e:
-                    raise SourceError(f"{self.path}: cannot convert frame {index} ({frame.format.name}) "
-                                      f"to RGB ({_reason(e)})") from e
-                yield Frame(self.stream_id, index, pts_s, _upright(rgb, rotation))
+                yield index, pts_s, frame
                 if sampler.full:
                     return
         self._finish(last_pts)
+
+    def _frames(self) -> Iterator[Frame]:
+        rotation = self.info.rotation
+        # one swscale context for the whole stream: frame.to_ndarray builds one per frame (~2x slower)
+        reformatter = VideoReformatter()
+        for index, pts_s, frame in self._kept():
+            try:
+                rgb = reformatter.reformat(frame, format="rgb24").to_ndarray()  # (H, W, 3)
+            except av.FFmpegError as e:
+                raise SourceError(f"{self.path}: cannot convert frame {index} ({frame.format.name}) "
+                                  f"to RGB ({_reason(e)})") from e
+            yield Frame(self.stream_id, index, pts_s, _upright(rgb, rotation))
 
 
 class _DecordSource(VideoSource):
@@ -507,7 +524,8 @@ def _video_info(container: av.container.InputContainer, stream: av.video.stream.
         frame_count = int(stream.frames)
     else:
         frame_count = None if duration is None else round(duration * fps)
-    return VideoInfo(width, height, fps, duration, frame_count, stream.codec_context.name, rotation)
+    return VideoInfo(width, height, fps, duration, frame_count, stream.codec_context.name, rotation,
+                     first.format.name, int(first.colorspace), int(first.color_range))
 
 
 def _duration_s(container: av.container.InputContainer, stream: av.video.stream.VideoStream) -> float | None:

@@ -80,3 +80,36 @@ def test_worker_exits_when_the_parent_stops_it_early(clip_path):
     while src._proc.is_alive() and time.time() < deadline:
         time.sleep(0.05)
     assert not src._proc.is_alive()
+
+
+def test_device_color_hands_over_yuv_planes_that_convert_to_the_rgb_frames(clip_path):
+    import torch
+
+    from sources.yuv import yuv_to_rgb
+
+    with open_video(clip_path) as src:
+        ref = np.stack([f.rgb for f in src])
+    with ProcessSource(clip_path, batch_size=8, slots=2, device_color=True) as src:
+        assert src.yuv is not None and src.yuv.frame_bytes == 72 * 96 * 3 // 2
+        planes, indices = [], []
+        for batch in src.batches():
+            with pytest.raises(ValueError, match="YUV planes"):
+                batch.rgb
+            planes.append(yuv_to_rgb(torch.from_numpy(batch.pixels.copy()), batch.yuv).numpy())
+            indices += batch.indices
+            src.release(batch)
+    got = np.concatenate(planes).astype(int)
+    assert indices == list(range(len(ref)))
+    diff = np.abs(got - ref)
+    assert diff.max() <= 2 and diff.mean() < 0.9
+
+
+def test_device_color_keeps_rgb_where_the_stream_needs_it(clip_path, tmp_path):
+    with ProcessSource(clip_path, batch_size=8, slots=2, device_color=True, decoder="decord") as src:
+        assert src.yuv is None                         # decord only gives RGB
+    odd = render_clip([Shot("moving_object", 6)], height=41, width=57, seed=1)
+    path = write_video(tmp_path / "odd.mkv", odd.frames, fps=25, codec="mpeg4")
+    with ProcessSource(path, batch_size=8, slots=2, device_color=True) as src:
+        assert src.yuv is None                         # odd size
+        indices, _, rgb = collect(src)
+    assert rgb.shape == (6, 41, 57, 3) and indices == list(range(6))

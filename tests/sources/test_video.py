@@ -285,7 +285,8 @@ class TestFormats:
         assert _rotation(Frame_(), Stream_()) == 0
 
     def test_probe(self, cfr_video: Video):
-        assert probe(cfr_video.path) == VideoInfo(W, H, float(FPS), 2.0, N_FRAMES, "h264", 0)
+        # x264 tags no colour matrix and no range: unspecified (2, 0)
+        assert probe(cfr_video.path) == VideoInfo(W, H, float(FPS), 2.0, N_FRAMES, "h264", 0, "yuv444p", 2, 0)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,107 @@
+"""Planar YUV 4:2:0 frames as FFmpeg decodes them, converted to RGB on the device.
+
+Why: converting to RGB with swscale costs the decoder's host thread more than the decoding
+itself at 720p and up (PyAV here: ~2500 frames/s decoded, ~1650/s decoded + converted), and RGB
+is twice the bytes of YUV 4:2:0 to copy between processes and over PCIe. So the decode worker
+copies the three planes as they are and the GPU converts them (a few elementwise kernels).
+
+`yuv_to_rgb` reproduces swscale's default conversion of PyAV's `reformat(frame, format="rgb24")`
+for the frames it accepts (checked in tests/sources/test_yuv.py: mean difference ~0.6 levels, max
+2): the frame's colour matrix (BT.601 or BT.709) and range (limited or full), chroma repeated over
+each 2x2 block, results truncated. Other formats and matrices (10-bit, 4:2:2/4:4:4, BT.2020)
+and odd frame sizes keep the RGB path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # the decode worker imports this module: torch would add seconds to its start
+    import torch
+
+# AVColorSpace -> (Kr, Kb). Unspecified is treated as BT.601, as swscale does.
+_MATRICES = {1: (0.2126, 0.0722), 2: (0.299, 0.114), 5: (0.299, 0.114), 6: (0.299, 0.114)}
+_FORMATS = {"yuv420p": False, "yuvj420p": True}  # -> full range implied by the format
+_FULL_RANGE = 2                                    # AVCOL_RANGE_JPEG
+
+
+@dataclass(frozen=True)
+class YuvLayout:
+    """Where the planes of one (height, width) frame sit in a flat uint8 buffer, and its colours."""
+
+    height: int                # of the coded frame (before rotation)
+    width: int
+    kr: float
+    kb: float
+    full_range: bool
+    rotation: int = 0          # counter-clockwise degrees that make the frame upright
+
+    @property
+    def chroma(self) -> tuple[int, int]:
+        return self.height // 2, self.width // 2
+
+    @property
+    def frame_bytes(self) -> int:
+        ch, cw = self.chroma
+        return self.height * self.width + 2 * ch * cw
+
+    @property
+    def upright(self) -> tuple[int, int]:
+        """(height, width) of the RGB frame after rotation."""
+        return (self.width, self.height) if self.rotation % 180 else (self.height, self.width)
+
+
+def yuv_layout(pixel_format: str | None, colorspace: int, color_range: int, height: int, width: int,
+               rotation: int = 0) -> YuvLayout | None:
+    """The layout for frames of this format and colour description, None where the RGB path must
+    stay (formats and matrices yuv_to_rgb does not reproduce)."""
+    if pixel_format not in _FORMATS or colorspace not in _MATRICES or height % 2 or width % 2:
+        return None  # odd sizes: swscale leaves its unscaled path and interpolates chroma
+    kr, kb = _MATRICES[colorspace]
+    return YuvLayout(height, width, kr, kb, _FORMATS[pixel_format] or color_range == _FULL_RANGE, rotation)
+
+
+def matches(layout: YuvLayout, frame) -> bool:
+    """Whether a decoded av.VideoFrame has exactly this layout (formats can change mid-stream)."""
+    return (frame.height == layout.height and frame.width == layout.width
+            and yuv_layout(frame.format.name, int(frame.colorspace), int(frame.color_range),
+                           frame.height, frame.width, layout.rotation) == layout)
+
+
+def write_planes(frame, out: np.ndarray, layout: YuvLayout) -> None:
+    """Copy the Y, U, V planes of an av.VideoFrame (rows padded to line_size) into out (frame_bytes,)."""
+    h, w = layout.height, layout.width
+    ch, cw = layout.chroma
+    offset = 0
+    for plane, (ph, pw) in zip(frame.planes, ((h, w), (ch, cw), (ch, cw))):
+        src = np.frombuffer(plane, np.uint8).reshape(ph, plane.line_size)[:, :pw]
+        out[offset:offset + ph * pw].reshape(ph, pw)[...] = src
+        offset += ph * pw
+
+
+def yuv_to_rgb(planes: torch.Tensor, layout: YuvLayout) -> torch.Tensor:
+    """(T, frame_bytes) uint8 planes -> (T, H', W', 3) uint8 upright RGB, on planes' device."""
+    import torch
+
+    T = planes.shape[0]
+    h, w = layout.height, layout.width
+    ch, cw = layout.chroma
+    y = planes[:, :h * w].view(T, h, w).float()                                   # (T, h, w)
+    uv = planes[:, h * w:].view(T, 2, ch, cw).float()                             # (T, 2, ch, cw)
+    uv = uv.repeat_interleave(2, 2).repeat_interleave(2, 3)[:, :, :h, :w] - 128   # (T, 2, h, w)
+    if layout.full_range:
+        luma, chroma_scale = y, 1.0
+    else:
+        luma, chroma_scale = (y - 16) * (255 / 219), 255 / 224
+    kr, kb = layout.kr, layout.kb
+    kg = 1 - kr - kb
+    u, v = uv[:, 0] * chroma_scale, uv[:, 1] * chroma_scale
+    r = luma + 2 * (1 - kr) * v
+    b = luma + 2 * (1 - kb) * u
+    g = luma - (2 * (1 - kb) * kb / kg) * u - (2 * (1 - kr) * kr / kg) * v
+    rgb = torch.stack([r, g, b], -1).floor_().clamp_(0, 255).to(torch.uint8)     # (T, h, w, 3)
+    if layout.rotation:
+        rgb = torch.rot90(rgb, layout.rotation // 90, dims=(1, 2))
+    return rgb.contiguous()

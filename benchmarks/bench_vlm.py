@@ -16,6 +16,7 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -103,6 +104,7 @@ def keep_maps(relevance: torch.Tensor, retentions: list[float], tp: int = 2) -> 
     return maps
 
 
+@torch.no_grad()  # as VLM.prepare: without it the vision tower's activations stay alive for autograd
 def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
     device = vlm.device
     req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps)
@@ -197,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             rows.append(r)
         del vlm
+        gc.collect()  # the VLM and its cached decoders (graphs, KV caches) reference each other
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            print(f"# after {arch}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB still allocated", flush=True)
     print_table(rows)
     import transformers
     report = dict(command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),

@@ -24,6 +24,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
@@ -204,11 +205,13 @@ def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with open_video(path, **kwargs) as source:
+            # the stack (the prefetch thread) closes before the source it reads
+            with open_video(path, **kwargs) as source, contextlib.ExitStack() as stack:
                 # fault every page of the slots in now, while the parent sets up, not while decoding
                 buffers.reshape(-1)[::mmap.PAGESIZE] = 0
                 filled.put(("ready",))
                 frames = _planes(source, yuv, path) if yuv is not None else _rgb(source, shape[2:], path)
+                frames = stack.enter_context(_Prefetched(frames))
                 while True:
                     slot = _next_slot(free, parent)
                     if slot is None:
@@ -234,6 +237,55 @@ def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout
     finally:
         del buffers
         shm.close()
+
+
+class _Prefetched:
+    """Iterate `items` in a thread up to `depth` ahead, so that decoding (FFmpeg's and decord's
+    own threads, with the GIL released) overlaps the copies into the slots: the worker then runs
+    at the slower of the two, not their sum (H100, 1080p YUV: ~1450 -> ~1650 frames/s; RGB: ~470 -> ~1000). Leaving the
+    `with` stops and joins the thread before the caller closes the decoder under it."""
+
+    _END = object()
+
+    def __init__(self, items: Iterator, depth: int = 8) -> None:
+        self._items, self._queue = items, queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decode-prefetch", daemon=True)
+
+    def __enter__(self) -> Iterator:
+        self._thread.start()
+        return self._iterate()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._items:
+                if not self._put(item):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # re-raised in the consuming thread
+            self._put(e)
+
+    def _iterate(self) -> Iterator:
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
 
 def _rgb(source: Any, shape: tuple, path: str) -> Iterator[tuple[int, float, Any]]:

@@ -21,10 +21,14 @@ class VLMConfig:
     max_pixels: int = 448 * 448        # tokens are 4x cheaper than HF's image defaults)
     dtype: str = "bfloat16"
     cuda_graphs: bool = True           # on CUDA, replay each decode step as a captured graph
+    # prefixes of up to this many tokens (after left padding up to a multiple of 64) are prefilled
+    # by a replayed CUDA graph (with cuda_graphs, on CUDA): short, pruned prefixes are bound by
+    # kernel launches, not by the GPU; longer ones run eagerly. 0: every prefill eager, unpadded
+    graph_prefill_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
-        for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed"):
+        for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed", "graph_prefill_max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"vlm.{name} must be an integer, got {value!r}")
@@ -34,6 +38,7 @@ class VLMConfig:
         check_range("vlm.seed", self.seed, 0, 2**63 - 1)
         check_range("vlm.max_batch", self.max_batch, 1, 256)
         check_range("vlm.max_wait_s", self.max_wait_s, 0.0, 60.0)
+        check_range("vlm.graph_prefill_max_tokens", self.graph_prefill_max_tokens, 0, 65536)
         check_range("vlm.min_pixels", self.min_pixels, 28 * 28, 16384 * 16384)
         check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
         check_choice("vlm.dtype", self.dtype, DTYPES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,8 @@ from pipeline.vlm.selection import pair_lod, select_tokens
 SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
 MAX_DECODERS = 4          # (batch, cache length) decoders kept per VLM, each with its KV cache (and graph)
+PREFILL_BUCKET = 64       # short prefixes are left padded up to a multiple of this, so prefill shapes repeat
+MAX_PREFILL_GRAPHS = 4    # prefill graphs (one per padded prefix length) kept per decoder
 DONE_CHECK_EVERY = 8      # decode steps between host checks for "every row has finished" (each one syncs)
 PACKED_SDPA = "arr_coc_sdpa"          # sdpa, with GQA decode steps packed per KV head (sdpa_packed_gqa)
 ATTENTION_IMPLS = ("sdpa", "eager", PACKED_SDPA)   # the ones that take our prebuilt 4-D masks
@@ -104,7 +107,7 @@ class VLM:
             raise ValueError(f"Invalid LM layer types ({sorted(layer_types)}): only full attention is "
                              f"supported (a sliding window needs its own mask)")
         self._decoders: dict[tuple[int, int], StaticDecoder] = {}
-        self._graph_pool = None             # one CUDA memory pool for every captured decode step
+        self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill)
         self.video_token_id = model.config.video_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -196,9 +199,15 @@ class VLM:
                        use_cache=cache is not None, **{self._cache_kw: cache})
         return out.last_hidden_state                                         # (B, L, D)
 
-    def _left_pad(self, prefixes: list[Prefix]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """-> embeds (B, L, D), positions (3, B, L), and how many pad slots lead each row."""
+    def _left_pad(self, prefixes: list[Prefix],
+                  length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """-> embeds (B, L, D), positions (3, B, L), and how many pad slots lead each row;
+        L = length (at least the longest prefix), None: the longest prefix."""
         B, L = len(prefixes), max(p.embeds.shape[0] for p in prefixes)
+        if length is not None:
+            if length < L:
+                raise ValueError(f"cannot left pad prefixes of up to {L} tokens to {length}")
+            L = length
         D = prefixes[0].embeds.shape[1]
         pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
         embeds = pad.expand(B, L, D).clone()                                 # (B, L, D)
@@ -219,6 +228,25 @@ class VLM:
                 ~allowed, torch.finfo(self.dtype).min)
         return {"full_attention": allowed}
 
+    def _prefill_plan(self, prefix_len: int) -> tuple[int, bool]:
+        """Longest prefix length -> (the length it is prefilled at, whether a CUDA graph replays it).
+
+        Up to config.graph_prefill_max_tokens the length is rounded up to PREFILL_BUCKET with more
+        left padding, so nearby lengths share one graph: there the eager prefill is bound by the
+        host launching a few hundred kernels (about 20 ms for 28 layers, whatever the model size),
+        not by the GPU. Longer prefixes are GPU-bound and run eagerly, unpadded. The padding does
+        not depend on the device, so a CPU run computes the very shapes a GPU replays."""
+        cfg = self.config
+        padded = -(-prefix_len // PREFILL_BUCKET) * PREFILL_BUCKET
+        if not cfg.cuda_graphs or padded > cfg.graph_prefill_max_tokens:
+            return prefix_len, False
+        return padded, self.device.type == "cuda"
+
+    def _pool(self):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
     def _decoder(self, batch: int, length: int, steps: bool) -> StaticDecoder:
         """The (B, Lmax) decoder, reused across calls; on CUDA with cuda_graphs its step is a graph,
         captured the first time decode steps are asked for (a one-token answer needs none)."""
@@ -229,26 +257,26 @@ class VLM:
                 self._decoders.pop(next(iter(self._decoders)))
             decoder = StaticDecoder(self, batch, length)
         if steps and decoder.graph is None and self.device.type == "cuda" and self.config.cuda_graphs:
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            decoder.capture(self._graph_pool)
+            decoder.capture(self._pool())
         self._decoders[key] = decoder                                        # most recently used last
         return decoder
 
     @torch.no_grad()
     def _prefill(self, prefixes: list[Prefix], max_new: int) -> tuple[StaticDecoder, torch.Tensor]:
         """Left-padded prefixes into a static cache with room for max_new tokens -> the decoder,
-        ready for its first step, and the (B, V) float32 logits of the first generated token."""
-        embeds, positions, pads = self._left_pad(prefixes)
-        B, L = embeds.shape[:2]
+        ready for its first step, and the (B, V) float32 logits of the first generated token (a
+        graph's output when the prefill was replayed: valid until the VLM replays a graph again)."""
+        L, graphed = self._prefill_plan(max(p.embeds.shape[0] for p in prefixes))
+        embeds, positions, pads = self._left_pad(prefixes, L)               # (B, L, D), (3, B, L)
+        B = embeds.shape[0]
         # the last token fed back sits at slot L + max_new - 2; rounding up lets nearby prompt
         # lengths share one cache (and one graph)
         length = -(-(L + max_new - 1) // CACHE_BUCKET) * CACHE_BUCKET
         decoder = self._decoder(B, length, steps=max_new > 1)
-        hidden = decoder.prefill(embeds, positions, pads)[:, -1]             # (B, D)
+        logits = decoder.prefill(embeds, positions, pads, pool=self._pool() if graphed else None)  # (B, V)
         next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
         decoder.start(next_pos, pads, L)
-        return decoder, self.model.lm_head(hidden).float()
+        return decoder, logits
 
     @torch.no_grad()
     def generate(self, prefixes: list[Prefix], *, max_new_tokens: int | None = None,
@@ -429,20 +457,42 @@ class StaticDecoder:
         self.key_slots = torch.arange(length, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                             # the graph's output
+        # prefill graphs by padded prefix length: they write this decoder's cache, so they live
+        # and die with it; least recently used first
+        self.prefill_graphs: OrderedDict[int, PrefillGraph] = OrderedDict()
 
-    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int]) -> torch.Tensor:
-        """embeds (B, L, D), positions (3, B, L), left pads per row -> hidden (B, L, D); fills slots [0, L)."""
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int], pool=None) -> torch.Tensor:
+        """embeds (B, L, D), positions (3, B, L), left pads per row -> (B, V) float32 logits of the
+        token after the last one; fills slots [0, L). With a CUDA graph pool, a graph per L (captured
+        the first time) replays it, and the logits are its output buffer."""
         vlm, L = self.vlm, embeds.shape[1]
-        slots = torch.arange(L, device=vlm.device)
+        if pool is None:
+            # unpadded under sdpa: no mask, so its causal kernel
+            pad = torch.tensor(pads, device=vlm.device) if any(pads) or vlm._attn_impl == "eager" else None
+            return self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
+        graph = self.prefill_graphs.pop(L, None)
+        if graph is None:
+            if len(self.prefill_graphs) >= MAX_PREFILL_GRAPHS:
+                self.prefill_graphs.popitem(last=False)
+            graph = PrefillGraph(self, embeds, positions, pool)
+        self.prefill_graphs[L] = graph                                       # most recently used last
+        return graph(embeds, positions, pads)
+
+    def prefill_forward(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        pad: torch.Tensor | None) -> torch.Tensor:
+        """The prefill itself, eager or under capture: embeds (B, L, D), positions (3, B, L), slots
+        (L,) = arange(L), pad (B,) first real slot per row (None: no padding) -> (B, V) float32
+        logits at the last position. Everything stays on the device (no host values)."""
+        vlm, L = self.vlm, embeds.shape[1]
         self.cache.at(slots, L)
-        allowed = None                                   # unpadded under sdpa: its causal kernel
-        if any(pads) or vlm._attn_impl == "eager":
-            pad = torch.tensor(pads, device=vlm.device)[:, None, None]       # (B, 1, 1)
-            allowed = (slots[:, None] >= slots) & (slots >= pad)             # (B, L, L) causal, real keys
+        allowed = None
+        if pad is not None:
+            allowed = (slots[:, None] >= slots) & (slots >= pad[:, None, None])  # (B, L, L) causal, real keys
             # a padded query row would have nothing to attend to, and a fully masked softmax row is
             # NaN, which the attention weights 0 * NaN would carry into every real row
             allowed = (allowed | torch.eye(L, dtype=torch.bool, device=vlm.device))[:, None]
-        return vlm._lm_step(embeds, vlm._masks(allowed), positions, self.cache)
+        hidden = vlm._lm_step(embeds, vlm._masks(allowed), positions, self.cache)  # (B, L, D)
+        return vlm.model.lm_head(hidden[:, -1]).float()                     # (B, V)
 
     def start(self, next_position: torch.Tensor, pads: list[int], prefix_len: int) -> None:
         """Decoding continues at slot prefix_len with M-RoPE positions next_position (B,) onward."""
@@ -482,3 +532,49 @@ class StaticDecoder:
             with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.logits = self._forward()
         torch.cuda.current_stream(self.vlm.device).wait_stream(stream)
+
+
+class PrefillGraph:
+    """A decoder's prefill at one padded prefix length L, captured as a CUDA graph.
+
+    Each call copies its inputs into static buffers (the embeds, the M-RoPE positions and the
+    per-row left padding, from which the graph builds its own mask) and replays: the graph writes
+    cache slots [0, L) of its decoder and the (B, V) logits buffer, which stays valid until the VLM
+    replays a graph again (all its graphs share one memory pool, so a later replay may reuse it).
+    """
+
+    def __init__(self, decoder: StaticDecoder, embeds: torch.Tensor, positions: torch.Tensor, pool) -> None:
+        device = decoder.vlm.device
+        self.decoder, self.pool = decoder, pool
+        self.embeds = torch.empty_like(embeds)                               # (B, L, D)
+        self.positions = torch.empty_like(positions)                         # (3, B, L)
+        self.pad = torch.zeros(embeds.shape[0], dtype=torch.long, device=device)  # (B,)
+        self.slots = torch.arange(embeds.shape[1], device=device)            # (L,)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None                              # (B, V), the graph's output
+
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int]) -> torch.Tensor:
+        self.embeds.copy_(embeds)
+        self.positions.copy_(positions)
+        # from page-locked memory the copy is queued like a kernel, with no wait for the GPU
+        self.pad.copy_(torch.tensor(pads).pin_memory(), non_blocking=True)
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.logits
+
+    def _forward(self) -> torch.Tensor:
+        return self.decoder.prefill_forward(self.embeds, self.positions, self.slots, self.pad)
+
+    def _capture(self) -> None:
+        device = self.decoder.vlm.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):              # kernels get chosen and workspaces allocated before capture
+                self._forward()
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: in live mode the other stages keep launching work from their threads
+            with torch.cuda.graph(self.graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                self.logits = self._forward()
+        torch.cuda.current_stream(device).wait_stream(stream)

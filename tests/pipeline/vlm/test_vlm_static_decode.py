@@ -103,7 +103,7 @@ class TestStaticCache:
 
     def test_cache_length_is_bucketed(self, vlm):
         prefix = mixed_prefixes(vlm)[0]
-        L = prefix.embeds.shape[0]
+        L, _ = vlm._prefill_plan(prefix.embeds.shape[0])     # the cache holds the padded prefix
         for max_new in (1, CACHE_BUCKET - L % CACHE_BUCKET + 1, CACHE_BUCKET - L % CACHE_BUCKET + 2):
             decoder, _ = vlm._prefill([prefix], max_new)
             assert decoder.length % CACHE_BUCKET == 0

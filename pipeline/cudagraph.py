@@ -13,6 +13,7 @@ batches (a stream's first) and replays interleave freely.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import fields
 from typing import Any, Callable
 
@@ -21,6 +22,13 @@ import torch
 from arr_coc.model import ARRCOC, Allocation
 from arr_coc.realizing import StreamState
 from arr_coc.texture import Texture
+
+# While a thread captures a CUDA graph, page-locked host allocations in other threads fail (torch's
+# caching host allocator queries its blocks' events; seen on an H100 in live mode as "operation not
+# permitted when stream is capturing" / "invalid argument" in pin_memory while the VLM captured its
+# decode step). Captures and those allocations take this lock: captures are rare (one per shape),
+# the allocations short.
+CAPTURE_LOCK = threading.RLock()
 
 STATE_FIELDS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")
 TEXTURE_FIELDS = tuple(f.name for f in fields(Texture))
@@ -33,7 +41,7 @@ class GraphedCall:
                  stream: torch.cuda.Stream, warmup: int = 2) -> None:
         self.buffers = {k: v.clone() for k, v in example.items()}
         stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
+        with CAPTURE_LOCK, torch.cuda.stream(stream):
             for _ in range(warmup):  # kernels get chosen and workspaces allocated before capture
                 fn(self.buffers)
             self.graph = torch.cuda.CUDAGraph()

@@ -27,7 +27,7 @@ from sources.frame import Frame
 from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
-from .cudagraph import FrontendGraphs, graphable
+from .cudagraph import CAPTURE_LOCK, FrontendGraphs, graphable
 from .graph import Stage
 
 
@@ -110,7 +110,8 @@ class AnswerItem:
 def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
     """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`."""
     h, w = frames[0].rgb.shape[:2]
-    out = torch.empty((len(frames), h, w, 3), dtype=torch.uint8, pin_memory=pin)
+    with CAPTURE_LOCK if pin else nullcontext():
+        out = torch.empty((len(frames), h, w, 3), dtype=torch.uint8, pin_memory=pin)
     np.stack([f.rgb for f in frames], out=out.numpy())
     return out
 
@@ -154,7 +155,8 @@ class DecodeStage(Stage):
         """Batches decoded by the worker process: one copy from its shared slot into (pinned) memory."""
         sid = self.source.stream_id
         for decoded in self.source.batches():
-            pixels = torch.empty(decoded.rgb.shape, dtype=torch.uint8, pin_memory=self.pin)
+            with CAPTURE_LOCK if self.pin else nullcontext():
+                pixels = torch.empty(decoded.rgb.shape, dtype=torch.uint8, pin_memory=self.pin)
             rgb = pixels.numpy()
             np.copyto(rgb, decoded.rgb)
             self.source.release(decoded)
@@ -297,7 +299,8 @@ class RealizeStage(Stage):
                 self.stream.wait_event(item.ready)
                 _record_stream(item.texture, self.stream)
             if vlm_frames is not None and self.cuda:  # pinned, so the copy does not wait for the GPU
-                vlm_frames = vlm_frames.pin_memory().to(self.device, non_blocking=True)
+                with CAPTURE_LOCK:
+                    vlm_frames = vlm_frames.pin_memory().to(self.device, non_blocking=True)
             state = self.states.get(item.batch.stream_id)
             replayed = None
             if self.graphs is not None and graphable(state):
@@ -311,7 +314,8 @@ class RealizeStage(Stage):
                 allocation, state, _ = self.model.realize(item.texture, self.query, state,
                                                           query_mask=self.query_mask, vlm_frames=vlm_frames)
             self.states[item.batch.stream_id] = state
-            host = allocation.to("cpu", non_blocking=self.cuda)
+            with CAPTURE_LOCK if self.cuda else nullcontext():
+                host = allocation.to("cpu", non_blocking=self.cuda)
             ready = None
             if self.cuda:
                 ready = torch.cuda.Event()

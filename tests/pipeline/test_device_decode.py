@@ -34,8 +34,8 @@ def run(path, out, process: bool, decoder: str = "pyav"):
 
 @pytest.mark.parametrize("decoder", ["pyav", "decord"])
 def test_device_path_matches_the_host_path(clip, tmp_path, decoder):
-    path, rendered = clip
-    host, host_stage, ref = run(path, tmp_path / "host.zarr", process=False, decoder=decoder)
+    path, _ = clip
+    host, _, ref = run(path, tmp_path / "host.zarr", process=False, decoder=decoder)
     dev, dev_stage, got = run(path, tmp_path / "dev.zarr", process=True, decoder=decoder)
     assert isinstance(dev_stage, DecodeStage) and dev_stage.device is not None
     assert (dev_stage.source.yuv is not None) == (decoder == "pyav")  # decord hands over RGB

@@ -7,11 +7,15 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
   imports and runs (its realized relevance, top-k per frame pair so the retention is exact at
   the token level), else from a deterministic relevance map; the JSON says which. Decoding runs
   from a static KV cache with each step replayed as a CUDA graph (--eager-decode: the same
-  static-cache steps launched eagerly, for comparison).
+  static-cache steps launched eagerly, and the prefill eager too, for comparison). The prefill is
+  timed as generate() runs it: prefixes of up to VLMConfig.graph_prefill_max_tokens tokens (after
+  left padding to a multiple of 64) replay a CUDA graph, longer ones run eagerly (--eager-prefill:
+  every prefill eager and unpadded; each result row says which one ran, prefill_graph).
 
     python benchmarks/bench_vlm.py                 # GPU: qwen2-vl-2b and qwen2.5-vl-7b, bf16
     python benchmarks/bench_vlm.py --tiny          # CPU smoke test with the tiny random models
-    python benchmarks/bench_vlm.py --eager-decode  # GPU, decode steps without CUDA graphs
+    python benchmarks/bench_vlm.py --eager-decode  # GPU, decode steps (and prefill) without CUDA graphs
+    python benchmarks/bench_vlm.py --eager-prefill # GPU, graph-replayed decode steps, eager prefill
 """
 from __future__ import annotations
 
@@ -125,8 +129,10 @@ def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
     pre_s, vis_s, sel_s = (statistics.median(v[1:]) for v in phases.values())
     front_s = pre_s + vis_s + sel_s
 
-    def prefill():                                    # into the static cache generate() decodes from
+    def prefill():            # generate()'s own prefill (graph replay when the plan says so)
         return vlm._prefill([prefix], new_tokens)[1]
+
+    prefill_len, prefill_graph = vlm._prefill_plan(prefix.embeds.shape[0])
 
     prefill_s, _ = timed(prefill, device, reps)
     ttft_s, _ = timed(lambda: vlm.generate(vlm.prepare([req]), max_new_tokens=1), device, reps)
@@ -139,6 +145,7 @@ def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return dict(tokens_kept=prefix.tokens_kept, tokens_full=prefix.tokens_full,
                 retention_actual=prefix.tokens_kept / prefix.tokens_full, prefix_len=prefix.embeds.shape[0],
+                prefill_len=prefill_len, prefill_graph=prefill_graph,
                 preprocess_ms=pre_s * 1e3, vision_ms=vis_s * 1e3,
                 selection_ms=sel_s * 1e3, front_end_ms=front_s * 1e3,
                 prefill_ms=prefill_s * 1e3, ttft_ms=ttft_s * 1e3, decode_tokens=n, decode_tok_s=decode_tps,
@@ -169,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 64; --tiny 6)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 3; --tiny 1)")
     ap.add_argument("--retention", type=float, nargs="+", default=[0.5, 0.25, 0.1])
-    ap.add_argument("--eager-decode", action="store_true", help="decode steps without CUDA graphs")
+    ap.add_argument("--eager-decode", action="store_true", help="decode steps and prefill without CUDA graphs")
+    ap.add_argument("--eager-prefill", action="store_true",
+                    help="prefill without CUDA graphs (decode steps keep theirs)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
     args = ap.parse_args(argv)
@@ -183,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens, reps = args.new_tokens or (6 if tiny else 64), args.reps or (1 if tiny else 3)
     dtype = torch.float32 if tiny else torch.bfloat16
     cfg = VLMConfig(max_pixels=max(size * size, 56 * 56), max_new_tokens=new_tokens, dtype=str(dtype)[6:],
-                    cuda_graphs=not args.eager_decode)
+                    cuda_graphs=not args.eager_decode,
+                    graph_prefill_max_tokens=0 if args.eager_prefill else VLMConfig.graph_prefill_max_tokens)
     frames = synthetic_window(T, size, size)
     results, rows = [], []
     for arch in archs:
@@ -209,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype),
                   frames=T, size=size, new_tokens=new_tokens, reps=reps,
-                  cuda_graphs=cfg.cuda_graphs and device.type == "cuda", results=results)
+                  cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
+                  graph_prefill_max_tokens=cfg.graph_prefill_max_tokens if cfg.cuda_graphs else 0,
+                  results=results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -220,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(rows: list[dict]) -> None:
     cols = [("arch", "{}"), ("setting", "{}"), ("tokens_kept", "{}"), ("tokens_full", "{}"),
             ("preprocess_ms", "{:.1f}"), ("vision_ms", "{:.1f}"), ("selection_ms", "{:.1f}"),
-            ("front_end_ms", "{:.1f}"), ("prefill_ms", "{:.1f}"), ("ttft_ms", "{:.1f}"),
+            ("front_end_ms", "{:.1f}"), ("prefill_len", "{}"), ("prefill_graph", "{}"),
+            ("prefill_ms", "{:.1f}"), ("ttft_ms", "{:.1f}"),
             ("decode_tok_s", "{:.1f}"), ("peak_mem_gib", "{:.2f}")]
     cells = [[c for c, _ in cols]] + [[fmt.format(r[c]) for c, fmt in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]

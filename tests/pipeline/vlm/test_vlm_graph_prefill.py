@@ -203,3 +203,27 @@ class TestGraphReplay:
         same, got = vlm._prefill([long], 2)
         assert same is decoder and list(decoder.prefill_graphs) == [192, 256, 320, 64]
         torch.testing.assert_close(got, plain._prefill([long], 2)[1], atol=1e-4, rtol=1e-4)
+
+
+def test_bench_records_the_prefill_it_times(tmp_path):
+    """bench_vlm times generate()'s own prefill: padded by default, unpadded with --eager-prefill."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_vlm.py"
+    spec = importlib.util.spec_from_file_location("bench_vlm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {}
+    for flags in ([], ["--eager-prefill"]):
+        out = tmp_path / "bench.json"
+        argv = ["--tiny", "--arch", "tiny-qwen2_vl", "--retention", "0.1", "--new-tokens", "2", "--out", str(out)]
+        assert bench.main(argv + flags) == 0
+        report = json.loads(out.read_text())
+        assert report["graph_prefill_max_tokens"] == (0 if flags else 2048)
+        rows[bool(flags)] = report["results"]
+    for padded, plain in zip(rows[False], rows[True]):
+        assert padded["prefix_len"] == plain["prefix_len"] == plain["prefill_len"]
+        assert padded["prefill_len"] % 64 == 0 and 0 <= padded["prefill_len"] - padded["prefix_len"] < 64
+        assert padded["prefill_graph"] is plain["prefill_graph"] is False       # CPU: nothing replayed

@@ -16,6 +16,7 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
     python benchmarks/bench_vlm.py --tiny          # CPU smoke test with the tiny random models
     python benchmarks/bench_vlm.py --eager-decode  # GPU, decode steps (and prefill) without CUDA graphs
     python benchmarks/bench_vlm.py --eager-prefill # GPU, graph-replayed decode steps, eager prefill
+    python benchmarks/bench_vlm.py --graph-prefill-max-tokens 4608  # GPU, every setting's prefill a graph
 """
 from __future__ import annotations
 
@@ -177,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 3; --tiny 1)")
     ap.add_argument("--retention", type=float, nargs="+", default=[0.5, 0.25, 0.1])
     ap.add_argument("--eager-decode", action="store_true", help="decode steps and prefill without CUDA graphs")
-    ap.add_argument("--eager-prefill", action="store_true",
-                    help="prefill without CUDA graphs (decode steps keep theirs)")
+    prefill = ap.add_mutually_exclusive_group()
+    prefill.add_argument("--eager-prefill", action="store_true",
+                         help="prefill without CUDA graphs (decode steps keep theirs)")
+    prefill.add_argument("--graph-prefill-max-tokens", type=int, default=VLMConfig.graph_prefill_max_tokens,
+                         help="longest (padded) prefix prefilled by a CUDA graph (default %(default)s)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
     args = ap.parse_args(argv)
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if tiny else torch.bfloat16
     cfg = VLMConfig(max_pixels=max(size * size, 56 * 56), max_new_tokens=new_tokens, dtype=str(dtype)[6:],
                     cuda_graphs=not args.eager_decode,
-                    graph_prefill_max_tokens=0 if args.eager_prefill else VLMConfig.graph_prefill_max_tokens)
+                    graph_prefill_max_tokens=0 if args.eager_prefill else args.graph_prefill_max_tokens)
     frames = synthetic_window(T, size, size)
     results, rows = [], []
     for arch in archs:

@@ -85,6 +85,7 @@ class TestBucketedPrefill:
         assert vlm._attn_impl == "eager"
         check_bucketed_equals_unbucketed(vlm, mixed_prefixes(vlm), max_new=5)
 
+    @torch.no_grad()                                    # as VLM._prefill
     def test_pad_slots_do_not_reach_real_tokens(self, vlm):
         """Whatever the extra pad slots hold (embeddings, M-RoPE positions), real rows see none of it."""
         prefixes = mixed_prefixes(vlm)
@@ -105,6 +106,7 @@ class TestBucketedPrefill:
         for k_new, k_old in zip(decoder.cache.keys, keys):
             torch.testing.assert_close(k_new[:, :, :padded] * real, k_old * real, atol=1e-6, rtol=1e-6)
 
+    @torch.no_grad()                                    # as VLM._prefill
     def test_prefill_forward_has_no_host_sync(self, vlm):
         """What the graph captures: no op may read a device value on the host."""
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -138,6 +140,7 @@ class TestBucketedPrefill:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 class TestGraphReplay:
+    @torch.no_grad()                                    # as VLM._prefill
     def test_replay_equals_eager_prefill(self, family):
         """Same padded inputs, same decoder: the replayed graph's logits and cache = the eager ones."""
         vlm = build_tiny_vlm(family, device="cuda")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.cudagraph import CAPTURE_LOCK
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
@@ -528,8 +529,10 @@ class StaticDecoder:
             for _ in range(2):              # kernels get chosen and workspaces allocated before capture
                 self._forward()
             self.graph = torch.cuda.CUDAGraph()
-            # thread_local: in live mode the other stages keep launching work from their threads
-            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            # thread_local: in live mode the other stages keep launching work from their threads;
+            # CAPTURE_LOCK: but not allocating page-locked memory, which fails during a capture
+            with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=pool, stream=stream,
+                                                capture_error_mode="thread_local"):
                 self.logits = self._forward()
         torch.cuda.current_stream(self.vlm.device).wait_stream(stream)
 
@@ -557,7 +560,9 @@ class PrefillGraph:
         self.embeds.copy_(embeds)
         self.positions.copy_(positions)
         # from page-locked memory the copy is queued like a kernel, with no wait for the GPU
-        self.pad.copy_(torch.tensor(pads).pin_memory(), non_blocking=True)
+        with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
+            pads = torch.tensor(pads).pin_memory()
+        self.pad.copy_(pads, non_blocking=True)
         if self.graph is None:
             self._capture()
         self.graph.replay()
@@ -574,7 +579,9 @@ class PrefillGraph:
             for _ in range(2):              # kernels get chosen and workspaces allocated before capture
                 self._forward()
             self.graph = torch.cuda.CUDAGraph()
-            # thread_local: in live mode the other stages keep launching work from their threads
-            with torch.cuda.graph(self.graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            # thread_local: in live mode the other stages keep launching work from their threads;
+            # CAPTURE_LOCK: but not allocating page-locked memory, which fails during a capture
+            with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=self.pool, stream=stream,
+                                                capture_error_mode="thread_local"):
                 self.logits = self._forward()
         torch.cuda.current_stream(device).wait_stream(stream)

@@ -41,13 +41,13 @@ class GraphedCall:
                  stream: torch.cuda.Stream, warmup: int = 2) -> None:
         self.buffers = {k: v.clone() for k, v in example.items()}
         stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with CAPTURE_LOCK, torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):
             for _ in range(warmup):  # kernels get chosen and workspaces allocated before capture
                 fn(self.buffers)
             self.graph = torch.cuda.CUDAGraph()
-            # thread_local: the other stages' threads keep allocating pinned memory and launching
-            # work on their own streams while this one captures
-            with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            # thread_local: the other stages' threads keep launching work on their own streams
+            # while this one captures; CAPTURE_LOCK: but do not allocate page-locked memory
+            with CAPTURE_LOCK, torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
                 self.outputs = fn(self.buffers)
 
     def __call__(self, **inputs: torch.Tensor) -> Any:

@@ -33,6 +33,17 @@ def request(frames, keep=None, question="what moves?", stream="s0") -> AnswerReq
     return AnswerRequest(stream, frames, keep, question, 0.0, 1.0)
 
 
+def mixed_requests(vlm, seed: int) -> list[AnswerRequest]:
+    """Three requests whose prefixes differ in length (one stock, two pruned), so a batch of them
+    is left padded; seeds seed .. seed + 4."""
+    reqs = [request(make_frames(4, 56, 84, seed=seed), None, "a?"),
+            request(make_frames(3, 112, 112, seed=seed + 1), None, "what colour is the car on the left?"),
+            request(make_frames(6, 84, 84, seed=seed + 2), None, "count")]
+    reqs[1] = request(reqs[1].frames, random_keep(vlm, reqs[1].frames, seed=seed + 3), reqs[1].question)
+    reqs[2] = request(reqs[2].frames, random_keep(vlm, reqs[2].frames, seed=seed + 4, p=(0.8, 0.1, 0.1)), "count")
+    return reqs
+
+
 def stock_inputs(vlm, frames, question):
     """HF model inputs for the unpruned video (pixel values from our preprocessing: test_vlm_preprocess
     shows they equal HF's processor output)."""

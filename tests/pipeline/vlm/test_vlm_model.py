@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_frames, random_keep, request, stock_inputs
+from conftest import make_frames, mixed_requests, random_keep, request, stock_inputs
 from pipeline.vlm.selection import pair_lod, select_tokens
 
 
@@ -94,11 +94,7 @@ class TestPruned:
         assert prefix.positions[:, slot].tolist() == video_pos[:, t, h, w].tolist()
 
     def test_batched_equals_unbatched(self, vlm):
-        reqs = [request(make_frames(4, 56, 84, seed=8), None, "a?"),
-                request(make_frames(3, 112, 112, seed=9), None, "what colour is the car on the left?"),
-                request(make_frames(6, 84, 84, seed=10), None, "count")]
-        reqs[1] = request(reqs[1].frames, random_keep(vlm, reqs[1].frames, seed=11), reqs[1].question)
-        reqs[2] = request(reqs[2].frames, random_keep(vlm, reqs[2].frames, seed=12, p=(0.8, 0.1, 0.1)), "count")
+        reqs = mixed_requests(vlm, seed=8)
         prefixes = vlm.prepare(reqs)
         assert len({p.embeds.shape[0] for p in prefixes}) == 3                # real left padding
         batched = vlm.generate(prefixes, max_new_tokens=8, return_logits=True)

@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from arr_coc._validate import ConfigError
-from conftest import make_frames, random_keep, request
+from conftest import mixed_requests
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
 from pipeline.vlm.model import CACHE_BUCKET, DONE_CHECK_EVERY, PACKED_SDPA, sample_next, sdpa_packed_gqa
@@ -44,12 +44,7 @@ def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0
 
 def mixed_prefixes(vlm):
     """Three prefixes of different lengths (one stock, two pruned), so the batch is left padded."""
-    reqs = [request(make_frames(4, 56, 84, seed=20), None, "a?"),
-            request(make_frames(3, 112, 112, seed=21), None, "what colour is the car on the left?"),
-            request(make_frames(6, 84, 84, seed=22), None, "count")]
-    reqs[1] = request(reqs[1].frames, random_keep(vlm, reqs[1].frames, seed=23), reqs[1].question)
-    reqs[2] = request(reqs[2].frames, random_keep(vlm, reqs[2].frames, seed=24, p=(0.8, 0.1, 0.1)), "count")
-    prefixes = vlm.prepare(reqs)
+    prefixes = vlm.prepare(mixed_requests(vlm, seed=20))
     assert len({p.embeds.shape[0] for p in prefixes}) == 3
     return prefixes
 

@@ -144,9 +144,6 @@ class LiveVLMStage(Stage):
         self.batcher, self.question, self.options = batcher, question, options
         self.windows: dict[str, _Window] = collections.defaultdict(_Window)
 
-    def count(self, item: Any) -> int:
-        return int(getattr(item, "frames_count", 0))
-
     def process(self, item: AllocationBatch) -> Iterable[Any]:
         out: list[Any] = [item]
         allocation = item.wait()
@@ -226,9 +223,6 @@ class LiveSinkStage(Stage):
         self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
         self.answers: list[AnswerItem] = []
         self._closed = False
-
-    def count(self, item: Any) -> int:
-        return int(getattr(item, "frames_count", 0))
 
     def process(self, item: Any) -> Iterable[Any]:
         if isinstance(item, AnswerItem):

@@ -341,9 +341,6 @@ class VLMStage(Stage):
         self.window_start: float | None = None
         self.answered = 0
 
-    def count(self, item: Any) -> int:
-        return int(getattr(item, "frames_count", 0))
-
     def process(self, item: AllocationBatch) -> Iterable[Any]:
         out: list[Any] = [item]
         allocation = item.wait()
@@ -391,9 +388,6 @@ class SinkStage(Stage):
         self.frames_written = 0
         self.answers: list[AnswerItem] = []
         self._closed = False
-
-    def count(self, item: Any) -> int:
-        return int(getattr(item, "frames_count", 0))
 
     def process(self, item: Any) -> Iterable[Any]:
         if isinstance(item, AnswerItem):

@@ -107,11 +107,16 @@ class AnswerItem:
     description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
 
 
+def host_uint8(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
+    """An empty uint8 host tensor, page-locked when `pin` (not while another thread captures)."""
+    with CAPTURE_LOCK if pin else nullcontext():
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+
+
 def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
     """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`."""
     h, w = frames[0].rgb.shape[:2]
-    with CAPTURE_LOCK if pin else nullcontext():
-        out = torch.empty((len(frames), h, w, 3), dtype=torch.uint8, pin_memory=pin)
+    out = host_uint8((len(frames), h, w, 3), pin)
     np.stack([f.rgb for f in frames], out=out.numpy())
     return out
 
@@ -155,8 +160,7 @@ class DecodeStage(Stage):
         """Batches decoded by the worker process: one copy from its shared slot into (pinned) memory."""
         sid = self.source.stream_id
         for decoded in self.source.batches():
-            with CAPTURE_LOCK if self.pin else nullcontext():
-                pixels = torch.empty(decoded.rgb.shape, dtype=torch.uint8, pin_memory=self.pin)
+            pixels = host_uint8(decoded.rgb.shape, self.pin)
             rgb = pixels.numpy()
             np.copyto(rgb, decoded.rgb)
             self.source.release(decoded)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.batch import BatchSummary, make_plan, run_batch  # noqa: E402
+from pipeline.batch import IN_FLIGHT, BatchSummary, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
@@ -55,19 +55,19 @@ def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
     return len(rest) / span, sum(o.questions for o in rest) / span
 
 
-def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path) -> dict:
+def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int) -> dict:
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     if path == "local":
-        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=factory)
+        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=factory, in_flight=in_flight)
     else:
         from pipeline.ray_batch import run_ray_batch
         s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
-                          vlm_factory=factory)
+                          vlm_factory=factory, in_flight=in_flight)
     row = s.to_dict()
     vps, qps = steady_rates(s, workers)
     shutil.rmtree(out, ignore_errors=True)
-    return {"path": path, "workers": workers, "tokens": "stock" if stock else "arrcoc",
+    return {"path": path, "workers": workers, "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
             "steady_videos_per_s": round(vps, 4), "steady_questions_per_s": round(qps, 4),
             "tokens_kept_per_video": row["tokens_kept_per_video"], "tokens_full_per_video": row["tokens_full_per_video"],
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--size", type=int, nargs=2, default=[240, 320], metavar=("H", "W"), help="MSR-VTT is 320x240")
     ap.add_argument("--retention", type=float, default=0.25)
+    ap.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="videos in work at once per worker")
     ap.add_argument("--no-ray", action="store_true", help="time the local path only (where Ray is not installed)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
@@ -115,10 +116,12 @@ def main() -> None:
                      **({"num_cpus": 2} if args.quick else {}))
         rows = []
         for stock in (True, False):
-            rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory, scratch=scratch))
+            rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory, scratch=scratch,
+                                in_flight=args.in_flight))
             print(json.dumps(rows[-1]), flush=True)
             for n in counts:
-                rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch))
+                rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch,
+                                    in_flight=args.in_flight))
                 print(json.dumps(rows[-1]), flush=True)
         if counts:
             ray.shutdown()

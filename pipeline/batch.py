@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -25,6 +28,7 @@ import torch
 from arr_coc._validate import ConfigError
 from sinks import ZarrStore
 from sources import SourceError, open_video
+from sources.process import ProcessSource
 from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
 
 from .config import PipelineConfig
@@ -35,6 +39,9 @@ from .stages import AnswerItem, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
 MODEL_SEED = 0
+# videos a worker has in flight at once: while one video's questions are answered on the GPU, the next
+# is decoded and allocated (its decode is CPU-bound, with the GIL mostly released), so neither waits
+IN_FLIGHT = 2
 
 
 @dataclass
@@ -82,18 +89,22 @@ def make_plan(dataset: Dataset, *, limit: int | None = None, shard: tuple[int, i
 class QuestionsStage(VLMStage):
     """The VLM stage of a batch job: collects the VLM-sampled frames and keep maps of the whole video
     (as VLMStage does), then answers all the video's questions from one set of vision tokens.
-    `stock`: send every visual token (the baseline ARR-COC is measured against)."""
+    `stock`: send every visual token (the baseline ARR-COC is measured against). `vlm_lock`: held
+    while the VLM answers (the videos a worker has in flight share one VLM and its caches)."""
 
-    def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False) -> None:
+    def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False,
+                 vlm_lock: threading.Lock | None = None) -> None:
         super().__init__(vlm, query_text(work), every_s=None)
         self.work, self.stock = work, stock
+        self.vlm_lock = vlm_lock if vlm_lock is not None else threading.Lock()
 
     def finish(self) -> Iterable[AnswerItem]:
         if not self.rgb:
             return ()
         keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
         questions = [q.question for q in self.work.questions]
-        results = self.vlm.answer_questions(np.stack(self.rgb), keep, questions)
+        with self.vlm_lock:
+            results = self.vlm.answer_questions(np.stack(self.rgb), keep, questions)
         t_start, t_end = float(self.window_start), float(self.pts[-1])
         self.answered += len(results)
         return [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
@@ -110,6 +121,8 @@ class VideoAnswerer:
     """One worker's loaded models (VLM + ARR-COC) and open store; `answer(work)` does one video.
 
     Used by the local loop and by each Ray actor, so both paths write identical stream groups.
+    `answer_all` keeps several videos in flight; their graphs share the models (ARR-COC's forward
+    passes keep no state in the module; the VLM is used under a lock).
     """
 
     def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False,
@@ -125,6 +138,9 @@ class VideoAnswerer:
         self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
         self.store = self.create_store(cfg, out)
         self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
+        self._vlm_lock = threading.Lock()
+        self._graphs_lock = threading.Lock()
+        self._running: dict[int, tuple[Any, RunStatus]] = {}  # graphs in flight, to stop them on Ctrl-C
 
     @staticmethod
     def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
@@ -150,8 +166,12 @@ class VideoAnswerer:
 
     def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem]]:
         cfg, d = self.cfg, self.cfg.decode
-        source = open_video(work.path, decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s,
-                            max_frames=d.max_frames, stream_id=work.video_id)
+        kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
+                      stream_id=work.video_id)
+        # decode.process: the decoder runs in its own process, where the stage threads of the videos
+        # in flight cannot hold the GIL from it
+        source = (ProcessSource(work.path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
+                                **kwargs) if d.process else open_video(work.path, **kwargs))
         try:
             grid = self.vlm.geometry.grid(source.height, source.width)
             writer = self.store.stream(work.video_id, source=str(work.path), query=query_text(work),
@@ -160,21 +180,58 @@ class VideoAnswerer:
         except BaseException:
             source.close()
             raise
-        query = self.vlm.text_embeddings(query_text(work)).float()            # (L, D)
-        if self.model is None:
-            # Untrained ARR-COC weights are random: seed them, so a video's result does not depend on
-            # which worker (local process, Ray actor, shard) answered it.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(MODEL_SEED)
-                self.model = build_model(cfg, query.shape[-1], self.device)
+        with self._vlm_lock:
+            query = self.vlm.text_embeddings(query_text(work)).float()        # (L, D)
+            if self.model is None:
+                # Untrained ARR-COC weights are random: seed them, so a video's result does not depend
+                # on which worker (local process, Ray actor, shard) answered it.
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(MODEL_SEED)
+                    self.model = build_model(cfg, query.shape[-1], self.device)
         status = RunStatus()
         graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
-                        vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock))
-        graph.run(on_interrupt=lambda: setattr(status, "stopped", True))
+                        vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, vlm_lock=self._vlm_lock))
+        with self._graphs_lock:
+            self._running[id(graph)] = (graph, status)
+        try:
+            graph.run(on_interrupt=lambda: setattr(status, "stopped", True))
+        finally:
+            with self._graphs_lock:
+                del self._running[id(graph)]
         if status.stopped:
             raise KeyboardInterrupt
         sink = graph.stages[-1]
         return sink.frames_written, list(sink.answers)
+
+    def answer_all(self, plan: Iterable[VideoWork], in_flight: int = IN_FLIGHT) -> Iterator[VideoOutcome]:
+        """Outcomes of `plan`'s videos in plan order, with up to `in_flight` videos in work at once.
+        Ctrl-C (or any error) stops the videos in flight (left incomplete, redone on resume) and re-raises."""
+        if in_flight < 1:
+            raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
+        if in_flight == 1:
+            yield from map(self.answer, plan)
+            return
+        with ThreadPoolExecutor(in_flight, thread_name_prefix="video") as pool:
+            pending: deque = deque()
+            try:
+                for work in plan:
+                    pending.append(pool.submit(self.answer, work))
+                    if len(pending) == in_flight:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                self._stop_running()
+                raise
+
+    def _stop_running(self) -> None:
+        with self._graphs_lock:
+            running = list(self._running.values())
+        for graph, status in running:
+            status.stopped = True
+            graph.stop()
 
 
 @dataclass
@@ -205,12 +262,15 @@ class BatchSummary:
 
 
 def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
-              progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None) -> BatchSummary:
-    """The local path: this process answers the plan's videos one after another."""
+              progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
+              in_flight: int = IN_FLIGHT) -> BatchSummary:
+    """The local path: this process answers the plan's videos, `in_flight` at a time."""
+    if in_flight < 1:
+        raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
     start = time.perf_counter()
     answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
     outcomes = []
-    for outcome in _with_progress(map(answerer.answer, plan), len(plan), progress):
+    for outcome in _with_progress(answerer.answer_all(plan, in_flight), len(plan), progress):
         outcomes.append(outcome)
         report_outcome(outcome)
     return BatchSummary(Path(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
@@ -252,6 +312,9 @@ def add_batch_parser(sub: Any, common: Any) -> None:
     p.add_argument("--ray", metavar="ADDRESS", help="run on Ray Data: 'auto' (a running cluster), 'local', "
                                                     "or a cluster address")
     p.add_argument("--workers", type=int, help="Ray: actors in the pool (default: one per GPU, else 2)")
+    p.add_argument("--in-flight", type=int, default=IN_FLIGHT, metavar="N",
+                   help="videos each worker has in work at once: the next is decoded and allocated while the "
+                        "VLM answers the last (default: %(default)s)")
     p.add_argument("--stock-tokens", action="store_true",
                    help="send the VLM every visual token (the baseline ARR-COC is measured against)")
     common(p)
@@ -270,9 +333,10 @@ def cmd_batch(args: Any) -> int:
     if args.ray:
         from .ray_batch import run_ray_batch
         summary = run_ray_batch(plan, out, cfg, address=args.ray, stock=args.stock_tokens,
-                                workers=args.workers, progress=args.progress)
+                                workers=args.workers, progress=args.progress, in_flight=args.in_flight)
     else:
-        summary = run_batch(plan, out, cfg, stock=args.stock_tokens, progress=args.progress)
+        summary = run_batch(plan, out, cfg, stock=args.stock_tokens, progress=args.progress,
+                            in_flight=args.in_flight)
     row = summary.to_dict()
     if cfg.runtime.vlm.startswith("tiny-random"):
         row["notes"] = ["tiny-random is a built-in random model for smoke tests: its answers are meaningless"]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from arr_coc._validate import ConfigError
 
-from .batch import BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, report_outcome
+from .batch import IN_FLIGHT, BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, report_outcome
 from .config import PipelineConfig
 from sources.msrvtt import Question, VideoWork
 
@@ -50,14 +50,17 @@ def work_of(row: dict[str, Any]) -> VideoWork:
 
 
 class AnswerActor:
-    """One Ray actor: owns a device and a loaded model; answers one video per call."""
+    """One Ray actor: owns a device and a loaded model; answers a batch of `in_flight` videos per
+    call, all of them in work at once (as the local path does)."""
 
-    def __init__(self, cfg: PipelineConfig, out: str, stock: bool, vlm_factory: Callable | None = None) -> None:
+    def __init__(self, cfg: PipelineConfig, out: str, stock: bool, vlm_factory: Callable | None = None,
+                 in_flight: int = IN_FLIGHT) -> None:
         self.answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
+        self.in_flight = in_flight
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        outcomes = [self.answerer.answer(work_of(r)).to_row() for r in rows]
+        outcomes = [o.to_row() for o in self.answerer.answer_all([work_of(r) for r in rows], self.in_flight)]
         return {k: [o[k] for o in outcomes] for k in outcomes[0]} if outcomes else {}
 
 
@@ -80,13 +83,15 @@ def _connect(address: str) -> None:
 
 def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",
                   stock: bool = False, workers: int | None = None, progress: bool | None = None,
-                  vlm_factory: Callable | None = None) -> BatchSummary:
+                  vlm_factory: Callable | None = None, in_flight: int = IN_FLIGHT) -> BatchSummary:
     """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu)."""
     import ray
 
     out = store_path(out)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if in_flight < 1:
+        raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
     _connect(address)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and gpus > 0)
@@ -99,9 +104,10 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     start = time.perf_counter()
     outcomes: list[VideoOutcome] = []
     if plan:
-        ds = ray.data.from_items(plan_rows(plan), override_num_blocks=len(plan))
-        ds = ds.map_batches(AnswerActor, batch_size=1, fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock,
-                                                                           vlm_factory=vlm_factory),
+        ds = ray.data.from_items(plan_rows(plan), override_num_blocks=-(-len(plan) // in_flight))
+        ds = ds.map_batches(AnswerActor, batch_size=in_flight,
+                            fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock, vlm_factory=vlm_factory,
+                                                       in_flight=in_flight),
                             compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=MAX_IN_FLIGHT),
                             num_gpus=1 if use_gpu else 0, num_cpus=1)
         rows = (VideoOutcome(**{k: v.item() if hasattr(v, "item") else v for k, v in row.items()})

@@ -90,6 +90,28 @@ class TestWholeFlow:
         assert code == 0 and again["done"] == 0 and again["skipped_complete"] == 3
 
 
+    def test_videos_in_flight_give_the_same_results_as_one_at_a_time(self, capsys, tmp_path):
+        root = tmp_path / "ds"
+        fixture(root, videos=4, questions=2, seconds=0.6)
+        stores = {}
+        for n in (1, 3):
+            stores[n] = tmp_path / f"in_flight_{n}.zarr"
+            code, summary, err = batch(capsys, "--root", str(root), "--out", str(stores[n]), "--in-flight", str(n),
+                                       *FAST)
+            assert code == 0 and summary["done"] == 4, err
+        assert stored_answers(stores[1]) == stored_answers(stores[3])
+        for vid in stored_answers(stores[1]):
+            one, three = read_stream(stores[1], vid), read_stream(stores[3], vid)
+            np.testing.assert_array_equal(one["tokens"], three["tokens"])      # the same allocations
+            np.testing.assert_array_equal(one["answers"]["tokens_kept"], three["answers"]["tokens_kept"])
+
+    def test_in_flight_must_be_positive(self, capsys, tmp_path):
+        root = tmp_path / "ds"
+        fixture(root, videos=1, questions=1, seconds=0.6)
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), "--in-flight", "0", *FAST)
+        assert code == 2 and "--in-flight must be >= 1, got 0" in err and "Traceback" not in err
+
+
 class TestResume:
     def test_kill_9_mid_run_then_resume_answers_each_question_once(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
@@ -100,10 +122,10 @@ class TestResume:
         streams = out / "streams"
         deadline = time.monotonic() + 120
         try:
-            # kill while one video is complete and the next one's group is being written
+            # kill while one video is complete and the next ones' groups are being written
             while time.monotonic() < deadline and proc.poll() is None:
                 groups = [p for p in streams.glob("video*") if (p / "zarr.json").is_file()] if streams.is_dir() else []
-                if len(groups) >= 2:
+                if len(groups) >= 2 and any(group_complete(p) for p in groups):
                     break
                 time.sleep(0.01)
             assert proc.poll() is None, f"batch ended before it could be killed: {proc.stderr.read().decode()}"
@@ -121,6 +143,13 @@ class TestResume:
         assert report.duplicates == 0 and report.unmatched == 0 and report.videos_incomplete == 0
         assert sorted(p.question.question_id for p in report.predictions) == sorted(q.question_id for q in written)
         assert validate_store(out) == []
+
+
+def group_complete(group: Path) -> bool:
+    try:
+        return json.loads((group / "zarr.json").read_text())["attributes"].get("complete") is True
+    except (OSError, ValueError, KeyError):  # being renamed into place, or half written
+        return False
 
 
 class TestBadInputs:

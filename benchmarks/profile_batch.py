@@ -1,0 +1,153 @@
+"""Where `pipeline batch` spends a video's time: each phase of VideoAnswerer.answer, summed.
+
+    python3 benchmarks/profile_batch.py --device cuda --videos 8 --questions 16      # GPU
+    python3 benchmarks/profile_batch.py --quick                                       # CPU smoke test
+
+Runs the same generated MSRVTT-QA fixture as bench_batch (Qwen2-VL-2B architecture, random bf16
+weights on CUDA; tiny-random with --quick) once per setting given by --settings, and prints per
+setting the mean seconds per video of: opening the video, capturing the front end's CUDA graphs,
+the whole graph run, and inside it the VLM's vision tower, prefixes (selection + M-RoPE), and
+generation; plus the graph's per-stage busy shares. The first video of each setting (model
+build, first captures) is left out of the means.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not pip-installed on the GPU box
+
+import argparse
+import contextlib
+import functools
+import json
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+import benchmarks.bench_batch as bb
+import pipeline.batch as batch_mod
+from pipeline import cudagraph, graph as graph_mod
+from pipeline.batch import VideoAnswerer, make_plan
+from pipeline.config import PipelineConfig
+from pipeline.configio import load_config
+from pipeline.vlm import model as vlm_model
+from sources.msrvtt import load_msrvtt, write_fixture
+
+PHASES = {  # label: (owner, attribute) wrapped with a timer
+    "open_video": (batch_mod, "open_video"),
+    "frontend_capture": (cudagraph.FrontendGraphs, "prepare"),
+    "graph_run": (graph_mod.Graph, "run"),
+    "vlm_vision": (vlm_model.VLM, "_merged_tokens"),
+    "vlm_prefix": (vlm_model.VLM, "build_prefix"),
+    "vlm_generate": (vlm_model.VLM, "generate"),
+}
+
+
+class Timers:
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.s = device, defaultdict(float)
+        self.reports: list[list[dict]] = []
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = {label: getattr(owner, attr) for label, (owner, attr) in PHASES.items()}
+        try:
+            for label, (owner, attr) in PHASES.items():
+                setattr(owner, attr, self._timed(label, saved[label]))
+            yield
+        finally:
+            for label, (owner, attr) in PHASES.items():
+                setattr(owner, attr, saved[label])
+
+    def _timed(self, label: str, fn):
+        timers = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            timers.sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers.sync()
+                timers.s[label] += time.perf_counter() - t0
+                if label == "graph_run":
+                    timers.reports.append(args[0].report())
+        return wrapper
+
+
+def profile(plan, cfg, factory, device, *, stock: bool, scratch: Path, in_flight: int) -> dict:
+    out = scratch / f"profile_{'stock' if stock else 'arrcoc'}.zarr"
+    shutil.rmtree(out, ignore_errors=True)     # a complete video would be skipped
+    answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=factory)
+    answerer.answer(plan[0])                       # model build, first captures: not in the means
+    timers = Timers(device)
+    with timers.installed():
+        t0 = time.perf_counter()
+        outcomes = list(answerer.answer_all(plan[1:], in_flight))
+        wall = time.perf_counter() - t0
+    n = len(outcomes)
+    busy = defaultdict(float)
+    for report in timers.reports:
+        for row in report:
+            busy[row["stage"]] += row["busy"] / len(timers.reports)
+    return {"tokens": "stock" if stock else "arrcoc", "videos": n,
+            "s_per_video": round(wall / n, 4),
+            "questions_per_s": round(sum(o.questions for o in outcomes) / wall, 3),
+            "frames_per_video": round(sum(o.frames for o in outcomes) / n, 1),
+            "phases_s_per_video": {k: round(v / n, 4) for k, v in timers.s.items()},
+            "stage_busy": {k: round(v, 3) for k, v in busy.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--quick", action="store_true", help="CPU smoke test: tiny-random VLM, small videos")
+    p.add_argument("--videos", type=int, default=8)
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--size", type=int, nargs=2, default=[240, 320], metavar=("H", "W"))
+    p.add_argument("--settings", nargs="*", default=[""],
+                   help="extra config overrides per setting, ';'-separated (e.g. 'runtime.cuda_graphs=false')")
+    p.add_argument("--in-flight", type=int, default=1, help="videos in work at once (phase sums then overlap)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if args.quick:
+        args.device, args.videos, args.questions, args.seconds, args.size = "cpu", 3, 3, 1.0, [64, 96]
+    device = torch.device(args.device)
+    scratch = Path(tempfile.mkdtemp(prefix="profile_batch_"))
+    rows = []
+    try:
+        write_fixture(scratch / "msrvtt", videos=args.videos, questions_per_video=args.questions,
+                      seconds=args.seconds, height=args.size[0], width=args.size[1], fps=30 if not args.quick else 10)
+        plan = make_plan(load_msrvtt(scratch / "msrvtt"))
+        for setting in args.settings:
+            overrides = [f"runtime.device={args.device}", "model.attending.retention=0.25",
+                         f"vlm.max_new_tokens={2 if args.quick else 8}", "vlm.fps=2.0",
+                         "runtime.vlm=" + ("tiny-random" if args.quick else "qwen2-vl-2b-random")]
+            overrides += [o for o in setting.split(";") if o]
+            cfg = load_config(PipelineConfig, None, overrides)
+            bb.BENCH_VLM = cfg.vlm
+            factory = None if args.quick else bb.qwen2_vl_2b_factory
+            for stock in (True, False):
+                row = {"setting": setting or "default", **profile(plan, cfg, factory, device, stock=stock,
+                                                                  scratch=scratch, in_flight=args.in_flight)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                                         "command": " ".join(sys.argv), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

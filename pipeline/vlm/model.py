@@ -7,6 +7,7 @@ our own KV-cached decoding loop, batched over requests with left padding.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections import OrderedDict
@@ -23,9 +24,31 @@ from pipeline.vlm.selection import pair_lod, select_tokens
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
-MAX_DECODERS = 4          # (batch, cache length) decoders kept per VLM, each with its KV cache (and graph)
 PREFILL_BUCKET = 64       # short prefixes are left padded up to a multiple of this, so prefill shapes repeat
-MAX_PREFILL_GRAPHS = 4    # prefill graphs (one per padded prefix length) kept per decoder
+# Decoders (one per (batch bucket, cache length), see batch_bucket) are kept, least recently used
+# dropped first, while their KV caches and prefill-graph input buffers fit this many bytes. A cache
+# slot of one row holds K and V of every layer: 2 x 28 layers x 2 KV heads x 128 dims x 2 bytes
+# (bf16) = 28 KiB for Qwen2-VL-2B, 56 KiB for Qwen2.5-VL-7B (4 KV heads). 6 GiB are 224k slot-rows
+# (2B) or 112k (7B). Every bucket 1+2+4+8+16 = 31 rows at the live-mode cache length 768 (a pruned
+# ~500-token prefix + 64 new tokens) is 23.8k slot-rows, 0.64 GiB (2B) / 1.27 GiB (7B): 9 (2B) or
+# 4 (7B) such cache lengths of all five buckets fit; at the longest graphed prefix (2048 + 64 new ->
+# 2304 slots) one full set is 1.91 / 3.81 GiB. (The 4 decoders the old count cap kept could hold
+# up to 4 x 16 x 2304 slot-rows: 3.9 GiB for the 2B, 7.9 GiB for the 7B.) Not counted: the graphs' shared memory pool
+# (decode-step activations are small; prefill activations are reused across prefill graphs).
+KV_CACHE_BUDGET = 6 << 30
+MAX_PREFILL_GRAPHS = 8    # prefill graphs (one per padded prefix length) kept per decoder: with one
+                          # max_new_tokens at most CACHE_BUCKET / PREFILL_BUCKET = 4 lengths share a decoder
+# A graph-replayed prefill runs every row of the batch bucket, padding rows included. An eager
+# prefill of a short prefix is bound by its ~20 ms of kernel launches (28 layers, whatever the model
+# size), which is about what an H100 needs for this many FLOPs (~600 TFLOP/s dense bf16). So a batch
+# is row padded (and replayed) only while the padded prefill's compute stays under that: then the
+# replay beats the eager launches; past it the eager prefill at the true batch is GPU-bound and
+# cheaper than computing the padding rows. At 2 FLOPs per decoder-layer parameter and token this
+# allows ~4.6k padded tokens for the 2B (1.3B parameters in its layers: bucket 16 up to 256 tokens,
+# 8 up to 512, 4 up to 1088), ~900 for the 7B (6.5B); a batch that fills its bucket has no padding
+# rows and is replayed up to graph_prefill_max_tokens as before.
+PREFILL_LAUNCH_FLOPS = 12e12
+MAX_LAYOUTS = 16          # prompt layouts (per visual grid: embeddings, M-RoPE positions) kept per VLM
 DONE_CHECK_EVERY = 8      # decode steps between host checks for "every row has finished" (each one syncs)
 PACKED_SDPA = "arr_coc_sdpa"          # sdpa, with GQA decode steps packed per KV head (sdpa_packed_gqa)
 ATTENTION_IMPLS = ("sdpa", "eager", PACKED_SDPA)   # the ones that take our prebuilt 4-D masks
@@ -73,11 +96,45 @@ class Prefix:
 
 
 @dataclass
+class WindowPrefix:
+    """What every question about one window shares: the system prompt and the kept visual tokens,
+    embeds (S, D) and positions (3, S); text_start, the M-RoPE position of the first token after the
+    video; max_position, the largest position of the full (unpruned) prompt up to there."""
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    text_start: int
+    max_position: int
+    tokens_kept: int
+    tokens_full: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The prompt up to the end of the video for one visual grid, whatever the keep map: embeddings
+    of the ids before the video (v0, D), M-RoPE positions of those ids and of every video token
+    (3, v0 + n_full), and where the text after the video starts (text_start; max_position as above)."""
+    before: torch.Tensor
+    positions: torch.Tensor
+    text_start: int
+    max_position: int
+
+
+@dataclass
 class Generation:
     tokens: torch.Tensor               # (B, N) generated ids, pad after EOS
     lengths: list[int]                 # generated tokens per row up to and including EOS
     step_logits: list[torch.Tensor]    # N x (B, V) float32, only when requested
     decode_s: float = float("nan")     # first token -> last token wall time, only when timed
+
+
+def batch_bucket(batch: int) -> int:
+    """Rows of the decoder a batch of this many requests runs in: the next power of two, so batches
+    of 1..16 share 5 shapes (cache, decode graph, prefill graphs). Decode steps are memory-bound (the
+    weights are read once per step whatever the rows; a padding row adds only its own KV reads), so
+    up to 2x rows cost little there; finer buckets would mean more captures for the same range."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"Invalid batch size ({batch!r}): must be an integer >= 1")
+    return 1 << (batch - 1).bit_length()
 
 
 class VLM:
@@ -107,8 +164,21 @@ class VLM:
         if layer_types != {"full_attention"}:
             raise ValueError(f"Invalid LM layer types ({sorted(layer_types)}): only full attention is "
                              f"supported (a sliding window needs its own mask)")
-        self._decoders: dict[tuple[int, int], StaticDecoder] = {}
+        # (rows, cache length) -> decoder, least recently used first; kept within kv_cache_budget bytes
+        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+        self.kv_cache_budget = KV_CACHE_BUDGET
+        # decoders of batch_bucket(batch) rows (their graphs captured once per bucket); False: of the
+        # exact batch, as with cuda_graphs off, where no capture is amortised
+        self.bucket_batches = config.cuda_graphs
+        # the most tokens (rows x padded length) a prefill with padding rows may compute (PREFILL_LAUNCH_FLOPS)
+        self.row_padded_prefill_tokens = int(PREFILL_LAUNCH_FLOPS // (2 * sum(
+            p.numel() for p in self._lm.layers.parameters())))
+        attn = self._lm.layers[0].self_attn
+        self._slot_bytes = 2 * len(self._lm.layers) * attn.k_proj.out_features * self.dtype.itemsize  # K, V per row
+        self.counters = {"decoders": 0, "evicted": 0, "decode_graphs": 0, "prefill_graphs": 0}
         self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill)
+        self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
+        self._before_ids: list[int] | None = None
         self.video_token_id = model.config.video_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -147,13 +217,21 @@ class VLM:
 
     def prompt_ids(self, question: str, n_video_tokens: int) -> tuple[list[int], list[int]]:
         """Qwen chat format around one video: ids before and after the video pad tokens."""
-        before = (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
+        if self._before_ids is None:
+            before = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+            self._before_ids = self.tokenizer(before).input_ids
         after = f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
-        return self.tokenizer(before).input_ids, self.tokenizer(after).input_ids
+        return list(self._before_ids), self.tokenizer(after).input_ids
 
     def full_input_ids(self, question: str, n_video_tokens: int) -> torch.Tensor:
         before, after = self.prompt_ids(question, n_video_tokens)
         return torch.tensor(before + [self.video_token_id] * n_video_tokens + after, device=self.device)
+
+    def prefix_length(self, question: str, visual_tokens: int) -> int:
+        """LM prefix length of `question` about a window of which `visual_tokens` tokens are kept
+        (what warm_up needs to know ahead of time)."""
+        before, after = self.prompt_ids(question, visual_tokens)
+        return len(before) + visual_tokens + len(after)
 
     def rope_positions(self, input_ids: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """(L,) unpruned ids, grid (3,) -> (3, L) M-RoPE positions from the model's own get_rope_index."""
@@ -173,26 +251,71 @@ class VLM:
     @torch.no_grad()
     def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:
         """Selection: merged tokens (T', gh, gw, D) of req's frames -> its pruned LM prefix."""
+        return self.question_prefix(self.window_prefix(req.frames, req.keep, merged), req.question)
+
+    @torch.no_grad()
+    def window_prefix(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
+                      merged: torch.Tensor) -> WindowPrefix:
+        """The question-independent part of the prefix: frames (T, H, W, 3) (only their shape is
+        used), keep (T, gh, gw) LOD or None (all tokens), merged tokens (T', gh, gw, D) of them."""
         Tp, gh, gw, _ = merged.shape
-        n_full = Tp * gh * gw
-        if req.keep is None:
+        if keep is None:
             lod = torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
         else:
-            keep = torch.as_tensor(req.keep, device=self.device)
-            expected = (req.frames.shape[0], gh, gw)
+            keep = torch.as_tensor(keep, device=self.device)
+            expected = (frames.shape[0], gh, gw)
             if tuple(keep.shape) != expected:
                 raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
-                                 f"for {req.frames.shape[2]}x{req.frames.shape[1]} frames")
+                                 f"for {frames.shape[2]}x{frames.shape[1]} frames")
             lod = pair_lod(keep, self.geometry.temporal_patch_size)
         tokens, index = select_tokens(merged, lod)                           # (K, D), (K,)
-        ids = self.full_input_ids(req.question, n_full)                      # (L_full,)
+        layout = self._layout(Tp, gh, gw)
+        v0 = layout.before.shape[0]
+        embeds = torch.cat([layout.before, tokens.to(layout.before.dtype)])  # (v0 + K, D)
+        positions = torch.cat([layout.positions[:, :v0], layout.positions[:, v0 + index]], 1)  # (3, v0 + K)
+        return WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),
+                            Tp * gh * gw)
+
+    @torch.no_grad()
+    def question_prefix(self, window: WindowPrefix, question: str) -> Prefix:
+        """One question's prefix over a window's shared part: only the text after the video is new,
+        at consecutive M-RoPE positions (t = h = w) from window.text_start on."""
+        _, after = self.prompt_ids(question, 0)
+        n = len(after)
+        text = self._lm.embed_tokens(torch.tensor(after, device=self.device))  # (n, D)
+        positions = (window.text_start + torch.arange(n, device=self.device)).expand(3, n)
+        next_position = max(window.max_position, window.text_start + n - 1) + 1  # the full prompt's max + 1
+        return Prefix(torch.cat([window.embeds, text]), torch.cat([window.positions, positions], 1),
+                      next_position, window.tokens_kept, window.tokens_full)
+
+    def _layout(self, Tp: int, gh: int, gw: int) -> _Layout:
+        key = (Tp, gh, gw)
+        layout = self._layouts.pop(key, None)
+        if layout is None:
+            if len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.popitem(last=False)
+            layout = self._make_layout(Tp, gh, gw)
+        self._layouts[key] = layout                                          # most recently used last
+        return layout
+
+    def _make_layout(self, Tp: int, gh: int, gw: int) -> _Layout:
+        """get_rope_index (python-heavy) once per visual grid, on the full prompt of a probe question:
+        M-RoPE puts the text after the video on one run of consecutive positions whatever its ids,
+        so the probe tells where any question's text starts (checked here, not assumed)."""
+        n_full = Tp * gh * gw
+        before, probe = self.prompt_ids("?", n_full)
+        ids = torch.tensor(before + [self.video_token_id] * n_full + probe, device=self.device)
         m = self.geometry.merge_size
         full_pos = self.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))  # (3, L_full)
-        v0 = int((ids == self.video_token_id).nonzero()[0])
-        text = self._lm.embed_tokens(ids)                                    # (L_full, D)
-        embeds = torch.cat([text[:v0], tokens.to(text.dtype), text[v0 + n_full:]])
-        positions = torch.cat([full_pos[:, :v0], full_pos[:, v0 + index], full_pos[:, v0 + n_full:]], 1)
-        return Prefix(embeds, positions, int(full_pos.max()) + 1, int(index.numel()), n_full)
+        end = len(before) + n_full
+        text_pos = full_pos[:, end:]                                         # (3, len(probe))
+        text_start = int(text_pos[0, 0])
+        if not torch.equal(text_pos, text_start + torch.arange(len(probe), device=self.device).expand(3, -1)):
+            raise RuntimeError(f"get_rope_index of this transformers version does not place the text after "
+                               f"the video at consecutive positions ({text_pos.tolist()}): questions cannot "
+                               f"share a window's positions")
+        return _Layout(self._lm.embed_tokens(torch.tensor(before, device=self.device)), full_pos[:, :end],
+                       text_start, int(full_pos[:, :end].max()))
 
     # ---- language model: prefill + cached decoding ----
     def _lm_step(self, embeds, attention_mask, positions, cache):
@@ -200,26 +323,30 @@ class VLM:
                        use_cache=cache is not None, **{self._cache_kw: cache})
         return out.last_hidden_state                                         # (B, L, D)
 
-    def _left_pad(self, prefixes: list[Prefix],
-                  length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """-> embeds (B, L, D), positions (3, B, L), and how many pad slots lead each row;
-        L = length (at least the longest prefix), None: the longest prefix."""
+    def _left_pad(self, prefixes: list[Prefix], length: int | None = None,
+                  rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """-> embeds (R, L, D), positions (3, R, L), and how many pad slots lead each row;
+        L = length (at least the longest prefix), None: the longest prefix; R = rows (at least one
+        per prefix), None: one per prefix. Rows past the prefixes are all padding (pad slots L)."""
         B, L = len(prefixes), max(p.embeds.shape[0] for p in prefixes)
         if length is not None:
             if length < L:
                 raise ValueError(f"cannot left pad prefixes of up to {L} tokens to {length}")
             L = length
+        R = B if rows is None else rows
+        if R < B:
+            raise ValueError(f"cannot fit {B} prefixes into {R} rows")
         D = prefixes[0].embeds.shape[1]
         pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
-        embeds = pad.expand(B, L, D).clone()                                 # (B, L, D)
-        positions = torch.ones(3, B, L, dtype=torch.long, device=self.device)
+        embeds = pad.expand(R, L, D).clone()                                 # (R, L, D)
+        positions = torch.ones(3, R, L, dtype=torch.long, device=self.device)
         pads = []
         for b, p in enumerate(prefixes):
             n = p.embeds.shape[0]
             embeds[b, L - n:] = p.embeds
             positions[:, b, L - n:] = p.positions
             pads.append(L - n)
-        return embeds, positions, pads
+        return embeds, positions, pads + [L] * (R - B)
 
     def _masks(self, allowed: torch.Tensor | None) -> dict:
         """(B, 1, Q, K) bool, True = may attend -> the per-layer-type mask mapping the HF text model
@@ -229,55 +356,111 @@ class VLM:
                 ~allowed, torch.finfo(self.dtype).min)
         return {"full_attention": allowed}
 
-    def _prefill_plan(self, prefix_len: int) -> tuple[int, bool]:
-        """Longest prefix length -> (the length it is prefilled at, whether a CUDA graph replays it).
+    def _rows(self, batch: int) -> int:
+        """Rows of the decoder (KV cache, decode graph) a batch runs in."""
+        return batch_bucket(batch) if self.bucket_batches else batch
+
+    def _prefill_shape(self, prefix_len: int, batch: int) -> tuple[int, int, bool]:
+        """Longest prefix length, batch size -> (length, rows, graphed): the prefill runs over `rows`
+        rows of `length` slots, replayed as a CUDA graph when graphed.
 
         Up to config.graph_prefill_max_tokens the length is rounded up to PREFILL_BUCKET with more
-        left padding, so nearby lengths share one graph: there the eager prefill is bound by the
-        host launching a few hundred kernels (about 20 ms for 28 layers, whatever the model size),
-        not by the GPU. Longer prefixes are GPU-bound and run eagerly, unpadded. The padding does
-        not depend on the device, so a CPU run computes the very shapes a GPU replays."""
+        left padding, and the batch up to its bucket with padding rows, so nearby shapes share one
+        graph: there the eager prefill is bound by the host launching a few hundred kernels (about
+        20 ms for 28 layers, whatever the model size), not by the GPU. Padding rows compute like real
+        ones, so a batch short of its bucket is padded only while rows x length stays within
+        row_padded_prefill_tokens (see PREFILL_LAUNCH_FLOPS). Other prefills run eagerly, unpadded,
+        at the true batch (into the first rows of the bucketed cache). The shapes do not depend on
+        the device, so a CPU run computes the very shapes a GPU replays."""
         cfg = self.config
         padded = -(-prefix_len // PREFILL_BUCKET) * PREFILL_BUCKET
-        if not cfg.cuda_graphs or padded > cfg.graph_prefill_max_tokens:
-            return prefix_len, False
-        return padded, self.device.type == "cuda"
+        rows = self._rows(batch)
+        if (not cfg.cuda_graphs or padded > cfg.graph_prefill_max_tokens
+                or (rows > batch and rows * padded > self.row_padded_prefill_tokens)):
+            return prefix_len, batch, False
+        return padded, rows, self.device.type == "cuda"
+
+    def _prefill_plan(self, prefix_len: int, batch: int = 1) -> tuple[int, bool]:
+        """(length, graphed) of _prefill_shape."""
+        length, _, graphed = self._prefill_shape(prefix_len, batch)
+        return length, graphed
 
     def _pool(self):
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         return self._graph_pool
 
-    def _decoder(self, batch: int, length: int, steps: bool) -> StaticDecoder:
-        """The (B, Lmax) decoder, reused across calls; on CUDA with cuda_graphs its step is a graph,
+    def _decoder(self, rows: int, length: int, steps: bool) -> StaticDecoder:
+        """The (rows, Lmax) decoder, reused across calls; on CUDA with cuda_graphs its step is a graph,
         captured the first time decode steps are asked for (a one-token answer needs none)."""
-        key = (batch, length)
+        key = (rows, length)
         decoder = self._decoders.pop(key, None)
         if decoder is None:
-            if len(self._decoders) >= MAX_DECODERS:                          # each holds a KV cache
-                self._decoders.pop(next(iter(self._decoders)))
-            decoder = StaticDecoder(self, batch, length)
+            self._make_room(self._slot_bytes * rows * length)
+            decoder = StaticDecoder(self, rows, length)
+            self.counters["decoders"] += 1
+        self._decoders[key] = decoder                                        # most recently used last
         if steps and decoder.graph is None and self.device.type == "cuda" and self.config.cuda_graphs:
             decoder.capture(self._pool())
-        self._decoders[key] = decoder                                        # most recently used last
         return decoder
+
+    def _make_room(self, nbytes: int, keep: StaticDecoder | None = None) -> None:
+        """Drop least recently used decoders (with their caches and graphs), except `keep`, until
+        nbytes more fit kv_cache_budget (what does not fit even then is allocated all the same)."""
+        held = sum(d.nbytes for d in self._decoders.values())
+        for key in list(self._decoders):
+            if held + nbytes <= self.kv_cache_budget:
+                break
+            if self._decoders[key] is not keep:
+                held -= self._decoders.pop(key).nbytes
+                self.counters["evicted"] += 1
 
     @torch.no_grad()
     def _prefill(self, prefixes: list[Prefix], max_new: int) -> tuple[StaticDecoder, torch.Tensor]:
         """Left-padded prefixes into a static cache with room for max_new tokens -> the decoder,
         ready for its first step, and the (B, V) float32 logits of the first generated token (a
         graph's output when the prefill was replayed: valid until the VLM replays a graph again)."""
-        L, graphed = self._prefill_plan(max(p.embeds.shape[0] for p in prefixes))
-        embeds, positions, pads = self._left_pad(prefixes, L)               # (B, L, D), (3, B, L)
-        B = embeds.shape[0]
+        B = len(prefixes)
+        L, rows, graphed = self._prefill_shape(max(p.embeds.shape[0] for p in prefixes), B)
+        embeds, positions, pads = self._left_pad(prefixes, L, rows)         # (rows, L, D), (3, rows, L)
         # the last token fed back sits at slot L + max_new - 2; rounding up lets nearby prompt
         # lengths share one cache (and one graph)
         length = -(-(L + max_new - 1) // CACHE_BUCKET) * CACHE_BUCKET
-        decoder = self._decoder(B, length, steps=max_new > 1)
-        logits = decoder.prefill(embeds, positions, pads, pool=self._pool() if graphed else None)  # (B, V)
+        decoder = self._decoder(self._rows(B), length, steps=max_new > 1)
+        logits = decoder.prefill(embeds, positions, pads, pool=self._pool() if graphed else None)[:B]  # (B, V)
         next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
         decoder.start(next_pos, pads, L)
         return decoder, logits
+
+    @torch.no_grad()
+    def warm_up(self, batch_sizes, prefix_lengths, *, max_new_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Allocate ahead of time, and on CUDA capture, what generate() will use for batches of these
+        sizes and prefixes of these lengths (VLM.prefix_length): the decoder of each batch bucket
+        (cache and decode graph) and the prefill graph of each padded length. Run during setup, this
+        keeps captures (a few hundred ms each) off the answering path. Returns the (rows, cache
+        length) keys of the decoders it warmed that kv_cache_budget still holds."""
+        max_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"Invalid max_new_tokens ({max_new!r}): must be an integer >= 1")
+        lengths = sorted(set(prefix_lengths))
+        for n in lengths:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"Invalid prefix length ({n!r}): must be an integer >= 1")
+        sizes = list(batch_sizes)
+        for b in sizes:
+            batch_bucket(b)                                                  # rejects what is not a batch size
+        buckets = sorted({self._rows(b) for b in sizes})
+        pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))  # (D,)
+        keys = []
+        for n in lengths:
+            # the pad token at text positions: finite, like any prompt; the cache it writes is
+            # overwritten by the next real prefill before anything reads it
+            prefix = Prefix(pad.expand(n, -1), torch.arange(n, device=self.device).expand(3, n), n, 0, 0)
+            for rows in buckets:
+                decoder, _ = self._prefill([prefix] * rows, max_new)
+                keys.append((decoder.rows, decoder.length))
+        self._sync()
+        return [k for k in dict.fromkeys(keys) if k in self._decoders]
 
     @torch.no_grad()
     def generate(self, prefixes: list[Prefix], *, max_new_tokens: int | None = None,
@@ -353,15 +536,18 @@ class VLM:
     @torch.no_grad()
     def answer_questions(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
                          questions: list[str], *, max_batch: int | None = None) -> list[AnswerResult]:
-        """Several questions about one window: the vision tower runs once, each question gets its own
-        prefix over the same selected tokens, and they decode together (`max_batch` per generate call,
-        None: all at once). latency_s is the time from this call to each answer."""
+        """Several questions about one window: the vision tower, the selection and the M-RoPE positions
+        run once, each question adds only its own text to the shared prefix, and they decode together
+        (`max_batch` per generate call, None: all at once). latency_s is the time from this call to
+        each answer."""
         if not questions:
             return []
         started = time.monotonic()
-        requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0) for q in questions]
+        for q in questions:                                                  # validates frames, keep, question
+            AnswerRequest("", frames, keep, q, 0.0, 0.0)
         merged = self._merged_tokens([frames])[0]                            # (T', gh, gw, D)
-        prefixes = [self.build_prefix(r, merged) for r in requests]
+        window = self.window_prefix(frames, keep, merged)                    # selection and positions once
+        prefixes = [self.question_prefix(window, q) for q in questions]
         step = len(prefixes) if max_batch is None else max_batch
         results = []
         for i in range(0, len(prefixes), step):
@@ -428,6 +614,18 @@ class StaticKVCache:
         self.slots = torch.zeros(0, dtype=torch.long, device=device)
         self.visible = length
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+    def rows(self, n: int) -> StaticKVCache:
+        """The first n rows, in the same memory (a prefill of fewer rows than the decoder has)."""
+        if n == self.keys[0].shape[0]:
+            return self
+        view = copy.copy(self)                                               # own slots / visible
+        view.keys, view.values = [k[:n] for k in self.keys], [v[:n] for v in self.values]
+        return view
+
     def at(self, slots: torch.Tensor, visible: int) -> None:
         """The next forward's tokens go to `slots` (n,); attention sees slots [0, visible)."""
         self.slots, self.visible = slots, visible
@@ -440,21 +638,25 @@ class StaticKVCache:
 
 
 class StaticDecoder:
-    """Prefill into a static cache of (B, Lmax) slots, then fixed-shape decode steps.
+    """Prefill into a static cache of (R, Lmax) slots, then fixed-shape decode steps.
 
     A step's inputs live in buffers the step reads and advances on the device (the cache slot of
     the token fed back, its M-RoPE position), so a step needs no host values and no host sync:
     on CUDA it is captured once as a graph and replayed, one launch per token instead of hundreds.
+    R is a batch bucket: a batch of B <= R requests uses rows [0, B); the other rows decode pad
+    tokens that attend only to themselves (their slots from the prefix length on), so they stay
+    finite and, every op being per row, never reach a real row.
     """
 
-    def __init__(self, vlm: VLM, batch: int, length: int) -> None:
-        self.vlm, self.length = vlm, length
+    def __init__(self, vlm: VLM, rows: int, length: int) -> None:
+        self.vlm, self.rows, self.length = vlm, rows, length
+        self.batch = rows                                                    # real rows of this call (start())
         device = vlm.device
-        self.cache = StaticKVCache(vlm._lm, batch, length, vlm.dtype, device)
-        self.token = torch.full((batch,), vlm.pad_token_id, dtype=torch.long, device=device)
+        self.cache = StaticKVCache(vlm._lm, rows, length, vlm.dtype, device)
+        self.token = torch.full((rows,), vlm.pad_token_id, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)        # where the fed token goes
-        self.rope_offset = torch.zeros(batch, dtype=torch.long, device=device)  # M-RoPE position - slot
-        self.pad = torch.zeros(batch, dtype=torch.long, device=device)      # first real slot per row
+        self.rope_offset = torch.zeros(rows, dtype=torch.long, device=device)  # M-RoPE position - slot
+        self.pad = torch.zeros(rows, dtype=torch.long, device=device)       # first real slot per row
         self.key_slots = torch.arange(length, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                             # the graph's output
@@ -462,19 +664,28 @@ class StaticDecoder:
         # and die with it; least recently used first
         self.prefill_graphs: OrderedDict[int, PrefillGraph] = OrderedDict()
 
+    @property
+    def nbytes(self) -> int:
+        """Memory kv_cache_budget counts: the cache and the prefill graphs' static buffers."""
+        return self.cache.nbytes + sum(g.nbytes for g in self.prefill_graphs.values())
+
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int], pool=None) -> torch.Tensor:
         """embeds (B, L, D), positions (3, B, L), left pads per row -> (B, V) float32 logits of the
-        token after the last one; fills slots [0, L). With a CUDA graph pool, a graph per L (captured
-        the first time) replays it, and the logits are its output buffer."""
-        vlm, L = self.vlm, embeds.shape[1]
+        token after the last one; fills slots [0, L) of cache rows [0, B). With a CUDA graph pool
+        (then B is all the decoder's rows), a graph per L (captured the first time) replays it, and
+        the logits are its output buffer."""
+        vlm, (B, L) = self.vlm, embeds.shape[:2]
         if pool is None:
             # unpadded under sdpa: no mask, so its causal kernel
             pad = torch.tensor(pads, device=vlm.device) if any(pads) or vlm._attn_impl == "eager" else None
             return self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
+        if B != self.rows:
+            raise ValueError(f"a replayed prefill fills every row of the decoder ({self.rows}), got {B} rows")
         graph = self.prefill_graphs.pop(L, None)
         if graph is None:
             if len(self.prefill_graphs) >= MAX_PREFILL_GRAPHS:
                 self.prefill_graphs.popitem(last=False)
+            vlm._make_room(PrefillGraph.buffer_bytes(embeds, positions, vlm.model.lm_head.out_features), keep=self)
             graph = PrefillGraph(self, embeds, positions, pool)
         self.prefill_graphs[L] = graph                                       # most recently used last
         return graph(embeds, positions, pads)
@@ -485,30 +696,36 @@ class StaticDecoder:
         (L,) = arange(L), pad (B,) first real slot per row (None: no padding) -> (B, V) float32
         logits at the last position. Everything stays on the device (no host values)."""
         vlm, L = self.vlm, embeds.shape[1]
-        self.cache.at(slots, L)
+        cache = self.cache.rows(embeds.shape[0])                             # (B, H_kv, Lmax, hd) per layer
+        cache.at(slots, L)
         allowed = None
         if pad is not None:
             allowed = (slots[:, None] >= slots) & (slots >= pad[:, None, None])  # (B, L, L) causal, real keys
             # a padded query row would have nothing to attend to, and a fully masked softmax row is
             # NaN, which the attention weights 0 * NaN would carry into every real row
             allowed = (allowed | torch.eye(L, dtype=torch.bool, device=vlm.device))[:, None]
-        hidden = vlm._lm_step(embeds, vlm._masks(allowed), positions, self.cache)  # (B, L, D)
+        hidden = vlm._lm_step(embeds, vlm._masks(allowed), positions, cache)  # (B, L, D)
         return vlm.model.lm_head(hidden[:, -1]).float()                     # (B, V)
 
     def start(self, next_position: torch.Tensor, pads: list[int], prefix_len: int) -> None:
-        """Decoding continues at slot prefix_len with M-RoPE positions next_position (B,) onward."""
+        """Decoding continues at slot prefix_len with M-RoPE positions next_position (B,) onward for
+        rows [0, B) (pads: their left padding); the other rows feed pad tokens that see only their
+        own slots from prefix_len on."""
+        B = self.batch = next_position.shape[0]
         self.slot.fill_(prefix_len)
-        self.rope_offset.copy_(next_position - prefix_len)
-        self.pad.copy_(torch.tensor(pads))
+        self.token.fill_(self.vlm.pad_token_id)
+        self.rope_offset.zero_()
+        self.rope_offset[:B].copy_(next_position - prefix_len)
+        self.pad.copy_(torch.tensor(list(pads[:B]) + [prefix_len] * (self.rows - B)))
         self.cache.at(self.slot, self.length)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed token (B,) -> (B, V) float32 logits of the next one (a graph's: valid until the next step)."""
-        self.token.copy_(token)
+        self.token[:self.batch].copy_(token)
         if self.graph is None:
-            return self._forward()
+            return self._forward()[:self.batch]
         self.graph.replay()
-        return self.logits
+        return self.logits[:self.batch]
 
     def _forward(self) -> torch.Tensor:
         vlm = self.vlm
@@ -535,6 +752,7 @@ class StaticDecoder:
                                                 capture_error_mode="thread_local"):
                 self.logits = self._forward()
         torch.cuda.current_stream(self.vlm.device).wait_stream(stream)
+        self.vlm.counters["decode_graphs"] += 1
 
 
 class PrefillGraph:
@@ -555,6 +773,13 @@ class PrefillGraph:
         self.slots = torch.arange(embeds.shape[1], device=device)            # (L,)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                              # (B, V), the graph's output
+        self.nbytes = self.buffer_bytes(embeds, positions, decoder.vlm.model.lm_head.out_features)
+
+    @staticmethod
+    def buffer_bytes(embeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> int:
+        """Bytes of a graph's static inputs (embeds, positions, pad, slots) and (B, V) float32 logits."""
+        (B, L), long = embeds.shape[:2], torch.long.itemsize
+        return embeds.nbytes + positions.nbytes + (B + L) * long + B * vocab * 4
 
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int]) -> torch.Tensor:
         self.embeds.copy_(embeds)
@@ -585,3 +810,4 @@ class PrefillGraph:
                                                 capture_error_mode="thread_local"):
                 self.logits = self._forward()
         torch.cuda.current_stream(device).wait_stream(stream)
+        self.decoder.vlm.counters["prefill_graphs"] += 1

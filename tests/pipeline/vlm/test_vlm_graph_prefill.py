@@ -87,22 +87,27 @@ class TestBucketedPrefill:
 
     @torch.no_grad()                                    # as VLM._prefill
     def test_pad_slots_do_not_reach_real_tokens(self, vlm):
-        """Whatever the extra pad slots hold (embeddings, M-RoPE positions), real rows see none of it."""
+        """Whatever the extra pad slots and the padding rows of the batch bucket hold (embeddings,
+        M-RoPE positions), real rows see none of it."""
         prefixes = mixed_prefixes(vlm)
-        padded, _ = vlm._prefill_plan(max(p.embeds.shape[0] for p in prefixes))
-        embeds, positions, pads = vlm._left_pad(prefixes, padded)           # (B, L, D), (3, B, L)
+        B = len(prefixes)
+        padded, _ = vlm._prefill_plan(max(p.embeds.shape[0] for p in prefixes), B)
         decoder, _ = vlm._prefill(prefixes, 2)
+        assert decoder.rows == 4                                             # one padding row
+        embeds, positions, pads = vlm._left_pad(prefixes, padded, decoder.rows)  # (R, L, D), (3, R, L)
         slots = torch.arange(padded)
         pad = torch.tensor(pads)
-        want = decoder.prefill_forward(embeds, positions, slots, pad)       # (B, V)
+        want = decoder.prefill_forward(embeds, positions, slots, pad)       # (R, V)
         keys = [k[:, :, :padded].clone() for k in decoder.cache.keys]
-        is_pad = slots < pad[:, None]                                        # (B, L)
+        is_pad = slots < pad[:, None]                                        # (R, L)
+        assert is_pad[B:].all() and not is_pad[:B].all(1).any()
         gen = torch.Generator().manual_seed(1)
         noisy_embeds = torch.where(is_pad[..., None], torch.randn(embeds.shape, generator=gen) * 3, embeds)
         noisy_pos = torch.where(is_pad, torch.randint(0, 5000, positions.shape, generator=gen), positions)
         got = decoder.prefill_forward(noisy_embeds, noisy_pos, slots, pad)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-        real = ~is_pad[:, None, :, None]                                     # (B, 1, L, 1)
+        assert torch.isfinite(got).all()                                     # padding rows too
+        torch.testing.assert_close(got[:B], want[:B], atol=1e-6, rtol=1e-6)
+        real = ~is_pad[:, None, :, None]                                     # (R, 1, L, 1)
         for k_new, k_old in zip(decoder.cache.keys, keys):
             torch.testing.assert_close(k_new[:, :, :padded] * real, k_old * real, atol=1e-6, rtol=1e-6)
 
@@ -147,10 +152,11 @@ class TestGraphReplay:
         prefixes = mixed_prefixes(vlm)
         graphs = set()
         for batch in (prefixes, prefixes[::-1]):                             # 2nd: same graph, new inputs
-            padded, graphed = vlm._prefill_plan(max(p.embeds.shape[0] for p in batch))
+            padded, graphed = vlm._prefill_plan(max(p.embeds.shape[0] for p in batch), len(batch))
             assert graphed and padded == 128
-            embeds, positions, pads = vlm._left_pad(batch, padded)
             decoder, _ = vlm._prefill(batch, 4)
+            assert decoder.rows == 4                                         # batch 3 in bucket 4
+            embeds, positions, pads = vlm._left_pad(batch, padded, decoder.rows)
             want = decoder.prefill(embeds, positions, pads).clone()          # eager
             want_keys = [k[:, :, :padded].clone() for k in decoder.cache.keys]
             for k in decoder.cache.keys:
@@ -179,32 +185,36 @@ class TestGraphReplay:
                     assert graph.graph is not None
                     assert graphs.setdefault((key, length), graph) is graph  # captured once per shape
             assert all(not d.prefill_graphs for d in eager._decoders.values())
-        assert sorted((key[0], length) for key, length in graphs) == [(1, 128), (3, 128)]
+        assert sorted((key[0], length) for key, length in graphs) == [(1, 128), (4, 128)]
 
     def test_graphs_per_decoder_are_bounded_and_long_prefixes_eager(self, family):
-        vlm = build_tiny_vlm(family, device="cuda", config=VLMConfig(graph_prefill_max_tokens=320))
+        n_graphs = MAX_PREFILL_GRAPHS + 1
+        top = PREFILL_BUCKET * n_graphs
+        vlm = build_tiny_vlm(family, device="cuda", config=VLMConfig(graph_prefill_max_tokens=top))
         plain = rewrap(vlm, graph_prefill_max_tokens=0)
         captured = []
-        # padded lengths 64..320, each with room for max_new tokens so that all share the
-        # (1, 512) decoder: one more than it keeps graphs for
-        for n in (40, 100, 150, 230, 300):
-            padded, graphed = vlm._prefill_plan(n)
-            assert graphed
+        # padded lengths 64..top, each with room for max_new tokens so that all share the
+        # (1, 1024) decoder: one more than it keeps graphs for
+        for padded in range(PREFILL_BUCKET, top + 1, PREFILL_BUCKET):
+            n = padded - 10
+            assert vlm._prefill_plan(n) == (padded, True)
             prefix = random_prefix(vlm, n, seed=n)
-            decoder, got = vlm._prefill([prefix], 513 - padded)
-            assert decoder.length == 512 and list(decoder.prefill_graphs)[-1] == padded
+            decoder, got = vlm._prefill([prefix], 1025 - padded)
+            assert decoder.length == 1024 and list(decoder.prefill_graphs)[-1] == padded
             captured.append(decoder.prefill_graphs[padded])
-            _, want = plain._prefill([prefix], 513 - padded)
+            _, want = plain._prefill([prefix], 1025 - padded)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        assert list(decoder.prefill_graphs) == [128, 192, 256, 320]         # 64 was dropped
+        kept = list(range(2 * PREFILL_BUCKET, top + 1, PREFILL_BUCKET))
+        assert list(decoder.prefill_graphs) == kept                          # 64 was dropped
         assert len(decoder.prefill_graphs) == MAX_PREFILL_GRAPHS
-        vlm._prefill([random_prefix(vlm, 40, seed=40)], 449)
-        assert list(decoder.prefill_graphs) == [192, 256, 320, 64]
-        assert decoder.prefill_graphs[64] is not captured[0]                 # captured again
-        long = random_prefix(vlm, 330, seed=330)                             # 384 > 320: eager
-        assert vlm._prefill_plan(330) == (330, False)
+        assert vlm.counters["prefill_graphs"] == n_graphs
+        vlm._prefill([random_prefix(vlm, 40, seed=40)], 1025 - PREFILL_BUCKET)
+        assert list(decoder.prefill_graphs) == kept[1:] + [PREFILL_BUCKET]
+        assert decoder.prefill_graphs[PREFILL_BUCKET] is not captured[0]     # captured again
+        long = random_prefix(vlm, top + 10, seed=1)                          # past the threshold: eager
+        assert vlm._prefill_plan(top + 10) == (top + 10, False)
         same, got = vlm._prefill([long], 2)
-        assert same is decoder and list(decoder.prefill_graphs) == [192, 256, 320, 64]
+        assert same is decoder and list(decoder.prefill_graphs) == kept[1:] + [PREFILL_BUCKET]
         torch.testing.assert_close(got, plain._prefill([long], 2)[1], atol=1e-4, rtol=1e-4)
 
 

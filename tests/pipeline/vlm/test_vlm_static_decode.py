@@ -119,7 +119,7 @@ class TestStaticCache:
         decoder, logits = vlm._prefill(prefixes, 4)
         token = logits.argmax(-1)
         attn = vlm._lm.layers[0].self_attn
-        per_query_head = (3, attn.num_heads, decoder.length, attn.head_dim)   # what repeat_kv would make
+        per_query_head = (decoder.rows, attn.num_heads, decoder.length, attn.head_dim)  # what repeat_kv would make
         shapes = []
         for _ in range(3):
             with OpLog() as log:

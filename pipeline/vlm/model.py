@@ -33,8 +33,9 @@ PREFILL_BUCKET = 64       # short prefixes are left padded up to a multiple of t
 # ~500-token prefix + 64 new tokens) is 23.8k slot-rows, 0.64 GiB (2B) / 1.27 GiB (7B): 9 (2B) or
 # 4 (7B) such cache lengths of all five buckets fit; at the longest graphed prefix (2048 + 64 new ->
 # 2304 slots) one full set is 1.91 / 3.81 GiB. (The 4 decoders the old count cap kept could hold
-# up to 4 x 16 x 2304 slot-rows: 3.9 GiB for the 2B, 7.9 GiB for the 7B.) Not counted: the graphs' shared memory pool
-# (decode-step activations are small; prefill activations are reused across prefill graphs).
+# up to 4 x 16 x 2304 slot-rows: 3.9 GiB for the 2B, 7.9 GiB for the 7B.) Not counted: the graphs'
+# shared memory pool (decode-step activations are small; prefill activations are reused across
+# prefill graphs, which never run at once).
 KV_CACHE_BUDGET = 6 << 30
 MAX_PREFILL_GRAPHS = 8    # prefill graphs (one per padded prefix length) kept per decoder: with one
                           # max_new_tokens at most CACHE_BUCKET / PREFILL_BUCKET = 4 lengths share a decoder
@@ -170,11 +171,12 @@ class VLM:
         # decoders of batch_bucket(batch) rows (their graphs captured once per bucket); False: of the
         # exact batch, as with cuda_graphs off, where no capture is amortised
         self.bucket_batches = config.cuda_graphs
-        # the most tokens (rows x padded length) a prefill with padding rows may compute (PREFILL_LAUNCH_FLOPS)
-        self.row_padded_prefill_tokens = int(PREFILL_LAUNCH_FLOPS // (2 * sum(
-            p.numel() for p in self._lm.layers.parameters())))
+        # the most tokens (rows x padded length) a prefill with padding rows may compute: PREFILL_LAUNCH_FLOPS
+        layer_params = sum(p.numel() for p in self._lm.layers.parameters())
+        self.row_padded_prefill_tokens = int(PREFILL_LAUNCH_FLOPS // (2 * layer_params))
         attn = self._lm.layers[0].self_attn
-        self._slot_bytes = 2 * len(self._lm.layers) * attn.k_proj.out_features * self.dtype.itemsize  # K, V per row
+        # bytes of one cache slot of one row: K and V of every layer
+        self._slot_bytes = 2 * len(self._lm.layers) * attn.k_proj.out_features * self.dtype.itemsize
         self.counters = {"decoders": 0, "evicted": 0, "decode_graphs": 0, "prefill_graphs": 0}
         self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill)
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
@@ -442,10 +444,11 @@ class VLM:
         max_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"Invalid max_new_tokens ({max_new!r}): must be an integer >= 1")
-        lengths = sorted(set(prefix_lengths))
+        lengths = list(prefix_lengths)
         for n in lengths:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"Invalid prefix length ({n!r}): must be an integer >= 1")
+        lengths = sorted(set(lengths))
         sizes = list(batch_sizes)
         for b in sizes:
             batch_bucket(b)                                                  # rejects what is not a batch size
@@ -729,11 +732,11 @@ class StaticDecoder:
 
     def _forward(self) -> torch.Tensor:
         vlm = self.vlm
-        embeds = vlm._lm.embed_tokens(self.token)[:, None]                   # (B, 1, D)
-        allowed = (self.key_slots >= self.pad[:, None]) & (self.key_slots <= self.slot)  # (B, Lmax)
-        positions = (self.rope_offset + self.slot).view(1, -1, 1).expand(3, -1, 1)     # (3, B, 1)
+        embeds = vlm._lm.embed_tokens(self.token)[:, None]                   # (R, 1, D)
+        allowed = (self.key_slots >= self.pad[:, None]) & (self.key_slots <= self.slot)  # (R, Lmax)
+        positions = (self.rope_offset + self.slot).view(1, -1, 1).expand(3, -1, 1)     # (3, R, 1)
         hidden = vlm._lm_step(embeds, vlm._masks(allowed[:, None, None]), positions, self.cache)
-        logits = vlm.model.lm_head(hidden[:, -1]).float()                    # (B, V)
+        logits = vlm.model.lm_head(hidden[:, -1]).float()                    # (R, V)
         self.slot.add_(1)
         return logits
 

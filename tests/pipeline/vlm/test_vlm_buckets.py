@@ -285,3 +285,29 @@ class TestSharedWindowPrefix:
         frames = make_frames(2, 56, 84)
         with pytest.raises(ValueError, match="does not match the VLM grid"):
             vlm.answer_questions(frames, np.ones((2, 3, 3), dtype=np.int64), ["q"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_cuda_warm_up_captures_everything_ahead(family):
+    """After warm_up, the measured mix of batch sizes captures nothing more, and the replayed bucketed
+    graphs give what eager decoding at the exact batch gives, with row-padded prefill graphs and
+    with eager prefills at the true batch into the bucketed cache."""
+    from pipeline.vlm.loading import build_tiny_vlm
+
+    graphed = build_tiny_vlm(family, device="cuda")
+    eager = build_tiny_vlm(family, device="cuda", config=VLMConfig(cuda_graphs=False))
+    keys = graphed.warm_up(range(1, 17), [50, 120], max_new_tokens=8)    # padded 64 and 128, 256 slots
+    assert keys == [(r, CACHE_BUCKET) for r in (1, 2, 4, 8, 16)]
+    captured = dict(graphed.counters)
+    assert (captured["decoders"], captured["decode_graphs"], captured["prefill_graphs"]) == (5, 5, 10)
+    for row_padded_tokens in (graphed.row_padded_prefill_tokens, 0):
+        graphed.row_padded_prefill_tokens = row_padded_tokens
+        for n in MEASURED_MIX:
+            batch = [random_prefix(graphed, 40 + (b * 37) % 80, seed=b) for b in range(n)]
+            kw = dict(max_new_tokens=8, return_logits=True)
+            got, want = graphed.generate(batch, **kw), eager.generate(batch, **kw)
+            assert torch.equal(got.tokens, want.tokens) and got.lengths == want.lengths
+            assert_steps_close(got.step_logits, want.step_logits, atol=1e-4, rtol=1e-4)
+    assert graphed.counters == captured

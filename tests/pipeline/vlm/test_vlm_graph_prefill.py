@@ -213,7 +213,7 @@ class TestGraphReplay:
         assert decoder.prefill_graphs[PREFILL_BUCKET] is not captured[0]     # captured again
         long = random_prefix(vlm, top + 10, seed=1)                          # past the threshold: eager
         assert vlm._prefill_plan(top + 10) == (top + 10, False)
-        same, got = vlm._prefill([long], 2)
+        same, got = vlm._prefill([long], 1025 - (top + 10))                  # the (1, 1024) decoder too
         assert same is decoder and list(decoder.prefill_graphs) == kept[1:] + [PREFILL_BUCKET]
         torch.testing.assert_close(got, plain._prefill([long], 2)[1], atol=1e-4, rtol=1e-4)
 

@@ -38,6 +38,11 @@ from .video import open_video
 from .yuv import YuvLayout, matches, write_planes, yuv_layout
 
 _POLL_S = 0.5
+# How far the prefetch thread may run ahead of the copies into the slots: in frames (PyAV), or in
+# decord's chunks (each up to sources.video's 64 MB bound: with the one being decoded and the one
+# being copied out, the worker holds 3; one ahead is enough, copying a chunk takes a fraction of its decoding).
+_FRAMES_AHEAD = 8
+_CHUNKS_AHEAD = 1
 
 
 @dataclass
@@ -210,19 +215,32 @@ def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout
                 # fault every page of the slots in now, while the parent sets up, not while decoding
                 buffers.reshape(-1)[::mmap.PAGESIZE] = 0
                 filled.put(("ready",))
-                frames = _planes(source, yuv, path) if yuv is not None else _rgb(source, shape[2:], path)
-                frames = stack.enter_context(_Prefetched(frames))
+                if yuv is not None:
+                    runs, depth = _planes(source, yuv, path), _FRAMES_AHEAD
+                elif source.decoder == "decord":
+                    runs, depth = _decord_chunks(source, shape[2:], path), _CHUNKS_AHEAD
+                else:
+                    runs, depth = _rgb(source, shape[2:], path), _FRAMES_AHEAD
+                runs = stack.enter_context(_Prefetched(runs, depth))
+                run, done = None, 0  # the run being copied out, and how many of its frames are
                 while True:
                     slot = _next_slot(free, parent)
                     if slot is None:
                         return
                     indices, pts = [], []
-                    for index, pts_s, write in frames:
-                        write(buffers[slot, len(indices)])
-                        indices.append(index)
-                        pts.append(pts_s)
-                        if len(indices) == batch:
-                            break
+                    while len(indices) < batch:
+                        if run is None:
+                            run, done = next(runs, None), 0
+                            if run is None:
+                                break
+                        run_indices, run_pts, write = run
+                        n = min(batch - len(indices), len(run_indices) - done)
+                        write(buffers[slot, len(indices):len(indices) + n], done)
+                        indices += run_indices[done:done + n]
+                        pts += run_pts[done:done + n]
+                        done += n
+                        if done == len(run_indices):
+                            run = None
                     if indices:
                         filled.put(("batch", slot, indices, pts))
                     if len(indices) < batch:
@@ -247,7 +265,7 @@ class _Prefetched:
 
     _END = object()
 
-    def __init__(self, items: Iterator, depth: int = 8) -> None:
+    def __init__(self, items: Iterator, depth: int) -> None:
         self._items, self._queue = items, queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-prefetch", daemon=True)
@@ -288,19 +306,43 @@ class _Prefetched:
             yield item
 
 
-def _rgb(source: Any, shape: tuple, path: str) -> Iterator[tuple[int, float, Any]]:
-    """(index, pts, write(out)) per frame, writing its RGB pixels into out (H, W, 3)."""
+def _rgb(source: Any, shape: tuple, path: str) -> Iterator[tuple[list[int], list[float], Any]]:
+    """One-frame runs ([index], [pts], write(out (1, H, W, 3), 0)) of RGB frames."""
     for frame in source:
         if frame.rgb.shape != shape:
             raise SourceError(f"{path}: frame size changed mid-stream at frame {frame.index}: "
                               f"{shape[:2]} -> {frame.rgb.shape[:2]}")
-        yield frame.index, frame.pts_s, functools.partial(np.copyto, src=frame.rgb)
+        yield [frame.index], [frame.pts_s], functools.partial(_copy_frame, frame.rgb)
 
 
-def _planes(source: Any, yuv: YuvLayout, path: str) -> Iterator[tuple[int, float, Any]]:
-    """(index, pts, write(out)) per frame, writing its Y, U, V planes into out (frame_bytes,)."""
+def _decord_chunks(source: Any, shape: tuple, path: str) -> Iterator[tuple[list[int], list[float], Any]]:
+    """Runs of the chunks decord decodes at once: (indices, pts, write(out (k, H, W, 3), start))
+    copies the chunk's frames start:start + k. The chunk is decord's own memory (no asnumpy copy),
+    and the prefetch thread hands it over whole, so decord decodes the next chunk while this one
+    is copied out."""
+    for indices, pts, rgb in source.decoded_chunks():
+        if rgb.shape[1:] != shape:
+            raise SourceError(f"{path}: frame size changed mid-stream at frame {indices[0]}: "
+                              f"{shape[:2]} -> {rgb.shape[1:3]}")
+        yield indices, pts, functools.partial(_copy_rows, rgb)
+
+
+def _planes(source: Any, yuv: YuvLayout, path: str) -> Iterator[tuple[list[int], list[float], Any]]:
+    """One-frame runs ([index], [pts], write(out (1, frame_bytes), 0)) of Y, U, V planes."""
     for index, pts_s, frame in source.decoded_frames():
         if not matches(yuv, frame):
             raise SourceError(f"{path}: pixel format or size changed mid-stream at frame {index}: "
                               f"{frame.format.name} {frame.width}x{frame.height}")
-        yield index, pts_s, functools.partial(write_planes, frame, layout=yuv)
+        yield [index], [pts_s], functools.partial(_write_planes, frame, yuv)
+
+
+def _copy_frame(rgb: np.ndarray, out: np.ndarray, start: int) -> None:
+    np.copyto(out[0], rgb)
+
+
+def _copy_rows(rgb: np.ndarray, out: np.ndarray, start: int) -> None:
+    np.copyto(out, rgb[start:start + len(out)])
+
+
+def _write_planes(frame: Any, yuv: YuvLayout, out: np.ndarray, start: int) -> None:
+    write_planes(frame, out[0], layout=yuv)

@@ -363,6 +363,7 @@ class _DecordSource(VideoSource):
         self._pts = np.where(missing, np.arange(count) / info.fps, pts)  # (N,)
         self._indices, self._cut_short = self._select(self._pts)
         self._chunk = int(np.clip(_DECORD_CHUNK_BYTES // (3 * info.width * info.height), 1, _DECORD_MAX_CHUNK))
+        self._no_frames = np.empty((0, info.height, info.width, 3), np.uint8)
         self._pending = self._read(self._indices[:self._chunk])
         if self._indices and len(self._pending[0]) == 0:
             raise SourceError(f"{self.path}: decord cannot decode this video ({self._pending[1]}); "
@@ -375,7 +376,7 @@ class _DecordSource(VideoSource):
     def close(self) -> None:
         super().close()
         self._reader = None
-        self._pending = ([], None)
+        self._pending = (None, None)
 
     def _select(self, pts: np.ndarray) -> tuple[list[int], bool]:
         """Indices the sampler keeps and whether it stopped before the last frame."""
@@ -390,36 +391,52 @@ class _DecordSource(VideoSource):
                     return kept, i < len(pts) - 1
         return kept, False
 
-    def _read(self, indices: list[int]) -> tuple[np.ndarray | list[np.ndarray], str | None]:
-        """Decode a chunk; on an error keep the frames before the first one that fails."""
+    def _read(self, indices: list[int]) -> tuple[np.ndarray, str | None]:
+        """Decode a chunk, (n, H, W, 3); on an error keep the frames before the first one that fails."""
         if not indices:
-            return [], None
+            return self._no_frames, None
         try:
-            return self._reader.get_batch(indices).asnumpy(), None  # (n, H, W, 3)
+            return _decord_numpy(self._reader.get_batch(indices)), None
         except self._error_types as e:
             intact = []
             for i in indices:
                 try:
-                    intact.append(self._reader.get_batch([i]).asnumpy()[0])
+                    intact.append(_decord_numpy(self._reader.get_batch([i]))[0])
                 except self._error_types:
                     break
-            return intact, _reason(e)
+            return (np.stack(intact) if intact else self._no_frames), _reason(e)
 
-    def _frames(self) -> Iterator[Frame]:
+    def decoded_chunks(self) -> Iterator[tuple[list[int], list[float], np.ndarray]]:
+        """(indices, pts_s, rgb (n, H, W, 3)) per chunk that decord decoded at once, the same frames
+        as iterating the source: for callers that copy whole chunks elsewhere (the decode worker
+        fills its shared slots with them). Read once, like iterating the source."""
+        if self._closed or self._iterated:
+            iter(self)  # raises the same errors
+        self._iterated = True
+        return self._chunks()
+
+    def _chunks(self) -> Iterator[tuple[list[int], list[float], np.ndarray]]:
         last_pts = None
         for start in range(0, len(self._indices), self._chunk):
             chunk = self._indices[start:start + self._chunk]
             batch, damage = self._pending if start == 0 else self._read(chunk)
-            self._pending = ([], None)
-            for i, rgb in zip(chunk, batch):
-                last_pts = float(self._pts[i])
-                yield Frame(self.stream_id, i, last_pts, rgb)  # a row of a (n, H, W, 3) C-order batch
+            self._pending = (self._no_frames, None)
+            if len(batch):
+                chunk = chunk[:len(batch)]
+                pts = self._pts[chunk].tolist()
+                last_pts = pts[-1]
+                yield chunk, pts, batch
             if damage is not None:
                 self._damage = damage
                 self._finish(last_pts)
                 return
         if not self._cut_short:
             self._finish(float(self._pts[-1]) if len(self._pts) else None)
+
+    def _frames(self) -> Iterator[Frame]:
+        for indices, pts, batch in self._chunks():
+            for i, pts_s, rgb in zip(indices, pts, batch):
+                yield Frame(self.stream_id, i, pts_s, rgb)  # a row of a (n, H, W, 3) C-order batch
 
 
 class _Sampler:
@@ -568,3 +585,23 @@ def _reason(error: BaseException) -> str:
     text = getattr(error, "strerror", None) or str(error) or type(error).__name__
     line = text.strip().splitlines()[0]
     return re.sub(r"^(\[[\d:]+\] \S+:\d+: )+", "", line)[:200]  # decord's "[time] file.cc:line: " prefix
+
+
+class _DecordMemory:
+    """Keeps a decord NDArray alive under numpy views of its memory (numpy holds this as `base`)."""
+
+    def __init__(self, batch: object, data: int) -> None:
+        self._batch = batch
+        self.__array_interface__ = {"shape": tuple(batch.shape), "typestr": "|u1", "data": (data, False),
+                                    "version": 3}
+
+
+def _decord_numpy(batch: object) -> np.ndarray:
+    """A decord uint8 NDArray as a writable numpy array over the same memory. asnumpy() copies it
+    into fresh memory (page faults included: ~1 ms per 1080p frame, a third of decord's own time),
+    and every reader copies the frames on anyway (into a batch, a shared slot)."""
+    tensor = batch.handle.contents  # DLTensor: data, ctx, ndim, dtype, shape, strides, byte_offset
+    compact = not tensor.strides  # NULL strides: row-major and dense
+    if not (compact and tensor.data and batch.dtype == "uint8" and tensor.ctx.device_type == 1):  # kDLCPU
+        return batch.asnumpy()
+    return np.asarray(_DecordMemory(batch, tensor.data + tensor.byte_offset))

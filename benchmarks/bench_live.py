@@ -196,7 +196,9 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             "drop_share": round(sum(p["dropped"] for p in per.values()) / max(1, frames_in), 4),
             "answers": int(sum(p["answers"] for p in per.values())),
             "answer_latency_p50_ms": round(percentile(marks["lat"], 50) * 1e3, 1),
-            "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1)}
+            "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1),
+            # cumulative over the runs so far: decoders made, evicted, graphs captured
+            "vlm_counters": dict(getattr(vlm, "counters", {}))}
 
 
 def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="CPU smoke test: 320x180@15, tiny VLM, short runs")
-    p.add_argument("--streams", default=None, help="comma-separated stream counts (default 1,4,16; quick 1,2)")
+    p.add_argument("--streams", default=None, help="comma-separated stream counts (default 1,4,16; quick 1,2; none: soak only)")
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per count (default 30; quick 6)")
     p.add_argument("--warmup", type=float, default=None, help="seconds before measuring (default 10; quick 3)")
     p.add_argument("--soak", type=float, default=None, help="soak seconds, 0 to skip (default 600; quick 20)")
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     quick = args.quick
     w, h, fps = (320, 180, 15) if quick else (1280, 720, 30)
-    counts = [int(c) for c in (args.streams or ("1,2" if quick else "1,4,16")).split(",")]
+    streams = args.streams or ("1,2" if quick else "1,4,16")
+    counts = [] if streams == "none" else [int(c) for c in streams.split(",")]  # none: the soak only
     args.seconds = args.seconds or (6.0 if quick else 30.0)
     args.warmup = args.warmup if args.warmup is not None else (3.0 if quick else 10.0)
     args.soak = args.soak if args.soak is not None else (20.0 if quick else 600.0)

@@ -6,7 +6,7 @@
 Runs the same generated MSRVTT-QA fixture as bench_batch (Qwen2-VL-2B architecture, random bf16
 weights on CUDA; tiny-random with --quick) once per setting given by --settings, and prints per
 setting the mean seconds per video of: opening the video, capturing the front end's CUDA graphs,
-the whole graph run, and inside it the VLM's vision tower, prefixes (selection + M-RoPE), and
+the whole graph run, and inside it the VLM's vision tower, prefixes (the window's selection + M-RoPE, then each question's), and
 generation; plus the graph's per-stage busy shares. The first video of each setting (model
 build, first captures) is left out of the means.
 """
@@ -42,7 +42,8 @@ PHASES = {  # label: (owner, attribute) wrapped with a timer
     "frontend_capture": (cudagraph.FrontendGraphs, "prepare"),
     "graph_run": (graph_mod.Graph, "run"),
     "vlm_vision": (vlm_model.VLM, "_merged_tokens"),
-    "vlm_prefix": (vlm_model.VLM, "build_prefix"),
+    "vlm_window_prefix": (vlm_model.VLM, "window_prefix"),
+    "vlm_question_prefix": (vlm_model.VLM, "question_prefix"),
     "vlm_generate": (vlm_model.VLM, "generate"),
 }
 

@@ -27,7 +27,8 @@ from arr_coc.texture import Texture
 # caching host allocator queries its blocks' events; seen on an H100 in live mode as "operation not
 # permitted when stream is capturing" / "invalid argument" in pin_memory while the VLM captured its
 # decode step). Captures and those allocations take this lock: captures are rare (one per shape),
-# the allocations short.
+# the allocations short. So do (un)registering host memory and device-wide syncs (a sync waits on
+# the capturing stream, which invalidates its capture); the hot paths sync streams or events only.
 CAPTURE_LOCK = threading.RLock()
 
 STATE_FIELDS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")

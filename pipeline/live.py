@@ -131,6 +131,29 @@ class _Window:
     pending_meta: tuple[float, float] | None = None
 
 
+def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: PipelineConfig,
+             options: LiveOptions) -> None:
+    """Capture the VLM's decoders and prefill graphs for the batches and prefix lengths live
+    answering will ask for, now, during setup: each capture takes a few hundred ms that would
+    otherwise land on an answer's latency (and, under CAPTURE_LOCK, stall the stages' page-locked
+    allocations). Prefix lengths are estimated from each source's window: `every_s` seconds at the
+    VLM's frame rate, frames paired by the temporal patch, each pair keeping between one frame's and
+    two frames' share of the cells at the retention in use (fraction mode; other shapes get
+    captured when they first occur)."""
+    g = vlm.geometry
+    frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
+    pairs = -(-frames // g.temporal_patch_size)
+    retention = cfg.model.attending.retention
+    lengths = set()
+    for height, width in sizes:
+        gh, gw = g.grid(height, width)
+        lo, hi = pairs * max(1, round(retention * gh * gw)), pairs * min(gh * gw, 2 * round(retention * gh * gw))
+        for kept in range(lo, hi + 64, 64):                 # the prefill pads lengths to multiples of 64
+            lengths.add(vlm.prefix_length(question, min(kept, hi)))
+    sizes_b = [1 << i for i in range(vlm.config.max_batch.bit_length()) if 1 << i <= vlm.config.max_batch]
+    vlm.warm_up(sizes_b + [vlm.config.max_batch], sorted(lengths))
+
+
 class LiveVLMStage(Stage):
     """Per-stream answer windows over the latest `every_s` seconds, asked through one VLMBatcher.
 
@@ -386,6 +409,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     vlm_stage = None
     if vlm is not None:
         from .vlm.batcher import VLMBatcher
+        if device.type == "cuda" and cfg.vlm.cuda_graphs:
+            warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
         vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options)
     counters = {s.stream_id: StreamCounters() for s in sources}
     graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,

@@ -107,6 +107,14 @@ class AnswerItem:
     description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
 
 
+def frontend_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream for the per-frame stages (decode copies, texture, realize), at the highest
+    priority: where the VLM shares the GPU (live mode), the GPU's scheduler runs the front end's
+    kernels first, so frames keep their rate and answers absorb the wait. With the default stream
+    (priority 0) for the VLM, it is a no-op when nothing else runs."""
+    return torch.cuda.Stream(device, priority=-1)  # lower is higher; torch maps it into CUDA's range
+
+
 def host_uint8(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
     """An empty uint8 host tensor, page-locked when `pin` (not while another thread captures)."""
     with CAPTURE_LOCK if pin else nullcontext():
@@ -139,7 +147,7 @@ class DecodeStage(Stage):
         self.device = device if isinstance(source, ProcessSource) and device is not None and device.type == "cuda" else None
         if self.device is None and getattr(source, "yuv", None) is not None:
             raise ValueError("a ProcessSource handing over YUV planes needs a CUDA device to convert them")
-        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
+        self.stream = frontend_stream(self.device) if self.device is not None else None
         self._registered: int | None = None  # address of the page-locked slots
         if self.device is not None:
             self._page_lock(source.buffer)
@@ -188,7 +196,8 @@ class DecodeStage(Stage):
         """cudaHostRegister the slots so copies from them are asynchronous DMA. Where the driver
         refuses (some containers limit locked memory), copies still work, synchronously."""
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0)
+        with CAPTURE_LOCK:  # (un)registering page-locked memory: not while another thread captures
+            err = cudart.cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0)
         if int(getattr(err, "value", err)) == 0:
             self._registered = buffer.ctypes.data
 
@@ -207,8 +216,9 @@ class DecodeStage(Stage):
 
     def close(self) -> None:
         if self._registered is not None:  # before the slots are unmapped
-            torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            with CAPTURE_LOCK:  # a device-wide sync would invalidate another thread's capture
+                torch.cuda.synchronize(self.device)
+                torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         close = getattr(self.source, "close", None)
         if close is not None:
@@ -224,7 +234,7 @@ class TextureStage(Stage):
                  graphs: FrontendGraphs | None = None) -> None:
         self.model, self.device, self.grid = model, device, grid
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = frontend_stream(device) if self.cuda else None
         self.last: dict[str, torch.Tensor] = {}  # last frame of each stream, on the device
         # batches of a stream with history replay a CUDA graph (one per batch shape); a stream's
         # first batch runs eagerly
@@ -268,7 +278,7 @@ class RealizeStage(Stage):
         self.query, self.query_mask = query.to(device), None if query_mask is None else query_mask.to(device)
         self.vlm_fps = vlm_fps
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = frontend_stream(device) if self.cuda else None
         self.states: dict[str, StreamState] = {}
         self.next_vlm_pts: dict[str, float] = {}
         self.graphs = graphs

@@ -505,8 +505,11 @@ class VLM:
         return Generation(torch.stack(tokens[:n], 1), lengths_list, step_logits[:n], decode_s)
 
     def _sync(self) -> None:
+        """Wait for this thread's VLM work (the current stream, where every replay lands too). Not a
+        device-wide sync: that would wait on, and so invalidate, a graph another thread is capturing
+        (seen in live mode: "operation failed due to a previous error during capture" in texture)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     @torch.no_grad()
     def logits_without_cache(self, prefix: Prefix, continuation: torch.Tensor) -> torch.Tensor:

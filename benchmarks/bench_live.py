@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak", type=float, default=None, help="soak seconds, 0 to skip (default 600; quick 20)")
     p.add_argument("--every", type=float, default=2.0)
     p.add_argument("--new-tokens", type=int, default=None, help="answer length in tokens (default 16; quick 4)")
-    p.add_argument("--batch-size", type=int, default=8, help="frames per batch through the GPU stages")
-    p.add_argument("--buffer", type=int, default=8, help="newest frames kept per source")
+    p.add_argument("--batch-size", type=int, default=16, help="frames per batch through the GPU stages (runtime default)")
+    p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/bench_live_<device>.json)")
     args = p.parse_args(argv)
     quick = args.quick

@@ -78,6 +78,7 @@ class FrontendGraphs:
         frames (graphs keep no data), rather than inside its first batches (~0.1-0.3 s). Other
         shapes (a file's short last batch) then run eagerly instead of being captured."""
         device = self.query.device
+        self.capture_new = True  # these shapes, now (an earlier prepare() may have closed capturing)
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):
             # the layout the texture stage hands over: (T, H, W, 3) uint8 viewed as (T, 3, H, W)

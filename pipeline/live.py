@@ -323,6 +323,14 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     capture = CaptureStage(sources, cfg.runtime.batch_size, pin=device.type == "cuda", stop=stop)
     from .run import add_answer_tail, frontend_graphs
     graphs = frontend_graphs(model, grid, query, cfg, device)  # one graph per batch size, all streams
+    if graphs is not None:
+        # every batch shape the capture stage can hand over (a source's buffer caps a batch),
+        # captured now: a capture mid-run stalls the stream that needs it, and it races the other
+        # threads' CUDA calls (two live runs on an H100 failed inside or just after one)
+        largest = min(cfg.runtime.batch_size, max(s.config.buffer_frames for s in sources))
+        for height, width in sorted({(s.height, s.width) for s in sources}):
+            for batch in range(1, largest + 1):
+                graphs.prepare(batch, height, width)
     texture = LiveTextureStage(model, device, grid, graphs)
     realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
                                graphs=graphs)
@@ -473,8 +481,8 @@ def add_live_parser(sub: Any, common: Any) -> None:
     p.add_argument("--transport", choices=["tcp", "udp"], default="tcp", help="RTSP transport (default: tcp)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="open / read timeout: a stream silent this long is reconnected (default: 5)")
-    p.add_argument("--buffer", type=int, default=8, metavar="FRAMES",
-                   help="newest frames kept per source; older ones are dropped and counted (default: 8)")
+    p.add_argument("--buffer", type=int, default=16, metavar="FRAMES",
+                   help="newest frames kept per source; older ones are dropped and counted (default: %(default)s)")
     p.add_argument("--metrics-every", type=float, default=5.0, metavar="SECONDS",
                    help="period of the JSON metrics on stderr when it is not a terminal (default: 5)")
     p.set_defaults(func=cmd_live)

@@ -72,7 +72,7 @@ class LiveConfig:
     backoff_jitter: float = 0.2
     max_reconnects: int | None = None
     probe_s: float = 0.5
-    buffer_frames: int = 8
+    buffer_frames: int = 16
     realtime: bool = False
 
     def __post_init__(self) -> None:

@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, nargs=2, default=[240, 320], metavar=("H", "W"), help="MSR-VTT is 320x240")
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="videos in work at once per worker")
+    ap.add_argument("--paths", default="local,ray", help="comma-separated: local, ray (default both)")
+    ap.add_argument("--tokens", default="stock,arrcoc", help="comma-separated: stock, arrcoc (default both)")
     ap.add_argument("--no-ray", action="store_true", help="time the local path only (where Ray is not installed)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
@@ -94,7 +96,10 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA GPU here (use --quick on CPU)")
     n_gpus = torch.cuda.device_count() if args.device == "cuda" else 2
-    counts = [] if args.no_ray else (args.gpus or [n for n in (1, 2, 4, 8) if n <= n_gpus])
+    paths, tokens = args.paths.split(","), args.tokens.split(",")
+    if args.no_ray:
+        paths = [p for p in paths if p != "ray"]
+    counts = [] if "ray" not in paths else (args.gpus or [n for n in (1, 2, 4, 8) if n <= n_gpus])
     overrides = [f"runtime.device={args.device}", f"model.attending.retention={args.retention}",
                  "vlm.max_new_tokens=8" if not args.quick else "vlm.max_new_tokens=2", "vlm.fps=2.0"]
     if args.quick:
@@ -115,10 +120,11 @@ def main() -> None:
             ray.init(include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": 2} if args.quick else {}))
         rows = []
-        for stock in (True, False):
-            rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory, scratch=scratch,
-                                in_flight=args.in_flight))
-            print(json.dumps(rows[-1]), flush=True)
+        for stock in [t == "stock" for t in ("stock", "arrcoc") if t in tokens]:
+            if "local" in paths:
+                rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory,
+                                    scratch=scratch, in_flight=args.in_flight))
+                print(json.dumps(rows[-1]), flush=True)
             for n in counts:
                 rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch,
                                     in_flight=args.in_flight))
@@ -137,13 +143,18 @@ def main() -> None:
 
 
 def summarize(rows: list[dict], counts: list[int]) -> dict:
-    get = lambda path, n, tok: next(r for r in rows if (r["path"], r["workers"], r["tokens"]) == (path, n, tok))  # noqa: E731
+    get = lambda path, n, tok: next((r for r in rows if (r["path"], r["workers"], r["tokens"]) == (path, n, tok)),  # noqa: E731
+                                    None)
     out = {"speedup_questions_per_s_arrcoc_over_stock": {}, "ray_scaling_efficiency": {}}
     for path, n in [("local", 1)] + [("ray", n) for n in counts]:
         s, a = get(path, n, "stock"), get(path, n, "arrcoc")
+        if s is None or a is None:
+            continue
         out["speedup_questions_per_s_arrcoc_over_stock"][f"{path}_{n}"] = round(
             a["steady_questions_per_s"] / s["steady_questions_per_s"], 3) if s["steady_questions_per_s"] else None
     for tok in ("stock", "arrcoc") if counts else ():
+        if get("ray", counts[0], tok) is None:
+            continue
         one = get("ray", counts[0], tok)["steady_questions_per_s"] / counts[0]
         out["ray_scaling_efficiency"][tok] = {str(n): round(get("ray", n, tok)["steady_questions_per_s"] / (n * one), 3)
                                               for n in counts}

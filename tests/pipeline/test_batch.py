@@ -145,6 +145,40 @@ class TestResume:
         assert validate_store(out) == []
 
 
+    def test_sigterm_with_videos_in_flight_exits_130_and_resume_answers_each_once(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        written = fixture(root, videos=6, questions=2, seconds=1.5)
+        cmd = [sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+               "--out", str(out), "--in-flight", "3", *FAST]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        streams, deadline = out / "streams", time.monotonic() + 120
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                groups = [p for p in streams.glob("video*") if (p / "zarr.json").is_file()] if streams.is_dir() else []
+                if any(group_complete(p) for p in groups) and len(groups) < 6:
+                    break
+                time.sleep(0.01)
+            assert proc.poll() is None, f"batch ended before it could be stopped: {proc.stderr.read().decode()}"
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+            err = proc.stderr.read().decode()
+        finally:
+            proc.kill()
+            proc.wait()
+        assert code == 130, err
+        assert "Traceback" not in err
+        assert validate_store(out) == []                       # the videos in flight were closed cleanly
+        store = ZarrStore.open(out, mode="r")
+        complete = [s for s in store.stream_ids() if store.is_complete(s)]
+        assert 1 <= len(complete) < 6
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0, err
+        assert summary["skipped_complete"] == len(complete) and summary["done"] == 6 - len(complete)
+        report = evaluate(out, load_msrvtt(root))
+        assert report.duplicates == 0 and report.unmatched == 0 and report.videos_incomplete == 0
+        assert sorted(p.question.question_id for p in report.predictions) == sorted(q.question_id for q in written)
+
+
 def group_complete(group: Path) -> bool:
     try:
         return json.loads((group / "zarr.json").read_text())["attributes"].get("complete") is True

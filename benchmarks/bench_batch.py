@@ -4,6 +4,9 @@ per video) through `pipeline batch`, local path and Ray Data, stock tokens vs AR
 Reports per setting videos/s and questions/s, both over the whole wall time (model loading
 included) and steady-state (after each worker's first video, which carries its model load), plus
 the ARR-COC/stock speed-up and the Ray scaling efficiency qps(n GPUs) / (n * qps(1 GPU)).
+"Stock" is the same pipeline with every token sent to the VLM (`--stock-tokens`: the ARR-COC front
+end still runs); the `vlm-only` path is the stock VLM alone (frames decoded at vlm.fps, no front
+end, no store), the alternative a user without ARR-COC would run.
 The VLM is the Qwen2-VL-2B architecture with random weights (nothing is downloaded; speed does not
 depend on the weights); its answers are meaningless.
 
@@ -21,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,6 +78,36 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"]}
 
 
+def vlm_only_run(plan, cfg, *, factory) -> dict:
+    """The stock VLM alone, the real alternative to the pipeline: each video decoded at the VLM's
+    frame rate (vlm.fps) and all its questions answered over every visual token, with no ARR-COC
+    front end and no store; one video at a time. Steady rates leave out the first video."""
+    import time
+
+    from pipeline.run import load_answerer, resolve_device
+    from sources import open_video
+
+    device = resolve_device(cfg.runtime.device)
+    t0 = time.perf_counter()
+    vlm = load_answerer(cfg, device) if factory is None else factory(device)
+    done, questions, tokens = [], 0, 0
+    for work in plan:
+        with open_video(work.path, fps=cfg.vlm.fps) as video:
+            frames = np.stack([f.rgb for f in video])                       # (T, H, W, 3)
+        results = vlm.answer_questions(frames, None, [q.question for q in work.questions])
+        done.append((time.perf_counter(), len(results)))
+        questions += len(results)
+        tokens = results[0].tokens_full if results else tokens
+    wall = time.perf_counter() - t0
+    span = done[-1][0] - done[0][0] if len(done) > 1 else float("nan")
+    return {"path": "vlm-only", "workers": 1, "in_flight": 1, "tokens": "stock",
+            "videos_per_s": round(len(done) / wall, 4), "questions_per_s": round(questions / wall, 4),
+            "steady_videos_per_s": round((len(done) - 1) / span, 4),
+            "steady_questions_per_s": round(sum(n for _, n in done[1:]) / span, 4),
+            "tokens_kept_per_video": float(tokens), "tokens_full_per_video": float(tokens),
+            "done": len(done), "wall_s": round(wall, 3), "backend": "stock VLM alone (no ARR-COC front end)"}
+
+
 def main() -> None:
     global BENCH_VLM
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,7 +120,9 @@ def main() -> None:
     ap.add_argument("--size", type=int, nargs=2, default=[240, 320], metavar=("H", "W"), help="MSR-VTT is 320x240")
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="videos in work at once per worker")
-    ap.add_argument("--paths", default="local,ray", help="comma-separated: local, ray (default both)")
+    ap.add_argument("--paths", default="local,ray,vlm-only",
+                    help="comma-separated: local, ray, vlm-only (the stock VLM alone, no ARR-COC front end; "
+                         "default all three)")
     ap.add_argument("--tokens", default="stock,arrcoc", help="comma-separated: stock, arrcoc (default both)")
     ap.add_argument("--no-ray", action="store_true", help="time the local path only (where Ray is not installed)")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -131,6 +167,9 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
         if counts:
             ray.shutdown()
+        if "vlm-only" in paths:
+            rows.append(vlm_only_run(plan, cfg, factory=factory))
+            print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
@@ -152,6 +191,10 @@ def summarize(rows: list[dict], counts: list[int]) -> dict:
             continue
         out["speedup_questions_per_s_arrcoc_over_stock"][f"{path}_{n}"] = round(
             a["steady_questions_per_s"] / s["steady_questions_per_s"], 3) if s["steady_questions_per_s"] else None
+    alone, local = get("vlm-only", 1, "stock"), get("local", 1, "arrcoc")
+    if alone is not None and local is not None and alone["steady_questions_per_s"]:
+        out["speedup_questions_per_s_arrcoc_over_stock_vlm_alone"] = round(
+            local["steady_questions_per_s"] / alone["steady_questions_per_s"], 3)
     for tok in ("stock", "arrcoc") if counts else ():
         if get("ray", counts[0], tok) is None:
             continue

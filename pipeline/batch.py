@@ -28,7 +28,7 @@ import torch
 from arr_coc._validate import ConfigError
 from sinks import ZarrStore
 from sources import SourceError, open_video
-from sources.process import ProcessSource
+from sources.process import DecodeWorker, ProcessSource
 from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
 
 from .config import PipelineConfig
@@ -141,6 +141,7 @@ class VideoAnswerer:
         self._vlm_lock = threading.Lock()
         self._graphs_lock = threading.Lock()
         self._running: dict[int, tuple[Any, RunStatus]] = {}  # graphs in flight, to stop them on Ctrl-C
+        self._idle_workers: list[DecodeWorker] = []              # decode processes between videos
 
     @staticmethod
     def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
@@ -165,13 +166,45 @@ class VideoAnswerer:
                             tokens_full=full, wall_s=time.perf_counter() - start, finished_at=time.time())
 
     def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem]]:
+        # decode.process: the decoder runs in its own process, where the stage threads of the videos
+        # in flight cannot hold the GIL from it; the processes serve video after video (a fresh
+        # one costs ~0.3 s, a good part of a short clip's time)
+        worker = self._take_decode_worker() if self.cfg.decode.process else None
+        try:
+            return self._run_video(work, worker)
+        finally:
+            if worker is not None:
+                self._give_back_decode_worker(worker)
+
+    def _take_decode_worker(self) -> DecodeWorker:
+        with self._graphs_lock:
+            while self._idle_workers:
+                worker = self._idle_workers.pop()
+                if worker.alive:
+                    return worker
+                worker.close()
+        return DecodeWorker()
+
+    def _give_back_decode_worker(self, worker: DecodeWorker) -> None:
+        if not worker.alive:
+            worker.close()
+            return
+        with self._graphs_lock:
+            self._idle_workers.append(worker)
+
+    def close(self) -> None:
+        """Stop the decode worker processes (they also exit by themselves when this process ends)."""
+        with self._graphs_lock:
+            workers, self._idle_workers = self._idle_workers, []
+        for worker in workers:
+            worker.close()
+
+    def _run_video(self, work: VideoWork, worker: DecodeWorker | None) -> tuple[int, list[AnswerItem]]:
         cfg, d = self.cfg, self.cfg.decode
         kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
                       stream_id=work.video_id)
-        # decode.process: the decoder runs in its own process, where the stage threads of the videos
-        # in flight cannot hold the GIL from it
         source = (ProcessSource(work.path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
-                                **kwargs) if d.process else open_video(work.path, **kwargs))
+                                worker=worker, **kwargs) if worker is not None else open_video(work.path, **kwargs))
         try:
             grid = self.vlm.geometry.grid(source.height, source.width)
             writer = self.store.stream(work.video_id, source=str(work.path), query=query_text(work),
@@ -270,9 +303,12 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
     start = time.perf_counter()
     answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
     outcomes = []
-    for outcome in _with_progress(answerer.answer_all(plan, in_flight), len(plan), progress):
-        outcomes.append(outcome)
-        report_outcome(outcome)
+    try:
+        for outcome in _with_progress(answerer.answer_all(plan, in_flight), len(plan), progress):
+            outcomes.append(outcome)
+            report_outcome(outcome)
+    finally:
+        answerer.close()
     return BatchSummary(Path(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
                         outcomes)
 

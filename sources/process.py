@@ -13,6 +13,11 @@ the first `batches()` call the parent hands it free slot numbers; the worker fil
 to `batch` frames and answers with their (index, pts) list. A short or empty batch ends the
 stream. The worker's errors and warnings come back as messages and are raised / re-emitted in
 the parent.
+
+A `DecodeWorker` is the process; it serves one video after another, so work over many short clips
+(batch) pays its start-up (~0.3 s, a fresh interpreter) once, not per clip. Every message and
+slot number carries its video's job id, so nothing left over from a video stopped early reaches
+the next one.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ _POLL_S = 0.5
 # being copied out, the worker holds 3; one ahead is enough, copying a chunk takes a fraction of its decoding).
 _FRAMES_AHEAD = 8
 _CHUNKS_AHEAD = 1
+_SPAWN_LOCK = threading.Lock()
 
 
 @dataclass
@@ -63,15 +69,60 @@ class DecodedBatch:
         return self.pixels
 
 
+class DecodeWorker:
+    """A spawned decode process that decodes the videos of successive ProcessSources, one at a time.
+
+    spawn, not fork: the parent runs threads (stages, FFmpeg, torch), and a forked child can
+    inherit a lock one of them held and hang (seen in the test suite). The worker starts a fresh
+    interpreter that imports only this module (~0.3 s)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.jobs, self.free, self.filled = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_serve, name="decode-worker", daemon=True,
+                                args=(self.jobs, self.free, self.filled))
+        # one start at a time: _main_not_reimported edits the process-wide __main__, and threads
+        # starting workers at the same moment (videos in flight) hung in spawnv_passfds
+        with _SPAWN_LOCK, _main_not_reimported():
+            self.proc.start()
+        self._last_job = 0
+        self.closed = False
+
+    def submit(self, path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout | None) -> int:
+        """Queue a video; -> its job id. The worker opens it now and decodes once given slots."""
+        self._last_job += 1
+        self.jobs.put((self._last_job, path, kwargs, shm_name, shape, yuv))
+        return self._last_job
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self.proc.is_alive()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.jobs.put(None)
+        self.proc.join(timeout=2.0)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=2.0)
+        for q in (self.jobs, self.free, self.filled):
+            q.close()
+            q.cancel_join_thread()
+
+
 class ProcessSource:
     """Like `open_video(...)`, but decoding happens in a child process; iterate `batches()`.
 
     device_color: hand over YUV 4:2:0 planes instead of RGB where the stream allows it (PyAV,
     8-bit 4:2:0, BT.601/709, even size); `yuv` is then the layout, else None.
+    worker: a DecodeWorker to decode in (it stays open after close(), for the next video; it must
+    not serve another source until this one is closed); None: a worker of its own, closed with it.
     """
 
     def __init__(self, path: str | Path, *, batch_size: int, slots: int = 4, device_color: bool = False,
-                 **open_kwargs: Any) -> None:
+                 worker: DecodeWorker | None = None, **open_kwargs: Any) -> None:
         if batch_size < 1 or slots < 2:
             raise ValueError(f"batch_size must be >= 1 and slots >= 2, got {batch_size} and {slots}")
         with open_video(path, **open_kwargs) as probe:  # errors (missing, corrupt, ...) surface here
@@ -88,18 +139,14 @@ class ProcessSource:
         shape = (slots, batch_size) + frame_shape
         self._shm = SharedMemory(create=True, size=int(np.prod(shape)))
         self._buffers = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
-        # spawn, not fork: the parent runs threads (stages, FFmpeg, torch), and a forked child can
-        # inherit a lock one of them held and hang (seen in the test suite). The worker starts a
-        # fresh interpreter that imports only this module (~0.3 s).
-        ctx = mp.get_context("spawn")
-        self._free, self._filled = ctx.Queue(), ctx.Queue()
+        self._own = worker is None
+        self._worker = DecodeWorker() if worker is None else worker
+        if not self._worker.alive:
+            raise ValueError("the decode worker was closed or has died")
         kwargs = dict(open_kwargs, stream_id=self.stream_id)
-        self._proc = ctx.Process(target=_worker, name=f"decode-{self.stream_id}", daemon=True,
-                                 args=(str(path), kwargs, self._shm.name, shape, self.yuv, self._free, self._filled))
-        with _main_not_reimported():
-            self._proc.start()
+        self._job = self._worker.submit(str(path), kwargs, self._shm.name, shape, self.yuv)
         self._closed = False
-        self._ready = self._started = False
+        self._ready = self._started = self._finished = False
 
     @property
     def buffer(self) -> np.ndarray:
@@ -123,7 +170,7 @@ class ProcessSource:
         if not self._started:  # decoding starts now, not during the caller's setup
             self._started = True
             for slot in range(self.slots):
-                self._free.put(slot)
+                self._worker.free.put((self._job, slot))
         while True:
             kind, *payload = self._next_message()
             if kind == "warning":
@@ -138,29 +185,31 @@ class ProcessSource:
                 yield DecodedBatch(indices, pts, self._buffers[slot, :len(indices)], slot, self.yuv)
 
     def release(self, batch: DecodedBatch) -> None:
-        self._free.put(batch.slot)
+        self._worker.free.put((self._job, batch.slot))
 
     def _next_message(self) -> tuple:
+        """This video's next message (a stopped earlier video's leftovers are skipped)."""
         while True:
             try:
-                return self._filled.get(timeout=_POLL_S)
+                job, *message = self._worker.filled.get(timeout=_POLL_S)
             except queue.Empty:
-                if not self._proc.is_alive():
+                if not self._worker.proc.is_alive():
                     raise SourceError(f"{self.path}: the decoder process died "
-                                      f"(exit code {self._proc.exitcode})") from None
+                                      f"(exit code {self._worker.proc.exitcode})") from None
+                continue
+            if job == self._job:
+                if message[0] in ("end", "error"):
+                    self._finished = True
+                return tuple(message)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._free.put(None)  # ask the worker to stop
-        self._proc.join(timeout=2.0)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout=2.0)
-        for q in (self._free, self._filled):
-            q.close()
-            q.cancel_join_thread()
+        if not self._finished and not self._worker.closed:
+            self._worker.free.put((self._job, None))  # stop this video; the worker waits for the next
+        if self._own:
+            self._worker.close()
         del self._buffers
         self._shm.close()
         self._shm.unlink()
@@ -189,21 +238,50 @@ def _main_not_reimported() -> Iterator[None]:
         main.__file__ = path
 
 
-def _next_slot(free: Any, parent: int) -> int | None:
-    """A free slot, or None when the parent asks us to stop or has died (killed, say: then no
-    one will ever free a slot, and an orphaned worker must not linger)."""
+def _next_slot(free: Any, parent: int, job: int) -> int | None:
+    """A free slot of this job, or None when the parent asks us to stop it or has died (killed,
+    say: then no one will ever free a slot, and an orphaned worker must not linger). Entries of
+    other (earlier) jobs are dropped."""
     while True:
         try:
-            return free.get(timeout=_POLL_S)
+            owner, slot = free.get(timeout=_POLL_S)
         except queue.Empty:
             if os.getppid() != parent:
                 return None
+            continue
+        if owner == job:
+            return slot
 
 
-def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout | None,
-            free: Any, filled: Any) -> None:
+def _serve(jobs: Any, free: Any, filled: Any) -> None:
+    """The worker process: one video per job, until the parent sends None or dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     parent = os.getppid()
+    while True:
+        try:
+            job = jobs.get(timeout=_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if job is None:
+            return
+        job_id, *args = job
+        _worker(job_id, *args, free, _Tagged(filled, job_id), parent)
+
+
+class _Tagged:
+    """A queue's put() that prefixes every message with the job id."""
+
+    def __init__(self, q: Any, job: int) -> None:
+        self._q, self._job = q, job
+
+    def put(self, message: tuple) -> None:
+        self._q.put((self._job, *message))
+
+
+def _worker(job: int, path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout | None,
+            free: Any, filled: Any, parent: int) -> None:
     shm = SharedMemory(name=shm_name)
     buffers = np.ndarray(shape, dtype=np.uint8, buffer=shm.buf)
     batch = shape[1]
@@ -224,7 +302,7 @@ def _worker(path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout
                 runs = stack.enter_context(_Prefetched(runs, depth))
                 run, done = None, 0  # the run being copied out, and how many of its frames are
                 while True:
-                    slot = _next_slot(free, parent)
+                    slot = _next_slot(free, parent, job)
                     if slot is None:
                         return
                     indices, pts = [], []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sources import SourceError, VideoTruncatedWarning, open_video
-from sources.process import ProcessSource
+from sources.process import DecodeWorker, ProcessSource
 from sources.synthetic import Shot, render_clip, write_video
 
 
@@ -66,7 +66,7 @@ def test_dead_worker_is_a_clear_error(clip_path):
     with ProcessSource(clip_path, batch_size=2, slots=2) as src:
         batches = src.batches()
         next(batches)                        # the worker now waits for a free slot
-        os.kill(src._proc.pid, signal.SIGKILL)
+        os.kill(src._worker.proc.pid, signal.SIGKILL)
         with pytest.raises(SourceError, match="decoder process died"):
             for _ in range(100):
                 next(batches)
@@ -77,9 +77,9 @@ def test_worker_exits_when_the_parent_stops_it_early(clip_path):
     next(src.batches())
     src.close()
     deadline = time.time() + 5
-    while src._proc.is_alive() and time.time() < deadline:
+    while src._worker.proc.is_alive() and time.time() < deadline:
         time.sleep(0.05)
-    assert not src._proc.is_alive()
+    assert not src._worker.proc.is_alive()
 
 
 def test_device_color_hands_over_yuv_planes_that_convert_to_the_rgb_frames(clip_path):
@@ -113,3 +113,69 @@ def test_device_color_keeps_rgb_where_the_stream_needs_it(clip_path, tmp_path):
         assert src.yuv is None                         # odd size
         indices, _, rgb = collect(src)
     assert rgb.shape == (6, 41, 57, 3) and indices == list(range(6))
+
+
+class TestSharedWorker:
+    """One DecodeWorker serving video after video: the same frames as a fresh process each time."""
+
+    @pytest.fixture(scope="class")
+    def clips(self, tmp_path_factory):
+        d = tmp_path_factory.mktemp("shared")
+        sizes = [(72, 96), (48, 64), (72, 96)]
+        return [write_video(d / f"c{i}.mp4", render_clip([Shot("pan", 12 + 5 * i)], height=h, width=w, seed=i).frames,
+                            fps=25) for i, (h, w) in enumerate(sizes)]
+
+    def test_videos_of_different_sizes_in_one_process(self, clips):
+        worker = DecodeWorker()
+        try:
+            pid = worker.proc.pid
+            for path in clips:
+                with open_video(path) as src:
+                    ref = np.stack([f.rgb for f in src])
+                with ProcessSource(path, batch_size=4, slots=2, worker=worker) as src:
+                    indices, _, rgb = collect(src)
+                assert indices == list(range(len(ref)))
+                np.testing.assert_array_equal(rgb, ref)
+                assert worker.alive and worker.proc.pid == pid        # not a new process per video
+        finally:
+            worker.close()
+        assert not worker.proc.is_alive()
+
+    def test_a_video_stopped_early_leaves_nothing_for_the_next(self, clips):
+        worker = DecodeWorker()
+        try:
+            src = ProcessSource(clips[0], batch_size=2, slots=2, worker=worker)
+            batches = src.batches()
+            next(batches)                     # slots of this video are out; the worker waits for more
+            src.close()                       # stopped early: its slot numbers and messages are stale now
+            with open_video(clips[2]) as ref_src:
+                ref = np.stack([f.rgb for f in ref_src])
+            with ProcessSource(clips[2], batch_size=2, slots=2, worker=worker) as src:
+                indices, _, rgb = collect(src)
+            assert indices == list(range(len(ref)))
+            np.testing.assert_array_equal(rgb, ref)
+        finally:
+            worker.close()
+
+    def test_a_damaged_video_then_a_good_one(self, clip_path, clips, tmp_path):
+        cut = tmp_path / "cut.mkv"
+        data = clip_path.read_bytes()
+        cut.write_bytes(data[: len(data) * 6 // 10])
+        worker = DecodeWorker()
+        try:
+            with ProcessSource(cut, batch_size=4, slots=2, worker=worker) as src, warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                collect(src)
+                assert src.truncated
+            with open_video(clips[0]) as ref_src:
+                n = sum(1 for _ in ref_src)
+            with ProcessSource(clips[0], batch_size=4, slots=2, worker=worker) as src:
+                assert collect(src)[0] == list(range(n))
+        finally:
+            worker.close()
+
+    def test_a_closed_worker_is_refused(self, clips):
+        worker = DecodeWorker()
+        worker.close()
+        with pytest.raises(ValueError, match="closed or has died"):
+            ProcessSource(clips[0], batch_size=4, worker=worker)

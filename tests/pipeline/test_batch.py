@@ -116,20 +116,9 @@ class TestResume:
     def test_kill_9_mid_run_then_resume_answers_each_question_once(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         written = fixture(root, videos=5, questions=2, seconds=2.5)
-        cmd = [sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
-               "--out", str(out), *FAST]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        streams = out / "streams"
-        deadline = time.monotonic() + 120
+        proc = start_batch(root, out)
         try:
-            # kill while one video is complete and the next ones' groups are being written
-            while time.monotonic() < deadline and proc.poll() is None:
-                groups = [p for p in streams.glob("video*") if (p / "zarr.json").is_file()] if streams.is_dir() else []
-                done = [group_complete(p) for p in groups]
-                if any(done) and not all(done):
-                    break
-                time.sleep(0.01)
-            assert proc.poll() is None, f"batch ended before it could be killed: {proc.stderr.read().decode()}"
+            wait_mid_run(proc, out, "killed")
             os.kill(proc.pid, signal.SIGKILL)
         finally:
             proc.kill()
@@ -137,29 +126,15 @@ class TestResume:
         store = ZarrStore.open(out, mode="r")
         complete = [s for s in store.stream_ids() if store.is_complete(s)]
         assert 1 <= len(complete) < 5 and len(store.stream_ids()) > len(complete)  # really mid-run
-        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
-        assert code == 0, err
-        assert summary["skipped_complete"] == len(complete) and summary["done"] == 5 - len(complete)
-        report = evaluate(out, load_msrvtt(root))
-        assert report.duplicates == 0 and report.unmatched == 0 and report.videos_incomplete == 0
-        assert sorted(p.question.question_id for p in report.predictions) == sorted(q.question_id for q in written)
+        resume_answers_each_question_once(capsys, root, out, written, complete)
         assert validate_store(out) == []
-
 
     def test_sigterm_with_videos_in_flight_exits_130_and_resume_answers_each_once(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         written = fixture(root, videos=6, questions=2, seconds=1.5)
-        cmd = [sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
-               "--out", str(out), "--in-flight", "3", *FAST]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        streams, deadline = out / "streams", time.monotonic() + 120
+        proc = start_batch(root, out, "--in-flight", "3")
         try:
-            while time.monotonic() < deadline and proc.poll() is None:
-                groups = [p for p in streams.glob("video*") if (p / "zarr.json").is_file()] if streams.is_dir() else []
-                if any(group_complete(p) for p in groups) and len(groups) < 6:
-                    break
-                time.sleep(0.01)
-            assert proc.poll() is None, f"batch ended before it could be stopped: {proc.stderr.read().decode()}"
+            wait_mid_run(proc, out, "stopped")
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=60)
             err = proc.stderr.read().decode()
@@ -172,12 +147,36 @@ class TestResume:
         store = ZarrStore.open(out, mode="r")
         complete = [s for s in store.stream_ids() if store.is_complete(s)]
         assert 1 <= len(complete) < 6
-        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
-        assert code == 0, err
-        assert summary["skipped_complete"] == len(complete) and summary["done"] == 6 - len(complete)
-        report = evaluate(out, load_msrvtt(root))
-        assert report.duplicates == 0 and report.unmatched == 0 and report.videos_incomplete == 0
-        assert sorted(p.question.question_id for p in report.predictions) == sorted(q.question_id for q in written)
+        resume_answers_each_question_once(capsys, root, out, written, complete)
+
+
+def start_batch(root: Path, out: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+           "--out", str(out), *args, *FAST]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_mid_run(proc: subprocess.Popen, out: Path, what: str) -> None:
+    """Until one video is complete and another one's group is being written."""
+    streams, deadline = out / "streams", time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        groups = [p for p in streams.glob("video*") if (p / "zarr.json").is_file()] if streams.is_dir() else []
+        done = [group_complete(p) for p in groups]
+        if any(done) and not all(done):
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, f"batch ended before it could be {what}: {proc.stderr.read().decode()}"
+
+
+def resume_answers_each_question_once(capsys, root: Path, out: Path, written, complete: list[str]) -> None:
+    """A re-run skips the complete videos, does the rest, and every question has exactly one answer."""
+    videos = len({q.video_id for q in written})
+    code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+    assert code == 0, err
+    assert summary["skipped_complete"] == len(complete) and summary["done"] == videos - len(complete)
+    report = evaluate(out, load_msrvtt(root))
+    assert report.duplicates == 0 and report.unmatched == 0 and report.videos_incomplete == 0
+    assert sorted(p.question.question_id for p in report.predictions) == sorted(q.question_id for q in written)
 
 
 def group_complete(group: Path) -> bool:

@@ -14,6 +14,8 @@ from sources import VideoTruncatedWarning, open_video  # noqa: E402
 from sources.process import ProcessSource  # noqa: E402
 from sources.synthetic import Shot, render_clip, write_video  # noqa: E402
 
+from process_helpers import collect  # noqa: E402
+
 N_FRAMES = 43  # one full decord chunk (32 frames at this size) and a partial one
 
 
@@ -29,16 +31,6 @@ def reference(path, **kwargs):
         frames = list(src)
         truncated = src.truncated
     return [f.index for f in frames], [f.pts_s for f in frames], np.stack([f.rgb for f in frames]), truncated
-
-
-def collect(source: ProcessSource):
-    indices, pts, rgb = [], [], []
-    for batch in source.batches():
-        indices += batch.indices
-        pts += batch.pts
-        rgb.append(batch.rgb.copy())
-        source.release(batch)
-    return indices, pts, np.concatenate(rgb)
 
 
 def test_chunks_are_bit_identical_to_asnumpy_and_outlive_the_source(clip_path):

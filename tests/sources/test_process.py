@@ -13,21 +13,13 @@ from sources import SourceError, VideoTruncatedWarning, open_video
 from sources.process import DecodeWorker, ProcessSource
 from sources.synthetic import Shot, render_clip, write_video
 
+from process_helpers import collect
+
 
 @pytest.fixture(scope="module")
 def clip_path(tmp_path_factory):
     clip = render_clip([Shot("moving_object", 23, speed=2.0), Shot("pan", 20)], height=72, width=96, seed=5)
     return write_video(tmp_path_factory.mktemp("proc") / "clip.mkv", clip.frames, fps=25)
-
-
-def collect(source: ProcessSource):
-    indices, pts, rgb = [], [], []
-    for batch in source.batches():
-        indices += batch.indices
-        pts += batch.pts
-        rgb.append(batch.rgb.copy())
-        source.release(batch)
-    return indices, pts, np.concatenate(rgb)
 
 
 def test_same_frames_as_in_process_decoding(clip_path):

@@ -35,21 +35,32 @@ STATE_FIELDS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")
 TEXTURE_FIELDS = tuple(f.name for f in fields(Texture))
 
 
+def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,
+            warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run fn() `warmup` times on `stream` (kernels get chosen and workspaces allocated before
+    capture), then capture it there -> (graph, fn's outputs: the buffers each replay overwrites).
+    The stream first waits for the current stream's work, and the current stream for the capture.
+    thread_local: other threads (the stages, the VLM) keep launching work on their own streams
+    while this one captures; CAPTURE_LOCK: but none allocates page-locked memory meanwhile."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            outputs = fn()
+    current.wait_stream(stream)
+    return graph, outputs
+
+
 class GraphedCall:
     """fn(buffers) captured once on `stream`; call(**inputs) copies inputs in and replays."""
 
     def __init__(self, fn: Callable[[dict[str, torch.Tensor]], Any], example: dict[str, torch.Tensor],
                  stream: torch.cuda.Stream, warmup: int = 2) -> None:
         self.buffers = {k: v.clone() for k, v in example.items()}
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):  # kernels get chosen and workspaces allocated before capture
-                fn(self.buffers)
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: the other stages' threads keep launching work on their own streams
-            # while this one captures; CAPTURE_LOCK: but do not allocate page-locked memory
-            with CAPTURE_LOCK, torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-                self.outputs = fn(self.buffers)
+        self.graph, self.outputs = capture(lambda: fn(self.buffers), stream, warmup=warmup)
 
     def __call__(self, **inputs: torch.Tensor) -> Any:
         """Replay on the current stream; the outputs are overwritten by the next call."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.cudagraph import CAPTURE_LOCK
+from pipeline.cudagraph import CAPTURE_LOCK, capture
 
 if TYPE_CHECKING:
     from pipeline.vlm.model import VLM
@@ -201,18 +201,7 @@ class StaticDecoder:
     def capture(self, pool) -> None:
         """Record one step as a CUDA graph (the buffers' values now do not matter: start() resets them)."""
         self.cache.at(self.slot, self.length)
-        stream = torch.cuda.Stream(self.vlm.device)
-        stream.wait_stream(torch.cuda.current_stream(self.vlm.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):              # kernels get chosen and workspaces allocated before capture
-                self._forward()
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: in live mode the other stages keep launching work from their threads;
-            # CAPTURE_LOCK: but not allocating page-locked memory, which fails during a capture
-            with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=pool, stream=stream,
-                                                capture_error_mode="thread_local"):
-                self.logits = self._forward()
-        torch.cuda.current_stream(self.vlm.device).wait_stream(stream)
+        self.graph, self.logits = capture(self._forward, torch.cuda.Stream(self.vlm.device), pool)
         self.vlm.counters["decode_graphs"] += 1
 
 
@@ -258,17 +247,5 @@ class PrefillGraph:
         return self.decoder.prefill_forward(self.embeds, self.positions, self.slots, self.pad)
 
     def _capture(self) -> None:
-        device = self.decoder.vlm.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):              # kernels get chosen and workspaces allocated before capture
-                self._forward()
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: in live mode the other stages keep launching work from their threads;
-            # CAPTURE_LOCK: but not allocating page-locked memory, which fails during a capture
-            with CAPTURE_LOCK, torch.cuda.graph(self.graph, pool=self.pool, stream=stream,
-                                                capture_error_mode="thread_local"):
-                self.logits = self._forward()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph, self.logits = capture(self._forward, torch.cuda.Stream(self.decoder.vlm.device), self.pool)
         self.decoder.vlm.counters["prefill_graphs"] += 1

@@ -44,6 +44,11 @@ MODEL_SEED = 0
 IN_FLIGHT = 2
 
 
+def check_in_flight(in_flight: int) -> None:
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
+
+
 @dataclass
 class VideoOutcome:
     """What one video's job did; `status` is done | skipped (already complete) | missing | failed."""
@@ -139,7 +144,7 @@ class VideoAnswerer:
         self.store = self.create_store(cfg, out)
         self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
         self._vlm_lock = threading.Lock()
-        self._graphs_lock = threading.Lock()
+        self._lock = threading.Lock()                            # guards the two below
         self._running: dict[int, tuple[Any, RunStatus]] = {}  # graphs in flight, to stop them on Ctrl-C
         self._idle_workers: list[DecodeWorker] = []              # decode processes between videos
 
@@ -177,7 +182,7 @@ class VideoAnswerer:
                 self._give_back_decode_worker(worker)
 
     def _take_decode_worker(self) -> DecodeWorker:
-        with self._graphs_lock:
+        with self._lock:
             while self._idle_workers:
                 worker = self._idle_workers.pop()
                 if worker.alive:
@@ -189,12 +194,12 @@ class VideoAnswerer:
         if not worker.alive:
             worker.close()
             return
-        with self._graphs_lock:
+        with self._lock:
             self._idle_workers.append(worker)
 
     def close(self) -> None:
         """Stop the decode worker processes (they also exit by themselves when this process ends)."""
-        with self._graphs_lock:
+        with self._lock:
             workers, self._idle_workers = self._idle_workers, []
         for worker in workers:
             worker.close()
@@ -224,12 +229,12 @@ class VideoAnswerer:
         status = RunStatus()
         graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
                         vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, vlm_lock=self._vlm_lock))
-        with self._graphs_lock:
+        with self._lock:
             self._running[id(graph)] = (graph, status)
         try:
             graph.run(on_interrupt=lambda: setattr(status, "stopped", True))
         finally:
-            with self._graphs_lock:
+            with self._lock:
                 del self._running[id(graph)]
         if status.stopped:
             raise KeyboardInterrupt
@@ -239,11 +244,10 @@ class VideoAnswerer:
     def answer_all(self, plan: Iterable[VideoWork], in_flight: int = IN_FLIGHT) -> Iterator[VideoOutcome]:
         """Outcomes of `plan`'s videos in plan order, with up to `in_flight` videos in work at once.
         Ctrl-C (or any error) stops the videos in flight (left incomplete, redone on resume) and re-raises."""
-        if in_flight < 1:
-            raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
-        if in_flight == 1:
-            yield from map(self.answer, plan)
-            return
+        check_in_flight(in_flight)  # now, not at the first next()
+        return map(self.answer, plan) if in_flight == 1 else self._in_flight(plan, in_flight)
+
+    def _in_flight(self, plan: Iterable[VideoWork], in_flight: int) -> Iterator[VideoOutcome]:
         with ThreadPoolExecutor(in_flight, thread_name_prefix="video") as pool:
             pending: deque = deque()
             try:
@@ -260,7 +264,7 @@ class VideoAnswerer:
                 raise
 
     def _stop_running(self) -> None:
-        with self._graphs_lock:
+        with self._lock:
             running = list(self._running.values())
         for graph, status in running:
             status.stopped = True
@@ -298,8 +302,7 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
               progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
               in_flight: int = IN_FLIGHT) -> BatchSummary:
     """The local path: this process answers the plan's videos, `in_flight` at a time."""
-    if in_flight < 1:
-        raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
+    check_in_flight(in_flight)  # before the models load
     start = time.perf_counter()
     answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
     outcomes = []

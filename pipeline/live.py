@@ -150,8 +150,8 @@ def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: Pipelin
         lo, hi = pairs * max(1, round(retention * gh * gw)), pairs * min(gh * gw, 2 * round(retention * gh * gw))
         for kept in range(lo, hi + 64, 64):                 # the prefill pads lengths to multiples of 64
             lengths.add(vlm.prefix_length(question, min(kept, hi)))
-    sizes_b = [1 << i for i in range(vlm.config.max_batch.bit_length()) if 1 << i <= vlm.config.max_batch]
-    vlm.warm_up(sizes_b + [vlm.config.max_batch], sorted(lengths))
+    largest = vlm.config.max_batch                           # the batcher's batches are 1..largest
+    vlm.warm_up([1 << i for i in range(largest.bit_length())] + [largest], sorted(lengths))
 
 
 class LiveVLMStage(Stage):

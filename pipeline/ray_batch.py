@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from arr_coc._validate import ConfigError
 
-from .batch import IN_FLIGHT, BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, report_outcome
+from .batch import (IN_FLIGHT, BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, check_in_flight,
+                    report_outcome)
 from .config import PipelineConfig
 from sources.msrvtt import Question, VideoWork
 
@@ -90,8 +91,7 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     out = store_path(out)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
-    if in_flight < 1:
-        raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
+    check_in_flight(in_flight)
     _connect(address)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and gpus > 0)

@@ -390,7 +390,7 @@ def _rgb(source: Any, shape: tuple, path: str) -> Iterator[tuple[list[int], list
         if frame.rgb.shape != shape:
             raise SourceError(f"{path}: frame size changed mid-stream at frame {frame.index}: "
                               f"{shape[:2]} -> {frame.rgb.shape[:2]}")
-        yield [frame.index], [frame.pts_s], functools.partial(_copy_frame, frame.rgb)
+        yield [frame.index], [frame.pts_s], functools.partial(_copy_rows, frame.rgb[None])
 
 
 def _decord_chunks(source: Any, shape: tuple, path: str) -> Iterator[tuple[list[int], list[float], Any]]:
@@ -412,10 +412,6 @@ def _planes(source: Any, yuv: YuvLayout, path: str) -> Iterator[tuple[list[int],
             raise SourceError(f"{path}: pixel format or size changed mid-stream at frame {index}: "
                               f"{frame.format.name} {frame.width}x{frame.height}")
         yield [index], [pts_s], functools.partial(_write_planes, frame, yuv)
-
-
-def _copy_frame(rgb: np.ndarray, out: np.ndarray, start: int) -> None:
-    np.copyto(out[0], rgb)
 
 
 def _copy_rows(rgb: np.ndarray, out: np.ndarray, start: int) -> None:

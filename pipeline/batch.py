@@ -35,7 +35,7 @@ from .config import PipelineConfig
 from .configio import to_dict
 from .graph import StageError
 from .run import build_model, compose, load_answerer, resolve_device
-from .stages import AnswerItem, RunStatus, VLMStage
+from .stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
 MODEL_SEED = 0
@@ -103,7 +103,7 @@ class QuestionsStage(VLMStage):
         self.work, self.stock = work, stock
         self.vlm_lock = vlm_lock if vlm_lock is not None else threading.Lock()
 
-    def finish(self) -> Iterable[AnswerItem]:
+    def finish(self) -> Iterable[AnswerItems]:
         if not self.rgb:
             return ()
         keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
@@ -112,9 +112,10 @@ class QuestionsStage(VLMStage):
             results = self.vlm.answer_questions(np.stack(self.rgb), keep, questions)
         t_start, t_end = float(self.window_start), float(self.pts[-1])
         self.answered += len(results)
-        return [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
-                           tokens_kept=r.tokens_kept, tokens_full=r.tokens_full, latency_s=r.latency_s)
-                for q, r in zip(questions, results)]
+        answers = [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
+                              tokens_kept=r.tokens_kept, tokens_full=r.tokens_full, latency_s=r.latency_s)
+                   for q, r in zip(questions, results)]
+        return [AnswerItems(answers)] if answers else []
 
 
 def query_text(work: VideoWork) -> str:

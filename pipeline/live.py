@@ -271,9 +271,7 @@ class LiveSinkStage(Stage):
         return ()
 
     def _answer(self, item: AnswerItem) -> None:
-        self.writers[item.stream_id].add_answer(t_start=item.t_start, t_end=item.t_end, question=item.question,
-                                                text=item.text, tokens_kept=item.tokens_kept,
-                                                tokens_full=item.tokens_full, latency_s=item.latency_s)
+        self.writers[item.stream_id].add_answers([item.row()])
         counters = self.counters[item.stream_id]
         counters.answers += 1
         counters.answer_latency.append(item.latency_s)

@@ -106,6 +106,20 @@ class AnswerItem:
     frames_count = 0
     description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
 
+    def row(self) -> dict[str, Any]:
+        """The store's answer columns (StreamWriter.add_answers)."""
+        return dict(t_start=self.t_start, t_end=self.t_end, question=self.question, text=self.text,
+                    tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s)
+
+
+@dataclass
+class AnswerItems:
+    """Several answers of one stream (a batch video's questions), committed to the store at once."""
+    items: list[AnswerItem]
+
+    frames_count = 0
+    description = property(lambda self: f"{len(self.items)} answers for '{self.items[0].stream_id}'")
+
 
 def frontend_stream(device: torch.device) -> torch.cuda.Stream:
     """A CUDA stream for the per-frame stages (decode copies, texture, realize), at the highest
@@ -404,11 +418,10 @@ class SinkStage(Stage):
         self._closed = False
 
     def process(self, item: Any) -> Iterable[Any]:
-        if isinstance(item, AnswerItem):
-            self.writer.add_answer(t_start=item.t_start, t_end=item.t_end, question=item.question,
-                                   text=item.text, tokens_kept=item.tokens_kept,
-                                   tokens_full=item.tokens_full, latency_s=item.latency_s)
-            self.answers.append(item)
+        if isinstance(item, (AnswerItem, AnswerItems)):
+            answers = item.items if isinstance(item, AnswerItems) else [item]
+            self.writer.add_answers([a.row() for a in answers])
+            self.answers += answers
             return ()
         allocation = item.wait()
         frames = item.batch.frames

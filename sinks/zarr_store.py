@@ -278,19 +278,44 @@ def _stream_attrs(*, source: str, query: str, fps: float, width: int, height: in
 
 
 def _build_stream(directory: Path, attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: int) -> None:
-    """Write a complete, empty stream group into `directory` (later renamed into place)."""
-    directory.mkdir(parents=True)
-    group = zarr.create_group(LocalStore(directory), attributes=attrs, zarr_format=3)
-    for spec in FRAME_ARRAYS:
-        cell = grid if spec.per_cell else ()
-        group.create_array(spec.name, shape=(0, *cell), chunks=(chunk_frames, *cell),
-                           dtype=spec.dtype, fill_value=spec.fill)
-    answers = group.create_group("answers")
-    for spec in ANSWER_ARRAYS:
-        answers.create_array(spec.name, shape=(0,), chunks=(ANSWER_CHUNK,), dtype=spec.dtype, fill_value=spec.fill)
-    gaps = group.create_group("gaps")
-    for spec in GAP_ARRAYS:
-        gaps.create_array(spec.name, shape=(0,), chunks=(ANSWER_CHUNK,), dtype=spec.dtype, fill_value=spec.fill)
+    """Write a complete, empty stream group into `directory` (later renamed into place): the
+    metadata files of an empty group of this grid and chunking, with this stream's attrs."""
+    files = _stream_template(tuple(grid), chunk_frames)
+    for rel, data in files.items():
+        if rel == "zarr.json":  # the group's own metadata: the template's, with this stream's attributes
+            meta = json.loads(data)
+            meta["attributes"] = attrs
+            data = json.dumps(meta, indent=2).encode()
+        target = directory / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+_TEMPLATES: dict[tuple, dict[str, bytes]] = {}
+
+
+def _stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, bytes]:
+    """The metadata files (relative path -> bytes) zarr writes for an empty stream group of this
+    grid and chunking, made by zarr itself once per process and shape (a stream per video would
+    otherwise pay zarr's ~20 array creations, ~50 ms, every time)."""
+    key = (grid, chunk_frames)
+    if key not in _TEMPLATES:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="arrcoc_stream_") as tmp:
+            root = Path(tmp) / "stream"
+            root.mkdir()
+            group = zarr.create_group(LocalStore(root), attributes={}, zarr_format=3)
+            for spec in FRAME_ARRAYS:
+                cell = grid if spec.per_cell else ()
+                group.create_array(spec.name, shape=(0, *cell), chunks=(chunk_frames, *cell),
+                                   dtype=spec.dtype, fill_value=spec.fill)
+            for sub, specs in (("answers", ANSWER_ARRAYS), ("gaps", GAP_ARRAYS)):
+                child = group.create_group(sub)
+                for spec in specs:
+                    child.create_array(spec.name, shape=(0,), chunks=(ANSWER_CHUNK,), dtype=spec.dtype,
+                                       fill_value=spec.fill)
+            _TEMPLATES[key] = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+    return _TEMPLATES[key]
 
 
 class StreamWriter:
@@ -337,19 +362,28 @@ class StreamWriter:
     def add_answer(self, t_start: float, t_end: float, question: str, text: str, tokens_kept: int,
                    tokens_full: int, latency_s: float) -> None:
         """Write one answer immediately (answers are rare and must survive a crash)."""
+        self.add_answers([dict(t_start=t_start, t_end=t_end, question=question, text=text,
+                               tokens_kept=tokens_kept, tokens_full=tokens_full, latency_s=latency_s)])
+
+    def add_answers(self, rows: list[Mapping[str, Any]]) -> None:
+        """Write several answers (dicts of add_answer's arguments) immediately, in one commit: each
+        array is resized and written once (a batch video's questions, ~1 ms instead of ~17 each)."""
         self._check_open()
-        for name, value in (("t_start", t_start), ("t_end", t_end), ("latency_s", latency_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name, value in (("question", question), ("text", text)):
-            if not isinstance(value, str):
-                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
-        for name, value in (("tokens_kept", tokens_kept), ("tokens_full", tokens_full)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**31:
-                raise ValueError(f"{name} must be an int in [0, 2**31), got {value!r}")
-        row = {"t_start": t_start, "t_end": t_end, "question": question, "text": text,
-               "tokens_kept": tokens_kept, "tokens_full": tokens_full, "latency_s": latency_s}
-        self.answers = self._append_row(self._answers, self.answers, row, "answer_count", "an answer")
+        checked = []
+        for row in rows:
+            for name in ("t_start", "t_end", "latency_s"):
+                value = row[name]
+                if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                    raise ValueError(f"{name} must be a finite number, got {value!r}")
+            for name in ("question", "text"):
+                if not isinstance(row[name], str):
+                    raise ValueError(f"{name} must be a string, got {type(row[name]).__name__}")
+            for name in ("tokens_kept", "tokens_full"):
+                value = row[name]
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**31:
+                    raise ValueError(f"{name} must be an int in [0, 2**31), got {value!r}")
+            checked.append({spec.name: row[spec.name] for spec in ANSWER_ARRAYS})
+        self.answers = self._append_rows(self._answers, self.answers, checked, "answer_count", "an answer")
 
     def add_gap(self, start_pts: float, end_pts: float, start_wall: float, end_wall: float,
                 reason: str) -> None:
@@ -365,20 +399,27 @@ class StreamWriter:
         if not isinstance(reason, str):
             raise ValueError(f"reason must be a string, got {type(reason).__name__}")
         row["reason"] = reason
-        self.gaps = self._append_row(self._gaps, self.gaps, row, "gap_count", "a gap")
+        self.gaps = self._append_rows(self._gaps, self.gaps, [row], "gap_count", "a gap")
 
-    def _append_row(self, arrays: dict[str, Any], n: int, row: dict[str, Any], count_attr: str,
-                    what: str) -> int:
-        """Write one row at index n of every array, then raise the count attr (the commit point,
-        after every array holds the row); returns the new count."""
+    def _append_rows(self, arrays: dict[str, Any], n: int, rows: list[dict[str, Any]], count_attr: str,
+                     what: str) -> int:
+        """Write rows at [n, n + len(rows)) of every array, then raise the count attr (the commit
+        point, after every array holds the rows); returns the new count."""
+        k = len(rows)
+        if k == 0:
+            return n
         try:
             for name, array in arrays.items():
-                array.resize((n + 1,))
-                array[n] = row[name]
-            self._group.attrs[count_attr] = n + 1
+                values = [row[name] for row in rows]
+                array.resize((n + k,))
+                if k == 1:
+                    array[n] = values[0]
+                else:
+                    array[n:n + k] = np.array(values, dtype=object if isinstance(values[0], str) else array.dtype)
+            self._group.attrs[count_attr] = n + k
         except OSError as e:
             raise SinkError(f"cannot write {what} of {self._where}: {e.strerror or e}") from e
-        return n + 1
+        return n + k
 
     def close(self, complete: bool) -> None:
         """Flush, then record `complete` (True only when the stream was processed to its end)."""

@@ -167,6 +167,45 @@ class TestAnswers:
         assert read_stream(store.path, "v")["answers"]["text"].shape == (0,)
 
 
+    def test_many_answers_land_in_one_commit_after_earlier_ones(self, store):
+        writer = store.stream("v", **META)
+        writer.add_answer(0.0, 1.0, "first?", "one", 5, 300, 0.1)
+        keys = ("t_start", "t_end", "question", "text", "tokens_kept", "tokens_full", "latency_s")
+        rows = [dict(zip(keys, (1.0, 9.0, f"q{i}?", "ä" * i, i, 300, 0.5 + i))) for i in range(5)]
+        writer.add_answers(rows)
+        assert writer.answers == 6 and read_stream(store.path, "v")["attrs"]["answer_count"] == 6
+        writer.close(complete=True)
+        answers = read_stream(store.path, "v")["answers"]
+        assert list(answers["question"]) == ["first?"] + [f"q{i}?" for i in range(5)]
+        assert list(answers["text"]) == ["one"] + ["ä" * i for i in range(5)]
+        np.testing.assert_array_equal(answers["tokens_kept"], [5, 0, 1, 2, 3, 4])
+        np.testing.assert_array_equal(answers["latency_s"], np.float32([0.1, 0.5, 1.5, 2.5, 3.5, 4.5]))
+        assert validate_store(store.path) == []
+
+    def test_one_bad_row_refuses_the_whole_group(self, store):
+        writer = store.stream("v", **META)
+        good = dict(t_start=0.0, t_end=1.0, question="q", text="a", tokens_kept=1, tokens_full=10, latency_s=0.1)
+        with pytest.raises(ValueError, match="tokens_full"):
+            writer.add_answers([good, {**good, "tokens_full": 2**31}])
+        assert read_stream(store.path, "v")["answers"]["text"].shape == (0,) and writer.answers == 0
+
+
+class TestStreamTemplate:
+    def test_streams_of_different_grids_and_chunks_each_get_their_own_layout(self, store):
+        shapes = [((3, 4), 16), ((5, 7), 8), ((3, 4), 16)]
+        for i, (grid, chunk) in enumerate(shapes):
+            writer = store.stream(f"v{i}", **{**META, "grid": grid, "query": f"query {i}"}, chunk_frames=chunk)
+            write_frames(writer, 20)
+            writer.close(complete=True)
+        assert validate_store(store.path) == []
+        for i, (grid, chunk) in enumerate(shapes):
+            group = zarr.open_group(store.path / "streams" / f"v{i}", mode="r")
+            assert group["tokens"].shape == (20, *grid) and group["tokens"].chunks == (chunk, *grid)
+            got = read_stream(store.path, f"v{i}")
+            assert got["attrs"]["query"] == f"query {i}" and got["attrs"]["grid"] == list(grid)
+            np.testing.assert_array_equal(got["tokens"], expected(20, grid=grid)["tokens"])
+
+
 class TestLifecycle:
     def test_complete_only_after_close_true(self, store):
         writer = store.stream("v", **META)

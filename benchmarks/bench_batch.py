@@ -40,7 +40,7 @@ def qwen2_vl_2b_factory(device: torch.device):
     from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer
     from pipeline.vlm.loading import _wrap
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer("english")  # questions cost about as many tokens as with Qwen's vocabulary
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(arch_config("qwen2-vl-2b", tokenizer), device=device, dtype=dtype)
     return _wrap(model, tokenizer, "qwen2_vl", "qwen2-vl-2b (random weights)", BENCH_VLM, {}, None)

@@ -139,7 +139,7 @@ def build_vlm(arch: str, device: torch.device, new_tokens: int):
     from pipeline.vlm.loading import _wrap
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer("bytes" if arch == "tiny" else "english")
     config = tiny_config("qwen2_vl", tokenizer) if arch == "tiny" else arch_config(arch, tokenizer)
     model = build_model(config, device=device, dtype=dtype)
     vlm_cfg = VLMConfig(max_new_tokens=new_tokens, max_batch=16, max_wait_s=0.01)

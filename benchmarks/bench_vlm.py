@@ -154,7 +154,8 @@ def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
 
 
 def build_vlm(name: str, device: torch.device, dtype: torch.dtype, cfg: VLMConfig):
-    tokenizer = build_tokenizer()
+    # full-size architectures: English-word merges, so the prompt's text tokens cost what they do with Qwen's vocabulary
+    tokenizer = build_tokenizer("bytes" if name.startswith("tiny-") else "english")
     if name.startswith("tiny-"):
         family = name.removeprefix("tiny-")
         model_cfg, family_name = tiny_config(family, tokenizer), family

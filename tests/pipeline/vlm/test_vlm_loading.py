@@ -103,3 +103,33 @@ class TestBatcher:
         batcher.close()
         with pytest.raises(RuntimeError, match="closed"):
             batcher.submit(request(frames))
+
+
+class TestBuiltinTokenizer:
+    BEFORE = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+    AFTER = "<|vision_end|>What is the person on the left doing with the red object?<|im_end|>\n<|im_start|>assistant\n"
+
+    def test_english_merges_give_qwen2_token_counts(self):
+        from pipeline.vlm.builtin import build_tokenizer
+        tok = build_tokenizer("english")
+        # Qwen2's own vocabulary: 14 tokens of system + user turn, <|vision_start|>; the question
+        # one per word and "?", then <|im_end|> \n <|im_start|> assistant \n
+        assert len(tok(self.BEFORE).input_ids) == 15
+        assert tok.convert_ids_to_tokens(tok(self.AFTER).input_ids)[1:14] == [
+            "What", "Ġis", "Ġthe", "Ġperson", "Ġon", "Ġthe", "Ġleft", "Ġdoing", "Ġwith", "Ġthe", "Ġred", "Ġobject", "?"]
+        assert len(tok(self.AFTER).input_ids) == 19
+        byte_level = build_tokenizer()
+        assert len(byte_level(self.BEFORE).input_ids) == 45 and len(byte_level(self.AFTER).input_ids) == 71
+
+    @pytest.mark.parametrize("vocabulary", ["bytes", "english"])
+    def test_any_text_round_trips(self, vocabulary):
+        from pipeline.vlm.builtin import SPECIAL_TOKENS, build_tokenizer
+        tok = build_tokenizer(vocabulary)
+        for text in ["Zebra xylophone, quantum 42!", "红色 (red) ✓\n\ttabs", self.AFTER]:
+            assert tok.decode(tok(text).input_ids) == text
+        assert len({tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}) == len(SPECIAL_TOKENS)
+
+    def test_unknown_vocabulary_is_refused(self):
+        from pipeline.vlm.builtin import build_tokenizer
+        with pytest.raises(ValueError, match="Invalid vocabulary"):
+            build_tokenizer("klingon")

@@ -236,7 +236,9 @@ class Knowing(nn.Module):
             if query.dim() != 3 or mask.shape != query.shape[:2] or mask.dtype != torch.bool:
                 raise ValueError(f"query_mask must be a bool (B, L) tensor matching query tokens "
                                  f"{tuple(query.shape[:2])}, got {mask.dtype} {tuple(mask.shape)}")
-            if not bool(mask.any(dim=1).all()):
+            # (a host sync: skipped while a CUDA graph captures, where the inputs are placeholders)
+            capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing and not bool(mask.any(dim=1).all()):
                 raise ValueError("query_mask masks every token of some frame; each frame needs a query")
         if visual_tokens is not None and tuple(visual_tokens.shape) != (B, gh * gw, Dq):
             raise ValueError(f"visual_tokens must be ({B}, {gh * gw}, {Dq}), got {tuple(visual_tokens.shape)}")

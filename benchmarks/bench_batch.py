@@ -125,6 +125,8 @@ def main() -> None:
                          "default all three)")
     ap.add_argument("--tokens", default="stock,arrcoc", help="comma-separated: stock, arrcoc (default both)")
     ap.add_argument("--no-ray", action="store_true", help="time the local path only (where Ray is not installed)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every run (repeatable), e.g. decode.fps=2")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -144,6 +146,7 @@ def main() -> None:
     else:
         overrides.append("runtime.vlm=qwen2-vl-2b-random")  # a label in the store; the factory builds it
         factory = qwen2_vl_2b_factory
+    overrides += args.overrides
     cfg = load_config(PipelineConfig, None, overrides)
     BENCH_VLM = cfg.vlm
     scratch = Path(tempfile.mkdtemp(prefix="bench_batch_"))
@@ -175,7 +178,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
-              "size": args.size, "retention": args.retention, "runs": rows, "summary": summarize(rows, counts)}
+              "size": args.size, "retention": args.retention, "overrides": args.overrides, "runs": rows,
+              "summary": summarize(rows, counts), "command": " ".join(["python3"] + sys.argv)}
     print(json.dumps(result["summary"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

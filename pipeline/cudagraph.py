@@ -71,7 +71,9 @@ class GraphedCall:
 
 
 class FrontendGraphs:
-    """Per batch shape: one graph for extract() and one for realize(), shared by all streams.
+    """Per batch shape: one graph for extract() and one for realize() (per query shape), shared by
+    all streams; the query (and its mask) is an input of the realize graphs, so one FrontendGraphs
+    serves run after run of another query of the same padded length (batch: video after video).
 
     Each stage replays its graphs on its own CUDA stream, so two replays of one graph never overlap.
     """
@@ -82,24 +84,36 @@ class FrontendGraphs:
         self.texture_graphs: dict[tuple, GraphedCall] = {}
         self.realize_graphs: dict[tuple, GraphedCall] = {}
         self.capture_new = True  # capture a graph for each new shape; else unknown shapes return None
+        self._prepared: set[tuple] = set()
 
     @torch.inference_mode()
-    def prepare(self, batch: int, height: int, width: int) -> None:
-        """Capture the graphs of full (batch, H, W) batches now, during a run's setup, on blank
-        frames (graphs keep no data), rather than inside its first batches (~0.1-0.3 s). Other
-        shapes (a file's short last batch) then run eagerly instead of being captured."""
-        device = self.query.device
-        self.capture_new = True  # these shapes, now (an earlier prepare() may have closed capturing)
+    def prepare(self, batch: int, height: int, width: int, query: torch.Tensor | None = None,
+                query_mask: torch.Tensor | None = None) -> None:
+        """Capture the graphs of full (batch, H, W) batches (and this query's shape) now, during a
+        run's setup, on blank frames (graphs keep no data), rather than inside its first batches
+        (~0.1-0.3 s); shapes prepared before are not captured again. Other shapes (a file's short
+        last batch) then run eagerly instead of being captured."""
+        query, query_mask = self._query(query, query_mask)
+        key = (batch, height, width, tuple(query.shape), query_mask is None)
+        self.capture_new = key not in self._prepared  # these shapes, now (an earlier prepare() may have closed capturing)
+        if not self.capture_new:
+            return
+        device = query.device
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):
             # the layout the texture stage hands over: (T, H, W, 3) uint8 viewed as (T, 3, H, W)
             frames = torch.zeros(batch, height, width, 3, dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
             texture = self.model.extract(frames, None, self.grid)          # a stream's first batch
-            _, state, _ = self.model.realize(texture, self.query, None, query_mask=self.query_mask)
+            _, state, _ = self.model.realize(texture, query, None, query_mask=query_mask)
             texture = self.extract(frames, frames[-1].clone(), stream)
-            self.realize(texture, state, torch.ones(batch, dtype=torch.bool, device=device), stream)
+            self.realize(texture, state, torch.ones(batch, dtype=torch.bool, device=device), stream,
+                         query, query_mask)
         stream.synchronize()
+        self._prepared.add(key)
         self.capture_new = False
+
+    def _query(self, query: torch.Tensor | None, query_mask: torch.Tensor | None):
+        return (self.query, self.query_mask) if query is None else (query, query_mask)
 
     def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream) -> Texture | None:
         graph = self.texture_graphs.get(tuple(frames.shape))
@@ -114,14 +128,20 @@ class FrontendGraphs:
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
 
     def realize(self, texture: Texture, state: StreamState, vlm_frames: torch.Tensor,
-                stream: torch.cuda.Stream) -> tuple[Allocation, StreamState] | None:
-        shape = tuple(texture.data.shape)
+                stream: torch.cuda.Stream, query: torch.Tensor | None = None,
+                query_mask: torch.Tensor | None = None) -> tuple[Allocation, StreamState] | None:
+        """query (and query_mask): this run's (default: the constructor's)."""
+        query, query_mask = self._query(query, query_mask)
+        shape = (tuple(texture.data.shape), tuple(query.shape), query_mask is None)
         graph = self.realize_graphs.get(shape)
         if graph is None and not self.capture_new:
             return None
         inputs = {"tex_" + n: getattr(texture, n) for n in TEXTURE_FIELDS}
         inputs.update({n: getattr(state, n) for n in STATE_FIELDS})
         inputs["vlm_frames"] = vlm_frames
+        inputs["query"] = query
+        if query_mask is not None:
+            inputs["query_mask"] = query_mask
         if graph is None:
             graph = self.realize_graphs[shape] = GraphedCall(self._realize_step, inputs, stream)
         allocation, new_state = graph(**inputs)
@@ -131,7 +151,7 @@ class FrontendGraphs:
     def _realize_step(self, b: dict[str, torch.Tensor]) -> tuple[Allocation, StreamState]:
         texture = Texture(**{n: b["tex_" + n] for n in TEXTURE_FIELDS})
         state = StreamState(**{n: b[n] for n in STATE_FIELDS})
-        allocation, new_state, _ = self.model.realize(texture, self.query, state, query_mask=self.query_mask,
+        allocation, new_state, _ = self.model.realize(texture, b["query"], state, query_mask=b.get("query_mask"),
                                                       vlm_frames=b["vlm_frames"])
         return allocation, new_state
 

@@ -86,19 +86,23 @@ def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, c
 
 def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: tuple[int, int],
             cfg: PipelineConfig, device: torch.device, status: RunStatus,
-            overlay: Any = None, vlm_stage: Stage | None = None) -> Graph:
-    """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink."""
+            overlay: Any = None, vlm_stage: Stage | None = None, *, query_mask: torch.Tensor | None = None,
+            graphs: FrontendGraphs | None = None) -> Graph:
+    """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink. graphs: the front end's
+    CUDA graphs from an earlier run to reuse (default: new ones, where frontend_graphs makes any)."""
     capacity = cfg.runtime.queue_capacity
     # frames go straight to the device unless something reads them on the host (VLM, overlay)
     host_frames = vlm_stage is not None or overlay is not None
     decode = DecodeStage(source, cfg.runtime.batch_size, pin=device.type == "cuda", status=status,
                          device=None if host_frames else device)
-    graphs = frontend_graphs(model, grid, query, cfg, device)
-    if graphs is not None:  # the run's full batches: captured now, not inside the timed run
-        graphs.prepare(cfg.runtime.batch_size, source.height, source.width)
+    if graphs is None:
+        graphs = frontend_graphs(model, grid, query, cfg, device)
+    if graphs is not None:  # the run's full batches: captured now (unless earlier), not inside the timed run
+        graphs.prepare(cfg.runtime.batch_size, source.height, source.width, query.to(device),
+                       None if query_mask is None else query_mask.to(device))
     texture = TextureStage(model, device, grid, graphs)
-    realize = RealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
-                           graphs=graphs)
+    realize = RealizeStage(model, device, query, query_mask=query_mask,
+                           vlm_fps=cfg.vlm.fps if vlm_stage is not None else None, graphs=graphs)
     sink = SinkStage(writer, status, overlay)
     graph = Graph()
     graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))

@@ -335,7 +335,8 @@ class RealizeStage(Stage):
                 marks_dev = vlm_frames
                 if marks_dev is None:
                     marks_dev = torch.ones(item.batch.frames_count, dtype=torch.bool, device=self.device)
-                replayed = self.graphs.realize(item.texture, state, marks_dev, self.stream)  # None: no graph
+                replayed = self.graphs.realize(item.texture, state, marks_dev, self.stream,  # None: no graph
+                                               self.query, self.query_mask)
             if replayed is not None:
                 allocation, state = replayed
             else:

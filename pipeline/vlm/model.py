@@ -21,6 +21,7 @@ from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
+from pipeline.vlm.vision_attention import patch_vision_attention, uniform_blocks
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
@@ -149,6 +150,7 @@ class VLM:
         self.dtype = next(model.parameters()).dtype
         self._lm = model.model.language_model
         self._visual = model.model.visual
+        patch_vision_attention(self._visual)
         self._cache_kw = "cache" if "cache" in inspect.signature(self._lm.forward).parameters else "past_key_values"
         self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
         self._attn_impl = self._lm.config._attn_implementation
@@ -208,7 +210,10 @@ class VLM:
 
     def _vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """All patches through the vision tower -> per video merged tokens (T', gh, gw, D)."""
-        out = self._visual(pixels, grid_thw=grid_thw)
+        grids = grid_thw.tolist()
+        same_size = len({(h, w) for _, h, w in grids}) == 1
+        with uniform_blocks(grids[0][1] * grids[0][2] if same_size else None):  # one attention call per layer
+            out = self._visual(pixels, grid_thw=grid_thw)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
         m = self.geometry.merge_size
         sizes = (grid_thw.prod(-1) // m**2).tolist()

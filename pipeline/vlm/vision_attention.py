@@ -1,16 +1,18 @@
-"""The vision tower's attention over frames of one size, as one batched kernel call.
+"""The vision tower's attention as one batched kernel call per layer.
 
 Qwen2-VL's vision attention is block diagonal: each temporal patch (a pair of frames) attends
 within itself (`cu_seqlens` bounds the blocks); Qwen2.5-VL's full-attention layers do the same and
-its other layers attend within windows. Outside flash-attention, HF runs that as a Python loop of
-one SDPA call per block, after reading the block lengths back to the host (`.tolist()`: a GPU sync
-in every layer). A window of 20 frames at 240x320 is 10 blocks x 32 layers: 320 calls, 32 syncs,
-and the tower is launch-bound (~0.1 s on an H100 for ~5 TFLOP of work).
+its other layers attend within windows (`cu_window_seqlens`). Outside flash-attention, HF runs that
+as a Python loop of one SDPA call per block, after reading the block lengths back to the host
+(`.tolist()`: a GPU sync in every layer). A window of 20 frames at 240x320 is 10 blocks x 32
+layers: 320 calls and 32 syncs; 32 frames at 448x448 through Qwen2.5-VL-7B's window layers are
+256 windows x 28 layers: 7168 calls (~0.4 s on an H100 for ~20 TFLOP of work).
 
-When every block of a call has the same length L (frames of one size, which is what the VLM sends
-within one call), the same attention is one SDPA call over (blocks, heads, L, head_dim), with no
-sync. `uniform_blocks(L)` says so for the calls made inside it; a layer whose blocks are not
-frames (Qwen2.5-VL's windows: more blocks than N / L) and every call outside it keep HF's forward.
+Inside `uniform_blocks(L)` (VLM._vision), each layer instead makes one SDPA call over
+(blocks, heads, L, head_dim): with no sync at all when the blocks are the frames (N / L blocks of
+the given L, frames of one size), else after one read of the block lengths per boundary tensor
+and vision forward (shared by all layers that use it), with blocks of unequal length (edge
+windows) padded to the longest and the padding masked as keys. Calls outside it keep HF's forward.
 """
 from __future__ import annotations
 
@@ -28,14 +30,15 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def uniform_blocks(length: int | None) -> Iterator[None]:
-    """Inside: the vision tower's attention blocks (temporal patches) all hold `length` patches
-    (None: unknown; HF's own forward runs)."""
-    previous = getattr(_local, "length", None)
-    _local.length = length
+    """Inside: the vision tower's attention runs batched (see the module doc); `length`: how many
+    patches each frame block holds when all frames have one size (None: unknown, the block lengths
+    are read from the boundaries once per tensor)."""
+    previous = getattr(_local, "state", None)
+    _local.state = (length, {})                                         # (frame block length, plans)
     try:
         yield
     finally:
-        _local.length = previous
+        _local.state = previous
 
 
 def patch_vision_attention(visual: nn.Module) -> int:
@@ -51,18 +54,49 @@ def patch_vision_attention(visual: nn.Module) -> int:
     return count
 
 
+def _plan(cu_seqlens: torch.Tensor, N: int, length: int | None, plans: dict) -> tuple:
+    """('uniform', L) or ('padded', gather index (B, Lmax), key mask (B, 1, 1, Lmax), valid (N,))
+    for these block boundaries, made once per boundary tensor inside one uniform_blocks."""
+    key = (cu_seqlens.data_ptr(), cu_seqlens.numel(), N)
+    if key in plans:
+        return plans[key]
+    blocks = cu_seqlens.numel() - 1
+    # blocks partition the frames, so N / L blocks of frame length L means each block is one frame pair
+    if length is not None and N % length == 0 and blocks == N // length:
+        plan: tuple = ("uniform", length)
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()               # one sync per tensor
+        longest = max(lengths)
+        if longest * len(lengths) == N:
+            plan = ("uniform", longest)
+        else:
+            starts = torch.tensor([0] + lengths[:-1], device=cu_seqlens.device).cumsum(0)     # (B,)
+            offsets = torch.arange(longest, device=cu_seqlens.device)                        # (Lmax,)
+            mask = offsets < torch.tensor(lengths, device=cu_seqlens.device)[:, None]        # (B, Lmax)
+            index = torch.where(mask, starts[:, None] + offsets, N)                          # N: a zero row
+            plan = ("padded", index, mask[:, None, None, :], mask.flatten().nonzero().squeeze(1))
+    plans[key] = plan
+    return plan
+
+
 def _batched_forward(module: nn.Module, original: Any, rotary: Any):
     def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, *args: Any,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
-        N, L = hidden_states.shape[0], getattr(_local, "length", None)
-        # blocks partition the frames, so N / L blocks means each block is one whole frame pair
-        if (L is None or args or position_embeddings is None or module.training or N % L
-                or cu_seqlens.numel() - 1 != N // L):
+        state = getattr(_local, "state", None)
+        if state is None or args or position_embeddings is None or module.training:
             return original(hidden_states, cu_seqlens, *args, position_embeddings=position_embeddings, **kwargs)
-        q, k, v = module.qkv(hidden_states).reshape(N, 3, module.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        N, H = hidden_states.shape[0], module.num_heads
+        plan = _plan(cu_seqlens, N, state[0], state[1])
+        q, k, v = module.qkv(hidden_states).reshape(N, 3, H, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = rotary(q, k, *position_embeddings)                            # (N, heads, head_dim)
-        blocks = N // L
-        q, k, v = (t.reshape(blocks, L, module.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, scale=module.scaling)  # (blocks, heads, L, head_dim)
-        return module.proj(out.transpose(1, 2).reshape(N, -1))
+        if plan[0] == "uniform":
+            L = plan[1]
+            q, k, v = (t.reshape(N // L, L, H, -1).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, scale=module.scaling)  # (blocks, heads, L, head_dim)
+            return module.proj(out.transpose(1, 2).reshape(N, -1))
+        _, index, key_mask, valid = plan
+        B, Lmax = index.shape
+        q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index].transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=module.scaling)  # (B, heads, Lmax, hd)
+        return module.proj(out.transpose(1, 2).reshape(B * Lmax, -1)[valid])
     return forward

@@ -1,5 +1,5 @@
-"""The batched vision attention (one SDPA call per layer for frames of one size) gives what HF's
-per-block loop gives, for Qwen2-VL and Qwen2.5-VL (whose window layers keep HF's forward)."""
+"""The batched vision attention (one SDPA call per layer: frame blocks, or windows padded to the
+longest) gives what HF's per-block loop gives, for Qwen2-VL and Qwen2.5-VL."""
 from __future__ import annotations
 
 import torch
@@ -17,20 +17,23 @@ def test_batched_equals_hf_per_block_loop(vlm, monkeypatch):
 
     def counting(q, *a, **k):
         calls["batched"] += q.shape[0] > 1                            # blocks batched in one call
+        calls["padded"] = calls.get("padded", 0) + (k.get("attn_mask") is not None)
         return sdpa(q, *a, **k)
 
     monkeypatch.setattr(vision_attention.F, "scaled_dot_product_attention", counting)
     batched = vlm._vision(pixels, grid)[0]
-    with vision_attention.uniform_blocks(None):                      # HF's own forward in every layer
-        reference = vlm._visual(pixels, grid_thw=grid)
+    counted = dict(calls)
+    reference = vlm._visual(pixels, grid_thw=grid)                   # outside uniform_blocks: HF's forward
     reference = getattr(reference, "pooler_output", reference).view(batched.shape)
     torch.testing.assert_close(batched, reference, rtol=1e-5, atol=1e-5)
-    assert calls["batched"] >= 1
+    assert counted["batched"] == len(vlm._visual.blocks)                # every layer, one call each
+    # Qwen2.5-VL's windows at 6 x 8 patches: 4 x 4 and 2 x 4 edge windows, padded to 16 and masked
+    assert counted["padded"] == (0 if vlm.family == "qwen2_vl" else len(vlm._visual.blocks) - 1)
 
 
 def test_uniform_blocks_restores_the_previous_length():
     with vision_attention.uniform_blocks(48):
         with vision_attention.uniform_blocks(None):
-            assert vision_attention._local.length is None
-        assert vision_attention._local.length == 48
-    assert getattr(vision_attention._local, "length", None) is None
+            assert vision_attention._local.state[0] is None
+        assert vision_attention._local.state[0] == 48
+    assert getattr(vision_attention._local, "state", None) is None

@@ -33,7 +33,7 @@ from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
 
 from .config import PipelineConfig
 from .configio import to_dict
-from .graph import StageError
+from .graph import StageError, Workers
 from .run import build_model, compose, frontend_graphs, load_answerer, resolve_device
 from .stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
@@ -98,18 +98,23 @@ class QuestionsStage(VLMStage):
     while the VLM answers (the videos a worker has in flight share one VLM and its caches)."""
 
     def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False,
-                 vlm_lock: threading.Lock | None = None) -> None:
+                 vlm_lock: threading.Lock | None = None, vlm_worker: Workers | None = None) -> None:
         super().__init__(vlm, query_text(work), every_s=None)
         self.work, self.stock = work, stock
         self.vlm_lock = vlm_lock if vlm_lock is not None else threading.Lock()
+        self.vlm_worker = vlm_worker  # the thread the VLM runs in (None: this stage's own)
 
     def finish(self) -> Iterable[AnswerItems]:
         if not self.rgb:
             return ()
         keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
         questions = [q.question for q in self.work.questions]
-        with self.vlm_lock:
-            results = self.vlm.answer_questions(np.stack(self.rgb), keep, questions)
+        frames = np.stack(self.rgb)
+
+        def answer() -> list:
+            with self.vlm_lock:
+                return self.vlm.answer_questions(frames, keep, questions)
+        results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
         t_start, t_end = float(self.window_start), float(self.pts[-1])
         self.answered += len(results)
         answers = [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
@@ -163,6 +168,9 @@ class VideoAnswerer:
         self._running: dict[int, tuple[Any, RunStatus]] = {}  # graphs in flight, to stop them on Ctrl-C
         self._idle_workers: list[DecodeWorker] = []              # decode processes between videos
         self._idle_graphs: dict[tuple, list[Any]] = {}           # front-end CUDA graphs between videos, per grid
+        # Threads kept from video to video (CUDA libraries' per-thread state stays warm): the
+        # graphs' stages, and one for every VLM call
+        self._stage_workers, self._vlm_worker = Workers("stage"), Workers("vlm", max_threads=1)
 
     @staticmethod
     def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
@@ -223,11 +231,14 @@ class VideoAnswerer:
             self._idle_workers.append(worker)
 
     def close(self) -> None:
-        """Stop the decode worker processes (they also exit by themselves when this process ends)."""
+        """Stop the decode worker processes (they also exit by themselves when this process ends)
+        and the kept threads."""
         with self._lock:
             workers, self._idle_workers = self._idle_workers, []
         for worker in workers:
             worker.close()
+        self._stage_workers.close()
+        self._vlm_worker.close()
 
     def _run_video(self, work: VideoWork, worker: DecodeWorker | None) -> tuple[int, list[AnswerItem]]:
         cfg, d = self.cfg, self.cfg.decode
@@ -256,12 +267,13 @@ class VideoAnswerer:
         graphs = self._take_graphs(grid, query)
         try:
             graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
-                            vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, vlm_lock=self._vlm_lock),
+                            vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, vlm_lock=self._vlm_lock,
+                                                     vlm_worker=self._vlm_worker),
                             query_mask=query_mask, graphs=graphs)
             with self._lock:
                 self._running[id(graph)] = (graph, status)
             try:
-                graph.run(on_interrupt=lambda: setattr(status, "stopped", True))
+                graph.run(on_interrupt=lambda: setattr(status, "stopped", True), workers=self._stage_workers)
             finally:
                 with self._lock:
                     del self._running[id(graph)]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pipeline.graph import Channel, Graph, Policy, Stage, StageError
+from pipeline.graph import Channel, Graph, Policy, Stage, StageError, Workers
 
 
 class Numbers(Stage):
@@ -132,3 +132,57 @@ class TestFailures:
     def test_channel_rejects_bad_capacity(self):
         with pytest.raises(ValueError, match="capacity must be >= 1"):
             Channel(0)
+
+
+class TestWorkers:
+    def test_jobs_run_at_once_and_threads_are_kept_for_the_next_ones(self):
+        workers = Workers("t")
+        started, release = threading.Barrier(4, timeout=5), threading.Event()
+
+        def job(i):
+            started.wait()                  # all four must be running at the same time
+            release.wait(5)
+            return i, threading.get_ident()
+        first = [workers.submit(job, i) for i in range(3)]
+        started.wait()
+        release.set()
+        idents = {f.result(5)[1] for f in first}
+        assert [f.result()[0] for f in first] == [0, 1, 2] and len(idents) == 3
+        time.sleep(0.05)                    # the threads are idle again
+        again = [workers.submit(lambda: threading.get_ident()) for _ in range(3)]
+        assert {f.result(5) for f in again} <= idents  # no new thread
+        workers.close()
+
+    def test_one_thread_runs_jobs_in_order_and_errors_reach_the_future(self):
+        workers, order = Workers("vlm", max_threads=1), []
+
+        def job(i):
+            time.sleep(0.01)
+            order.append((i, threading.get_ident()))
+            if i == 2:
+                raise ValueError("bad job")
+            return i
+        jobs = [workers.submit(job, i) for i in range(4)]
+        assert [j.exception(5) is None for j in jobs] == [True, True, False, True]
+        with pytest.raises(ValueError, match="bad job"):
+            jobs[2].result()
+        assert [i for i, _ in order] == [0, 1, 2, 3] and len({t for _, t in order}) == 1
+        workers.close()
+
+    def test_rejects_bad_max_threads(self):
+        with pytest.raises(ValueError, match="max_threads"):
+            Workers("x", max_threads=0)
+
+    def test_graphs_run_on_kept_workers_give_the_same_result(self):
+        workers = Workers("stage")
+        for _ in range(3):
+            sink = Collect()
+            g, _ = chain(Numbers(20), Double(), sink)
+            g.run(workers=workers)
+            assert sink.items == [2 * i for i in range(20)] and sink.finished and sink.closed
+        sink = Collect(fail_on=6)
+        g, _ = chain(Numbers(20), Double(), sink)
+        with pytest.raises(StageError, match="cannot take 6"):
+            g.run(workers=workers)
+        assert workers._threads == 3    # one per stage, reused by every run
+        workers.close()

@@ -2,7 +2,8 @@
 per video) through `pipeline batch`, local path and Ray Data, stock tokens vs ARR-COC retention.
 
 Reports per setting videos/s and questions/s, both over the whole wall time (model loading
-included) and steady-state (after each worker's first video, which carries its model load), plus
+included) and steady-state (each worker from its first finished video, which carries its model
+load, to its last, summed over the workers), plus
 the ARR-COC/stock speed-up and the Ray scaling efficiency qps(n GPUs) / (n * qps(1 GPU)).
 "Stock" is the same pipeline with every token sent to the VLM (`--stock-tokens`: the ARR-COC front
 end still runs); the `vlm-only` path is the stock VLM alone (frames decoded at vlm.fps, no front
@@ -50,13 +51,23 @@ BENCH_VLM = None  # set in main (VLMConfig of this run), read by the factory in 
 
 
 def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
-    """videos/s and questions/s after the first `workers` videos (each worker's first carries its load)."""
-    done = sorted((o for o in s.outcomes if o.status == "done"), key=lambda o: o.finished_at)
-    if len(done) <= workers:
-        return float("nan"), float("nan")
-    rest, t0 = done[workers:], done[workers - 1].finished_at
-    span = rest[-1].finished_at - t0
-    return len(rest) / span, sum(o.questions for o in rest) / span
+    """videos/s and questions/s in steady state: per worker process (VideoOutcome.worker), from
+    its first finished video (which carries its model load) to its last, summed over the workers,
+    so workers that start at different times (Ray actors load their models one after another) do
+    not count each other's start-up. Idle gaps inside a worker's span still count."""
+    done = [o for o in s.outcomes if o.status == "done"]
+    by_worker: dict[str, list] = {}
+    for o in done:
+        by_worker.setdefault(o.worker, []).append(o)
+    vps = qps = 0.0
+    if len(by_worker) != workers or any(len(o) < 2 for o in by_worker.values()):
+        return float("nan"), float("nan")   # a worker without a steady state
+    for outcomes in by_worker.values():
+        outcomes.sort(key=lambda o: o.finished_at)
+        span = outcomes[-1].finished_at - outcomes[0].finished_at
+        vps += (len(outcomes) - 1) / span
+        qps += sum(o.questions for o in outcomes[1:]) / span
+    return vps, qps
 
 
 def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int) -> dict:

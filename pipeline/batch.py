@@ -13,6 +13,8 @@ and restarted answers every question exactly once.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import threading
 import time
@@ -61,6 +63,7 @@ class VideoOutcome:
     wall_s: float = 0.0
     message: str = ""
     finished_at: float = 0.0  # time.time() when the worker finished it (Ray delivers rows in bursts)
+    worker: str = ""          # host:pid of the process that answered it
 
     def to_row(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -123,6 +126,7 @@ class QuestionsStage(VLMStage):
         return [AnswerItems(answers)] if answers else []
 
 
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 QUERY_BUCKET = 64  # query tokens are padded (and masked) to a multiple of this: videos share front-end graphs
 
 
@@ -192,7 +196,8 @@ class VideoAnswerer:
         # every question of a video is asked over the same selected tokens: the first answer's count is the video's
         kept, full = (answers[0].tokens_kept, answers[0].tokens_full) if answers else (0, 0)
         return VideoOutcome(work.video_id, "done", questions=len(answers), frames=frames, tokens_kept=kept,
-                            tokens_full=full, wall_s=time.perf_counter() - start, finished_at=time.time())
+                            tokens_full=full, wall_s=time.perf_counter() - start, finished_at=time.time(),
+                            worker=WORKER_ID)
 
     def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem]]:
         # decode.process: the decoder runs in its own process, where the stage threads of the videos

@@ -21,7 +21,7 @@ from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
-from pipeline.vlm.vision_attention import patch_vision_attention, uniform_blocks
+from pipeline.vlm.vision_attention import patch_vision_attention, batched_attention
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
@@ -212,7 +212,7 @@ class VLM:
         """All patches through the vision tower -> per video merged tokens (T', gh, gw, D)."""
         grids = grid_thw.tolist()
         same_size = len({(h, w) for _, h, w in grids}) == 1
-        with uniform_blocks(grids[0][1] * grids[0][2] if same_size else None):  # one attention call per layer
+        with batched_attention(grids[0][1] * grids[0][2] if same_size else None):  # one attention call per layer
             out = self._visual(pixels, grid_thw=grid_thw)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
         m = self.geometry.merge_size

@@ -8,7 +8,7 @@ as a Python loop of one SDPA call per block, after reading the block lengths bac
 layers: 320 calls and 32 syncs; 32 frames at 448x448 through Qwen2.5-VL-7B's window layers are
 256 windows x 28 layers: 7168 calls (~0.4 s on an H100 for ~20 TFLOP of work).
 
-Inside `uniform_blocks(L)` (VLM._vision), each layer instead makes one SDPA call over
+Inside `batched_attention(L)` (VLM._vision), each layer instead makes one SDPA call over
 (blocks, heads, L, head_dim): with no sync at all when the blocks are the frames (N / L blocks of
 the given L, frames of one size), else after one read of the block lengths per boundary tensor
 and vision forward (shared by all layers that use it), with blocks of unequal length (edge
@@ -29,7 +29,7 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def uniform_blocks(length: int | None) -> Iterator[None]:
+def batched_attention(length: int | None) -> Iterator[None]:
     """Inside: the vision tower's attention runs batched (see the module doc); `length`: how many
     patches each frame block holds when all frames have one size (None: unknown, the block lengths
     are read from the boundaries once per tensor)."""
@@ -43,7 +43,7 @@ def uniform_blocks(length: int | None) -> Iterator[None]:
 
 def patch_vision_attention(visual: nn.Module) -> int:
     """Give each vision attention module of `visual` the batched forward (used inside
-    uniform_blocks); returns how many were patched."""
+    batched_attention); returns how many were patched."""
     count = 0
     for module in visual.modules():
         if type(module).__name__.endswith("VisionAttention") and hasattr(module, "qkv") and hasattr(module, "proj"):
@@ -56,7 +56,7 @@ def patch_vision_attention(visual: nn.Module) -> int:
 
 def _plan(cu_seqlens: torch.Tensor, N: int, length: int | None, plans: dict) -> tuple:
     """('uniform', L) or ('padded', gather index (B, Lmax), key mask (B, 1, 1, Lmax), valid (N,))
-    for these block boundaries, made once per boundary tensor inside one uniform_blocks."""
+    for these block boundaries, made once per boundary tensor inside one batched_attention."""
     key = (cu_seqlens.data_ptr(), cu_seqlens.numel(), N)
     if key in plans:
         return plans[key]

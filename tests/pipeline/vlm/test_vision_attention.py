@@ -23,7 +23,7 @@ def test_batched_equals_hf_per_block_loop(vlm, monkeypatch):
     monkeypatch.setattr(vision_attention.F, "scaled_dot_product_attention", counting)
     batched = vlm._vision(pixels, grid)[0]
     counted = dict(calls)
-    reference = vlm._visual(pixels, grid_thw=grid)                   # outside uniform_blocks: HF's forward
+    reference = vlm._visual(pixels, grid_thw=grid)                   # outside batched_attention: HF's forward
     reference = getattr(reference, "pooler_output", reference).view(batched.shape)
     torch.testing.assert_close(batched, reference, rtol=1e-5, atol=1e-5)
     assert counted["batched"] == len(vlm._visual.blocks)                # every layer, one call each
@@ -31,9 +31,9 @@ def test_batched_equals_hf_per_block_loop(vlm, monkeypatch):
     assert counted["padded"] == (0 if vlm.family == "qwen2_vl" else len(vlm._visual.blocks) - 1)
 
 
-def test_uniform_blocks_restores_the_previous_length():
-    with vision_attention.uniform_blocks(48):
-        with vision_attention.uniform_blocks(None):
+def test_batched_attention_restores_the_previous_length():
+    with vision_attention.batched_attention(48):
+        with vision_attention.batched_attention(None):
             assert vision_attention._local.state[0] is None
         assert vision_attention._local.state[0] == 48
     assert getattr(vision_attention._local, "state", None) is None

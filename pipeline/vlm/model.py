@@ -21,7 +21,7 @@ from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
-from pipeline.vlm.vision_attention import patch_vision_attention, batched_attention
+from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one

@@ -189,10 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _quiet_ffmpeg() -> None:
     """FFmpeg's own log lines (e.g. on a damaged file) would break the one-line error rule:
-    damage is reported by the sources as a warning or a SourceError instead."""
+    damage is reported by the sources as a warning or a SourceError instead.
+
+    PyAV's level None is its no-op log callback. Any level (even PANIC) installs a callback that
+    takes the GIL inside FFmpeg's own decoding threads for every error-level line, and that
+    deadlocks: a codec context freed while its thread holds the GIL (a garbage collection, in any
+    thread) waits for those decoding threads, one of which waits for the GIL to log. A batch test
+    hung exactly so (py-spy: avcodec_free_context under gc in zarr's IO thread, av_log ->
+    logging_log_callback in an FFmpeg thread)."""
     try:
         import av.logging
-        av.logging.set_level(av.logging.PANIC)
+        av.logging.set_level(None)
     except (ImportError, AttributeError):
         pass
 

@@ -139,6 +139,15 @@ class TestBoundedQueues:
         assert busy["sink"] > busy["decode"]
 
 
+def test_ffmpeg_logging_stays_off_so_its_threads_never_wait_for_the_gil(tmp_path):
+    """Any PyAV log level installs a callback that takes the GIL inside FFmpeg's decoding threads,
+    which deadlocks when a codec context is freed with the GIL held (see cli._quiet_ffmpeg)."""
+    import av.logging
+    av.logging.set_level(av.logging.PANIC)           # what the CLI used to set
+    assert main(["run", str(tmp_path / "nope.mp4"), "--query", "q"]) == 2
+    assert av.logging.get_level() is None
+
+
 class TestBadInput:
     @pytest.mark.parametrize("case, args, message", [
         ("missing file", ["run", "{missing}", "--query", "q"], "nope.mp4: no such file"),

@@ -158,6 +158,7 @@ class Workers:
         self._lock = threading.Lock()
         self._threads = 0
         self._idle = 0
+        self._started: list[threading.Thread] = []
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
@@ -166,16 +167,24 @@ class Workers:
                 self._idle -= 1
             elif self.max_threads is None or self._threads < self.max_threads:
                 self._threads += 1
-                threading.Thread(target=self._serve, name=f"{self.name}-{self._threads}", daemon=True).start()
+                thread = threading.Thread(target=self._serve, name=f"{self.name}-{self._threads}", daemon=True)
+                thread.start()
+                if self.keep:
+                    self._started.append(thread)
         self._jobs.put((future, fn, args))
         return future
 
-    def close(self) -> None:
-        """Let the threads end once the jobs already submitted are done."""
+    def close(self, timeout: float | None = 10.0) -> None:
+        """End the threads once the jobs already submitted are done, and wait for them (up to
+        timeout): a thread that ran torch code must not end while the interpreter shuts down,
+        when its C++ thread-local state would be torn down against already destroyed globals
+        (seen as "terminate called without an active exception" at exit)."""
         with self._lock:
-            n = self._threads
-        for _ in range(n):
+            threads, self._started = self._started, []
+        for _ in threads:
             self._jobs.put(None)
+        for thread in threads:
+            thread.join(timeout)
 
     def _serve(self) -> None:
         while True:

@@ -282,7 +282,12 @@ class _Tagged:
 
 def _worker(job: int, path: str, kwargs: dict, shm_name: str, shape: tuple, yuv: YuvLayout | None,
             free: Any, filled: Any, parent: int) -> None:
-    shm = SharedMemory(name=shm_name)
+    try:
+        shm = SharedMemory(name=shm_name)
+    except FileNotFoundError:
+        # the parent closed this video (and unlinked its slots) before we reached it: e.g.
+        # SIGTERM while videos were in flight. Nothing listens for it any more; serve the next.
+        return
     buffers = np.ndarray(shape, dtype=np.uint8, buffer=shm.buf)
     batch = shape[1]
     try:

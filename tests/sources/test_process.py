@@ -166,6 +166,20 @@ class TestSharedWorker:
         finally:
             worker.close()
 
+    def test_a_video_closed_before_the_worker_reached_it_is_skipped(self, clips, capfd):
+        worker = DecodeWorker()
+        try:
+            shape = (2, 4, 72, 96, 3)
+            worker.submit(str(clips[0]), {}, "arrcoc-gone-before-start", shape, None)  # slots already unlinked
+            with open_video(clips[2]) as ref_src:
+                ref = np.stack([f.rgb for f in ref_src])
+            with ProcessSource(clips[2], batch_size=4, slots=2, worker=worker) as src:
+                indices, _, rgb = collect(src)
+            np.testing.assert_array_equal(rgb, ref)
+            assert worker.alive and "Traceback" not in capfd.readouterr().err
+        finally:
+            worker.close()
+
     def test_a_closed_worker_is_refused(self, clips):
         worker = DecodeWorker()
         worker.close()

@@ -216,8 +216,8 @@ class VLM:
             out = self._visual(pixels, grid_thw=grid_thw)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
         m = self.geometry.merge_size
-        sizes = (grid_thw.prod(-1) // m**2).tolist()
-        return [x.view(int(g[0]), int(g[1]) // m, int(g[2]) // m, -1) for x, g in zip(merged.split(sizes), grid_thw)]
+        sizes = [t * h * w // m**2 for t, h, w in grids]
+        return [x.view(t, h // m, w // m, -1) for x, (t, h, w) in zip(merged.split(sizes), grids)]
 
     def prompt_ids(self, question: str, n_video_tokens: int) -> tuple[list[int], list[int]]:
         """Qwen chat format around one video: ids before and after the video pad tokens."""

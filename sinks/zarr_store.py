@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,7 +301,6 @@ def _stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, byte
     otherwise pay zarr's ~20 array creations, ~50 ms, every time)."""
     key = (grid, chunk_frames)
     if key not in _TEMPLATES:
-        import tempfile
         with tempfile.TemporaryDirectory(prefix="arrcoc_stream_") as tmp:
             root = Path(tmp) / "stream"
             root.mkdir()
@@ -412,10 +412,7 @@ class StreamWriter:
             for name, array in arrays.items():
                 values = [row[name] for row in rows]
                 array.resize((n + k,))
-                if k == 1:
-                    array[n] = values[0]
-                else:
-                    array[n:n + k] = np.array(values, dtype=object if isinstance(values[0], str) else array.dtype)
+                array[n:n + k] = np.array(values, dtype=object if isinstance(values[0], str) else array.dtype)
             self._group.attrs[count_attr] = n + k
         except OSError as e:
             raise SinkError(f"cannot write {what} of {self._where}: {e.strerror or e}") from e

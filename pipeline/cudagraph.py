@@ -14,13 +14,14 @@ batches (a stream's first) and replays interleave freely.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import fields
 from typing import Any, Callable
 
 import torch
 
 from arr_coc.model import ARRCOC, Allocation
-from arr_coc.realizing import StreamState
+from arr_coc.realizing import STATE_TENSORS, StreamState
 from arr_coc.texture import Texture
 
 # While a thread captures a CUDA graph, page-locked host allocations in other threads fail (torch's
@@ -31,7 +32,11 @@ from arr_coc.texture import Texture
 # the capturing stream, which invalidates its capture); the hot paths sync streams or events only.
 CAPTURE_LOCK = threading.RLock()
 
-STATE_FIELDS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")
+STATE_FIELDS = STATE_TENSORS
+# A shape no prepare() covered (a file's short last batch) runs eagerly the first time it comes and
+# is captured when it comes again: in batch mode the FrontendGraphs serve video after video, and
+# short last batches recur (at 2 fps a 10 s clip is one batch of 16 frames and one of 4).
+CAPTURE_ON_SIGHTING = 2
 TEXTURE_FIELDS = tuple(f.name for f in fields(Texture))
 
 
@@ -83,8 +88,10 @@ class FrontendGraphs:
         self.model, self.grid, self.query, self.query_mask = model, grid, query, query_mask
         self.texture_graphs: dict[tuple, GraphedCall] = {}
         self.realize_graphs: dict[tuple, GraphedCall] = {}
-        self.capture_new = True  # capture a graph for each new shape; else unknown shapes return None
+        self.capture_new = True  # capture a graph for each new shape; else see CAPTURE_ON_SIGHTING
         self._prepared: set[tuple] = set()
+        self._sightings: Counter[tuple] = Counter()   # of shapes without a graph, while capture_new is off
+        self._flags: dict[bool, torch.Tensor] = {}     # last_real inputs, on the device
 
     @torch.inference_mode()
     def prepare(self, batch: int, height: int, width: int, query: torch.Tensor | None = None,
@@ -92,7 +99,7 @@ class FrontendGraphs:
         """Capture the graphs of full (batch, H, W) batches (and this query's shape) now, during a
         run's setup, on blank frames (graphs keep no data), rather than inside its first batches
         (~0.1-0.3 s); shapes prepared before are not captured again. Other shapes (a file's short
-        last batch) then run eagerly instead of being captured."""
+        last batch) then run eagerly, until they come CAPTURE_ON_SIGHTING times."""
         query, query_mask = self._query(query, query_mask)
         key = (batch, height, width, tuple(query.shape), query_mask is None)
         self.capture_new = key not in self._prepared  # these shapes, now (an earlier prepare() may have closed capturing)
@@ -105,7 +112,7 @@ class FrontendGraphs:
             frames = torch.zeros(batch, height, width, 3, dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
             texture = self.model.extract(frames, None, self.grid)          # a stream's first batch
             _, state, _ = self.model.realize(texture, query, None, query_mask=query_mask)
-            texture = self.extract(frames, frames[-1].clone(), stream)
+            texture = self.extract(frames, frames[-1].clone(), stream, last_real=True)
             self.realize(texture, state, torch.ones(batch, dtype=torch.bool, device=device), stream,
                          query, query_mask)
         stream.synchronize()
@@ -115,15 +122,30 @@ class FrontendGraphs:
     def _query(self, query: torch.Tensor | None, query_mask: torch.Tensor | None):
         return (self.query, self.query_mask) if query is None else (query, query_mask)
 
-    def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream) -> Texture | None:
-        graph = self.texture_graphs.get(tuple(frames.shape))
-        if graph is None and not self.capture_new:
+    def _may_capture(self, key: tuple) -> bool:
+        if self.capture_new:
+            return True
+        self._sightings[key] += 1
+        return self._sightings[key] >= CAPTURE_ON_SIGHTING
+
+    def _flag(self, value: bool, device: torch.device) -> torch.Tensor:
+        if value not in self._flags:
+            self._flags[value] = torch.tensor(value, device=device)
+        return self._flags[value]
+
+    def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream,
+                last_real: bool = True) -> Texture | None:
+        """last_real False: a stream's first batch, with last = frames[0] (ARRCOC.extract)."""
+        shape = tuple(frames.shape)
+        graph = self.texture_graphs.get(shape)
+        if graph is None and not self._may_capture(("texture", shape)):
             return None
+        flag = self._flag(last_real, frames.device)
         if graph is None:
-            graph = self.texture_graphs[tuple(frames.shape)] = GraphedCall(
-                lambda b: self.model.extract(b["frames"], b["last"], self.grid),
-                {"frames": frames, "last": last}, stream)
-        out = graph(frames=frames, last=last)
+            graph = self.texture_graphs[shape] = GraphedCall(
+                lambda b: self.model.extract(b["frames"], b["last"], self.grid, b["last_real"]),
+                {"frames": frames, "last": last, "last_real": flag}, stream)
+        out = graph(frames=frames, last=last, last_real=flag)
         # the realize stage reads this on its own stream while the next batch may replay here
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
 
@@ -134,7 +156,7 @@ class FrontendGraphs:
         query, query_mask = self._query(query, query_mask)
         shape = (tuple(texture.data.shape), tuple(query.shape), query_mask is None)
         graph = self.realize_graphs.get(shape)
-        if graph is None and not self.capture_new:
+        if graph is None and not self._may_capture(("realize", shape)):
             return None
         inputs = {"tex_" + n: getattr(texture, n) for n in TEXTURE_FIELDS}
         inputs.update({n: getattr(state, n) for n in STATE_FIELDS})
@@ -157,5 +179,6 @@ class FrontendGraphs:
 
 
 def graphable(state: StreamState | None) -> bool:
-    """A graph needs every state tensor to exist; after a stream's first batch they do."""
+    """A graph needs every state tensor to exist: after a stream's first batch they do, and
+    ARRCOC.realizer.initial_state gives them for the first."""
     return state is not None and all(getattr(state, n) is not None for n in STATE_FIELDS)

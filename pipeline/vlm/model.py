@@ -22,6 +22,7 @@ from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
+from pipeline.vlm.vision_graph import VisionGraphs
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
@@ -177,7 +178,9 @@ class VLM:
         # bytes of one cache slot of one row: K and V of every layer
         self._slot_bytes = 2 * len(self._lm.layers) * attn.k_proj.out_features * self.dtype.itemsize
         self.counters = {"decoders": 0, "evicted": 0, "decode_graphs": 0, "prefill_graphs": 0}
-        self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill)
+        self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill, vision)
+        self._vision_graphs = (VisionGraphs(self._visual, self.dtype, self._pool)
+                               if self.device.type == "cuda" and config.cuda_graphs else None)
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
         self.video_token_id = model.config.video_token_id
@@ -205,16 +208,20 @@ class VLM:
         return self._vision(*self._preprocess(videos))
 
     def _preprocess(self, videos: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> pixels (N_patches, F) on the device, grid_thw (N, 3) on the host."""
         pixels, grids = zip(*(self.preprocessor(v, self.device) for v in videos))
-        return torch.cat(pixels).to(self.dtype), torch.stack(grids).to(self.device)  # (N_patches, F), (N, 3)
+        return torch.cat(pixels).to(self.dtype), torch.stack(grids)
 
     def _vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """All patches through the vision tower -> per video merged tokens (T', gh, gw, D)."""
+        """All patches through the vision tower (a replayed graph where one runs them) -> per video
+        merged tokens (T', gh, gw, D)."""
         grids = grid_thw.tolist()
-        same_size = len({(h, w) for _, h, w in grids}) == 1
-        with batched_attention(grids[0][1] * grids[0][2] if same_size else None):  # one attention call per layer
-            out = self._visual(pixels, grid_thw=grid_thw)
-        merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
+        merged = self._vision_graphs(pixels, grids) if self._vision_graphs is not None else None
+        if merged is None:
+            same_size = len({(h, w) for _, h, w in grids}) == 1
+            with batched_attention(grids[0][1] * grids[0][2] if same_size else None):  # one attention call per layer
+                out = self._visual(pixels, grid_thw=grid_thw.to(self.device))
+            merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
         m = self.geometry.merge_size
         sizes = [t * h * w // m**2 for t, h, w in grids]
         return [x.view(t, h // m, w // m, -1) for x, (t, h, w) in zip(merged.split(sizes), grids)]

@@ -29,12 +29,14 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def batched_attention(length: int | None) -> Iterator[None]:
+def batched_attention(length: int | None, plans: dict | None = None) -> Iterator[None]:
     """Inside: the vision tower's attention runs batched (see the module doc); `length`: how many
     patches each frame block holds when all frames have one size (None: unknown, the block lengths
-    are read from the boundaries once per tensor)."""
+    are read from the boundaries once per tensor). `plans`: where the per-boundary-tensor plans are
+    kept (default: for this block only); a vision graph passes its own, so that the plans its warm-up
+    made (with their one host read) serve its capture, which must not read anything back."""
     previous = getattr(_local, "state", None)
-    _local.state = (length, {})                                         # (frame block length, plans)
+    _local.state = (length, {} if plans is None else plans)            # (frame block length, plans)
     try:
         yield
     finally:

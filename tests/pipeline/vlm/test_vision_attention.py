@@ -23,7 +23,7 @@ def test_batched_equals_hf_per_block_loop(vlm, monkeypatch):
     monkeypatch.setattr(vision_attention.F, "scaled_dot_product_attention", counting)
     batched = vlm._vision(pixels, grid)[0]
     counted = dict(calls)
-    reference = vlm._visual(pixels, grid_thw=grid)                   # outside batched_attention: HF's forward
+    reference = vlm._visual(pixels, grid_thw=grid.to(vlm.device))    # outside batched_attention: HF's forward
     reference = getattr(reference, "pooler_output", reference).view(batched.shape)
     torch.testing.assert_close(batched, reference, rtol=1e-5, atol=1e-5)
     assert counted["batched"] == len(vlm._visual.blocks)                # every layer, one call each

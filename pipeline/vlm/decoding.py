@@ -107,6 +107,10 @@ class StaticDecoder:
     R is a batch bucket: a batch of B <= R requests uses rows [0, B); the other rows decode pad
     tokens that attend only to themselves (their slots from the prefix length on), so they stay
     finite and, every op being per row, never reach a real row.
+
+    Each row's prefix may hold one run of padding slots, its "hole" [hole_lo, hole_hi), that no
+    query attends to: left padding is the hole [0, pad); questions over one shared window
+    (prefill_shared) are [window, window padding, question padding, question], the hole in the middle.
     """
 
     def __init__(self, vlm: VLM, rows: int, length: int) -> None:
@@ -117,13 +121,15 @@ class StaticDecoder:
         self.token = torch.full((rows,), vlm.pad_token_id, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)        # where the fed token goes
         self.rope_offset = torch.zeros(rows, dtype=torch.long, device=device)  # M-RoPE position - slot
-        self.pad = torch.zeros(rows, dtype=torch.long, device=device)       # first real slot per row
+        self.hole_lo = torch.zeros(rows, dtype=torch.long, device=device)   # per row: slots [lo, hi)
+        self.hole_hi = torch.zeros(rows, dtype=torch.long, device=device)   # are padding, never attended
         self.key_slots = torch.arange(length, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                             # the graph's output
-        # prefill graphs by padded prefix length: they write this decoder's cache, so they live
-        # and die with it; least recently used first
-        self.prefill_graphs: OrderedDict[int, PrefillGraph] = OrderedDict()
+        # prefill graphs by padded prefix length (shared-window ones by ("window", Lw) and
+        # ("suffix", Lw, Lq)): they write this decoder's cache, so they live and die with it;
+        # least recently used first
+        self.prefill_graphs: OrderedDict[int | tuple, PrefillGraph] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
@@ -140,44 +146,118 @@ class StaticDecoder:
             # unpadded under sdpa: no mask, so its causal kernel
             pad = torch.tensor(pads, device=vlm.device) if any(pads) or vlm._attn_impl == "eager" else None
             return self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
+        self._check_rows(B)
+        slots = torch.arange(L, device=vlm.device)
+        inputs = {"embeds": embeds, "positions": positions, "pad": self._longs(pads)}
+        graph = self._graph(L, lambda b: self.prefill_forward(b["embeds"], b["positions"], slots, b["pad"]),
+                            inputs, pool)
+        return graph(**inputs)
+
+    def prefill_shared(self, window: torch.Tensor, window_positions: torch.Tensor, window_len: int,
+                       suffix: torch.Tensor, suffix_positions: torch.Tensor, pads: list[int],
+                       pool=None) -> torch.Tensor:
+        """Questions over one window: the window once, then every row's own suffix after it.
+
+        window (Lw, D) and window_positions (3, Lw): the shared prefix, its first window_len slots
+        real, right padded (padding there is later than every real window token, so causal
+        attention never sees it); suffix (B, Lq, D), suffix_positions (3, B, Lq): each row's
+        question, left padded by pads. The window goes into slots [0, Lw) of row 0 and is copied to
+        every row; the suffixes into [Lw, Lw + Lq), each attending to the real window and its own
+        tokens. -> (B, V) float32 logits after each row's last token. With a pool, each stage
+        replays a graph (the window's per Lw, the suffixes' per Lq: their start is an input), and
+        B is all the decoder's rows."""
+        vlm, Lw, (B, Lq) = self.vlm, window.shape[0], suffix.shape[:2]
+        lo = [window_len] * B
+        hi = [Lw + p for p in pads]
+        if pool is None:
+            self._prefill_window(window[None], window_positions[:, None])
+            return self.prefill_forward(suffix, suffix_positions, torch.arange(Lw, Lw + Lq, device=vlm.device),
+                                        torch.tensor(hi, device=vlm.device),
+                                        hole_lo=torch.tensor(lo, device=vlm.device), visible=Lw + Lq)
+        self._check_rows(B)
+        inputs = {"embeds": window[None], "positions": window_positions[:, None]}
+        self._graph(("window", Lw), lambda b: self._prefill_window(b["embeds"], b["positions"]), inputs, pool)(**inputs)
+        offsets = torch.arange(Lq, device=vlm.device)
+        inputs = {"embeds": suffix, "positions": suffix_positions, "lo": self._longs(lo), "hi": self._longs(hi),
+                  "start": self._longs([Lw])}
+        graph = self._graph(("suffix", Lq), lambda b: self.prefill_forward(
+            b["embeds"], b["positions"], b["start"] + offsets, b["hi"], hole_lo=b["lo"], visible=self.length),
+            inputs, pool)
+        return graph(**inputs)
+
+    def _prefill_window(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """embeds (1, Lw, D) causal into slots [0, Lw) of row 0, then copied to every row."""
+        vlm, L = self.vlm, embeds.shape[1]
+        # eager attention takes no causal default: a mask with no padding
+        pad = torch.zeros(1, dtype=torch.long, device=vlm.device) if vlm._attn_impl == "eager" else None
+        logits = self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
+        for t in self.cache.keys + self.cache.values:                        # (R, H_kv, Lmax, hd)
+            t[1:, :, :L] = t[:1, :, :L]
+        return logits
+
+    def _check_rows(self, B: int) -> None:
         if B != self.rows:
             raise ValueError(f"a replayed prefill fills every row of the decoder ({self.rows}), got {B} rows")
-        graph = self.prefill_graphs.pop(L, None)
+
+    def _longs(self, values) -> torch.Tensor:
+        """Host ints -> a device tensor, queued like a kernel: from page-locked memory the copy does
+        not wait for the GPU."""
+        host = torch.as_tensor(values, dtype=torch.long)
+        if self.vlm.device.type != "cuda":
+            return host.to(self.vlm.device)
+        with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
+            host = host.pin_memory()
+        return host.to(self.vlm.device, non_blocking=True)
+
+    def _graph(self, key, fn, example: dict[str, torch.Tensor], pool) -> PrefillGraph:
+        vlm = self.vlm
+        graph = self.prefill_graphs.pop(key, None)
         if graph is None:
             if len(self.prefill_graphs) >= MAX_PREFILL_GRAPHS:
                 self.prefill_graphs.popitem(last=False)
-            vlm._make_room(PrefillGraph.buffer_bytes(embeds, positions, vlm.model.lm_head.out_features), keep=self)
-            graph = PrefillGraph(self, embeds, positions, pool)
-        self.prefill_graphs[L] = graph                                       # most recently used last
-        return graph(embeds, positions, pads)
+            rows = next(iter(example.values())).shape[0]
+            vlm._make_room(PrefillGraph.buffer_bytes(example, rows, vlm.model.lm_head.out_features), keep=self)
+            graph = PrefillGraph(self, fn, example, pool)
+        self.prefill_graphs[key] = graph                                     # most recently used last
+        return graph
 
     def prefill_forward(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                        pad: torch.Tensor | None) -> torch.Tensor:
-        """The prefill itself, eager or under capture: embeds (B, L, D), positions (3, B, L), slots
-        (L,) = arange(L), pad (B,) first real slot per row (None: no padding) -> (B, V) float32
-        logits at the last position. Everything stays on the device (no host values)."""
-        vlm, L = self.vlm, embeds.shape[1]
-        cache = self.cache.rows(embeds.shape[0])                             # (B, H_kv, Lmax, hd) per layer
-        cache.at(slots, L)
+                        pad: torch.Tensor | None, hole_lo: torch.Tensor | None = None,
+                        visible: int | None = None) -> torch.Tensor:
+        """The prefill itself, eager or under capture: embeds (B, L, D), positions (3, B, L) into the
+        consecutive cache slots (L,), attending causally to slots [0, visible) (default L, for
+        slots = arange(L)); pad (B,): each row's padding slots end there, starting from hole_lo (B,)
+        (None: from 0, left padding); pad None: no padding -> (B, V) float32 logits at the last
+        position. Everything stays on the device (no host values)."""
+        vlm, (B, L) = self.vlm, embeds.shape[:2]
+        visible = L if visible is None else visible
+        cache = self.cache.rows(B)                                           # (B, H_kv, Lmax, hd) per layer
+        cache.at(slots, visible)
         allowed = None
         if pad is not None:
-            allowed = (slots[:, None] >= slots) & (slots >= pad[:, None, None])  # (B, L, L) causal, real keys
+            keys = torch.arange(visible, device=vlm.device)                  # (K,)
+            real = keys >= pad[:, None, None]                                # (B, 1, K)
+            if hole_lo is not None:
+                real = real | (keys < hole_lo[:, None, None])
+            allowed = (keys <= slots[:, None]) & real                        # (B, L, K) causal, real keys
             # a padded query row would have nothing to attend to, and a fully masked softmax row is
             # NaN, which the attention weights 0 * NaN would carry into every real row
-            allowed = (allowed | torch.eye(L, dtype=torch.bool, device=vlm.device))[:, None]
+            allowed = (allowed | (keys == slots[:, None]))[:, None]
         hidden = vlm._lm_step(embeds, vlm._masks(allowed), positions, cache)  # (B, L, D)
         return vlm.model.lm_head(hidden[:, -1]).float()                     # (B, V)
 
-    def start(self, next_position: torch.Tensor, pads: list[int], prefix_len: int) -> None:
+    def start(self, next_position: torch.Tensor, holes: list[tuple[int, int]], prefix_len: int) -> None:
         """Decoding continues at slot prefix_len with M-RoPE positions next_position (B,) onward for
-        rows [0, B) (pads: their left padding); the other rows feed pad tokens that see only their
-        own slots from prefix_len on."""
+        rows [0, B) (holes: their padding slots [lo, hi)); the other rows feed pad tokens that see
+        only their own slots from prefix_len on."""
         B = self.batch = next_position.shape[0]
         self.slot.fill_(prefix_len)
         self.token.fill_(self.vlm.pad_token_id)
         self.rope_offset.zero_()
         self.rope_offset[:B].copy_(next_position - prefix_len)
-        self.pad.copy_(torch.tensor(list(pads[:B]) + [prefix_len] * (self.rows - B)))
+        holes = list(holes[:B]) + [(0, prefix_len)] * (self.rows - B)
+        self.hole_lo.copy_(self._longs([lo for lo, _ in holes]), non_blocking=True)
+        self.hole_hi.copy_(self._longs([hi for _, hi in holes]), non_blocking=True)
         self.cache.at(self.slot, self.length)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -191,7 +271,8 @@ class StaticDecoder:
     def _forward(self) -> torch.Tensor:
         vlm = self.vlm
         embeds = vlm._lm.embed_tokens(self.token)[:, None]                   # (R, 1, D)
-        allowed = (self.key_slots >= self.pad[:, None]) & (self.key_slots <= self.slot)  # (R, Lmax)
+        real = (self.key_slots < self.hole_lo[:, None]) | (self.key_slots >= self.hole_hi[:, None])
+        allowed = real & (self.key_slots <= self.slot)                       # (R, Lmax)
         positions = (self.rope_offset + self.slot).view(1, -1, 1).expand(3, -1, 1)     # (3, R, 1)
         hidden = vlm._lm_step(embeds, vlm._masks(allowed[:, None, None]), positions, self.cache)
         logits = vlm.model.lm_head(hidden[:, -1]).float()                    # (R, V)
@@ -206,46 +287,33 @@ class StaticDecoder:
 
 
 class PrefillGraph:
-    """A decoder's prefill at one padded prefix length L, captured as a CUDA graph.
+    """One prefill shape of a decoder (StaticDecoder._graph), captured as a CUDA graph.
 
-    Each call copies its inputs into static buffers (the embeds, the M-RoPE positions and the
-    per-row left padding, from which the graph builds its own mask) and replays: the graph writes
-    cache slots [0, L) of its decoder and the (B, V) logits buffer, which stays valid until the VLM
-    replays a graph again (all its graphs share one memory pool, so a later replay may reuse it).
+    Each call copies its inputs into static buffers (embeds, M-RoPE positions, the padding bounds
+    from which the graph builds its own mask) and replays: the graph writes its slots of the
+    decoder's cache and the (B, V) logits buffer, which stays valid until the VLM replays a graph
+    again (all its graphs share one memory pool, so a later replay may reuse it).
     """
 
-    def __init__(self, decoder: StaticDecoder, embeds: torch.Tensor, positions: torch.Tensor, pool) -> None:
-        device = decoder.vlm.device
-        self.decoder, self.pool = decoder, pool
-        self.embeds = torch.empty_like(embeds)                               # (B, L, D)
-        self.positions = torch.empty_like(positions)                         # (3, B, L)
-        self.pad = torch.zeros(embeds.shape[0], dtype=torch.long, device=device)  # (B,)
-        self.slots = torch.arange(embeds.shape[1], device=device)            # (L,)
+    def __init__(self, decoder: StaticDecoder, fn, example: dict[str, torch.Tensor], pool) -> None:
+        self.decoder, self.fn, self.pool = decoder, fn, pool
+        self.buffers = {k: torch.empty_like(v) for k, v in example.items()}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                              # (B, V), the graph's output
-        self.nbytes = self.buffer_bytes(embeds, positions, decoder.vlm.model.lm_head.out_features)
+        rows = next(iter(example.values())).shape[0]
+        self.nbytes = self.buffer_bytes(example, rows, decoder.vlm.model.lm_head.out_features)
 
     @staticmethod
-    def buffer_bytes(embeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> int:
-        """Bytes of a graph's static inputs (embeds, positions, pad, slots) and (B, V) float32 logits."""
-        (B, L), long = embeds.shape[:2], torch.long.itemsize
-        return embeds.nbytes + positions.nbytes + (B + L) * long + B * vocab * 4
+    def buffer_bytes(example: dict[str, torch.Tensor], rows: int, vocab: int) -> int:
+        """Bytes of a graph's static inputs and its (rows, V) float32 logits."""
+        return sum(t.nbytes for t in example.values()) + rows * vocab * 4
 
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int]) -> torch.Tensor:
-        self.embeds.copy_(embeds)
-        self.positions.copy_(positions)
-        # from page-locked memory the copy is queued like a kernel, with no wait for the GPU
-        with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
-            pads = torch.tensor(pads).pin_memory()
-        self.pad.copy_(pads, non_blocking=True)
+    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        for name, value in inputs.items():
+            self.buffers[name].copy_(value, non_blocking=True)
         if self.graph is None:
-            self._capture()
+            self.graph, self.logits = capture(lambda: self.fn(self.buffers),
+                                              torch.cuda.Stream(self.decoder.vlm.device), self.pool)
+            self.decoder.vlm.counters["prefill_graphs"] += 1
         self.graph.replay()
         return self.logits
-
-    def _forward(self) -> torch.Tensor:
-        return self.decoder.prefill_forward(self.embeds, self.positions, self.slots, self.pad)
-
-    def _capture(self) -> None:
-        self.graph, self.logits = capture(self._forward, torch.cuda.Stream(self.decoder.vlm.device), self.pool)
-        self.decoder.vlm.counters["prefill_graphs"] += 1

@@ -27,6 +27,7 @@ from pipeline.vlm.vision_graph import VisionGraphs
 SYSTEM_PROMPT = "You are a helpful assistant."
 CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearby prompt lengths share one
 PREFILL_BUCKET = 64       # short prefixes are left padded up to a multiple of this, so prefill shapes repeat
+SUFFIX_BUCKET = 16        # questions after a shared window are left padded up to a multiple of this
 # Decoders (one per (batch bucket, cache length), see batch_bucket) are kept, least recently used
 # dropped first, while their KV caches and prefill-graph input buffers fit this many bytes. A cache
 # slot of one row holds K and V of every layer: 2 x 28 layers x 2 KV heads x 128 dims x 2 bytes
@@ -93,6 +94,7 @@ class Prefix:
     next_position: int
     tokens_kept: int
     tokens_full: int
+    window: WindowPrefix | None = None  # the window whose tokens lead embeds (question_prefix)
 
 
 @dataclass
@@ -297,7 +299,7 @@ class VLM:
         positions = (window.text_start + torch.arange(n, device=self.device)).expand(3, n)
         next_position = max(window.max_position, window.text_start + n - 1) + 1  # the full prompt's max + 1
         return Prefix(torch.cat([window.embeds, text]), torch.cat([window.positions, positions], 1),
-                      next_position, window.tokens_kept, window.tokens_full)
+                      next_position, window.tokens_kept, window.tokens_full, window)
 
     def _layout(self, Tp: int, gh: int, gw: int) -> _Layout:
         key = (Tp, gh, gw)
@@ -427,21 +429,57 @@ class VLM:
                 self.counters["evicted"] += 1
 
     @torch.no_grad()
-    def _prefill(self, prefixes: list[Prefix], max_new: int) -> tuple[StaticDecoder, torch.Tensor]:
+    def _prefill(self, prefixes: list[Prefix], max_new: int, shared: int = 0) -> tuple[StaticDecoder, torch.Tensor]:
         """Left-padded prefixes into a static cache with room for max_new tokens -> the decoder,
         ready for its first step, and the (B, V) float32 logits of the first generated token (a
-        graph's output when the prefill was replayed: valid until the VLM replays a graph again)."""
+        graph's output when the prefill was replayed: valid until the VLM replays a graph again).
+        shared: how many leading tokens every prefix shares (one window's), prefilled once."""
         B = len(prefixes)
+        if shared:
+            return self._prefill_shared(prefixes, max_new, shared)
         L, rows, graphed = self._prefill_shape(max(p.embeds.shape[0] for p in prefixes), B)
         embeds, positions, pads = self._left_pad(prefixes, L, rows)         # (rows, L, D), (3, rows, L)
-        # the last token fed back sits at slot L + max_new - 2; rounding up lets nearby prompt
-        # lengths share one cache (and one graph)
-        length = -(-(L + max_new - 1) // CACHE_BUCKET) * CACHE_BUCKET
-        decoder = self._decoder(self._rows(B), length, steps=max_new > 1)
+        decoder = self._decoder(self._rows(B), self._cache_length(L, max_new), steps=max_new > 1)
         logits = decoder.prefill(embeds, positions, pads, pool=self._pool() if graphed else None)[:B]  # (B, V)
         next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
-        decoder.start(next_pos, pads, L)
+        decoder.start(next_pos, [(0, pad) for pad in pads], L)
         return decoder, logits
+
+    @staticmethod
+    def _cache_length(prefix_len: int, max_new: int) -> int:
+        # the last token fed back sits at slot prefix_len + max_new - 2; rounding up lets nearby
+        # prompt lengths share one cache (and one graph)
+        return -(-(prefix_len + max_new - 1) // CACHE_BUCKET) * CACHE_BUCKET
+
+    def _prefill_shared(self, prefixes: list[Prefix], max_new: int, n: int) -> tuple[StaticDecoder, torch.Tensor]:
+        """_prefill of prefixes whose first n tokens are one window: it is prefilled once (right
+        padded to a multiple of PREFILL_BUCKET), each prefix's rest after it (left padded to a
+        multiple of SUFFIX_BUCKET), graphed or eager as for _prefill_shape's rules."""
+        B, first = len(prefixes), prefixes[0]
+        suffixes = [Prefix(p.embeds[n:], p.positions[:, n:], p.next_position, 0, 0) for p in prefixes]
+        Lw, Lq, rows, graphed = self._shared_shape(n, max(s.embeds.shape[0] for s in suffixes), B)
+        pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))  # (D,)
+        window = torch.cat([first.embeds[:n], pad.expand(Lw - n, -1)])                     # (Lw, D)
+        window_pos = torch.cat([first.positions[:, :n], first.positions.new_ones(3, Lw - n)], 1)  # (3, Lw)
+        embeds, positions, pads = self._left_pad(suffixes, Lq, rows)         # (rows, Lq, D), (3, rows, Lq)
+        decoder = self._decoder(self._rows(B), self._cache_length(Lw + Lq, max_new), steps=max_new > 1)
+        logits = decoder.prefill_shared(window, window_pos, n, embeds, positions, pads,
+                                        pool=self._pool() if graphed else None)[:B]       # (B, V)
+        next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
+        decoder.start(next_pos, [(n, Lw + p) for p in pads], Lw + Lq)
+        return decoder, logits
+
+    def _shared_shape(self, window_len: int, suffix_len: int, batch: int) -> tuple[int, int, int, bool]:
+        """-> (window length, suffix length, rows, graphed) of a shared-window prefill: padded and
+        replayed under the rules of _prefill_shape (the window is one row; the suffixes are the rows)."""
+        cfg = self.config
+        Lw = -(-window_len // PREFILL_BUCKET) * PREFILL_BUCKET
+        Lq = -(-suffix_len // SUFFIX_BUCKET) * SUFFIX_BUCKET
+        rows = self._rows(batch)
+        if (not cfg.cuda_graphs or Lw > cfg.graph_prefill_max_tokens
+                or (rows > batch and rows * Lq > self.row_padded_prefill_tokens)):
+            return window_len, suffix_len, batch, False
+        return Lw, Lq, rows, self.device.type == "cuda"
 
     @torch.no_grad()
     def warm_up(self, batch_sizes, prefix_lengths, *, max_new_tokens: int | None = None) -> list[tuple[int, int]]:
@@ -484,7 +522,10 @@ class VLM:
         top_p = cfg.top_p if top_p is None else top_p
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
         B = len(prefixes)
-        decoder, logits = self._prefill(prefixes, max_new)                   # (B, V)
+        # questions about one window (question_prefix) share its prefill
+        window = prefixes[0].window
+        shared = window.embeds.shape[0] if B > 1 and all(p.window is window for p in prefixes) and window else 0
+        decoder, logits = self._prefill(prefixes, max_new, shared)           # (B, V)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         tokens, step_logits = [], []

@@ -95,8 +95,9 @@ class TestPaddingRows:
         for k in decoder.cache.keys + decoder.cache.values:
             assert torch.isfinite(k).all()
         # the padding rows feed pad tokens that see only their own slots from L on
-        assert (decoder.token[5:] == v.pad_token_id).all() and (decoder.pad[5:] == L).all()
-        assert (decoder.pad[:5] < L).all() and (decoder.rope_offset[5:] == 0).all()
+        assert (decoder.token[5:] == v.pad_token_id).all()
+        assert (decoder.hole_lo[5:] == 0).all() and (decoder.hole_hi[5:] == L).all()
+        assert (decoder.hole_hi[:5] < L).all() and (decoder.rope_offset[5:] == 0).all()
 
     def test_nan_in_padding_rows_does_not_reach_real_rows(self, vlm, prefixes):
         """Even a poisoned padding row (NaN in every slot it may not see and in its fed token's

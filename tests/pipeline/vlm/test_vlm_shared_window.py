@@ -1,0 +1,96 @@
+"""Questions about one window share its prefill (VLM._prefill_shared): the window is prefilled once
+and copied to every row, each question after it, with the padding between them masked. That must
+change nothing: the same greedy tokens and logits as prefilling every question's whole prefix, and
+as recomputing each row without a cache, with padding rows and reused caches."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import make_frames, random_keep
+from test_vlm_static_decode import assert_steps_close
+
+QUESTIONS = ["a?", "what colour is the car on the left of the road?", "who is talking?",
+             "is it raining in this video or is the sun shining?", "how many?"]
+
+
+def question_prefixes(vlm, keep_seed: int | None, n: int = len(QUESTIONS), T: int = 4):
+    frames = make_frames(T, 84, 112, seed=40 + T)
+    keep = None if keep_seed is None else random_keep(vlm, frames, seed=keep_seed)
+    merged = vlm._merged_tokens([frames])[0]
+    window = vlm.window_prefix(frames, keep, merged)
+    return [vlm.question_prefix(window, q) for q in QUESTIONS[:n]]
+
+
+def unshared(prefixes):
+    return [replace(p, window=None) for p in prefixes]
+
+
+@pytest.mark.parametrize("keep_seed", [None, 3])          # every token, and pruned
+@pytest.mark.parametrize("n", [5, 2])                     # 5: padding rows (bucket 8); 2: a full bucket
+@torch.no_grad()
+def test_shared_window_equals_whole_prefixes(vlm, keep_seed, n):
+    prefixes = question_prefixes(vlm, keep_seed, n)
+    calls = []
+    original = vlm._prefill_shared
+    vlm._prefill_shared = lambda *a: calls.append(a[2]) or original(*a)
+    try:
+        shared = vlm.generate(prefixes, max_new_tokens=6, return_logits=True)
+    finally:
+        del vlm._prefill_shared
+    assert calls == [prefixes[0].window.embeds.shape[0]]             # the shared path ran, over the window
+    whole = vlm.generate(unshared(prefixes), max_new_tokens=6, return_logits=True)
+    assert torch.equal(shared.tokens, whole.tokens) and shared.lengths == whole.lengths
+    assert_steps_close(shared.step_logits, whole.step_logits)
+    for b, prefix in enumerate(prefixes):
+        reference = vlm.logits_without_cache(prefix, shared.tokens[b, :5])   # (6, V)
+        assert_steps_close([s[b] for s in shared.step_logits], list(reference))
+
+
+@torch.no_grad()
+def test_unpadded_shapes_without_graphs(vlm):
+    """cuda_graphs off: the window and the questions are not padded, the rows not bucketed."""
+    plain = type(vlm)(vlm.model, vlm.tokenizer, family=vlm.family, name=vlm.name,
+                      config=replace(vlm.config, cuda_graphs=False), preprocessor=vlm.preprocessor)
+    prefixes = question_prefixes(plain, 5, 3)
+    n = prefixes[0].window.embeds.shape[0]
+    suffix = max(p.embeds.shape[0] for p in prefixes) - n
+    assert plain._shared_shape(n, suffix, 3) == (n, suffix, 3, False)
+    assert vlm._shared_shape(n, suffix, 3)[:3] == (-(-n // 64) * 64, -(-suffix // 16) * 16, 4)
+    out = plain.generate(prefixes, max_new_tokens=4, return_logits=True)
+    whole = plain.generate(unshared(prefixes), max_new_tokens=4, return_logits=True)
+    assert torch.equal(out.tokens, whole.tokens)
+    assert_steps_close(out.step_logits, whole.step_logits)
+
+
+@torch.no_grad()
+def test_cache_reuse_across_windows_and_layouts(vlm):
+    """One decoder serves a shared call, a whole-prefix call and a shared call over another window
+    (the suffix slots start elsewhere): nothing a call leaves in the cache reaches the next."""
+    first = question_prefixes(vlm, 1, 4, T=4)
+    second = question_prefixes(vlm, None, 3, T=2)
+    want = [vlm.generate(unshared(p), max_new_tokens=5).tokens for p in (first, second, first)]
+    got = [vlm.generate(p, max_new_tokens=5).tokens for p in (first, second, first)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@torch.no_grad()
+def test_graph_replay_equals_eager(family):
+    from pipeline.vlm.config import VLMConfig
+    from pipeline.vlm.loading import build_tiny_vlm
+    graphed = build_tiny_vlm(family, device="cuda")
+    eager = type(graphed)(graphed.model, graphed.tokenizer, family=family, name=graphed.name,
+                          config=VLMConfig(cuda_graphs=False), preprocessor=graphed.preprocessor)
+    for keep_seed, n, T in [(2, 5, 4), (None, 3, 2), (4, 5, 4)]:    # the third replays the first's graphs
+        prefixes = question_prefixes(graphed, keep_seed, n, T)
+        got = graphed.generate(prefixes, max_new_tokens=6, return_logits=True)
+        want = eager.generate(unshared(prefixes), max_new_tokens=6, return_logits=True)
+        assert torch.equal(got.tokens, want.tokens)
+        assert_steps_close(got.step_logits, want.step_logits, atol=1e-4, rtol=1e-3)
+    decoders = list(graphed._decoders.values())
+    assert any(("window", 64) in d.prefill_graphs for d in decoders)
+    assert any(any(isinstance(k, tuple) and k[0] == "suffix" for k in d.prefill_graphs) for d in decoders)

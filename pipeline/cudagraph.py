@@ -40,6 +40,18 @@ CAPTURE_ON_SIGHTING = 2
 TEXTURE_FIELDS = tuple(f.name for f in fields(Texture))
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list, an array, a CPU tensor) -> a device tensor, queued like a kernel: from
+    page-locked memory the copy does not wait for the GPU, where a copy from pageable memory waits
+    for all the work queued before it (a sync the VLM thread would pay once per question)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda" or host.device.type != "cpu" or host.is_pinned():
+        return host.to(device, non_blocking=True)
+    with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,
             warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Run fn() `warmup` times on `stream` (kernels get chosen and workspaces allocated before

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.cudagraph import CAPTURE_LOCK, capture
+from pipeline.cudagraph import capture, to_device
 
 if TYPE_CHECKING:
     from pipeline.vlm.model import VLM
@@ -200,14 +200,7 @@ class StaticDecoder:
             raise ValueError(f"a replayed prefill fills every row of the decoder ({self.rows}), got {B} rows")
 
     def _longs(self, values) -> torch.Tensor:
-        """Host ints -> a device tensor, queued like a kernel: from page-locked memory the copy does
-        not wait for the GPU."""
-        host = torch.as_tensor(values, dtype=torch.long)
-        if self.vlm.device.type != "cuda":
-            return host.to(self.vlm.device)
-        with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
-            host = host.pin_memory()
-        return host.to(self.vlm.device, non_blocking=True)
+        return to_device(values, self.vlm.device, torch.long)
 
     def _graph(self, key, fn, example: dict[str, torch.Tensor], pool) -> PrefillGraph:
         vlm = self.vlm

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.vlm.config import VLMConfig
+from pipeline.cudagraph import to_device
 from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph, StaticDecoder,  # noqa: F401
                                    StaticKVCache, register_packed_sdpa, sample_next, sdpa_packed_gqa)
 from pipeline.vlm.geometry import VLMGeometry
@@ -185,6 +186,7 @@ class VLM:
                                if self.device.type == "cuda" and config.cuda_graphs else None)
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
+        self._pad_embed: torch.Tensor | None = None
         self.video_token_id = model.config.video_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -197,7 +199,7 @@ class VLM:
     # ---- participatory-knowing hooks (same embedding space as the LM input) ----
     @torch.no_grad()
     def text_embeddings(self, question: str) -> torch.Tensor:
-        ids = torch.tensor(self.tokenizer(question).input_ids, device=self.device)
+        ids = to_device(self.tokenizer(question).input_ids, self.device, torch.long)
         return self._lm.embed_tokens(ids)                                   # (L, D)
 
     @torch.no_grad()
@@ -275,7 +277,7 @@ class VLM:
         if keep is None:
             lod = torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
         else:
-            keep = torch.as_tensor(keep, device=self.device)
+            keep = to_device(keep, self.device)
             expected = (frames.shape[0], gh, gw)
             if tuple(keep.shape) != expected:
                 raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
@@ -293,13 +295,21 @@ class VLM:
     def question_prefix(self, window: WindowPrefix, question: str) -> Prefix:
         """One question's prefix over a window's shared part: only the text after the video is new,
         at consecutive M-RoPE positions (t = h = w) from window.text_start on."""
-        _, after = self.prompt_ids(question, 0)
-        n = len(after)
-        text = self._lm.embed_tokens(torch.tensor(after, device=self.device))  # (n, D)
-        positions = (window.text_start + torch.arange(n, device=self.device)).expand(3, n)
-        next_position = max(window.max_position, window.text_start + n - 1) + 1  # the full prompt's max + 1
-        return Prefix(torch.cat([window.embeds, text]), torch.cat([window.positions, positions], 1),
-                      next_position, window.tokens_kept, window.tokens_full, window)
+        return self.question_prefixes(window, [question])[0]
+
+    @torch.no_grad()
+    def question_prefixes(self, window: WindowPrefix, questions: list[str]) -> list[Prefix]:
+        """question_prefix of each question, their text embedded in one lookup (one host copy)."""
+        afters = [self.prompt_ids(q, 0)[1] for q in questions]
+        texts = self._lm.embed_tokens(to_device([i for a in afters for i in a], self.device, torch.long))
+        prefixes = []
+        for after, text in zip(afters, texts.split([len(a) for a in afters])):  # (n, D) each
+            n = len(after)
+            positions = (window.text_start + torch.arange(n, device=self.device)).expand(3, n)
+            next_position = max(window.max_position, window.text_start + n - 1) + 1  # the full prompt's max + 1
+            prefixes.append(Prefix(torch.cat([window.embeds, text]), torch.cat([window.positions, positions], 1),
+                                   next_position, window.tokens_kept, window.tokens_full, window))
+        return prefixes
 
     def _layout(self, Tp: int, gh: int, gw: int) -> _Layout:
         key = (Tp, gh, gw)
@@ -350,7 +360,7 @@ class VLM:
         if R < B:
             raise ValueError(f"cannot fit {B} prefixes into {R} rows")
         D = prefixes[0].embeds.shape[1]
-        pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
+        pad = self._pad_embedding()                                          # (D,)
         embeds = pad.expand(R, L, D).clone()                                 # (R, L, D)
         positions = torch.ones(3, R, L, dtype=torch.long, device=self.device)
         pads = []
@@ -360,6 +370,13 @@ class VLM:
             positions[:, b, L - n:] = p.positions
             pads.append(L - n)
         return embeds, positions, pads + [L] * (R - B)
+
+    def _pad_embedding(self) -> torch.Tensor:
+        """(D,) embedding of the pad token, made once (a tensor made from host values waits for the GPU)."""
+        if self._pad_embed is None:
+            with torch.no_grad():
+                self._pad_embed = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
+        return self._pad_embed
 
     def _masks(self, allowed: torch.Tensor | None) -> dict:
         """(B, 1, Q, K) bool, True = may attend -> the per-layer-type mask mapping the HF text model
@@ -441,7 +458,7 @@ class VLM:
         embeds, positions, pads = self._left_pad(prefixes, L, rows)         # (rows, L, D), (3, rows, L)
         decoder = self._decoder(self._rows(B), self._cache_length(L, max_new), steps=max_new > 1)
         logits = decoder.prefill(embeds, positions, pads, pool=self._pool() if graphed else None)[:B]  # (B, V)
-        next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
+        next_pos = to_device([p.next_position for p in prefixes], self.device, torch.long)  # (B,)
         decoder.start(next_pos, [(0, pad) for pad in pads], L)
         return decoder, logits
 
@@ -458,14 +475,14 @@ class VLM:
         B, first = len(prefixes), prefixes[0]
         suffixes = [Prefix(p.embeds[n:], p.positions[:, n:], p.next_position, 0, 0) for p in prefixes]
         Lw, Lq, rows, graphed = self._shared_shape(n, max(s.embeds.shape[0] for s in suffixes), B)
-        pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))  # (D,)
+        pad = self._pad_embedding()                                          # (D,)
         window = torch.cat([first.embeds[:n], pad.expand(Lw - n, -1)])                     # (Lw, D)
         window_pos = torch.cat([first.positions[:, :n], first.positions.new_ones(3, Lw - n)], 1)  # (3, Lw)
         embeds, positions, pads = self._left_pad(suffixes, Lq, rows)         # (rows, Lq, D), (3, rows, Lq)
         decoder = self._decoder(self._rows(B), self._cache_length(Lw + Lq, max_new), steps=max_new > 1)
         logits = decoder.prefill_shared(window, window_pos, n, embeds, positions, pads,
                                         pool=self._pool() if graphed else None)[:B]       # (B, V)
-        next_pos = torch.tensor([p.next_position for p in prefixes], device=self.device)  # (B,)
+        next_pos = to_device([p.next_position for p in prefixes], self.device, torch.long)  # (B,)
         decoder.start(next_pos, [(n, Lw + p) for p in pads], Lw + Lq)
         return decoder, logits
 
@@ -500,7 +517,7 @@ class VLM:
         for b in sizes:
             batch_bucket(b)                                                  # rejects what is not a batch size
         buckets = sorted({self._rows(b) for b in sizes})
-        pad = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))  # (D,)
+        pad = self._pad_embedding()                                          # (D,)
         keys = []
         for n in lengths:
             # the pad token at text positions: finite, like any prompt; the cache it writes is
@@ -603,7 +620,7 @@ class VLM:
             AnswerRequest("", frames, keep, q, 0.0, 0.0)
         merged = self._merged_tokens([frames])[0]                            # (T', gh, gw, D)
         window = self.window_prefix(frames, keep, merged)                    # selection and positions once
-        prefixes = [self.question_prefix(window, q) for q in questions]
+        prefixes = self.question_prefixes(window, questions)
         step = len(prefixes) if max_batch is None else max_batch
         results = []
         for i in range(0, len(prefixes), step):

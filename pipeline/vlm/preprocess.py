@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.cudagraph import to_device
 from pipeline.vlm.geometry import VLMGeometry
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -36,7 +37,7 @@ class VideoPreprocessor:
     def __call__(self, frames: np.ndarray | torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """frames (T, H, W, 3) uint8 RGB -> pixel_values (T'*gh_p*gw_p, 3*tp*p*p) float32, grid_thw (3,) int64
         where T' = ceil(T / tp) and (gh_p, gw_p) is the patch grid (twice the merged-token grid)."""
-        video = torch.as_tensor(frames).to(device, non_blocking=True)
+        video = to_device(frames, torch.device(device))
         if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != torch.uint8:
             raise ValueError(f"frames must be (T, H, W, 3) uint8, got {tuple(video.shape)} {video.dtype}")
         video = video.permute(0, 3, 1, 2)                               # (T, 3, H, W)
@@ -57,8 +58,8 @@ class VideoPreprocessor:
 
     def normalize(self, video: torch.Tensor) -> torch.Tensor:
         # HF fuses rescale into normalize: (x - mean/scale) / (std/scale), computed in float32
-        mean = torch.tensor(self.image_mean, device=video.device) * (1.0 / self.rescale_factor)
-        std = torch.tensor(self.image_std, device=video.device) * (1.0 / self.rescale_factor)
+        mean = to_device(self.image_mean, video.device, torch.float32) * (1.0 / self.rescale_factor)
+        std = to_device(self.image_std, video.device, torch.float32) * (1.0 / self.rescale_factor)
         return video.to(torch.float32).sub_(mean[:, None, None]).div_(std[:, None, None])
 
     def patchify(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,8 +105,7 @@ class TemporalRelevanceRealizer(nn.Module):
 
     def initial_state(self, texture: Texture) -> StreamState:
         """The state a stream starts from, as tensors (forward() fills a None field from it): nothing
-        cached, every cell stale (the VLM has seen none), no cut history, no frames. Given to a
-        stream's first batch, it lets that batch run like any other (a CUDA graph needs them all)."""
+        cached, every cell stale (the VLM has seen none), no cut history, no frames."""
         cells = texture.cell_rgb.detach()[0]                                     # (3, gh, gw)
         return StreamState(prev_relevance=torch.zeros_like(cells[0]), ref_rgb=torch.zeros_like(cells),
                            stale=torch.ones_like(cells[0], dtype=torch.bool),

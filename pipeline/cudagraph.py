@@ -103,7 +103,6 @@ class FrontendGraphs:
         self.capture_new = True  # capture a graph for each new shape; else see CAPTURE_ON_SIGHTING
         self._prepared: set[tuple] = set()
         self._sightings: Counter[tuple] = Counter()   # of shapes without a graph, while capture_new is off
-        self._flags: dict[bool, torch.Tensor] = {}     # last_real inputs, on the device
 
     @torch.inference_mode()
     def prepare(self, batch: int, height: int, width: int, query: torch.Tensor | None = None,
@@ -124,7 +123,7 @@ class FrontendGraphs:
             frames = torch.zeros(batch, height, width, 3, dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
             texture = self.model.extract(frames, None, self.grid)          # a stream's first batch
             _, state, _ = self.model.realize(texture, query, None, query_mask=query_mask)
-            texture = self.extract(frames, frames[-1].clone(), stream, last_real=True)
+            texture = self.extract(frames, frames[-1].clone(), stream)
             self.realize(texture, state, torch.ones(batch, dtype=torch.bool, device=device), stream,
                          query, query_mask)
         stream.synchronize()
@@ -140,24 +139,15 @@ class FrontendGraphs:
         self._sightings[key] += 1
         return self._sightings[key] >= CAPTURE_ON_SIGHTING
 
-    def _flag(self, value: bool, device: torch.device) -> torch.Tensor:
-        if value not in self._flags:
-            self._flags[value] = torch.tensor(value, device=device)
-        return self._flags[value]
-
-    def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream,
-                last_real: bool = True) -> Texture | None:
-        """last_real False: a stream's first batch, with last = frames[0] (ARRCOC.extract)."""
+    def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream) -> Texture | None:
         shape = tuple(frames.shape)
         graph = self.texture_graphs.get(shape)
         if graph is None and not self._may_capture(("texture", shape)):
             return None
-        flag = self._flag(last_real, frames.device)
         if graph is None:
             graph = self.texture_graphs[shape] = GraphedCall(
-                lambda b: self.model.extract(b["frames"], b["last"], self.grid, b["last_real"]),
-                {"frames": frames, "last": last, "last_real": flag}, stream)
-        out = graph(frames=frames, last=last, last_real=flag)
+                lambda b: self.model.extract(b["frames"], b["last"], self.grid), {"frames": frames, "last": last}, stream)
+        out = graph(frames=frames, last=last)
         # the realize stage reads this on its own stream while the next batch may replay here
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
 
@@ -191,6 +181,5 @@ class FrontendGraphs:
 
 
 def graphable(state: StreamState | None) -> bool:
-    """A graph needs every state tensor to exist: after a stream's first batch they do, and
-    ARRCOC.realizer.initial_state gives them for the first."""
+    """A graph needs every state tensor to exist; after a stream's first batch they do."""
     return state is not None and all(getattr(state, n) is not None for n in STATE_FIELDS)

@@ -153,30 +153,32 @@ class StaticDecoder:
                             inputs, pool)
         return graph(**inputs)
 
-    def prefill_shared(self, window: torch.Tensor, window_positions: torch.Tensor, window_len: int,
-                       suffix: torch.Tensor, suffix_positions: torch.Tensor, pads: list[int],
-                       pool=None) -> torch.Tensor:
-        """Questions over one window: the window once, then every row's own suffix after it.
+    def prefill_shared(self, windows: torch.Tensor, window_positions: torch.Tensor, window_of: list[int],
+                       window_lens: list[int], suffix: torch.Tensor, suffix_positions: torch.Tensor,
+                       pads: list[int], pool=None) -> torch.Tensor:
+        """Questions over K windows: each window once, then every row's own suffix after its window.
 
-        window (Lw, D) and window_positions (3, Lw): the shared prefix, its first window_len slots
-        real, right padded (padding there is later than every real window token, so causal
-        attention never sees it); suffix (B, Lq, D), suffix_positions (3, B, Lq): each row's
-        question, left padded by pads. The window goes into slots [0, Lw) of row 0 and is copied to
-        every row; the suffixes into [Lw, Lw + Lq), each attending to the real window and its own
-        tokens. -> (B, V) float32 logits after each row's last token. With a pool, each stage
-        replays a graph (the window's per Lw, the suffixes' per Lq: their start is an input), and
-        B is all the decoder's rows."""
-        vlm, Lw, (B, Lq) = self.vlm, window.shape[0], suffix.shape[:2]
-        lo = [window_len] * B
+        windows (K, Lw, D), window_positions (3, K, Lw): the windows, window k real in its first
+        window_lens[k] slots and right padded (padding there is later than every real token of the
+        window, so causal attention never sees it); suffix (B, Lq, D), suffix_positions (3, B, Lq):
+        each row's question, left padded by pads; window_of (B,): the window of each row. The
+        windows go into slots [0, Lw) of rows [0, K), then each row gets a copy of its window's; the
+        suffixes go into [Lw, Lw + Lq), each attending to its window's real slots and its own tokens.
+        -> (B, V) float32 logits after each row's last token. With a pool, each stage replays a
+        graph (the windows' per (K, Lw), the suffixes' per Lq: their start is an input), and B is all
+        the decoder's rows."""
+        vlm, (K, Lw), (B, Lq) = self.vlm, windows.shape[:2], suffix.shape[:2]
+        lo = [window_lens[k] for k in window_of]
         hi = [Lw + p for p in pads]
         if pool is None:
-            self._prefill_window(window[None], window_positions[:, None])
+            self._prefill_windows(windows, window_positions, torch.tensor(window_of, device=vlm.device))
             return self.prefill_forward(suffix, suffix_positions, torch.arange(Lw, Lw + Lq, device=vlm.device),
                                         torch.tensor(hi, device=vlm.device),
                                         hole_lo=torch.tensor(lo, device=vlm.device), visible=Lw + Lq)
         self._check_rows(B)
-        inputs = {"embeds": window[None], "positions": window_positions[:, None]}
-        self._graph(("window", Lw), lambda b: self._prefill_window(b["embeds"], b["positions"]), inputs, pool)(**inputs)
+        inputs = {"embeds": windows, "positions": window_positions, "window_of": self._longs(window_of)}
+        self._graph(("window", K, Lw), lambda b: self._prefill_windows(b["embeds"], b["positions"], b["window_of"]),
+                    inputs, pool)(**inputs)
         offsets = torch.arange(Lq, device=vlm.device)
         inputs = {"embeds": suffix, "positions": suffix_positions, "lo": self._longs(lo), "hi": self._longs(hi),
                   "start": self._longs([Lw])}
@@ -185,14 +187,15 @@ class StaticDecoder:
             inputs, pool)
         return graph(**inputs)
 
-    def _prefill_window(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """embeds (1, Lw, D) causal into slots [0, Lw) of row 0, then copied to every row."""
-        vlm, L = self.vlm, embeds.shape[1]
+    def _prefill_windows(self, embeds: torch.Tensor, positions: torch.Tensor, window_of: torch.Tensor) -> torch.Tensor:
+        """embeds (K, Lw, D) causal into slots [0, Lw) of rows [0, K), then row r gets a copy of
+        row window_of[r]'s slots (window_of (R,) over all the decoder's rows)."""
+        vlm, (K, L) = self.vlm, embeds.shape[:2]
         # eager attention takes no causal default: a mask with no padding
-        pad = torch.zeros(1, dtype=torch.long, device=vlm.device) if vlm._attn_impl == "eager" else None
+        pad = torch.zeros(K, dtype=torch.long, device=vlm.device) if vlm._attn_impl == "eager" else None
         logits = self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
         for t in self.cache.keys + self.cache.values:                        # (R, H_kv, Lmax, hd)
-            t[1:, :, :L] = t[:1, :, :L]
+            t[:window_of.shape[0], :, :L] = t[:, :, :L].index_select(0, window_of)
         return logits
 
     def _check_rows(self, B: int) -> None:

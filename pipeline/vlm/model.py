@@ -140,6 +140,23 @@ def batch_bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
+def shared_windows(prefixes: list[Prefix]) -> tuple[list[WindowPrefix], list[int]] | None:
+    """(windows, window of each prefix) where every prefix starts with a window (question_prefix)
+    and some window leads several: questions about one window then share its prefill. None: no
+    sharing (a prefix without a window, or one prefix per window)."""
+    windows: list[WindowPrefix] = []
+    index: dict[int, int] = {}
+    window_of = []
+    for p in prefixes:
+        if p.window is None:
+            return None
+        if id(p.window) not in index:
+            index[id(p.window)] = len(windows)
+            windows.append(p.window)
+        window_of.append(index[id(p.window)])
+    return (windows, window_of) if len(windows) < len(prefixes) else None
+
+
 class VLM:
     def __init__(self, model, tokenizer, *, family: str, name: str, config: VLMConfig,
                  preprocessor: VideoPreprocessor, warning: str | None = None) -> None:
@@ -446,14 +463,16 @@ class VLM:
                 self.counters["evicted"] += 1
 
     @torch.no_grad()
-    def _prefill(self, prefixes: list[Prefix], max_new: int, shared: int = 0) -> tuple[StaticDecoder, torch.Tensor]:
+    def _prefill(self, prefixes: list[Prefix], max_new: int,
+                 shared: tuple[list[WindowPrefix], list[int]] | None = None) -> tuple[StaticDecoder, torch.Tensor]:
         """Left-padded prefixes into a static cache with room for max_new tokens -> the decoder,
         ready for its first step, and the (B, V) float32 logits of the first generated token (a
         graph's output when the prefill was replayed: valid until the VLM replays a graph again).
-        shared: how many leading tokens every prefix shares (one window's), prefilled once."""
+        shared: (windows, window_of) where every prefix starts with a window (question_prefix):
+        each window is prefilled once (_prefill_shared)."""
         B = len(prefixes)
         if shared:
-            return self._prefill_shared(prefixes, max_new, shared)
+            return self._prefill_shared(prefixes, max_new, *shared)
         L, rows, graphed = self._prefill_shape(max(p.embeds.shape[0] for p in prefixes), B)
         embeds, positions, pads = self._left_pad(prefixes, L, rows)         # (rows, L, D), (3, rows, L)
         decoder = self._decoder(self._rows(B), self._cache_length(L, max_new), steps=max_new > 1)
@@ -468,22 +487,30 @@ class VLM:
         # prompt lengths share one cache (and one graph)
         return -(-(prefix_len + max_new - 1) // CACHE_BUCKET) * CACHE_BUCKET
 
-    def _prefill_shared(self, prefixes: list[Prefix], max_new: int, n: int) -> tuple[StaticDecoder, torch.Tensor]:
-        """_prefill of prefixes whose first n tokens are one window: it is prefilled once (right
-        padded to a multiple of PREFILL_BUCKET), each prefix's rest after it (left padded to a
-        multiple of SUFFIX_BUCKET), graphed or eager as for _prefill_shape's rules."""
-        B, first = len(prefixes), prefixes[0]
-        suffixes = [Prefix(p.embeds[n:], p.positions[:, n:], p.next_position, 0, 0) for p in prefixes]
-        Lw, Lq, rows, graphed = self._shared_shape(n, max(s.embeds.shape[0] for s in suffixes), B)
+    def _prefill_shared(self, prefixes: list[Prefix], max_new: int, windows: list[WindowPrefix],
+                        window_of: list[int]) -> tuple[StaticDecoder, torch.Tensor]:
+        """_prefill of prefixes that each start with one of `windows` (window_of: which): every
+        window is prefilled once (right padded to a common multiple of PREFILL_BUCKET), each
+        prefix's rest after it (left padded to a multiple of SUFFIX_BUCKET), graphed or eager as
+        for _prefill_shape's rules."""
+        B, K = len(prefixes), len(windows)
+        lens = [w.embeds.shape[0] for w in windows]
+        suffixes = [Prefix(p.embeds[lens[k]:], p.positions[:, lens[k]:], p.next_position, 0, 0)
+                    for p, k in zip(prefixes, window_of)]
+        Lw, Lq, rows, graphed = self._shared_shape(max(lens), max(s.embeds.shape[0] for s in suffixes), B)
         pad = self._pad_embedding()                                          # (D,)
-        window = torch.cat([first.embeds[:n], pad.expand(Lw - n, -1)])                     # (Lw, D)
-        window_pos = torch.cat([first.positions[:, :n], first.positions.new_ones(3, Lw - n)], 1)  # (3, Lw)
-        embeds, positions, pads = self._left_pad(suffixes, Lq, rows)         # (rows, Lq, D), (3, rows, Lq)
+        embeds = pad.expand(K, Lw, -1).clone()                               # (K, Lw, D), right padded
+        positions = torch.ones(3, K, Lw, dtype=torch.long, device=self.device)
+        for k, (w, n) in enumerate(zip(windows, lens)):
+            embeds[k, :n] = w.embeds
+            positions[:, k, :n] = w.positions
+        sfx, sfx_pos, pads = self._left_pad(suffixes, Lq, rows)             # (rows, Lq, D), (3, rows, Lq)
         decoder = self._decoder(self._rows(B), self._cache_length(Lw + Lq, max_new), steps=max_new > 1)
-        logits = decoder.prefill_shared(window, window_pos, n, embeds, positions, pads,
-                                        pool=self._pool() if graphed else None)[:B]       # (B, V)
+        # padding rows (all padding after the window) copy window 0
+        logits = decoder.prefill_shared(embeds, positions, window_of + [0] * (rows - B), lens, sfx, sfx_pos, pads,
+                                        pool=self._pool() if graphed else None)[:B]     # (B, V)
         next_pos = to_device([p.next_position for p in prefixes], self.device, torch.long)  # (B,)
-        decoder.start(next_pos, [(n, Lw + p) for p in pads], Lw + Lq)
+        decoder.start(next_pos, [(lens[k], Lw + p) for k, p in zip(window_of, pads)], Lw + Lq)
         return decoder, logits
 
     def _shared_shape(self, window_len: int, suffix_len: int, batch: int) -> tuple[int, int, int, bool]:
@@ -539,10 +566,7 @@ class VLM:
         top_p = cfg.top_p if top_p is None else top_p
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
         B = len(prefixes)
-        # questions about one window (question_prefix) share its prefill
-        window = prefixes[0].window
-        shared = window.embeds.shape[0] if B > 1 and all(p.window is window for p in prefixes) and window else 0
-        decoder, logits = self._prefill(prefixes, max_new, shared)           # (B, V)
+        decoder, logits = self._prefill(prefixes, max_new, shared_windows(prefixes))  # (B, V)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         tokens, step_logits = [], []
@@ -610,25 +634,31 @@ class VLM:
     def answer_questions(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
                          questions: list[str], *, max_batch: int | None = None) -> list[AnswerResult]:
         """Several questions about one window: the vision tower, the selection and the M-RoPE positions
-        run once, each question adds only its own text to the shared prefix, and they decode together
-        (`max_batch` per generate call, None: all at once). latency_s is the time from this call to
-        each answer."""
+        run once, each question adds only its own text to the shared prefix (prefilled once), and they
+        decode together (`max_batch` per generate call, None: all at once). latency_s is the time from
+        this call to each answer."""
         if not questions:
             return []
         started = time.monotonic()
-        for q in questions:                                                  # validates frames, keep, question
-            AnswerRequest("", frames, keep, q, 0.0, 0.0)
-        merged = self._merged_tokens([frames])[0]                            # (T', gh, gw, D)
-        window = self.window_prefix(frames, keep, merged)                    # selection and positions once
+        window = self._windows([(frames, keep, questions)])[0]
         prefixes = self.question_prefixes(window, questions)
         step = len(prefixes) if max_batch is None else max_batch
         results = []
         for i in range(0, len(prefixes), step):
-            chunk = prefixes[i:i + step]
-            out = self.generate(chunk)
-            self._sync()
-            ready = time.monotonic()
-            results += [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
-                                     tokens_full=p.tokens_full, latency_s=ready - started)
-                        for b, p in enumerate(chunk)]
+            results += self._answers(prefixes[i:i + step], started)
         return results
+
+    def _windows(self, items: list) -> list[WindowPrefix]:
+        """(frames, keep, questions) -> each window's prefix, from one vision-tower pass."""
+        for frames, keep, questions in items:
+            for q in questions:                                              # validates frames, keep, question
+                AnswerRequest("", frames, keep, q, 0.0, 0.0)
+        merged = self._merged_tokens([frames for frames, _, _ in items])     # (T', gh, gw, D) each
+        return [self.window_prefix(frames, keep, m) for (frames, keep, _), m in zip(items, merged)]
+
+    def _answers(self, prefixes: list[Prefix], started: float) -> list[AnswerResult]:
+        out = self.generate(prefixes)
+        self._sync()
+        ready = time.monotonic()
+        return [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
+                             tokens_full=p.tokens_full, latency_s=ready - started) for b, p in enumerate(prefixes)]

@@ -38,7 +38,7 @@ def test_shared_window_equals_whole_prefixes(vlm, keep_seed, n):
         shared = vlm.generate(prefixes, max_new_tokens=6, return_logits=True)
     finally:
         del vlm._prefill_shared
-    assert calls == [prefixes[0].window.embeds.shape[0]]             # the shared path ran, over the window
+    assert len(calls) == 1 and calls[0] == [prefixes[0].window]      # the shared path ran, over the window
     whole = vlm.generate(unshared(prefixes), max_new_tokens=6, return_logits=True)
     assert torch.equal(shared.tokens, whole.tokens) and shared.lengths == whole.lengths
     assert_steps_close(shared.step_logits, whole.step_logits)
@@ -75,6 +75,28 @@ def test_cache_reuse_across_windows_and_layouts(vlm):
         assert torch.equal(a, b)
 
 
+def three_windows(vlm):
+    """Prefixes over three windows (pruned, every token, another size), interleaved, not in runs."""
+    specs = [(make_frames(4, 84, 112, seed=50), 6, QUESTIONS[:2]), (make_frames(2, 84, 112, seed=51), None, QUESTIONS[2:5]),
+             (make_frames(6, 56, 84, seed=52), 7, QUESTIONS[1:2])]
+    groups = []
+    for frames, seed, questions in specs:
+        keep = None if seed is None else random_keep(vlm, frames, seed=seed)
+        window = vlm.window_prefix(frames, keep, vlm._merged_tokens([frames])[0])
+        groups.append(vlm.question_prefixes(window, questions))
+    order = [(1, 0), (0, 0), (2, 0), (1, 1), (0, 1), (1, 2)]
+    return [groups[g][i] for g, i in order]
+
+
+@torch.no_grad()
+def test_several_windows_equal_whole_prefixes(vlm):
+    prefixes = three_windows(vlm)
+    shared = vlm.generate(prefixes, max_new_tokens=5, return_logits=True)
+    whole = vlm.generate(unshared(prefixes), max_new_tokens=5, return_logits=True)
+    assert torch.equal(shared.tokens, whole.tokens)
+    assert_steps_close(shared.step_logits, whole.step_logits)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
@@ -91,6 +113,12 @@ def test_graph_replay_equals_eager(family):
         want = eager.generate(unshared(prefixes), max_new_tokens=6, return_logits=True)
         assert torch.equal(got.tokens, want.tokens)
         assert_steps_close(got.step_logits, want.step_logits, atol=1e-4, rtol=1e-3)
+    prefixes = three_windows(graphed)
+    got = graphed.generate(prefixes, max_new_tokens=6, return_logits=True)
+    want = eager.generate(unshared(prefixes), max_new_tokens=6, return_logits=True)
+    assert torch.equal(got.tokens, want.tokens)
+    assert_steps_close(got.step_logits, want.step_logits, atol=1e-4, rtol=1e-3)
     decoders = list(graphed._decoders.values())
-    assert any(("window", 64) in d.prefill_graphs for d in decoders)
+    assert any(("window", 1, 64) in d.prefill_graphs for d in decoders)
+    assert any(("window", 3, 64) in d.prefill_graphs for d in decoders)
     assert any(any(isinstance(k, tuple) and k[0] == "suffix" for k in d.prefill_graphs) for d in decoders)

@@ -43,7 +43,7 @@ PHASES = {  # label: (owner, attribute) wrapped with a timer
     "graph_run": (graph_mod.Graph, "run"),
     "vlm_vision": (vlm_model.VLM, "_merged_tokens"),
     "vlm_window_prefix": (vlm_model.VLM, "window_prefix"),
-    "vlm_question_prefix": (vlm_model.VLM, "question_prefix"),
+    "vlm_question_prefixes": (vlm_model.VLM, "question_prefixes"),
     "vlm_generate": (vlm_model.VLM, "generate"),
 }
 

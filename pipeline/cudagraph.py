@@ -146,7 +146,8 @@ class FrontendGraphs:
             return None
         if graph is None:
             graph = self.texture_graphs[shape] = GraphedCall(
-                lambda b: self.model.extract(b["frames"], b["last"], self.grid), {"frames": frames, "last": last}, stream)
+                lambda b: self.model.extract(b["frames"], b["last"], self.grid),
+                {"frames": frames, "last": last}, stream)
         out = graph(frames=frames, last=last)
         # the realize stage reads this on its own stream while the next batch may replay here
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})

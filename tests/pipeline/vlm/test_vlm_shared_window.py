@@ -77,7 +77,8 @@ def test_cache_reuse_across_windows_and_layouts(vlm):
 
 def three_windows(vlm):
     """Prefixes over three windows (pruned, every token, another size), interleaved, not in runs."""
-    specs = [(make_frames(4, 84, 112, seed=50), 6, QUESTIONS[:2]), (make_frames(2, 84, 112, seed=51), None, QUESTIONS[2:5]),
+    specs = [(make_frames(4, 84, 112, seed=50), 6, QUESTIONS[:2]),
+             (make_frames(2, 84, 112, seed=51), None, QUESTIONS[2:5]),
              (make_frames(6, 56, 84, seed=52), 7, QUESTIONS[1:2])]
     groups = []
     for frames, seed, questions in specs:

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,21 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request):
     return build_tiny_vlm(request.param)
+
+
+@pytest.fixture(params=FAMILIES)
+def cuda_pair(request):
+    """A tiny VLM on CUDA replaying CUDA graphs, and the same weights without (CUDA tests)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    graphed = build_tiny_vlm(request.param, device="cuda")
+    return graphed, rewrap(graphed, cuda_graphs=False)
+
+
+def rewrap(vlm, **config):
+    """The same model and weights behind a VLM with another config."""
+    return type(vlm)(vlm.model, vlm.tokenizer, family=vlm.family, name=vlm.name,
+                     config=replace(vlm.config, **config), preprocessor=vlm.preprocessor)
 
 
 def make_frames(T: int, H: int, W: int, seed: int = 0) -> np.ndarray:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from conftest import make_frames
-from pipeline.vlm.loading import build_tiny_vlm
 from pipeline.vlm.vision_attention import batched_attention
 from pipeline.vlm.vision_graph import T_BUCKET, grid_inputs
 
@@ -57,14 +56,9 @@ def test_same_size_videos_together_equal_each_alone(vlm):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 @torch.no_grad()
-def test_graph_replay_equals_the_eager_tower(family):
-    from pipeline.vlm.config import VLMConfig
-    graphed = build_tiny_vlm(family, device="cuda")
-    eager = type(graphed)(graphed.model, graphed.tokenizer, family=family, name=graphed.name,
-                          config=VLMConfig(cuda_graphs=False), preprocessor=graphed.preprocessor)
+def test_graph_replay_equals_the_eager_tower(cuda_pair):
+    graphed, eager = cuda_pair
     assert graphed._vision_graphs is not None and eager._vision_graphs is None
     for seed, T in enumerate([6, 6, 8, 3]):                    # 3, 3, 4 and 2 frame pairs
         frames = make_frames(T, 84, 112, seed=10 + seed)

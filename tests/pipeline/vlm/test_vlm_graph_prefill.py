@@ -2,7 +2,6 @@
 PREFILL_BUCKET so their shapes repeat, and on CUDA replayed as one graph per (batch, padded
 length). The padding must change nothing (same logits, same greedy continuation as the unpadded
 prefill), and a replayed graph must give what the eager prefill gives."""
-from dataclasses import replace
 
 import pytest
 import torch
@@ -11,13 +10,8 @@ from arr_coc._validate import ConfigError
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
 from pipeline.vlm.model import MAX_PREFILL_GRAPHS, PREFILL_BUCKET, Prefix
+from conftest import rewrap
 from test_vlm_static_decode import HOST_SYNC_OPS, assert_steps_close, mixed_prefixes
-
-
-def rewrap(vlm, **config):
-    """The same model and weights behind a VLM with another config."""
-    return type(vlm)(vlm.model, vlm.tokenizer, family=vlm.family, name=vlm.name,
-                     config=replace(vlm.config, **config), preprocessor=vlm.preprocessor)
 
 
 def with_eager_attention(family):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import make_frames, random_keep
+from conftest import make_frames, random_keep, rewrap
 from test_vlm_static_decode import assert_steps_close
 
 QUESTIONS = ["a?", "what colour is the car on the left of the road?", "who is talking?",
@@ -50,8 +50,7 @@ def test_shared_window_equals_whole_prefixes(vlm, keep_seed, n):
 @torch.no_grad()
 def test_unpadded_shapes_without_graphs(vlm):
     """cuda_graphs off: the window and the questions are not padded, the rows not bucketed."""
-    plain = type(vlm)(vlm.model, vlm.tokenizer, family=vlm.family, name=vlm.name,
-                      config=replace(vlm.config, cuda_graphs=False), preprocessor=vlm.preprocessor)
+    plain = rewrap(vlm, cuda_graphs=False)
     prefixes = question_prefixes(plain, 5, 3)
     n = prefixes[0].window.embeds.shape[0]
     suffix = max(p.embeds.shape[0] for p in prefixes) - n
@@ -99,15 +98,9 @@ def test_several_windows_equal_whole_prefixes(vlm):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 @torch.no_grad()
-def test_graph_replay_equals_eager(family):
-    from pipeline.vlm.config import VLMConfig
-    from pipeline.vlm.loading import build_tiny_vlm
-    graphed = build_tiny_vlm(family, device="cuda")
-    eager = type(graphed)(graphed.model, graphed.tokenizer, family=family, name=graphed.name,
-                          config=VLMConfig(cuda_graphs=False), preprocessor=graphed.preprocessor)
+def test_graph_replay_equals_eager(cuda_pair):
+    graphed, eager = cuda_pair
     for keep_seed, n, T in [(2, 5, 4), (None, 3, 2), (4, 5, 4)]:    # the third replays the first's graphs
         prefixes = question_prefixes(graphed, keep_seed, n, T)
         got = graphed.generate(prefixes, max_new_tokens=6, return_logits=True)

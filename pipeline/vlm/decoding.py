@@ -126,9 +126,9 @@ class StaticDecoder:
         self.key_slots = torch.arange(length, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                             # the graph's output
-        # prefill graphs by padded prefix length (shared-window ones by ("window", Lw) and
-        # ("suffix", Lw, Lq)): they write this decoder's cache, so they live and die with it;
-        # least recently used first
+        # prefill graphs by padded prefix length (shared-window ones by ("window", K, Lw) and
+        # ("suffix", Lq)): they write this decoder's cache, so they live and die with it; least
+        # recently used first
         self.prefill_graphs: OrderedDict[int | tuple, PrefillGraph] = OrderedDict()
 
     @property

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.vlm.config import VLMConfig
 from pipeline.cudagraph import to_device
+from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph, StaticDecoder,  # noqa: F401
                                    StaticKVCache, register_packed_sdpa, sample_next, sdpa_packed_gqa)
 from pipeline.vlm.geometry import VLMGeometry
@@ -515,7 +515,8 @@ class VLM:
 
     def _shared_shape(self, window_len: int, suffix_len: int, batch: int) -> tuple[int, int, int, bool]:
         """-> (window length, suffix length, rows, graphed) of a shared-window prefill: padded and
-        replayed under the rules of _prefill_shape (the window is one row; the suffixes are the rows)."""
+        replayed under the rules of _prefill_shape (the questions are the rows; the windows, one
+        row each, are not row padded)."""
         cfg = self.config
         Lw = -(-window_len // PREFILL_BUCKET) * PREFILL_BUCKET
         Lq = -(-suffix_len // SUFFIX_BUCKET) * SUFFIX_BUCKET
@@ -640,25 +641,19 @@ class VLM:
         if not questions:
             return []
         started = time.monotonic()
-        window = self._windows([(frames, keep, questions)])[0]
+        for q in questions:                                                  # validates frames, keep, question
+            AnswerRequest("", frames, keep, q, 0.0, 0.0)
+        merged = self._merged_tokens([frames])[0]                            # (T', gh, gw, D)
+        window = self.window_prefix(frames, keep, merged)                    # selection and positions once
         prefixes = self.question_prefixes(window, questions)
         step = len(prefixes) if max_batch is None else max_batch
         results = []
         for i in range(0, len(prefixes), step):
-            results += self._answers(prefixes[i:i + step], started)
+            chunk = prefixes[i:i + step]
+            out = self.generate(chunk)
+            self._sync()
+            ready = time.monotonic()
+            results += [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
+                                     tokens_full=p.tokens_full, latency_s=ready - started)
+                        for b, p in enumerate(chunk)]
         return results
-
-    def _windows(self, items: list) -> list[WindowPrefix]:
-        """(frames, keep, questions) -> each window's prefix, from one vision-tower pass."""
-        for frames, keep, questions in items:
-            for q in questions:                                              # validates frames, keep, question
-                AnswerRequest("", frames, keep, q, 0.0, 0.0)
-        merged = self._merged_tokens([frames for frames, _, _ in items])     # (T', gh, gw, D) each
-        return [self.window_prefix(frames, keep, m) for (frames, keep, _), m in zip(items, merged)]
-
-    def _answers(self, prefixes: list[Prefix], started: float) -> list[AnswerResult]:
-        out = self.generate(prefixes)
-        self._sync()
-        ready = time.monotonic()
-        return [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
-                             tokens_full=p.tokens_full, latency_s=ready - started) for b, p in enumerate(prefixes)]

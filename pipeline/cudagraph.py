@@ -118,6 +118,7 @@ class FrontendGraphs:
             return
         device = query.device
         stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the query, made on the caller's stream
         with torch.cuda.stream(stream):
             # the layout the texture stage hands over: (T, H, W, 3) uint8 viewed as (T, 3, H, W)
             frames = torch.zeros(batch, height, width, 3, dtype=torch.uint8, device=device).permute(0, 3, 1, 2)

@@ -293,6 +293,11 @@ class RealizeStage(Stage):
         self.vlm_fps = vlm_fps
         self.cuda = device.type == "cuda"
         self.stream = frontend_stream(device) if self.cuda else None
+        if self.cuda:
+            # The query was made on the caller's stream, and PyTorch's pool streams do not wait for
+            # the default stream by themselves: without this a first batch could read a query (and
+            # mask) still being written.
+            self.stream.wait_stream(torch.cuda.current_stream(device))
         self.states: dict[str, StreamState] = {}
         self.next_vlm_pts: dict[str, float] = {}
         self.graphs = graphs

@@ -89,3 +89,22 @@ def test_short_batches_are_captured_when_they_come_again():
                 assert torch.equal(getattr(graphed, name), getattr(eager, name)), (video, i, name)
             torch.testing.assert_close(graphed.relevance, eager.relevance)
     assert len(graphs.texture_graphs) == 2 and len(graphs.realize_graphs) == 2   # full and short batches
+
+
+@torch.inference_mode()
+def test_realize_stage_waits_for_the_query_made_on_the_callers_stream():
+    """The stages' streams are non-blocking pool streams: the realize stage must wait for the
+    query its caller just wrote on the default stream (else a first batch, replayed at once, could
+    read a query mask still being filled: NaN relevance)."""
+    from pipeline.stages import RealizeStage
+    device = torch.device("cuda")
+    model = ARRCOC(query_dim=16).to(device).eval()
+    query = torch.zeros(16, device=device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)                 # the caller's stream is busy (tens of ms)
+    query.fill_(1.0)                               # queued behind it
+    stage = RealizeStage(model, device, query)
+    with torch.cuda.stream(stage.stream):
+        seen = stage.query.clone()
+    torch.cuda.synchronize()
+    assert bool((seen == 1).all())

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from arr_coc.model import ARRCOC, Allocation
-from arr_coc.realizing import STATE_TENSORS, StreamState
+from arr_coc.realizing import StreamState
 from arr_coc.texture import Texture
 
 # While a thread captures a CUDA graph, page-locked host allocations in other threads fail (torch's
@@ -32,7 +32,7 @@ from arr_coc.texture import Texture
 # the capturing stream, which invalidates its capture); the hot paths sync streams or events only.
 CAPTURE_LOCK = threading.RLock()
 
-STATE_FIELDS = STATE_TENSORS
+STATE_FIELDS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")
 # A shape no prepare() covered (a file's short last batch) runs eagerly the first time it comes and
 # is captured when it comes again: in batch mode the FrontendGraphs serve video after video, and
 # short last batches recur (at 2 fps a 10 s clip is one batch of 16 frames and one of 4).

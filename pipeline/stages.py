@@ -27,7 +27,7 @@ from sources.frame import Frame
 from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
-from .cudagraph import CAPTURE_LOCK, FrontendGraphs, graphable
+from .cudagraph import CAPTURE_LOCK, FrontendGraphs, graphable, to_device
 from .graph import Stage
 
 
@@ -332,8 +332,7 @@ class RealizeStage(Stage):
                 self.stream.wait_event(item.ready)
                 _record_stream(item.texture, self.stream)
             if vlm_frames is not None and self.cuda:  # pinned, so the copy does not wait for the GPU
-                with CAPTURE_LOCK:
-                    vlm_frames = vlm_frames.pin_memory().to(self.device, non_blocking=True)
+                vlm_frames = to_device(vlm_frames, self.device)
             state = self.states.get(item.batch.stream_id)
             replayed = None
             if self.graphs is not None and graphable(state):

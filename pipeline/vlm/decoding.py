@@ -144,7 +144,7 @@ class StaticDecoder:
         vlm, (B, L) = self.vlm, embeds.shape[:2]
         if pool is None:
             # unpadded under sdpa: no mask, so its causal kernel
-            pad = torch.tensor(pads, device=vlm.device) if any(pads) or vlm._attn_impl == "eager" else None
+            pad = self._longs(pads) if any(pads) or vlm._attn_impl == "eager" else None
             return self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
         self._check_rows(B)
         slots = torch.arange(L, device=vlm.device)
@@ -171,10 +171,9 @@ class StaticDecoder:
         lo = [window_lens[k] for k in window_of]
         hi = [Lw + p for p in pads]
         if pool is None:
-            self._prefill_windows(windows, window_positions, torch.tensor(window_of, device=vlm.device))
+            self._prefill_windows(windows, window_positions, self._longs(window_of))
             return self.prefill_forward(suffix, suffix_positions, torch.arange(Lw, Lw + Lq, device=vlm.device),
-                                        torch.tensor(hi, device=vlm.device),
-                                        hole_lo=torch.tensor(lo, device=vlm.device), visible=Lw + Lq)
+                                        self._longs(hi), hole_lo=self._longs(lo), visible=Lw + Lq)
         self._check_rows(B)
         inputs = {"embeds": windows, "positions": window_positions, "window_of": self._longs(window_of)}
         self._graph(("window", K, Lw), lambda b: self._prefill_windows(b["embeds"], b["positions"], b["window_of"]),

@@ -20,6 +20,7 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
     python benchmarks/bench_vlm.py --eager-decode  # GPU, decode steps (and prefill) without CUDA graphs
     python benchmarks/bench_vlm.py --eager-prefill # GPU, graph-replayed decode steps, eager prefill
     python benchmarks/bench_vlm.py --graph-prefill-max-tokens 4608  # GPU, every setting's prefill a graph
+    python benchmarks/bench_vlm.py --hf-lm         # GPU, the LM's layers through HF's forward instead of pipeline.vlm.text_model
 """
 from __future__ import annotations
 
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="prefill without CUDA graphs (decode steps keep theirs)")
     prefill.add_argument("--graph-prefill-max-tokens", type=int, default=VLMConfig.graph_prefill_max_tokens,
                          help="longest (padded) prefix prefilled by a CUDA graph (default %(default)s)")
+    ap.add_argument("--hf-lm", action="store_true",
+                    help="the LM's layers through HF's own forward (VLMConfig.fast_lm off)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
     args = ap.parse_args(argv)
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if tiny else torch.bfloat16
     cfg = VLMConfig(max_pixels=max(size * size, 56 * 56), max_new_tokens=new_tokens, dtype=str(dtype)[6:],
                     cuda_graphs=not args.eager_decode,
-                    graph_prefill_max_tokens=0 if args.eager_prefill else args.graph_prefill_max_tokens)
+                    graph_prefill_max_tokens=0 if args.eager_prefill else args.graph_prefill_max_tokens,
+                    fast_lm=not args.hf_lm)
     frames = synthetic_window(T, size, size)
     results, rows = [], []
     for arch in archs:
@@ -260,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                   frames=T, size=size, new_tokens=new_tokens, reps=reps,
                   cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
                   graph_prefill_max_tokens=cfg.graph_prefill_max_tokens if cfg.cuda_graphs else 0,
+                  fast_lm=cfg.fast_lm,
                   results=results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

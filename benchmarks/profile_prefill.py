@@ -61,11 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--graph", action="store_true", help="replay each prefill as a CUDA graph (as generate() does)")
+    ap.add_argument("--hf-lm", action="store_true", help="the LM's layers through HF's own forward")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     arch = "tiny-qwen2_5_vl" if args.tiny else args.arch
-    vlm = build_vlm(arch, device, dtype, VLMConfig(dtype=str(dtype)[6:], graph_prefill_max_tokens=0))
+    vlm = build_vlm(arch, device, dtype, VLMConfig(dtype=str(dtype)[6:], graph_prefill_max_tokens=0,
+                                                     fast_lm=not args.hf_lm))
     D = vlm._lm.embed_tokens.embedding_dim
     for L in args.lengths:
         embeds = torch.randn(1, L, D, device=device, dtype=dtype) * 0.02
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
         ms = timed(fn, device, args.reps)[0] * 1e3
         by_kind, kernels = profile(fn, device)
         total = sum(by_kind.values())
-        print(f"\n== {arch} L={L}{' graph' if pool is not None else ''}: {ms:.2f} ms wall (median of {args.reps}); kernels {total:.2f} ms, "
+        print(f"\n== {arch} L={L}{' graph' if pool is not None else ''}{' hf-lm' if args.hf_lm else ''}: {ms:.2f} ms wall (median of {args.reps}); kernels {total:.2f} ms, "
               f"{sum(k[1] for k in kernels)} launches")
         for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {k:12s} {v:8.2f} ms  {100 * v / max(total, 1e-9):5.1f}%")

@@ -25,6 +25,9 @@ class VLMConfig:
     # by a replayed CUDA graph (with cuda_graphs, on CUDA): short, pruned prefixes are bound by
     # kernel launches, not by the GPU; longer ones run eagerly. 0: every prefill eager, unpadded
     graph_prefill_max_tokens: int = 2048
+    # the LM's decoder layers through pipeline.vlm.text_model (fused norms, one q+k GEMM, rotary
+    # on both at once: the same results in fewer kernels); false: through HF's own forward
+    fast_lm: bool = True
 
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
@@ -42,5 +45,6 @@ class VLMConfig:
         check_range("vlm.min_pixels", self.min_pixels, 28 * 28, 16384 * 16384)
         check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
         check_choice("vlm.dtype", self.dtype, DTYPES)
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"vlm.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "fast_lm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"vlm.{name} must be true or false, got {getattr(self, name)!r}")

@@ -22,6 +22,7 @@ from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
+from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
 from pipeline.vlm.vision_graph import VisionGraphs
 
@@ -181,6 +182,8 @@ class VLM:
         if self._attn_impl == "sdpa":       # the LM's config only: the vision tower keeps its own
             register_packed_sdpa()
             self._lm.config._attn_implementation = self._attn_impl = PACKED_SDPA
+        # our forward of the LM's layers (same results, fewer kernels), where the model allows it
+        self._fast_lm = FastTextModel(self._lm, self._attn_impl) if config.fast_lm and unsupported(self._lm) is None else None
         layer_types = set(getattr(self._lm.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise ValueError(f"Invalid LM layer types ({sorted(layer_types)}): only full attention is "
@@ -359,6 +362,15 @@ class VLM:
 
     # ---- language model: prefill + cached decoding ----
     def _lm_step(self, embeds, attention_mask, positions, cache):
+        """The LM's layers: embeds (B, L, D), _masks()'s mapping (None: causal), positions (3, B, L),
+        a cache with update() or None -> (B, L, D) final hidden states; through FastTextModel when on."""
+        if self._fast_lm is not None:
+            return self._fast_lm(embeds, None if attention_mask is None else attention_mask["full_attention"],
+                                 positions, cache)
+        return self._hf_lm_step(embeds, attention_mask, positions, cache)
+
+    def _hf_lm_step(self, embeds, attention_mask, positions, cache):
+        """_lm_step through HF's own text model forward (which takes any mask form it knows)."""
         out = self._lm(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                        use_cache=cache is not None, **{self._cache_kw: cache})
         return out.last_hidden_state                                         # (B, L, D)

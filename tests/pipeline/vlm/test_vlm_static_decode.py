@@ -18,12 +18,12 @@ HOST_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select"
 
 
 def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0):
-    """The loop the static cache replaced: HF DynamicCache, a 2-D mask grown by one column per step."""
+    """The loop the static cache replaced: HF's own forward with a DynamicCache, a 2-D mask grown by one column per step."""
     embeds, positions, pads = vlm._left_pad(prefixes)
     B, L = embeds.shape[:2]
     mask = (torch.arange(L) >= torch.tensor(pads)[:, None]).long()         # (B, L)
     cache = DynamicCache(config=vlm._lm.config)
-    hidden = vlm._lm_step(embeds, mask, positions, cache)[:, -1]
+    hidden = vlm._hf_lm_step(embeds, mask, positions, cache)[:, -1]
     next_pos = torch.tensor([p.next_position for p in prefixes])
     gen = torch.Generator().manual_seed(seed)
     done = torch.zeros(B, dtype=torch.bool)
@@ -38,7 +38,7 @@ def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
         pos = (next_pos + step).view(1, B, 1).expand(3, B, 1)
-        hidden = vlm._lm_step(vlm._lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
+        hidden = vlm._hf_lm_step(vlm._lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
     return torch.stack(tokens, 1), logits_all
 
 

@@ -14,6 +14,10 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
   timed as generate() runs it: prefixes of up to VLMConfig.graph_prefill_max_tokens tokens (after
   left padding to a multiple of 64) replay a CUDA graph, longer ones run eagerly (--eager-prefill:
   every prefill eager and unpadded; each result row says which one ran, prefill_graph).
+The LM runs through pipeline.vlm.text_model (VLMConfig.fast_lm) in every setting, so "stock" and
+ARR-COC differ only in their tokens (prefill_x_stock: the speed-up from token selection alone); one
+more row, "stock, HF forward", runs every token through transformers' own forward on the same
+weights, the stock model as users run it without this pipeline (prefill_x_hf_stock).
 
     python benchmarks/bench_vlm.py                 # GPU: qwen2-vl-2b and qwen2.5-vl-7b, bf16
     python benchmarks/bench_vlm.py --tiny          # CPU smoke test with the tiny random models
@@ -25,6 +29,7 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -43,6 +48,23 @@ from pipeline.vlm.config import VLMConfig  # noqa: E402
 from pipeline.vlm.loading import _wrap  # noqa: E402
 from pipeline.vlm.model import AnswerRequest  # noqa: E402
 QUESTION = "What is the person on the left doing with the red object?"
+HF_STOCK = "stock, HF forward"         # every token, the LM through transformers' own forward (fast_lm off)
+
+
+@contextlib.contextmanager
+def hf_forward(vlm, on: bool):
+    """While on: the VLM's LM through HF's own forward, as VLMConfig(fast_lm=False) runs it, on the
+    same weights (its decoders, whose graphs were captured through the other forward, are dropped)."""
+    if not on:
+        yield
+        return
+    fast, vlm._fast_lm = vlm._fast_lm, None
+    vlm._decoders.clear()
+    try:
+        yield
+    finally:
+        vlm._fast_lm = fast
+        vlm._decoders.clear()
 
 
 def synthetic_window(T: int, H: int, W: int) -> np.ndarray:
@@ -240,17 +262,26 @@ def main(argv: list[str] | None = None) -> int:
         relevance, source, arrcoc_ms, arrcoc_eager_ms = relevance_map(vlm, frames, reps)
         maps = keep_maps(relevance, args.retention, vlm.geometry.temporal_patch_size)
         settings = [("stock", None)] + [(f"arr-coc {int(r * 100)}%", maps[r]) for r in args.retention]
+        if vlm._fast_lm is not None:          # the real alternative: the stock model through HF's own forward
+            settings.insert(0, (HF_STOCK, None))
+        arch_rows = []
         for label, keep in settings:
-            r = bench_setting(vlm, frames, keep, new_tokens, reps)
+            with hf_forward(vlm, label == HF_STOCK):
+                r = bench_setting(vlm, frames, keep, new_tokens, reps)
             # the VLM's time for the window: vision tower + prefill + the decoded tokens
             vlm_ms = r["vision_ms"] + r["prefill_ms"] + 1e3 * (r["decode_tokens"] - 1) / r["decode_tok_s"]
             r.update(arch=arch, setting=label, keep_source=None if keep is None else source, build_s=build_s,
                      arrcoc_ms=None if keep is None else arrcoc_ms,
                      arrcoc_eager_ms=None if keep is None else arrcoc_eager_ms,
                      arrcoc_share_of_vlm=None if keep is None else arrcoc_ms / vlm_ms)
-
-            results.append(r)
-            rows.append(r)
+            arch_rows.append(r)
+        by_label = {r["setting"]: r for r in arch_rows}
+        for r in arch_rows:           # prefill speed-ups over the stock rows of the same run
+            r["prefill_x_stock"] = by_label["stock"]["prefill_ms"] / r["prefill_ms"]
+            hf = by_label.get(HF_STOCK)
+            r["prefill_x_hf_stock"] = hf["prefill_ms"] / r["prefill_ms"] if hf else None
+        results += arch_rows
+        rows += arch_rows
         del vlm
         gc.collect()  # the VLM and its cached decoders (graphs, KV caches) reference each other
         if device.type == "cuda":
@@ -277,7 +308,7 @@ def print_table(rows: list[dict]) -> None:
     cols = [("arch", "{}"), ("setting", "{}"), ("tokens_kept", "{}"), ("tokens_full", "{}"),
             ("preprocess_ms", "{:.1f}"), ("vision_ms", "{:.1f}"), ("selection_ms", "{:.1f}"),
             ("front_end_ms", "{:.1f}"), ("prefill_len", "{}"), ("prefill_graph", "{}"),
-            ("prefill_ms", "{:.1f}"), ("ttft_ms", "{:.1f}"),
+            ("prefill_ms", "{:.1f}"), ("prefill_x_stock", "{:.2f}"), ("prefill_x_hf_stock", "{:.2f}"), ("ttft_ms", "{:.1f}"),
             ("decode_tok_s", "{:.1f}"), ("peak_mem_gib", "{:.2f}"), ("arrcoc_ms", "{:.1f}"),
             ("arrcoc_share_of_vlm", "{:.2%}")]
     cells = [[c for c, _ in cols]] + [["-" if r[c] is None else fmt.format(r[c]) for c, fmt in cols] for r in rows]

@@ -97,12 +97,15 @@ class ARRCOC(nn.Module):
         self.register_buffer("_knowing_index",
                              torch.tensor([CHANNELS.index(c) for c in KNOWING_CHANNELS]), persistent=False)
 
-    def extract(self, frames: torch.Tensor, last_frame: torch.Tensor | None, grid: tuple[int, int]) -> Texture:
+    def extract(self, frames: torch.Tensor, last_frame: torch.Tensor | None, grid: tuple[int, int],
+                last_real: torch.Tensor | None = None) -> Texture:
         """Texture stage for T consecutive frames (T, 3, H, W) of one stream.
 
         last_frame: (3, H, W) the frame before frames[0], or None at the start of the stream.
+        last_real:  () bool tensor, False where last_frame is frames[0] standing in for the
+                    stream's start (same result as None); None: True.
         """
-        return self.texture.sequence(frames, last_frame, grid)
+        return self.texture.sequence(frames, last_frame, grid, last_real)
 
     def realize(self, texture: Texture, query: torch.Tensor, state: StreamState | None = None, *,
                 query_mask: torch.Tensor | None = None, visual_tokens: torch.Tensor | None = None,

@@ -75,6 +75,9 @@ class StreamState:
         return replace(self, prev_frame=d(self.prev_frame), prev_relevance=d(self.prev_relevance))
 
 
+STATE_TENSORS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")  # what a stream's first batch lacks
+
+
 @dataclass(frozen=True)
 class Realized:
     relevance: torch.Tensor     # (T, gh, gw) in [0, 1]
@@ -100,6 +103,25 @@ class TemporalRelevanceRealizer(nn.Module):
     def motion_boost(self) -> torch.Tensor:
         return F.softplus(self.boost_raw)
 
+    def initial_state(self, texture: Texture) -> StreamState:
+        """The state a stream starts from, as tensors (forward() fills a None field from it): nothing
+        cached, every cell stale (the VLM has seen none), no cut history, no frames. Given to a
+        stream's first batch, it lets that batch run like any other (a CUDA graph needs them all)."""
+        cells = texture.cell_rgb.detach()[0]                                     # (3, gh, gw)
+        return StreamState(prev_relevance=torch.zeros_like(cells[0]), ref_rgb=torch.zeros_like(cells),
+                           stale=torch.ones_like(cells[0], dtype=torch.bool),
+                           scores=torch.full((self.cfg.cut_window,), float("nan"), device=cells.device,
+                                             dtype=texture.residual.dtype),
+                           frames=torch.zeros((), dtype=torch.long, device=cells.device))
+
+    def filled(self, state: StreamState, texture: Texture) -> StreamState:
+        """state with its None fields (prev_frame aside) from initial_state."""
+        missing = [n for n in STATE_TENSORS if getattr(state, n) is None]
+        if not missing:
+            return state
+        initial = self.initial_state(texture)
+        return replace(state, **{n: getattr(initial, n) for n in missing})
+
     def detect_cuts(self, texture: Texture, state: StreamState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scene_change (T,), cut_score (T,), new score history) — vectorised over the batch.
 
@@ -110,9 +132,7 @@ class TemporalRelevanceRealizer(nn.Module):
         cfg = self.cfg
         score = texture.residual.detach().flatten(1).median(dim=1).values        # (T,)
         T, k = score.shape[0], cfg.cut_window
-        history = state.scores
-        if history is None:
-            history = torch.full((k,), float("nan"), device=score.device, dtype=score.dtype)
+        history = state.scores if state.scores is not None else self.initial_state(texture).scores
         series = torch.cat([history.to(score), score])                           # (k + T,)
         windows = series.unfold(0, k, 1)[:T]                                     # (T, k) previous k scores
         level = torch.nan_to_num(windows.nanmean(dim=1), nan=0.0).clamp_min(1e-3)  # (T,)
@@ -131,6 +151,7 @@ class TemporalRelevanceRealizer(nn.Module):
         cfg = self.cfg
         T = relevance_now.shape[0]
         device = relevance_now.device
+        state = self.filled(state, texture)
         scene_change, cut_score, scores = self.detect_cuts(texture, state)
         motion = texture.channel("motion").clamp(0, 1)                           # (T, gh, gw)
         boost = self.motion_boost
@@ -139,12 +160,11 @@ class TemporalRelevanceRealizer(nn.Module):
         if vlm_frames is None:
             vlm_frames = torch.ones(T, dtype=torch.bool, device=device)
         reset = scene_change.clone()                                             # (T,) everything is new
-        done = state.frames if state.frames is not None else torch.zeros((), dtype=torch.long, device=device)
+        done = state.frames
         if cfg.refresh_frames:
             reset |= (done + torch.arange(T, device=device)) % cfg.refresh_frames == 0
         cells = texture.cell_rgb.detach()                                        # (T, 3, gh, gw)
-        ref = state.ref_rgb if state.ref_rgb is not None else torch.zeros_like(cells[0])
-        stale = state.stale if state.stale is not None else torch.ones_like(cells[0, 0], dtype=torch.bool)
+        ref, stale = state.ref_rgb.to(cells), state.stale
 
         # Branch-free recurrences on (gh, gw) maps, so no host sync inside the loop:
         #  - relevance blends with the flow-warped previous relevance; a cut zeroes the cache;
@@ -154,9 +174,7 @@ class TemporalRelevanceRealizer(nn.Module):
         weight = self.decay * keep                                               # (T,) cache weight
         grids = sampling_grid(texture.flow)                                      # (T, gh, gw, 2), built once
         left_vlm = ~vlm_frames
-        prev = state.prev_relevance
-        if prev is None:
-            prev = torch.zeros_like(boosted[0])
+        prev = state.prev_relevance.to(boosted)
         out, caches, avail = [], [], []
         for t in range(T):
             cache = sample(prev[None, None], grids[t:t + 1])[0, 0]               # (gh, gw)

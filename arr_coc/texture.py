@@ -269,10 +269,13 @@ class TextureExtractor(nn.Module):
         before = None if prev is None else self._prepare(prev, size, work)
         return self._texture(cur, before, has_prev, grid, tuple(frames.shape[-2:]))
 
-    def sequence(self, frames: torch.Tensor, last: torch.Tensor | None, grid: tuple[int, int]) -> Texture:
+    def sequence(self, frames: torch.Tensor, last: torch.Tensor | None, grid: tuple[int, int],
+                 last_real: torch.Tensor | None = None) -> Texture:
         """Consecutive frames (B, 3, H, W) of one stream after `last` (3, H, W), or None at the
         stream's start. Same result as forward() with prev = [last, frames[:-1]], but each frame
-        is resized once instead of twice."""
+        is resized once instead of twice. last_real: a () bool tensor, False where `last` is
+        frames[0] standing in for the stream's start (the same texture as last=None, from a call
+        of one signature: what a CUDA graph replays); None: True."""
         self._validate(frames, None, grid, None)
         size, work = self._working(grid)
         cur = self._prepare(frames, size, work)                 # (B, 3, h, w)
@@ -286,6 +289,8 @@ class TextureExtractor(nn.Module):
         else:
             self._validate(frames, last.unsqueeze(0).expand(b, -1, -1, -1), grid, None)
             first = self._prepare(last.unsqueeze(0), size, work)
+            if last_real is not None:
+                has_prev[0] = last_real                         # a device write: no host sync
         before = torch.cat([first, cur[:-1]])                  # (B, 3, h, w)
         return self._texture(cur, before, has_prev, grid, tuple(frames.shape[-2:]))
 

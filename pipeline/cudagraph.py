@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from arr_coc.model import ARRCOC, Allocation
-from arr_coc.realizing import StreamState
+from arr_coc.realizing import STATE_TENSORS, StreamState
 from arr_coc.texture import Texture
 
 # While a thread captures a CUDA graph, page-locked host allocations in other threads fail (torch's
@@ -32,7 +32,7 @@ from arr_coc.texture import Texture
 # the capturing stream, which invalidates its capture); the hot paths sync streams or events only.
 CAPTURE_LOCK = threading.RLock()
 
-STATE_FIELDS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")
+STATE_FIELDS = STATE_TENSORS
 # A shape no prepare() covered (a file's short last batch) runs eagerly the first time it comes and
 # is captured when it comes again: in batch mode the FrontendGraphs serve video after video, and
 # short last batches recur (at 2 fps a 10 s clip is one batch of 16 frames and one of 4).
@@ -103,6 +103,7 @@ class FrontendGraphs:
         self.capture_new = True  # capture a graph for each new shape; else see CAPTURE_ON_SIGHTING
         self._prepared: set[tuple] = set()
         self._sightings: Counter[tuple] = Counter()   # of shapes without a graph, while capture_new is off
+        self._flags: dict[bool, torch.Tensor] = {}     # last_real inputs, on the device
 
     @torch.inference_mode()
     def prepare(self, batch: int, height: int, width: int, query: torch.Tensor | None = None,
@@ -124,7 +125,7 @@ class FrontendGraphs:
             frames = torch.zeros(batch, height, width, 3, dtype=torch.uint8, device=device).permute(0, 3, 1, 2)
             texture = self.model.extract(frames, None, self.grid)          # a stream's first batch
             _, state, _ = self.model.realize(texture, query, None, query_mask=query_mask)
-            texture = self.extract(frames, frames[-1].clone(), stream)
+            texture = self.extract(frames, frames[-1].clone(), stream, last_real=True)
             self.realize(texture, state, torch.ones(batch, dtype=torch.bool, device=device), stream,
                          query, query_mask)
         stream.synchronize()
@@ -140,16 +141,24 @@ class FrontendGraphs:
         self._sightings[key] += 1
         return self._sightings[key] >= CAPTURE_ON_SIGHTING
 
-    def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream) -> Texture | None:
+    def _flag(self, value: bool, device: torch.device) -> torch.Tensor:
+        if value not in self._flags:
+            self._flags[value] = torch.tensor(value, device=device)
+        return self._flags[value]
+
+    def extract(self, frames: torch.Tensor, last: torch.Tensor, stream: torch.cuda.Stream,
+                last_real: bool = True) -> Texture | None:
+        """last_real False: a stream's first batch, with last = frames[0] (ARRCOC.extract)."""
         shape = tuple(frames.shape)
         graph = self.texture_graphs.get(shape)
         if graph is None and not self._may_capture(("texture", shape)):
             return None
+        flag = self._flag(last_real, frames.device)
         if graph is None:
             graph = self.texture_graphs[shape] = GraphedCall(
-                lambda b: self.model.extract(b["frames"], b["last"], self.grid),
-                {"frames": frames, "last": last}, stream)
-        out = graph(frames=frames, last=last)
+                lambda b: self.model.extract(b["frames"], b["last"], self.grid, b["last_real"]),
+                {"frames": frames, "last": last, "last_real": flag}, stream)
+        out = graph(frames=frames, last=last, last_real=flag)
         # the realize stage reads this on its own stream while the next batch may replay here
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
 
@@ -183,5 +192,6 @@ class FrontendGraphs:
 
 
 def graphable(state: StreamState | None) -> bool:
-    """A graph needs every state tensor to exist; after a stream's first batch they do."""
+    """A graph needs every state tensor to exist: after a stream's first batch they do, and
+    ARRCOC.realizer.initial_state gives them for the first."""
     return state is not None and all(getattr(state, n) is not None for n in STATE_FIELDS)

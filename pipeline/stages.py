@@ -268,8 +268,9 @@ class TextureStage(Stage):
             frames = pixels.permute(0, 3, 1, 2)                           # (T, 3, H, W)
             last = self.last.get(item.stream_id)
             texture = None
-            if self.graphs is not None and last is not None:
-                texture = self.graphs.extract(frames, last, self.stream)     # None: no graph for this shape
+            if self.graphs is not None:  # a stream's first batch too: frames[0] stands in for its last frame
+                texture = self.graphs.extract(frames, frames[0] if last is None else last, self.stream,
+                                              last_real=last is not None)     # None: no graph for this shape
             if texture is None:
                 texture = self.model.extract(frames, last, self.grid)
             self.last[item.stream_id] = frames[-1].clone()  # not a view that pins the whole batch
@@ -335,6 +336,8 @@ class RealizeStage(Stage):
                 vlm_frames = to_device(vlm_frames, self.device)
             state = self.states.get(item.batch.stream_id)
             replayed = None
+            if self.graphs is not None and state is None:  # a stream's first batch, as tensors a graph takes
+                state = self.model.realizer.initial_state(item.texture)
             if self.graphs is not None and graphable(state):
                 marks_dev = vlm_frames
                 if marks_dev is None:

@@ -203,3 +203,30 @@ def test_cpu_and_cuda_agree(cut_clip):
     agree = (cat(cpu, "tokens") == cat(gpu, "tokens")).float().mean()
     assert agree > 0.98  # ties at the budget boundary may break differently
 
+
+@torch.no_grad()
+def test_initial_state_is_what_a_missing_state_means(model, query, cut_clip):
+    """realize() of a stream's first batch with the initial state as tensors (what a CUDA graph
+    replays) equals realize() with no state, and so does the batch after it."""
+    x = torch.from_numpy(cut_clip.frames).permute(0, 3, 1, 2)
+    first, second = x[:6], x[6:12]
+    grid = (6, 8)
+    tex = model.extract(first, None, grid)
+    initial = model.realizer.initial_state(tex)
+    # the documented start: nothing cached, every cell stale, no cut history, no frames
+    assert not initial.prev_relevance.any() and initial.prev_relevance.shape == grid
+    assert not initial.ref_rgb.any() and initial.ref_rgb.shape == (3, *grid)
+    assert initial.stale.dtype == torch.bool and bool(initial.stale.all())
+    assert bool(initial.scores.isnan().all()) and initial.scores.shape == (model.realizer.cfg.cut_window,)
+    assert int(initial.frames) == 0
+    want, want_state, _ = model.realize(tex, query, None)
+    got, got_state, _ = model.realize(tex, query, initial)
+    tex2 = model.extract(second, first[-1], grid)
+    want2, _, _ = model.realize(tex2, query, want_state)
+    got2, _, _ = model.realize(tex2, query, got_state)
+    for a, b in ((got, want), (got2, want2)):
+        for name in ("relevance", "tokens", "lod", "selected", "scene_change"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("prev_relevance", "ref_rgb", "stale", "frames"):
+        assert torch.equal(getattr(got_state, name), getattr(want_state, name)), name
+    torch.testing.assert_close(got_state.scores, want_state.scores, equal_nan=True, rtol=0, atol=0)

@@ -264,6 +264,25 @@ class TestSequence:
         for name in ("data", "flow", "motion", "residual", "cell_rgb", "has_prev"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name), msg=name)
 
+    @pytest.mark.parametrize("b", [1, 4])
+    @pytest.mark.parametrize("blank", [False, True])
+    def test_first_frame_standing_in_for_last_equals_none(self, b, blank):
+        """A stream's start as a CUDA graph runs it: last = frames[0] marked not real (last_real
+        False) gives exactly the texture of last=None, blank frames included (flow of a flat
+        image), and B = 1, where last=None computes no motion at all."""
+        from sources.synthetic import Shot, render_clip
+        clip = render_clip([Shot("moving_object", b, speed=3.0)], height=100, width=130, seed=4)
+        frames = torch.from_numpy(clip.frames).permute(0, 3, 1, 2)
+        if blank:
+            frames = torch.zeros_like(frames)
+        extractor = TextureExtractor()
+        want = extractor.sequence(frames, None, (4, 5))
+        got = extractor.sequence(frames, frames[0], (4, 5), torch.tensor(False))
+        for name in ("data", "flow", "motion", "residual", "cell_rgb", "has_prev"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        real = extractor.sequence(frames, frames[0], (4, 5), torch.tensor(True))
+        assert bool(real.has_prev.all())                                   # True: a real last frame
+
     def test_large_downscale_matches_plain_area_resize_closely(self):
         # the integer pre-pooling before the area resize drops under k edge pixels, nothing more
         import numpy as np

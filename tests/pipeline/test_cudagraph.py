@@ -48,10 +48,11 @@ def test_graph_replay_matches_eager():
 
 
 @torch.inference_mode()
-def test_short_batches_are_captured_when_they_come_again():
-    """The stages' use after prepare(): a stream's first batch runs eagerly, full batches replay,
-    and a short last batch runs eagerly the first time its shape comes and is captured when it
-    comes again (batch mode: the next video). Every batch equals eager execution."""
+def test_first_and_short_batches_replay_like_eager():
+    """The stages' use: a stream's first batch replays the full-batch graphs (frames[0] standing in
+    for the last frame, the initial state as tensors); after prepare(), a short last batch runs
+    eagerly the first time its shape comes and is captured when it comes again (batch mode: the
+    next video). Every batch equals eager execution."""
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = ARRCOC(query_dim=16).to(device).eval()
@@ -69,22 +70,22 @@ def test_short_batches_are_captured_when_they_come_again():
             batch = frames[i:i + T]
             tex = model.extract(batch, last, grid)
             eager, eager_state, _ = model.realize(tex, query, eager_state)
-            gtex = replayed = None
-            if graphable(graph_state):
-                with torch.cuda.stream(stream):
-                    gtex = graphs.extract(batch, last, stream)
-                    vlm = torch.ones(len(batch), dtype=torch.bool, device=device)
-                    replayed = graphs.realize(gtex if gtex is not None else tex, graph_state, vlm, stream)
-                stream.synchronize()
-                short = len(batch) < T
-                assert (gtex is None) == (replayed is None) == (short and video + 1 < CAPTURE_ON_SIGHTING), (video, i)
+            with torch.cuda.stream(stream):
+                gtex = graphs.extract(batch, batch[0] if last is None else last, stream, last_real=last is not None)
+                state = graph_state if graph_state is not None else model.realizer.initial_state(tex)
+                vlm = torch.ones(len(batch), dtype=torch.bool, device=device)
+                replayed = graphs.realize(gtex if gtex is not None else tex, state, vlm, stream)
+            stream.synchronize()
+            short = len(batch) < T
+            assert (gtex is None) == (replayed is None) == (short and video + 1 < CAPTURE_ON_SIGHTING), (video, i)
             if replayed is None:
-                graphed, graph_state, _ = model.realize(tex, query, graph_state)
+                graphed, graph_state, _ = model.realize(tex, query, state)
                 gtex = tex
             else:
                 graphed, graph_state = replayed
             last = batch[-1].clone()
             torch.testing.assert_close(gtex.data, tex.data)
+            assert torch.equal(gtex.has_prev, tex.has_prev)
             for name in ("tokens", "lod", "scene_change", "selected"):
                 assert torch.equal(getattr(graphed, name), getattr(eager, name)), (video, i, name)
             torch.testing.assert_close(graphed.relevance, eager.relevance)

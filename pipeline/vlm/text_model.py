@@ -8,7 +8,7 @@ those small kernels to cost as much as the GEMMs' waves: on an H100 a 512-token 
 prefill spent 5 of its 16 ms outside GEMMs and attention (benchmarks/profile_prefill.py).
 
 This forward runs the same modules' weights through the same operations, fewer and larger:
-  - RMSNorm: one fused torch rms_norm (float32 inside, as HF), then the weight product as HF's;
+  - RMSNorm: torch's fused rms_norm, the weight product included (float32 inside, as HF's);
   - q, k and v: one GEMM over their concatenated weights (the Linears' weights become views of it,
     no second copy), rotary embedding on q and k at once, the rotate-half written as one flip of the
     halves against a sign-folded sine and one addcmul;
@@ -28,6 +28,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.vlm.decoding import PACKED_SDPA
 
 
 def concat_weights(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,7 +140,7 @@ class FastTextModel:
             if layer.idx is None:
                 layer.idx = i
         self.attn_impl = attn_impl
-        self.sdpa = attn_impl in ("sdpa", "arr_coc_sdpa")                    # prefill attention through torch's sdpa
+        self.sdpa = attn_impl in ("sdpa", PACKED_SDPA)                       # prefill attention through torch's sdpa
         self.mrope_section = _mrope_section(lm)
         module = sys.modules[type(lm.layers[0].self_attn).__module__]
         if attn_impl == "eager":
@@ -189,7 +191,8 @@ class FastTextModel:
             if cache is not None:
                 k, v = cache.update(k, v, layer.idx)
             if L > 1 and self.sdpa:
-                # sdpa with grouped KV heads itself: HF's repeats K and V per query head whenever a mask is given
+                # sdpa with grouped KV heads itself: HF's repeats K and V per query head whenever a
+                # mask is given. No mask: causal, as HF's (queries and keys the same slots [0, L))
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                      scale=layer.scaling, enable_gqa=True).transpose(1, 2)
             else:

@@ -129,3 +129,27 @@ def test_config_flag():
     assert build_tiny_vlm("qwen2_vl", config=VLMConfig(fast_lm=False))._fast_lm is None
     with pytest.raises(ConfigError, match="fast_lm must be true or false"):
         VLMConfig(fast_lm="yes")
+
+
+def test_rotary_of_older_transformers_is_recomposed():
+    """transformers 4.x rotary modules return one cos/sin per M-RoPE axis, (3, B, L, hd), and leave
+    the interleaving by mrope_section to the attention layer: recomposed here, they give what
+    transformers 5.x's (B, L, hd) give."""
+    vlm = build_tiny_vlm("qwen2_5_vl")
+    fast, rotary = vlm._fast_lm, vlm._lm.rotary_emb
+    embeds, positions = inputs(vlm)
+    new = fast.rotary(embeds, positions)
+
+    def per_axis(x, position_ids):                                           # the 4.x form
+        freqs = position_ids[..., None].float() * rotary.inv_freq.float()    # (3, B, L, hd / 2)
+        emb = torch.cat([freqs, freqs], -1)
+        return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
+
+    rotary.forward = per_axis
+    try:
+        old = fast.rotary(embeds, positions)
+    finally:
+        del rotary.forward
+    for a, b in zip(old, new):
+        assert a.shape == b.shape == (2, 23, 1, vlm._lm.layers[0].self_attn.head_dim)
+        torch.testing.assert_close(a, b)

@@ -14,9 +14,28 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert {"command", "device", "torch", "transformers", "results"} <= set(report)
     rows = report["results"]
-    assert [r["setting"] for r in rows] == ["stock", "arr-coc 50%", "arr-coc 25%", "arr-coc 10%"]
-    assert rows[0]["tokens_kept"] == rows[0]["tokens_full"] == 2 * 4 * 4     # 4 frames of 112x112
-    kept = [r["tokens_kept"] for r in rows]
+    assert [r["setting"] for r in rows] == ["stock, HF forward", "stock", "arr-coc 50%", "arr-coc 25%", "arr-coc 10%"]
+    assert rows[0]["tokens_kept"] == rows[1]["tokens_kept"] == rows[0]["tokens_full"] == 2 * 4 * 4  # 4 frames of 112x112
+    kept = [r["tokens_kept"] for r in rows[1:]]
     assert kept[0] > kept[1] >= kept[2] >= kept[3] >= 1
     assert all(r["decode_tokens"] == 4 and r["prefill_ms"] > 0 and r["front_end_ms"] > 0 for r in rows)
+    # speed-ups against both stock rows of the run
+    assert rows[1]["prefill_x_stock"] == 1.0 and rows[0]["prefill_x_hf_stock"] == 1.0
+    for r in rows:
+        assert r["prefill_x_stock"] == rows[1]["prefill_ms"] / r["prefill_ms"]
+        assert r["prefill_x_hf_stock"] == rows[0]["prefill_ms"] / r["prefill_ms"]
     assert "arr-coc 10%" in capsys.readouterr().out
+
+
+def test_bench_hf_lm_has_one_stock_row(tmp_path):
+    """--hf-lm: every setting through HF's forward already, so no separate HF stock row."""
+    spec = importlib.util.spec_from_file_location("bench_vlm", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--arch", "tiny-qwen2_vl", "--new-tokens", "2", "--retention", "0.5",
+                       "--hf-lm", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["fast_lm"] is False
+    assert [r["setting"] for r in report["results"]] == ["stock", "arr-coc 50%"]
+    assert all(r["prefill_x_hf_stock"] is None for r in report["results"])

@@ -4,7 +4,9 @@ per video) through `pipeline batch`, local path and Ray Data, stock tokens vs AR
 Reports per setting videos/s and questions/s, both over the whole wall time (model loading
 included) and steady-state (each worker from its first finished video, which carries its model
 load, to its last, summed over the workers), plus
-the ARR-COC/stock speed-up and the Ray scaling efficiency qps(n GPUs) / (n * qps(1 GPU)).
+the ARR-COC/stock speed-up and the Ray scaling efficiency qps(n GPUs) / (n * qps(1 GPU)), and
+per run the mean wall seconds per video and each stage's busy seconds per video (decode, texture,
+realize, vlm, sink): a stage whose busy time grows with the worker count marks what the workers share.
 "Stock" is the same pipeline with every token sent to the VLM (`--stock-tokens`: the ARR-COC front
 end still runs); the `vlm-only` path is the stock VLM alone (frames decoded at vlm.fps, no front
 end, no store), the alternative a user without ARR-COC would run.
@@ -86,7 +88,8 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
             "steady_videos_per_s": round(vps, 4), "steady_questions_per_s": round(qps, 4),
             "tokens_kept_per_video": row["tokens_kept_per_video"], "tokens_full_per_video": row["tokens_full_per_video"],
-            "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"]}
+            "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"],
+            "seconds_per_video": row["seconds_per_video"], "stage_busy_per_video_s": row["stage_busy_per_video_s"]}
 
 
 def vlm_only_run(plan, cfg, *, factory) -> dict:

@@ -64,9 +64,14 @@ class VideoOutcome:
     message: str = ""
     finished_at: float = 0.0  # time.time() when the worker finished it (Ray delivers rows in bursts)
     worker: str = ""          # host:pid of the process that answered it
+    stage_busy: str = ""      # JSON {stage: seconds busy on this video} (decode, texture, realize, vlm, sink)
 
     def to_row(self) -> dict[str, Any]:
         return dict(vars(self))
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each stage of this video's graph spent working on it (its thread, GPU waits included)."""
+        return json.loads(self.stage_busy) if self.stage_busy else {}
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -187,7 +192,7 @@ class VideoAnswerer:
             return VideoOutcome(work.video_id, "missing", message=f"video file of {work.video_id} not found")
         start = time.perf_counter()
         try:
-            frames, answers = self._run_graph(work)
+            frames, answers, busy = self._run_graph(work)
         except (SourceError, StageError) as e:
             cause = e.error if isinstance(e, StageError) else e
             if isinstance(e, StageError) and not isinstance(cause, SourceError):
@@ -197,9 +202,9 @@ class VideoAnswerer:
         kept, full = (answers[0].tokens_kept, answers[0].tokens_full) if answers else (0, 0)
         return VideoOutcome(work.video_id, "done", questions=len(answers), frames=frames, tokens_kept=kept,
                             tokens_full=full, wall_s=time.perf_counter() - start, finished_at=time.time(),
-                            worker=WORKER_ID)
+                            worker=WORKER_ID, stage_busy=json.dumps(busy))
 
-    def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem]]:
+    def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem], dict[str, float]]:
         # decode.process: the decoder runs in its own process, where the stage threads of the videos
         # in flight cannot hold the GIL from it; the processes serve video after video (a fresh
         # one costs ~0.3 s, a good part of a short clip's time)
@@ -245,7 +250,7 @@ class VideoAnswerer:
         self._stage_workers.close()
         self._vlm_worker.close()
 
-    def _run_video(self, work: VideoWork, worker: DecodeWorker | None) -> tuple[int, list[AnswerItem]]:
+    def _run_video(self, work: VideoWork, worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float]]:
         cfg, d = self.cfg, self.cfg.decode
         kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
                       stream_id=work.video_id)
@@ -289,7 +294,8 @@ class VideoAnswerer:
         if status.stopped:
             raise KeyboardInterrupt
         sink = graph.stages[-1]
-        return sink.frames_written, list(sink.answers)
+        busy = {stage.name: round(graph.metrics[stage.name].busy_s, 4) for stage in graph.stages}
+        return sink.frames_written, list(sink.answers), busy
 
     def answer_all(self, plan: Iterable[VideoWork], in_flight: int = IN_FLIGHT) -> Iterator[VideoOutcome]:
         """Outcomes of `plan`'s videos in plan order, with up to `in_flight` videos in work at once.
@@ -345,7 +351,18 @@ class BatchSummary:
             "questions_per_s": round(answered / self.wall_s, 4) if self.wall_s > 0 else 0.0,
             "tokens_kept_per_video": round(kept / len(done), 1) if done else 0.0,
             "tokens_full_per_video": round(full / len(done), 1) if done else 0.0,
+            # where a video's time went: its wall time, and each stage's busy seconds (means over
+            # the videos done; with videos in flight these overlap)
+            "seconds_per_video": round(sum(o.wall_s for o in done) / len(done), 4) if done else 0.0,
+            "stage_busy_per_video_s": mean_busy(done),
         }
+
+
+def mean_busy(outcomes: list[VideoOutcome]) -> dict[str, float]:
+    """Mean busy seconds per stage over outcomes (a stage absent from one counts 0 there)."""
+    busy = [o.busy() for o in outcomes]
+    names = list(dict.fromkeys(name for b in busy for name in b))
+    return {name: round(sum(b.get(name, 0.0) for b in busy) / len(busy), 4) for name in names} if busy else {}
 
 
 def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,

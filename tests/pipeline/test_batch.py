@@ -50,6 +50,10 @@ class TestWholeFlow:
         code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
         assert code == 0, err
         assert summary["done"] == 3 and summary["answered"] == 6 and summary["missing"] == 0
+        # where a video's time went: every stage of its graph, busy for part of the video's wall time
+        busy = summary["stage_busy_per_video_s"]
+        assert list(busy) == ["decode", "texture", "realize", "vlm", "sink"]
+        assert all(v > 0 for v in busy.values()) and max(busy.values()) <= summary["seconds_per_video"]
         assert validate_store(out) == []
         answers = stored_answers(out)
         assert sorted(answers) == ["video7010", "video7011", "video7012"]

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import host_topology  # noqa: E402
 from pipeline.batch import IN_FLIGHT, BatchSummary, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
@@ -193,7 +194,8 @@ def main() -> None:
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
               "size": args.size, "retention": args.retention, "overrides": args.overrides, "runs": rows,
-              "summary": summarize(rows, counts), "command": " ".join(["python3"] + sys.argv)}
+              "summary": summarize(rows, counts), "command": " ".join(["python3"] + sys.argv),
+              "host": host_topology()}
     print(json.dumps(result["summary"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -20,6 +20,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def host_topology() -> dict[str, Any]:
+    """What a multi-GPU run shares on its host: CPU count, NUMA nodes and their CPUs, and the GPUs'
+    interconnect and CPU/NUMA affinity as `nvidia-smi topo -m` prints it (absent where unavailable)."""
+    import os
+    import subprocess
+
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "cpu": cpu_name()}
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    if nodes:
+        info["numa_nodes"] = {n.name: (n / "cpulist").read_text().strip() for n in nodes if (n / "cpulist").exists()}
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+        if out.returncode == 0:
+            info["nvidia_smi_topo"] = out.stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name for CUDA devices, else the CPU model."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()

@@ -22,6 +22,8 @@ from typing import Any
 from sinks import SinkError, ZarrStore, read_stream
 from sources.msrvtt import TASKS, Dataset, Question, load_msrvtt
 
+from .batch import store_path
+
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 
@@ -136,7 +138,8 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--root", required=True, help="dataset root (the annotations the run used)")
     p.add_argument("--split", default="test", help="train, val or test (default: %(default)s)")
     p.add_argument("--task", default="qa", choices=TASKS, help="qa or caption (default: %(default)s)")
-    p.add_argument("--report", help="JSON report path (default: <store>.eval.json beside the store)")
+    p.add_argument("--report", help="JSON report path (default: <store>.eval.json beside the store; for a "
+                                    "URL store, in the working directory)")
     p.add_argument("--export-judge", metavar="FILE.json", help="also write predictions in the Video-ChatGPT "
                                                                "GPT-judge format")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
@@ -144,14 +147,18 @@ def add_eval_parser(sub: Any) -> None:
 
 
 def cmd_eval(args: Any) -> int:
-    store = Path(args.store)
-    if not (store / "zarr.json").is_file():
-        raise SinkError(f"{store} is not a zarr store (no zarr.json); pass the --out of a batch run")
+    store = store_path(args.store)                                           # a local path or an fsspec URL
+    try:
+        ZarrStore.open(store, mode="r")
+    except SinkError as e:
+        raise SinkError(f"{e}; pass the --out of a batch run") from None
     dataset = load_msrvtt(args.root, args.split, task=args.task)
     report = evaluate(store, dataset)
     row = report.to_dict()
     row.update(store=str(store), dataset=args.dataset, split=args.split, task=args.task, layout=dataset.layout)
-    path = Path(args.report) if args.report else store.with_name(store.name + ".eval.json")
+    # default: beside a local store; for a URL, in the working directory under the store's name
+    name = (store.name if isinstance(store, Path) else store.rstrip("/").rsplit("/", 1)[-1]) + ".eval.json"
+    path = Path(args.report) if args.report else (store.with_name(name) if isinstance(store, Path) else Path(name))
     try:
         path.write_text(json.dumps(row, indent=2))
         if args.export_judge:

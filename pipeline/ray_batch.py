@@ -18,25 +18,12 @@ from typing import Any, Callable
 from arr_coc._validate import ConfigError
 
 from .batch import (IN_FLIGHT, BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, check_in_flight,
-                    report_outcome)
+                    report_outcome, store_path)
 from .config import PipelineConfig
 from sources.msrvtt import Question, VideoWork
 
 MAX_IN_FLIGHT = 2
 REPO = Path(__file__).resolve().parents[1]
-
-
-def store_path(out: str | Path) -> Path:
-    """The shared store as a local path. Stores are zarr LocalStores, so every node must see the same
-    filesystem (NFS, Lustre, a FUSE-mounted bucket); `file://` URLs are accepted as such."""
-    text = str(out)
-    if "://" in text:
-        scheme, _, rest = text.partition("://")
-        if scheme != "file":
-            raise ConfigError(f"store URL scheme {scheme!r} is not supported; use a path on a filesystem every "
-                              f"Ray node mounts, or a file:// URL")
-        text = rest
-    return Path(text).absolute()
 
 
 def plan_rows(plan: list[VideoWork]) -> list[dict[str, Any]]:

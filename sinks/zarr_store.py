@@ -23,6 +23,11 @@ each metadata or chunk file is either old or new, never torn. On top of that:
 - answers are committed the same way through `answer_count`.
 Writers of different streams touch disjoint groups, so threads / processes / Ray actors can share
 one store; the only shared writes are creating the root and `streams/` (both idempotent).
+
+Stores at fsspec URLs (s3://, gs://, memory://, ...; `file://` is a local path) go through zarr's
+FsspecStore. Object stores have no atomic rename, so there a stream group is written in place,
+its own zarr.json last (a listing never shows a group without its arrays), after the incomplete
+group it replaces is deleted; the commit points (`frames`, `answer_count`, `complete`) are the same.
 """
 from __future__ import annotations
 
@@ -121,12 +126,82 @@ def validate_stream_id(stream_id: Any) -> str:
     return stream_id
 
 
-def _open_group(path: Path, group: str = "", *, read_only: bool) -> zarr.Group:
-    return zarr.open_group(LocalStore(path, read_only=read_only), path=group,
-                           mode="r" if read_only else "r+", zarr_format=3)
+class _Location:
+    """Where a store lives: a local directory (or a file:// URL), written through zarr's LocalStore
+    with atomic renames, or any other fsspec URL (s3://, gs://, memory://, ...; the protocol's
+    fsspec package must be installed), written through zarr's FsspecStore. Paths below it are
+    '/'-separated, relative to its root."""
+
+    def __init__(self, where: str | os.PathLike) -> None:
+        text = os.fspath(where)
+        scheme, sep, rest = text.partition("://")
+        self.fs: Any = None
+        self.url: str | None = None
+        self.path: Path | None = None
+        if sep and scheme != "file":
+            try:
+                import fsspec
+
+                self.fs, self.root = fsspec.core.url_to_fs(text)
+            except (ImportError, ValueError) as e:
+                raise SinkError(f"cannot open the store {text!r}: {e}") from None
+            self.url = text.rstrip("/")
+        else:
+            self.path = Path(rest if sep else text)
+
+    def __str__(self) -> str:
+        return self.url if self.url is not None else str(self.path)
+
+    def zarr_store(self, read_only: bool) -> Any:
+        if self.fs is None:
+            return LocalStore(self.path, read_only=read_only)
+        from zarr.storage import FsspecStore
+
+        return FsspecStore.from_url(self.url, read_only=read_only)
+
+    def _full(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def is_file(self, rel: str) -> bool:
+        return (self.path / rel).is_file() if self.fs is None else self.fs.isfile(self._full(rel))
+
+    def occupied(self) -> bool:
+        """Something other than an empty directory is at the root."""
+        if self.fs is None:
+            return self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir()))
+        return self.fs.exists(self.root) and (not self.fs.isdir(self.root) or bool(self.fs.ls(self.root)))
+
+    def groups(self, rel: str) -> list[str]:
+        """Names of the zarr groups directly under rel (directories holding a zarr.json)."""
+        if self.fs is None:
+            d = self.path / rel
+            return [p.name for p in d.iterdir() if (p / "zarr.json").is_file()] if d.is_dir() else []
+        if not self.fs.isdir(self._full(rel)):
+            return []
+        names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self._full(rel), detail=True)
+                 if e["type"] == "directory"]
+        return [n for n in names if self.fs.isfile(self._full(f"{rel}/{n}/zarr.json"))]
+
+    def remove(self, rel: str = "") -> None:
+        if self.fs is None:
+            shutil.rmtree(self.path / rel)
+        elif self.fs.exists(self._full(rel)):
+            self.fs.rm(self._full(rel), recursive=True)
+
+    def write(self, rel: str, data: bytes) -> None:
+        if self.fs is None:
+            target = self.path / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        else:
+            self.fs.pipe_file(self._full(rel), data)
 
 
-def _open_root(path: Path, *, read_only: bool) -> zarr.Group:
+def _open_group(loc: _Location, group: str = "", *, read_only: bool) -> zarr.Group:
+    return zarr.open_group(loc.zarr_store(read_only), path=group, mode="r" if read_only else "r+", zarr_format=3)
+
+
+def _open_root(path: _Location, *, read_only: bool) -> zarr.Group:
     """Open an existing arr-coc store, refusing anything else with a one-line SinkError."""
     try:
         root = _open_group(path, read_only=read_only)
@@ -148,11 +223,12 @@ def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise SinkError(f"config cannot be stored as JSON zarr attrs: {e}") from e
 
 
-def _create_root(path: Path, config: Mapping[str, Any]) -> zarr.Group:
+def _create_root(path: _Location, config: Mapping[str, Any]) -> zarr.Group:
     attrs = {"format": FORMAT, "config": _json_config(config)}
-    path.mkdir(parents=True, exist_ok=True)
+    if path.fs is None:
+        path.path.mkdir(parents=True, exist_ok=True)
     try:
-        return zarr.create_group(LocalStore(path), attributes=attrs, overwrite=False, zarr_format=3)
+        return zarr.create_group(path.zarr_store(read_only=False), attributes=attrs, overwrite=False, zarr_format=3)
     except ContainsGroupError:  # another process created it between our check and now
         return _open_root(path, read_only=False)
 
@@ -160,8 +236,9 @@ def _create_root(path: Path, config: Mapping[str, Any]) -> zarr.Group:
 class ZarrStore:
     """An arr-coc output store. Create with `ZarrStore.open(path, config=..., mode=...)`."""
 
-    def __init__(self, path: Path, root: zarr.Group, *, read_only: bool) -> None:
-        self.path = path
+    def __init__(self, loc: _Location, root: zarr.Group, *, read_only: bool) -> None:
+        self._loc = loc
+        self.path: Path | str = loc.path if loc.path is not None else loc.url   # a local Path, or the URL
         self._root = root
         self.read_only = read_only
 
@@ -176,23 +253,23 @@ class ZarrStore:
         """
         if mode not in ("r", "a", "w"):
             raise ValueError(f"Invalid mode ({mode!r}). Supported values are r, a, w.")
-        path = Path(path)
-        exists = (path / "zarr.json").is_file()
+        path = _Location(path)
+        exists = path.is_file("zarr.json")
         if mode == "r":
             if not exists:
                 raise SinkError(f"{path} is not a zarr store (no zarr.json)")
             return cls(path, _open_root(path, read_only=True), read_only=True)
         if exists and mode == "w":
             _open_root(path, read_only=False)  # refuses to delete anything but an arr-coc store
-            shutil.rmtree(path)
+            path.remove()
             exists = False
-        elif not exists and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        elif not exists and path.occupied():
             raise SinkError(f"{path} exists and is not a zarr store; refusing to write into it")
         if not exists and config is None:
             raise ValueError("config is required to create a store")
         try:
             root = _open_root(path, read_only=False) if exists else _create_root(path, config)
-            if not (path / "streams" / "zarr.json").is_file():
+            if not path.is_file("streams/zarr.json"):
                 # absent only when a creator died between writing the root and `streams/`
                 try:
                     root.create_group("streams")
@@ -208,17 +285,13 @@ class ZarrStore:
 
     def stream_ids(self) -> list[str]:
         """Ids of the streams in the store (complete or not), sorted."""
-        streams = self.path / "streams"
-        if not streams.is_dir():
-            return []
-        return sorted(p.name for p in streams.iterdir() if (p / "zarr.json").is_file())
+        return sorted(self._loc.groups("streams"))
 
     def is_complete(self, stream_id: str) -> bool:
         """True only when the stream exists and was processed to its end."""
-        group_dir = self.path / "streams" / validate_stream_id(stream_id)
-        if not (group_dir / "zarr.json").is_file():
+        if not self._loc.is_file(f"streams/{validate_stream_id(stream_id)}/zarr.json"):
             return False
-        return _open_group(self.path, f"streams/{stream_id}", read_only=True).attrs.get("complete") is True
+        return _open_group(self._loc, f"streams/{stream_id}", read_only=True).attrs.get("complete") is True
 
     def stream(self, stream_id: str, *, source: str, query: str, fps: float, width: int, height: int,
                grid: tuple[int, int], vlm: str, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
@@ -237,24 +310,36 @@ class ZarrStore:
         if self.is_complete(stream_id) and not overwrite:
             raise SinkError(f"stream {stream_id!r} is already complete in {self.path}; "
                             f"pass overwrite=True to replace it")
+        try:
+            if self._loc.fs is None:
+                self._stage_stream(stream_id, attrs, chunk_frames)
+            else:
+                # object stores have no atomic rename: the old stream goes first, then the new one is
+                # written with its group's zarr.json last, so a listing never shows a half-made group
+                # (and an interrupted one is incomplete: a resumed batch redoes it)
+                self._loc.remove(f"streams/{stream_id}")
+                _build_stream(lambda rel, data: self._loc.write(f"streams/{stream_id}/{rel}", data), attrs,
+                              tuple(attrs["grid"]), chunk_frames)
+            group = _open_group(self._loc, f"streams/{stream_id}", read_only=False)
+        except OSError as e:
+            raise SinkError(f"cannot write stream {stream_id!r} into {self._loc}: {e.strerror or e}") from e
+        return StreamWriter(group, stream_id=stream_id, store_path=self.path, chunk_frames=chunk_frames)
+
+    def _stage_stream(self, stream_id: str, attrs: dict[str, Any], chunk_frames: int) -> None:
+        """A local store's new stream: built in the staging directory, renamed into place."""
         target = self.path / "streams" / stream_id
         staging = self.path / STAGING
+        new = staging / f"{stream_id}.{uuid.uuid4().hex}"
+        _build_stream(lambda rel, data: _write_file(new / rel, data), attrs, tuple(attrs["grid"]), chunk_frames)
+        old = staging / f"{stream_id}.{uuid.uuid4().hex}.old"
+        if target.exists():
+            os.rename(target, old)  # the old stream vanishes in one step, never half-deleted
+        os.rename(new, target)
+        shutil.rmtree(old, ignore_errors=True)
         try:
-            new = staging / f"{stream_id}.{uuid.uuid4().hex}"
-            _build_stream(new, attrs, tuple(attrs["grid"]), chunk_frames)
-            old = staging / f"{stream_id}.{uuid.uuid4().hex}.old"
-            if target.exists():
-                os.rename(target, old)  # the old stream vanishes in one step, never half-deleted
-            os.rename(new, target)
-            shutil.rmtree(old, ignore_errors=True)
-            try:
-                staging.rmdir()  # keep the store tidy; another writer may still be staging
-            except OSError:
-                pass
-            group = _open_group(self.path, f"streams/{stream_id}", read_only=False)
-        except OSError as e:
-            raise SinkError(f"cannot write stream {stream_id!r} into {self.path}: {e.strerror or e}") from e
-        return StreamWriter(group, stream_id=stream_id, store_path=self.path, chunk_frames=chunk_frames)
+            staging.rmdir()  # keep the store tidy; another writer may still be staging
+        except OSError:
+            pass
 
     def __repr__(self) -> str:
         return f"ZarrStore({str(self.path)!r}, read_only={self.read_only})"
@@ -278,18 +363,23 @@ def _stream_attrs(*, source: str, query: str, fps: float, width: int, height: in
             "grid": [int(grid[0]), int(grid[1])], "vlm": vlm, "complete": False, "frames": 0, "answer_count": 0}
 
 
-def _build_stream(directory: Path, attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: int) -> None:
-    """Write a complete, empty stream group into `directory` (later renamed into place): the
-    metadata files of an empty group of this grid and chunking, with this stream's attrs."""
+def _build_stream(write, attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: int) -> None:
+    """Write a complete, empty stream group through write(relative path, bytes): the metadata files
+    of an empty group of this grid and chunking, with this stream's attrs, the group's own
+    zarr.json last."""
     files = _stream_template(tuple(grid), chunk_frames)
-    for rel, data in files.items():
+    for rel in sorted(files, key=lambda r: r == "zarr.json"):
+        data = files[rel]
         if rel == "zarr.json":  # the group's own metadata: the template's, with this stream's attributes
             meta = json.loads(data)
             meta["attributes"] = attrs
             data = json.dumps(meta, indent=2).encode()
-        target = directory / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        write(rel, data)
+
+
+def _write_file(target: Path, data: bytes) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
 
 
 _TEMPLATES: dict[tuple, dict[str, bytes]] = {}
@@ -321,7 +411,7 @@ def _stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, byte
 class StreamWriter:
     """Appends one stream's per-frame arrays and answers. One writer per stream, one thread at a time."""
 
-    def __init__(self, group: zarr.Group, *, stream_id: str, store_path: Path, chunk_frames: int) -> None:
+    def __init__(self, group: zarr.Group, *, stream_id: str, store_path: Path | str, chunk_frames: int) -> None:
         self.stream_id = stream_id
         self.chunk_frames = chunk_frames
         self._where = f"stream {stream_id!r} in {store_path}"
@@ -489,12 +579,12 @@ class StreamWriter:
 def read_stream(path: str | os.PathLike, stream_id: str) -> dict[str, Any]:
     """Read one stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
     "answers": {<answer array>: ndarray (A,)}}; strings come back as numpy StringDType arrays."""
-    path = Path(path)
     store = ZarrStore.open(path, mode="r")
     validate_stream_id(stream_id)
     if stream_id not in store.stream_ids():
-        raise SinkError(f"stream {stream_id!r} not found in {path}; streams: {', '.join(store.stream_ids()) or 'none'}")
-    group = _open_group(path, f"streams/{stream_id}", read_only=True)
+        raise SinkError(f"stream {stream_id!r} not found in {store._loc}; "
+                        f"streams: {', '.join(store.stream_ids()) or 'none'}")
+    group = _open_group(store._loc, f"streams/{stream_id}", read_only=True)
     attrs = group.attrs.asdict()
     t, a = int(attrs["frames"]), int(attrs["answer_count"])
     out: dict[str, Any] = {"attrs": attrs}
@@ -514,7 +604,6 @@ def validate_store(path: str | os.PathLike) -> list[str]:
     committed counts: every array holds at least `frames` / `answer_count` rows, exactly that many
     once the stream is complete. Data values are not read.
     """
-    path = Path(path)
     try:
         store = ZarrStore.open(path, mode="r")
     except SinkError as e:
@@ -524,7 +613,7 @@ def validate_store(path: str | os.PathLike) -> list[str]:
         problems.append(f"root attr 'config' must be a dict, got {store._root.attrs.get('config')!r}")
     for stream_id in store.stream_ids():
         try:
-            group = _open_group(path, f"streams/{stream_id}", read_only=True)
+            group = _open_group(store._loc, f"streams/{stream_id}", read_only=True)
         except Exception as e:
             problems.append(f"streams/{stream_id}: not a readable zarr group ({type(e).__name__}: {e})")
             continue

@@ -73,6 +73,31 @@ class TestWholeFlow:
         assert report["answered"] == 6 and report["duplicates"] == 0 and 0 <= report["accuracy"] <= 1
         assert 0 < report["tokens"]["kept_over_full"] < 1
 
+    def test_store_at_an_fsspec_url(self, capsys, tmp_path, monkeypatch):
+        """--out an fsspec URL (fsspec's in-memory filesystem here; s3://, gs://... alike): the same
+        answers, a rerun skips what is complete, eval reads it and writes its report locally."""
+        import uuid
+
+        import fsspec
+
+        root, url = tmp_path / "ds", f"memory://arrcoc-batch-{uuid.uuid4().hex}/out.zarr"
+        fixture(root)
+        try:
+            code, summary, err = batch(capsys, "--root", str(root), "--out", url, *FAST)
+            assert code == 0 and summary["done"] == 3 and summary["out"] == url, err
+            assert validate_store(url) == [] and sorted(stored_answers(url)) == ["video7010", "video7011", "video7012"]
+            code, summary, err = batch(capsys, "--root", str(root), "--out", url, *FAST)
+            assert code == 0 and summary["skipped_complete"] == 3 and summary["done"] == 0, err
+            monkeypatch.chdir(tmp_path)
+            assert main(["eval", url, "--dataset", "msrvtt", "--root", str(root)]) == 0
+            assert "over 6 of 6 questions" in capsys.readouterr().out
+            assert json.loads((tmp_path / "out.zarr.eval.json").read_text())["answered"] == 6
+        finally:
+            fs = fsspec.filesystem("memory")
+            bucket = url.removeprefix("memory://").split("/")[0]
+            if fs.exists(f"/{bucket}"):
+                fs.rm(f"/{bucket}", recursive=True)
+
     def test_stock_tokens_send_every_token(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=1)

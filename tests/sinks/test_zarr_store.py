@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -418,3 +419,61 @@ class TestErrors:
         with pytest.raises(SinkError, match="config cannot be stored as JSON"):
             ZarrStore.open(store.path.parent / "y.zarr", config={"f": object()})
         assert FORMAT == "arr-coc/1"
+
+
+class TestFsspecURL:
+    """A store at an fsspec URL (here fsspec's in-memory filesystem; s3://, gs://... the same way
+    once their fsspec package is installed): the same schema, written through zarr's FsspecStore."""
+
+    @pytest.fixture
+    def url(self):
+        import fsspec
+
+        url = f"memory://arrcoc-test-{uuid.uuid4().hex}/out.zarr"
+        yield url
+        fs = fsspec.filesystem("memory")
+        root = url.removeprefix("memory://").split("/")[0]
+        if fs.exists(f"/{root}"):
+            fs.rm(f"/{root}", recursive=True)
+
+    def test_write_read_validate_and_resume(self, url):
+        store = ZarrStore.open(url, config={"vlm": {"id": "none"}})
+        assert store.path == url and store.stream_ids() == []
+        writer = store.stream("video7", **META)
+        write_frames(writer, 40)
+        writer.add_answers([{"t_start": 0.0, "t_end": 1.0, "question": "q?", "text": "a", "tokens_kept": 3,
+                             "tokens_full": 12, "latency_s": 0.1}])
+        writer.close(complete=True)
+        half = store.stream("video8", **META)                                # left incomplete
+        write_frames(half, 10)
+        half.close(complete=False)
+        assert store.stream_ids() == ["video7", "video8"]
+        assert store.is_complete("video7") and not store.is_complete("video8")
+        assert validate_store(url) == []
+        data = read_stream(url, "video7")
+        np.testing.assert_array_equal(data["frame_index"], np.arange(40) * 2)
+        assert data["answers"]["text"].tolist() == ["a"] and data["attrs"]["complete"] is True
+        again = ZarrStore.open(url, mode="a")                                 # a resumed run
+        redo = again.stream("video8", **META)                                # replaces the incomplete one
+        assert again.stream_ids() == ["video7", "video8"] and redo.frames == 0
+        assert read_stream(url, "video8")["pts"].shape == (0,)
+        with pytest.raises(SinkError, match="already complete"):
+            again.stream("video7", **META)
+
+    def test_refuses_what_is_not_an_arr_coc_store(self, url):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(url)
+        fs.pipe_file(f"{root}/notes.txt", b"x")
+        with pytest.raises(SinkError, match="exists and is not a zarr store"):
+            ZarrStore.open(url, config={"a": 1})
+        assert validate_store(url) == [f"{url} is not a zarr store (no zarr.json)"]
+
+    def test_unknown_protocols_and_missing_backends_are_one_line_errors(self):
+        with pytest.raises(SinkError, match="cannot open the store 'nosuchproto://b/x.zarr'"):
+            ZarrStore.open("nosuchproto://b/x.zarr", config={"a": 1})
+        try:
+            import s3fs  # noqa: F401
+        except ImportError:
+            with pytest.raises(SinkError, match="s3fs"):
+                ZarrStore.open("s3://bucket/x.zarr", config={"a": 1})

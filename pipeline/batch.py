@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from arr_coc._validate import ConfigError
-from sinks import ZarrStore
+from sinks import ZarrStore, store_location
 from sources import SourceError, open_video
 from sources.process import DecodeWorker, ProcessSource
 from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
@@ -365,18 +365,6 @@ def mean_busy(outcomes: list[VideoOutcome]) -> dict[str, float]:
     return {name: round(sum(b.get(name, 0.0) for b in busy) / len(busy), 4) for name in names} if busy else {}
 
 
-def store_path(out: str | Path) -> Path | str:
-    """The shared store every actor writes into: a local path (absolute; every node must mount the
-    same filesystem: NFS, Lustre, a FUSE-mounted bucket), a file:// URL (the same), or another
-    fsspec URL (s3://, gs://, ...: zarr's FsspecStore, with the protocol's fsspec package installed
-    on every node), kept as given."""
-    text = str(out)
-    scheme, sep, rest = text.partition("://")
-    if sep and scheme != "file":
-        return text
-    return Path(rest if sep else text).absolute()
-
-
 def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
               progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
               in_flight: int = IN_FLIGHT) -> BatchSummary:
@@ -391,7 +379,7 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
             report_outcome(outcome)
     finally:
         answerer.close()
-    return BatchSummary(store_path(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
+    return BatchSummary(store_location(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
                         outcomes)
 
 

@@ -78,11 +78,13 @@ def load_run_config(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from sinks import store_location
+
     from .run import run_video
 
     cfg = load_run_config(args)
     video = Path(args.video)
-    out = Path(args.out) if args.out else Path(f"{video.stem}.zarr")
+    out = store_location(args.out) if args.out else Path(f"{video.stem}.zarr")
     result = run_video(video, args.query, out, cfg, overlay_path=args.overlay, progress=args.progress)
     _report(result, args.verbose)
     return EXIT_OK

@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sinks import SinkError, ZarrStore, read_stream
+from sinks import SinkError, ZarrStore, read_stream, store_location
 from sources.msrvtt import TASKS, Dataset, Question, load_msrvtt
-
-from .batch import store_path
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
@@ -147,7 +145,7 @@ def add_eval_parser(sub: Any) -> None:
 
 
 def cmd_eval(args: Any) -> int:
-    store = store_path(args.store)                                           # a local path or an fsspec URL
+    store = store_location(args.store)                                         # a local path or an fsspec URL
     try:
         ZarrStore.open(store, mode="r")
     except SinkError as e:

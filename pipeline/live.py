@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from arr_coc._validate import ConfigError, check_range
-from sinks import ZarrStore
+from sinks import ZarrStore, store_location
 from sources.frame import Frame
 from sources.live import Gap, LiveConfig, LiveSource, open_live
 
@@ -342,7 +342,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
 
 @dataclass
 class LiveResult:
-    out: Path
+    out: Path | str      # a local path or an fsspec URL
     stream_ids: list[str]
     complete: bool
     stopped: bool                       # ended by Ctrl-C / SIGTERM
@@ -441,7 +441,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             timer.cancel()
         reporter.close()
     errors = [str(s.error) for s in sources if s.error is not None]
-    return LiveResult(out=Path(out), stream_ids=[s.stream_id for s in sources], complete=not errors,
+    return LiveResult(out=store_location(out), stream_ids=[s.stream_id for s in sources], complete=not errors,
                       stopped=False, wall_s=time.perf_counter() - start, grid=next(iter(grids.values())),
                       streams=snapshot(sources, counters)["streams"], answers=list(sink.answers), errors=errors,
                       metrics=graph.report(), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
@@ -496,7 +496,7 @@ def cmd_live(args: argparse.Namespace) -> int:
                       max_reconnects=args.max_reconnects, buffer_frames=args.buffer, realtime=args.realtime)
     options = LiveOptions(every_s=args.every, on_scene_change=args.on_scene_change, duration_s=args.duration,
                           metrics_every_s=args.metrics_every)
-    out = Path(args.out) if args.out else Path("live.zarr")
+    out = store_location(args.out) if args.out else Path("live.zarr")
     result = run_live(args.sources, args.query, out, cfg, live=live, options=options, answers_out=sys.stdout)
     summary = {"summary": {"out": str(result.out), "wall_s": round(result.wall_s, 2), "grid": list(result.grid),
                            "complete": result.complete, "streams": result.streams}}

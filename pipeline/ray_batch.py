@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from arr_coc._validate import ConfigError
+from sinks import store_location
 
 from .batch import (IN_FLIGHT, BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, check_in_flight,
-                    report_outcome, store_path)
+                    report_outcome)
 from .config import PipelineConfig
 from sources.msrvtt import Question, VideoWork
 
@@ -75,7 +76,7 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu)."""
     import ray
 
-    out = store_path(out)
+    out = store_location(out)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_in_flight(in_flight)

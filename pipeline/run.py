@@ -15,7 +15,7 @@ import torch
 
 from arr_coc._validate import ConfigError
 from arr_coc.model import ARRCOC
-from sinks import ZarrStore
+from sinks import ZarrStore, store_location
 from sources import open_video
 from sources.process import ProcessSource
 
@@ -30,7 +30,7 @@ from .vlm.geometry import VLMGeometry
 @dataclass
 class RunResult:
     stream_id: str
-    out: Path
+    out: Path | str      # a local path or an fsspec URL
     frames: int
     complete: bool
     truncated: bool
@@ -183,7 +183,7 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
             bar.close()
     wall = time.perf_counter() - start
     sink = graph.stages[-1]
-    return RunResult(stream_id=source.stream_id, out=Path(out), frames=sink.frames_written,
+    return RunResult(stream_id=source.stream_id, out=store_location(out), frames=sink.frames_written,
                      complete=not (status.truncated or status.stopped), truncated=status.truncated,
                      stopped=status.stopped, wall_s=wall, grid=grid, metrics=graph.report(),
                      answers=list(sink.answers), notes=[vlm.warning] if vlm is not None and vlm.warning else [])

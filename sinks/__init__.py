@@ -1,7 +1,7 @@
 """Output sinks: the zarr store (public schema) and the homunculus overlay video / contact sheet."""
 from sinks.overlay import OverlayWriter, contact_sheet, render_homunculus
-from sinks.zarr_store import (FORMAT, SinkError, StreamWriter, ZarrStore, read_stream, validate_store,
-                              validate_stream_id)
+from sinks.zarr_store import (FORMAT, SinkError, StreamWriter, ZarrStore, read_stream, store_location,
+                              validate_store, validate_stream_id)
 
-__all__ = ["FORMAT", "SinkError", "ZarrStore", "StreamWriter", "read_stream", "validate_store",
+__all__ = ["FORMAT", "SinkError", "ZarrStore", "StreamWriter", "read_stream", "store_location", "validate_store",
            "validate_stream_id", "OverlayWriter", "contact_sheet", "render_homunculus"]

@@ -576,6 +576,18 @@ class StreamWriter:
         self.frames = end
 
 
+def store_location(out: str | os.PathLike) -> Path | str:
+    """Where a store given on the command line lives: a local path (made absolute: Ray actors on
+    other nodes must find it, on a filesystem every node mounts: NFS, Lustre, a FUSE-mounted
+    bucket), a file:// URL (the same), or another fsspec URL (s3://, gs://, ...: zarr's
+    FsspecStore, with the protocol's fsspec package installed wherever it is written), kept as given."""
+    text = os.fspath(out)
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme != "file":
+        return text
+    return Path(rest if sep else text).absolute()
+
+
 def read_stream(path: str | os.PathLike, stream_id: str) -> dict[str, Any]:
     """Read one stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
     "answers": {<answer array>: ndarray (A,)}}; strings come back as numpy StringDType arrays."""

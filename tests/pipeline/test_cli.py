@@ -70,6 +70,24 @@ class TestRun:
         assert root.attrs["config"]["runtime"]["batch_size"] == 8
         assert '"frames": 60' in stdout
 
+    def test_store_at_an_fsspec_url(self, capsys, videos):
+        """--out an fsspec URL (fsspec's in-memory filesystem; s3://... alike) holds the same store."""
+        import uuid
+
+        import fsspec
+
+        url = f"memory://arrcoc-run-{uuid.uuid4().hex}/out.zarr"
+        try:
+            code, stdout, stderr = run_cli(capsys, "run", str(videos["clip"]), "--query", "q", "--out", url,
+                                           "--device", "cpu", "--set", "runtime.batch_size=8")
+            assert code == 0, stderr
+            assert validate_store(url) == [] and f'"out": "{url}"' in stdout
+            data = read_stream(url, "clip")
+            assert data["attrs"]["complete"] is True and data["pts"].shape == (60,)
+            assert np.nonzero(data["scene_change"])[0].tolist() == [0, 20, 40]
+        finally:
+            fsspec.filesystem("memory").rm(f"/{url.removeprefix('memory://').split('/')[0]}", recursive=True)
+
     def test_tiny_random_vlm_writes_answers_with_fewer_tokens(self, capsys, tmp_path, videos):
         out = tmp_path / "vlm.zarr"
         code, stdout, err = run_cli(capsys, "run", str(videos["clip"]), "--query", "what moves?", "--out", str(out),

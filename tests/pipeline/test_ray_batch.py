@@ -9,7 +9,8 @@ ray = pytest.importorskip("ray")
 from pipeline.batch import make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
-from pipeline.ray_batch import run_ray_batch, store_path  # noqa: E402
+from pipeline.ray_batch import run_ray_batch  # noqa: E402
+from sinks import store_location  # noqa: E402
 from sinks import ZarrStore, read_stream, validate_store  # noqa: E402
 from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
 
@@ -53,5 +54,5 @@ def test_ray_path_matches_local_path(tmp_path, local_ray):
 
 
 def test_store_urls(tmp_path):
-    assert store_path(f"file://{tmp_path}/x.zarr") == tmp_path / "x.zarr"
-    assert store_path("s3://bucket/x.zarr") == "s3://bucket/x.zarr"                # fsspec URLs go to FsspecStore
+    assert store_location(f"file://{tmp_path}/x.zarr") == tmp_path / "x.zarr"
+    assert store_location("s3://bucket/x.zarr") == "s3://bucket/x.zarr"                # fsspec URLs go to FsspecStore

@@ -418,7 +418,7 @@ class StreamWriter:
         self._group = group
         self._frames = {spec.name: group[spec.name] for spec in FRAME_ARRAYS}
         self._answers = {spec.name: group[f"answers/{spec.name}"] for spec in ANSWER_ARRAYS}
-        self._gaps = {spec.name: group[f"gaps/{spec.name}"] for spec in GAP_ARRAYS}
+        self._gaps: dict[str, Any] | None = None                              # opened by the first add_gap
         self.grid = tuple(group.attrs["grid"])
         self.frames = 0   # committed: rows on disk and recorded in the `frames` attr
         self.answers = 0  # committed answers (`answer_count` attr)
@@ -489,6 +489,8 @@ class StreamWriter:
         if not isinstance(reason, str):
             raise ValueError(f"reason must be a string, got {type(reason).__name__}")
         row["reason"] = reason
+        if self._gaps is None:
+            self._gaps = {spec.name: self._group[f"gaps/{spec.name}"] for spec in GAP_ARRAYS}
         self.gaps = self._append_rows(self._gaps, self.gaps, [row], "gap_count", "a gap")
 
     def _append_rows(self, arrays: dict[str, Any], n: int, rows: list[dict[str, Any]], count_attr: str,

@@ -253,7 +253,7 @@ class VideoAnswerer:
     def _run_video(self, work: VideoWork, worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float]]:
         cfg, d = self.cfg, self.cfg.decode
         kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
-                      stream_id=work.video_id)
+                      stream_id=work.video_id, threads=d.threads)
         source = (ProcessSource(work.path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
                                 worker=worker, **kwargs) if worker is not None else open_video(work.path, **kwargs))
         try:

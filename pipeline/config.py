@@ -23,6 +23,9 @@ class DecodeConfig:
     max_frames: int | None = None
     # decode in a worker process: the GIL-heavy stages cannot starve it (file inputs)
     process: bool = True
+    # decoding threads per video (0: the decoder's choice, up to 16 with FFmpeg); several videos in
+    # flight, or several Ray actors on one host, each run their own decoder
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.fps is not None:
@@ -32,6 +35,9 @@ class DecodeConfig:
             check_range("decode.end_s", self.end_s, self.start_s, None, lo_open=True)
         if self.max_frames is not None:
             check_range("decode.max_frames", self.max_frames, 1, None)
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int):
+            raise ConfigError(f"decode.threads must be an integer, got {self.threads!r}")
+        check_range("decode.threads", self.threads, 0, 256)
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
 
     device = resolve_device(cfg.runtime.device)
     d = cfg.decode
-    kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames)
+    kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
+                  threads=d.threads)
     # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV
     device_color = device.type == "cuda" and cfg.runtime.vlm == "none" and overlay_path is None
     source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,

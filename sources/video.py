@@ -75,7 +75,7 @@ def probe(path: str | Path) -> VideoInfo:
 
 def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None = None,
                start_s: float = 0.0, end_s: float | None = None, max_frames: int | None = None,
-               stream_id: str | None = None) -> VideoSource:
+               stream_id: str | None = None, threads: int = 0) -> VideoSource:
     """Open a video file for reading as Frames; see the module docstring for the semantics.
 
     decoder:    "pyav" (threaded FFmpeg decode, default) or "decord".
@@ -83,15 +83,18 @@ def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None
     start_s, end_s: keep frames with start_s <= pts_s < end_s.
     max_frames: stop after this many frames.
     stream_id:  Frame.stream_id; defaults to the file stem.
+    threads:    decoding threads; 0 (default): the decoder's own choice (FFmpeg: up to 16 for
+                frame + slice threading; decord: its default). Several decoders on one host (a
+                batch's videos in flight, Ray actors) may want fewer each.
     Raises SourceError (one line naming the path) for bad arguments and unreadable files.
     """
     path = Path(path)
-    _check_args(path, decoder, fps, start_s, end_s, max_frames, stream_id)
+    _check_args(path, decoder, fps, start_s, end_s, max_frames, stream_id, threads)
     _check_file(path)
     cls = _PyAVSource if decoder == "pyav" else _DecordSource
     return cls(path, fps=None if fps is None else float(fps), start_s=float(start_s),
                end_s=None if end_s is None else float(end_s), max_frames=max_frames,
-               stream_id=stream_id or path.stem)
+               stream_id=stream_id or path.stem, threads=int(threads))
 
 
 class VideoSource:
@@ -105,8 +108,8 @@ class VideoSource:
     decoder: str
 
     def __init__(self, path: Path, *, fps: float | None, start_s: float, end_s: float | None,
-                 max_frames: int | None, stream_id: str) -> None:
-        self.path, self.stream_id = path, stream_id
+                 max_frames: int | None, stream_id: str, threads: int = 0) -> None:
+        self.path, self.stream_id, self.threads = path, stream_id, threads
         self.start_s, self.end_s, self.max_frames = start_s, end_s, max_frames
         self.truncated = False
         self._target_fps = fps
@@ -191,6 +194,8 @@ class _PyAVSource(VideoSource):
         self._container, stream = _open_container(self.path)
         self._stream = stream
         stream.thread_type = "AUTO"  # frame + slice threads: several times faster on multi-core CPUs
+        if self.threads:
+            stream.thread_count = self.threads
         self._ends_mid_packet = _ends_mid_packet(self.path, self._container)
         self._held_back_pts: int | None = None
         self._t0 = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
@@ -352,7 +357,7 @@ class _DecordSource(VideoSource):
             raise SourceError(f"{self.path}: decord cannot decode videos rotated by {info.rotation} degrees; "
                               f"use decoder='pyav'")
         try:
-            self._reader = decord.VideoReader(str(self.path), ctx=decord.cpu(0), num_threads=0)
+            self._reader = decord.VideoReader(str(self.path), ctx=decord.cpu(0), num_threads=self.threads)
             count = len(self._reader)
             pts = self._reader.get_frame_timestamp(np.arange(count))[:, 0].astype(np.float64)  # (N,)
         except self._error_types as e:
@@ -466,7 +471,7 @@ class _Sampler:
 
 
 def _check_args(path: Path, decoder: object, fps: object, start_s: object, end_s: object,
-                max_frames: object, stream_id: object) -> None:
+                max_frames: object, stream_id: object, threads: object = 0) -> None:
     def bad(problem: str) -> SourceError:
         return SourceError(f"{path}: {problem}")
 
@@ -483,6 +488,8 @@ def _check_args(path: Path, decoder: object, fps: object, start_s: object, end_s
         raise bad(f"max_frames={max_frames!r} is out of range; allowed: integers >= 1, or None")
     if stream_id is not None and not (isinstance(stream_id, str) and stream_id):
         raise bad(f"stream_id={stream_id!r} must be a non-empty string, or None for the file stem")
+    if not (isinstance(threads, (int, np.integer)) and not isinstance(threads, bool) and 0 <= threads <= 256):
+        raise bad(f"threads={threads!r} is out of range; allowed: integers in [0, 256], 0 for the decoder's choice")
 
 
 def _is_number(value: object) -> bool:

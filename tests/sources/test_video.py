@@ -160,6 +160,16 @@ class TestEveryFrame:
         diff = np.abs(np.stack([f.rgb for f in by_pyav]).astype(np.int16) - np.stack([f.rgb for f in by_decord]))
         assert diff.mean() < 1.0 and np.percentile(diff, 99) <= 4
 
+    @pytest.mark.parametrize("decoder", DECODERS)
+    def test_thread_count_changes_nothing_but_threads(self, cfr_video: Video, decoder: str):
+        default, _ = read(cfr_video.path, decoder=decoder)
+        with open_video(cfr_video.path, decoder=decoder, threads=2) as video:
+            frames = list(video)
+            if decoder == "pyav":
+                assert video._stream.thread_count == 2
+        assert video.threads == 2 and indices(frames) == indices(default)
+        np.testing.assert_array_equal(np.stack([f.rgb for f in frames]), np.stack([f.rgb for f in default]))
+
     def test_stream_id_override(self, cfr_video: Video):
         frames, video = read(cfr_video.path, max_frames=2, stream_id="cam-7")
         assert video.stream_id == "cam-7" and {f.stream_id for f in frames} == {"cam-7"}
@@ -341,6 +351,8 @@ class TestErrors:
         ({"max_frames": 0}, "max_frames=0 is out of range"),
         ({"decoder": "ffmpeg"}, "decoder='ffmpeg' is not supported; allowed: pyav, decord"),
         ({"stream_id": ""}, "stream_id='' must be a non-empty string"),
+        ({"threads": -1}, "threads=-1 is out of range"),
+        ({"threads": True}, "threads=True is out of range"),
         ({"start_s": 5.0}, "start_s=5.0 is past the end of the video"),
     ])
     def test_bad_arguments(self, cfr_video: Video, kwargs: dict, problem: str):

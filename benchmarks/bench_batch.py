@@ -51,6 +51,7 @@ def qwen2_vl_2b_factory(device: torch.device):
 
 
 BENCH_VLM = None  # set in main (VLMConfig of this run), read by the factory in every worker
+VIDEOS_PER_TASK = None  # set in main (--videos-per-task)
 
 
 def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
@@ -81,7 +82,7 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
     else:
         from pipeline.ray_batch import run_ray_batch
         s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
-                          vlm_factory=factory, in_flight=in_flight)
+                          vlm_factory=factory, in_flight=in_flight, videos_per_task=VIDEOS_PER_TASK)
     row = s.to_dict()
     vps, qps = steady_rates(s, workers)
     shutil.rmtree(out, ignore_errors=True)
@@ -124,7 +125,7 @@ def vlm_only_run(plan, cfg, *, factory) -> dict:
 
 
 def main() -> None:
-    global BENCH_VLM
+    global BENCH_VLM, VIDEOS_PER_TASK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny-random VLM, 3 small videos")
@@ -135,6 +136,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, nargs=2, default=[240, 320], metavar=("H", "W"), help="MSR-VTT is 320x240")
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="videos in work at once per worker")
+    ap.add_argument("--videos-per-task", type=int, default=None,
+                    help="Ray: videos per actor call (default: --in-flight)")
     ap.add_argument("--paths", default="local,ray,vlm-only",
                     help="comma-separated: local, ray, vlm-only (the stock VLM alone, no ARR-COC front end; "
                          "default all three)")
@@ -164,6 +167,7 @@ def main() -> None:
     overrides += args.overrides
     cfg = load_config(PipelineConfig, None, overrides)
     BENCH_VLM = cfg.vlm
+    VIDEOS_PER_TASK = args.videos_per_task
     scratch = Path(tempfile.mkdtemp(prefix="bench_batch_"))
     try:
         write_fixture(scratch / "msrvtt", videos=args.videos, questions_per_video=args.questions, seconds=args.seconds,
@@ -193,7 +197,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
-              "size": args.size, "retention": args.retention, "overrides": args.overrides, "runs": rows,
+              "size": args.size, "retention": args.retention, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
               "summary": summarize(rows, counts), "command": " ".join(["python3"] + sys.argv),
               "host": host_topology()}
     print(json.dumps(result["summary"], indent=1))

@@ -421,6 +421,9 @@ def add_batch_parser(sub: Any, common: Any) -> None:
     p.add_argument("--in-flight", type=int, default=IN_FLIGHT, metavar="N",
                    help="videos each worker has in work at once: the next is decoded and allocated while the "
                         "VLM answers the last (default: %(default)s)")
+    p.add_argument("--videos-per-task", type=int, metavar="N",
+                   help="Ray: videos each actor call answers, in_flight at a time (default: --in-flight); more "
+                        "means fewer calls and fewer pauses where an actor's videos in flight drain together")
     p.add_argument("--stock-tokens", action="store_true",
                    help="send the VLM every visual token (the baseline ARR-COC is measured against)")
     common(p)
@@ -439,8 +442,11 @@ def cmd_batch(args: Any) -> int:
     if args.ray:
         from .ray_batch import run_ray_batch
         summary = run_ray_batch(plan, out, cfg, address=args.ray, stock=args.stock_tokens,
-                                workers=args.workers, progress=args.progress, in_flight=args.in_flight)
+                                workers=args.workers, progress=args.progress, in_flight=args.in_flight,
+                                videos_per_task=args.videos_per_task)
     else:
+        if args.videos_per_task is not None:
+            raise ConfigError("--videos-per-task is for --ray runs (actor calls); the local path streams its videos")
         summary = run_batch(plan, out, cfg, stock=args.stock_tokens, progress=args.progress,
                             in_flight=args.in_flight)
     row = summary.to_dict()

@@ -39,8 +39,9 @@ def work_of(row: dict[str, Any]) -> VideoWork:
 
 
 class AnswerActor:
-    """One Ray actor: owns a device and a loaded model; answers a batch of `in_flight` videos per
-    call, all of them in work at once (as the local path does)."""
+    """One Ray actor: owns a device and a loaded model; answers a batch of videos per call
+    (videos_per_task, default in_flight), `in_flight` of them in work at once (as the local path
+    does). A call returns when its last video is done, so the call's last videos drain alone."""
 
     def __init__(self, cfg: PipelineConfig, out: str, stock: bool, vlm_factory: Callable | None = None,
                  in_flight: int = IN_FLIGHT) -> None:
@@ -72,14 +73,19 @@ def _connect(address: str) -> None:
 
 def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",
                   stock: bool = False, workers: int | None = None, progress: bool | None = None,
-                  vlm_factory: Callable | None = None, in_flight: int = IN_FLIGHT) -> BatchSummary:
-    """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu)."""
+                  vlm_factory: Callable | None = None, in_flight: int = IN_FLIGHT,
+                  videos_per_task: int | None = None) -> BatchSummary:
+    """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu), each
+    call answering videos_per_task videos (default in_flight)."""
     import ray
 
     out = store_location(out)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_in_flight(in_flight)
+    per_task = in_flight if videos_per_task is None else videos_per_task
+    if isinstance(per_task, bool) or not isinstance(per_task, int) or per_task < 1:
+        raise ConfigError(f"--videos-per-task must be >= 1, got {videos_per_task}")
     _connect(address)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and gpus > 0)
@@ -92,8 +98,8 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     start = time.perf_counter()
     outcomes: list[VideoOutcome] = []
     if plan:
-        ds = ray.data.from_items(plan_rows(plan), override_num_blocks=-(-len(plan) // in_flight))
-        ds = ds.map_batches(AnswerActor, batch_size=in_flight,
+        ds = ray.data.from_items(plan_rows(plan), override_num_blocks=-(-len(plan) // per_task))
+        ds = ds.map_batches(AnswerActor, batch_size=per_task,
                             fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock, vlm_factory=vlm_factory,
                                                        in_flight=in_flight),
                             compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=MAX_IN_FLIGHT),

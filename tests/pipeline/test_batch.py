@@ -237,6 +237,7 @@ class TestBadInputs:
         (["--split", "dev"], "unknown split 'dev'; allowed: train, val, test"),
         (["--shard", "2/2"], "--shard must be i/n with integers 0 <= i < n, got '2/2'"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
+        (["--videos-per-task", "4"], "--videos-per-task is for --ray runs (actor calls); the local path streams its videos"),
     ])
     def test_bad_options(self, capsys, tmp_path, args, message):
         root = tmp_path / "ds"

@@ -9,6 +9,7 @@ ray = pytest.importorskip("ray")
 from pipeline.batch import make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
+from arr_coc._validate import ConfigError  # noqa: E402
 from pipeline.ray_batch import run_ray_batch  # noqa: E402
 from sinks import store_location  # noqa: E402
 from sinks import ZarrStore, read_stream, validate_store  # noqa: E402
@@ -31,8 +32,9 @@ def test_ray_path_matches_local_path(tmp_path, local_ray):
     cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu", "vlm.max_new_tokens=3"])
     plan = make_plan(load_msrvtt(root))
     local = run_batch(plan, tmp_path / "local.zarr", cfg, progress=False)
+    # three videos in one actor call, two of them in work at once
     distributed = run_ray_batch(plan, f"file://{tmp_path / 'ray.zarr'}", cfg, address="local", workers=2,
-                                progress=False)
+                                progress=False, videos_per_task=3)
     assert distributed.backend == "ray (2 CPU actors)"
     assert (local.count("done"), local.count("missing")) == (distributed.count("done"), distributed.count("missing")) \
         == (2, 1)
@@ -51,6 +53,12 @@ def test_ray_path_matches_local_path(tmp_path, local_ray):
             assert a["answers"][name].tolist() == b["answers"][name].tolist(), f"{sid} answers/{name}"
     again = run_ray_batch(plan, tmp_path / "ray.zarr", cfg, address="local", workers=2, progress=False)
     assert again.count("skipped") == 2 and again.count("done") == 0
+
+
+def test_videos_per_task_must_be_positive(tmp_path):
+    cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu"])
+    with pytest.raises(ConfigError, match="--videos-per-task must be >= 1, got 0"):
+        run_ray_batch([], tmp_path / "x.zarr", cfg, address="local", videos_per_task=0)
 
 
 def test_store_urls(tmp_path):

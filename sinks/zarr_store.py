@@ -330,6 +330,7 @@ class ZarrStore:
         target = self.path / "streams" / stream_id
         staging = self.path / STAGING
         new = staging / f"{stream_id}.{uuid.uuid4().hex}"
+        _make_dir(new)  # once it exists, staging is not empty: no other writer's rmdir below removes it
         _build_stream(lambda rel, data: _write_file(new / rel, data), attrs, tuple(attrs["grid"]), chunk_frames)
         old = staging / f"{stream_id}.{uuid.uuid4().hex}.old"
         if target.exists():
@@ -375,6 +376,19 @@ def _build_stream(write, attrs: dict[str, Any], grid: tuple[int, int], chunk_fra
             meta["attributes"] = attrs
             data = json.dumps(meta, indent=2).encode()
         write(rel, data)
+
+
+def _make_dir(directory: Path, tries: int = 5) -> None:
+    """mkdir -p that survives another writer removing an empty parent meanwhile (each writer removes
+    the shared, empty staging directory after its rename: between mkdir -p creating it and creating
+    our directory inside it, another writer's rmdir may take it away)."""
+    for _ in range(tries - 1):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return
+        except FileNotFoundError:
+            continue
+    directory.mkdir(parents=True, exist_ok=True)
 
 
 def _write_file(target: Path, data: bytes) -> None:

@@ -236,6 +236,28 @@ class TestLifecycle:
         assert store.is_complete("v") and read_stream(store.path, "v")["pts"].shape == (30,)
         assert not (store.path / ".staging").exists() and validate_store(store.path) == []
 
+    def test_staging_removed_by_another_writer_mid_mkdir(self, store, monkeypatch):
+        """Writers of other streams remove the shared, empty `.staging` after their renames: a
+        writer whose `mkdir -p` loses it between creating it and its own directory tries again."""
+        from pathlib import Path
+
+        real_mkdir, raced = Path.mkdir, []
+
+        def mkdir(self, mode=0o777, parents=False, exist_ok=False):
+            if self.parent.name == ".staging" and not raced:
+                raced.append(self)
+                real_mkdir(self.parent, exist_ok=True)
+                self.parent.rmdir()                                          # another writer tidies up
+                raise FileNotFoundError(2, "No such file or directory", str(self))
+            return real_mkdir(self, mode, parents, exist_ok)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        writer = store.stream("v", **META)
+        assert raced and writer.frames == 0 and store.stream_ids() == ["v"]
+        write_frames(writer, 5)
+        writer.close(complete=True)
+        assert validate_store(store.path) == []
+
     def test_complete_stream_needs_overwrite(self, store):
         writer = store.stream("v", **META)
         write_frames(writer, 10)

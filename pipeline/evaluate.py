@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sinks import SinkError, ZarrStore, read_stream, store_location
+from sinks import SinkError, ZarrStore, store_location
 from sources.msrvtt import TASKS, Dataset, Question, load_msrvtt
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -86,7 +86,7 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
             report.videos_incomplete += 1
             continue
         report.videos_complete += 1
-        answers = read_stream(store_path, work.video_id)["answers"]
+        answers = store.read(work.video_id)["answers"]   # the store opened once, not per video
         pending: dict[str, list[Question]] = defaultdict(list)
         for q in work.questions:
             pending[q.question].append(q)

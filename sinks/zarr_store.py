@@ -342,6 +342,25 @@ class ZarrStore:
         except OSError:
             pass
 
+    def read(self, stream_id: str) -> dict[str, Any]:
+        """One stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
+        "answers": {<answer array>: ndarray (A,)}}; strings come back as numpy StringDType arrays.
+        Reads from this open store: a caller reading many streams opens it once."""
+        if not self._loc.is_file(f"streams/{validate_stream_id(stream_id)}/zarr.json"):
+            raise SinkError(f"stream {stream_id!r} not found in {self._loc}; "
+                            f"streams: {', '.join(self.stream_ids()) or 'none'}")
+        group = _open_group(self._loc, f"streams/{stream_id}", read_only=True)
+        attrs = group.attrs.asdict()
+        t, a = int(attrs["frames"]), int(attrs["answer_count"])
+        out: dict[str, Any] = {"attrs": attrs}
+        for spec in FRAME_ARRAYS:
+            out[spec.name] = group[spec.name][:t]
+        out["answers"] = {spec.name: group[f"answers/{spec.name}"][:a] for spec in ANSWER_ARRAYS}
+        if "gaps" in group:
+            g = int(attrs.get("gap_count", 0))
+            out["gaps"] = {spec.name: group[f"gaps/{spec.name}"][:g] for spec in GAP_ARRAYS}
+        return out
+
     def __repr__(self) -> str:
         return f"ZarrStore({str(self.path)!r}, read_only={self.read_only})"
 
@@ -605,24 +624,8 @@ def store_location(out: str | os.PathLike) -> Path | str:
 
 
 def read_stream(path: str | os.PathLike, stream_id: str) -> dict[str, Any]:
-    """Read one stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
-    "answers": {<answer array>: ndarray (A,)}}; strings come back as numpy StringDType arrays."""
-    store = ZarrStore.open(path, mode="r")
-    validate_stream_id(stream_id)
-    if stream_id not in store.stream_ids():
-        raise SinkError(f"stream {stream_id!r} not found in {store._loc}; "
-                        f"streams: {', '.join(store.stream_ids()) or 'none'}")
-    group = _open_group(store._loc, f"streams/{stream_id}", read_only=True)
-    attrs = group.attrs.asdict()
-    t, a = int(attrs["frames"]), int(attrs["answer_count"])
-    out: dict[str, Any] = {"attrs": attrs}
-    for spec in FRAME_ARRAYS:
-        out[spec.name] = group[spec.name][:t]
-    out["answers"] = {spec.name: group[f"answers/{spec.name}"][:a] for spec in ANSWER_ARRAYS}
-    if "gaps" in group:
-        g = int(attrs.get("gap_count", 0))
-        out["gaps"] = {spec.name: group[f"gaps/{spec.name}"][:g] for spec in GAP_ARRAYS}
-    return out
+    """Read one stream's committed data (ZarrStore.read) from the store at path."""
+    return ZarrStore.open(path, mode="r").read(stream_id)
 
 
 def validate_store(path: str | os.PathLike) -> list[str]:

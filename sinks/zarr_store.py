@@ -134,11 +134,11 @@ class _Location:
 
     def __init__(self, where: str | os.PathLike) -> None:
         text = os.fspath(where)
-        scheme, sep, rest = text.partition("://")
+        local = _local_part(text)
         self.fs: Any = None
         self.url: str | None = None
         self.path: Path | None = None
-        if sep and scheme != "file":
+        if local is None:
             try:
                 import fsspec
 
@@ -147,7 +147,7 @@ class _Location:
                 raise SinkError(f"cannot open the store {text!r}: {e}") from None
             self.url = text.rstrip("/")
         else:
-            self.path = Path(rest if sep else text)
+            self.path = Path(local)
 
     def __str__(self) -> str:
         return self.url if self.url is not None else str(self.path)
@@ -190,9 +190,7 @@ class _Location:
 
     def write(self, rel: str, data: bytes) -> None:
         if self.fs is None:
-            target = self.path / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+            _write_file(self.path / rel, data)
         else:
             self.fs.pipe_file(self._full(rel), data)
 
@@ -617,10 +615,16 @@ def store_location(out: str | os.PathLike) -> Path | str:
     bucket), a file:// URL (the same), or another fsspec URL (s3://, gs://, ...: zarr's
     FsspecStore, with the protocol's fsspec package installed wherever it is written), kept as given."""
     text = os.fspath(out)
+    local = _local_part(text)
+    return text if local is None else Path(local).absolute()
+
+
+def _local_part(text: str) -> str | None:
+    """The local path a store location names (a plain path, or a file:// URL's), None for other URLs."""
     scheme, sep, rest = text.partition("://")
-    if sep and scheme != "file":
+    if not sep:
         return text
-    return Path(rest if sep else text).absolute()
+    return rest if scheme == "file" else None
 
 
 def read_stream(path: str | os.PathLike, stream_id: str) -> dict[str, Any]:

@@ -22,6 +22,12 @@ def check_range(name: str, value: float, lo: float | None = None, hi: float | No
         raise ConfigError(f"{name}={value!r} is out of range; allowed: {interval}")
 
 
+def check_int(name: str, value: Any) -> None:
+    """Raise ConfigError unless value is an integer (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+
+
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
     """Raise ConfigError unless value is one of allowed."""
     allowed = tuple(allowed)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc._validate import check_choice, check_int, check_range
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,7 @@ class AttendingConfig:
         check_choice("attending.selection", self.selection, ("fraction", "topk"))
         check_choice("attending.curve", self.curve, ("power", "exponential", "linear"))
         for name in ("top_k", "min_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"attending.{name} must be an integer, got {value!r}")
+            check_int(f"attending.{name}", getattr(self, name))
         check_range("attending.retention", self.retention, 0.0, 1.0, lo_open=True)
         check_range("attending.top_k", self.top_k, 1)
         check_range("attending.steepness", self.steepness, 0.0, 20.0, lo_open=True)

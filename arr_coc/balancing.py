@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 from arr_coc.knowing import KnowingScores
 
 TENSIONS = ("compress", "exploit", "focus")
@@ -39,9 +39,7 @@ class BalancingConfig:
         check_choice("balancing.kind", self.kind, ("tension", "adaptive"))
         check_choice("balancing.weight_mode", self.weight_mode, ("softmax", "sigmoid"))
         for name in ("hidden_dim", "diversity_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"balancing.{name} must be an integer, got {value!r}")
+            check_int(f"balancing.{name}", getattr(self, name))
         check_range("balancing.hidden_dim", self.hidden_dim, 1)
         check_range("balancing.diversity_window", self.diversity_window, 3, 15)
         if self.diversity_window % 2 == 0:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 
 # Mirrors arr_coc.texture.CHANNELS (docs/internals.md). Kept here rather than imported so the
 # scorers can be built and tested for any channel layout without the texture extractor.
@@ -45,9 +45,7 @@ class KnowingConfig:
         if len(self.channels) < 1 or len(set(self.channels)) != len(self.channels):
             raise ConfigError(f"knowing.channels={self.channels!r} must be non-empty and unique")
         for name in ("query_dim", "hidden_dim", "context_dim", "information_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"knowing.{name} must be an integer, got {value!r}")
+            check_int(f"knowing.{name}", getattr(self, name))
         check_range("knowing.query_dim", self.query_dim, 1)
         check_range("knowing.hidden_dim", self.hidden_dim, 0)
         check_range("knowing.context_dim", self.context_dim, 0)

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 from arr_coc._consts import constant
 from arr_coc.flow import optical_flow, sobel, warp
 
@@ -78,8 +78,7 @@ class TextureConfig:
         for name, lo, hi in (("cell_px", 2, 64), ("flow_levels", 1, 6), ("flow_iters", 1, 20),
                              ("flow_window", 3, 31)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{name} must be an integer, got {value!r}")
+            check_int(name, value)
             check_range(name, value, lo, hi)
         if self.flow_window % 2 == 0:
             raise ConfigError(f"flow_window={self.flow_window} must be odd; allowed: odd integers in [3, 31]")

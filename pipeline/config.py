@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from arr_coc._validate import ConfigError, check_range
+from arr_coc._validate import ConfigError, check_int, check_range
 from arr_coc.model import ARRCOCConfig
 
 from .vlm.config import VLMConfig
@@ -35,8 +35,7 @@ class DecodeConfig:
             check_range("decode.end_s", self.end_s, self.start_s, None, lo_open=True)
         if self.max_frames is not None:
             check_range("decode.max_frames", self.max_frames, 1, None)
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int):
-            raise ConfigError(f"decode.threads must be an integer, got {self.threads!r}")
+        check_int("decode.threads", self.threads)
         check_range("decode.threads", self.threads, 0, 256)
 
 

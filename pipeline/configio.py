@@ -14,7 +14,7 @@ from typing import Any, Mapping, TypeVar
 
 import yaml
 
-from arr_coc._validate import ConfigError
+from arr_coc._validate import ConfigError, check_int
 
 T = TypeVar("T")
 
@@ -90,8 +90,7 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be a number, got {value!r}")
         return float(value)
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        check_int(name, value)
         return value
     if tp is str:
         if not isinstance(value, str):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -32,9 +32,7 @@ class VLMConfig:
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
         for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed", "graph_prefill_max_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"vlm.{name} must be an integer, got {value!r}")
+            check_int(f"vlm.{name}", getattr(self, name))
         check_range("vlm.max_new_tokens", self.max_new_tokens, 1, 8192)
         check_range("vlm.temperature", self.temperature, 0.0, 10.0)
         check_range("vlm.top_p", self.top_p, 0.0, 1.0, lo_open=True)

@@ -46,9 +46,14 @@ MODEL_SEED = 0
 IN_FLIGHT = 2
 
 
+def check_count(option: str, value: int) -> None:
+    """A command-line count (videos in flight, videos per task) must be an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{option} must be >= 1, got {value}")
+
+
 def check_in_flight(in_flight: int) -> None:
-    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
-        raise ConfigError(f"--in-flight must be >= 1, got {in_flight}")
+    check_count("--in-flight", in_flight)
 
 
 @dataclass

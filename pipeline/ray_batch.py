@@ -18,8 +18,8 @@ from typing import Any, Callable
 from arr_coc._validate import ConfigError
 from sinks import store_location
 
-from .batch import (IN_FLIGHT, BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, check_in_flight,
-                    report_outcome)
+from .batch import (IN_FLIGHT, BatchSummary, VideoAnswerer, VideoOutcome, _with_progress, check_count,
+                    check_in_flight, report_outcome)
 from .config import PipelineConfig
 from sources.msrvtt import Question, VideoWork
 
@@ -84,8 +84,7 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_in_flight(in_flight)
     per_task = in_flight if videos_per_task is None else videos_per_task
-    if isinstance(per_task, bool) or not isinstance(per_task, int) or per_task < 1:
-        raise ConfigError(f"--videos-per-task must be >= 1, got {videos_per_task}")
+    check_count("--videos-per-task", per_task)
     _connect(address)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and gpus > 0)

@@ -141,6 +141,10 @@ def batch_bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def shared_windows(prefixes: list[Prefix]) -> tuple[list[WindowPrefix], list[int]] | None:
     """(windows, window of each prefix) where every prefix starts with a window (question_prefix)
     and some window leads several: questions about one window then share its prefill. None: no
@@ -431,13 +435,21 @@ class VLM:
         row_padded_prefill_tokens (see PREFILL_LAUNCH_FLOPS). Other prefills run eagerly, unpadded,
         at the true batch (into the first rows of the bucketed cache). The shapes do not depend on
         the device, so a CPU run computes the very shapes a GPU replays."""
-        cfg = self.config
-        padded = -(-prefix_len // PREFILL_BUCKET) * PREFILL_BUCKET
-        rows = self._rows(batch)
-        if (not cfg.cuda_graphs or padded > cfg.graph_prefill_max_tokens
-                or (rows > batch and rows * padded > self.row_padded_prefill_tokens)):
+        padded = _round_up(prefix_len, PREFILL_BUCKET)
+        rows = self._replay_rows(padded, padded, batch)
+        if rows is None:
             return prefix_len, batch, False
         return padded, rows, self.device.type == "cuda"
+
+    def _replay_rows(self, length: int, row_length: int, batch: int) -> int | None:
+        """Rows a padded prefill of `length` slots (padding rows holding `row_length` each) runs
+        over when it may be replayed (_prefill_shape's rules), None when it runs eagerly."""
+        cfg = self.config
+        rows = self._rows(batch)
+        if (not cfg.cuda_graphs or length > cfg.graph_prefill_max_tokens
+                or (rows > batch and rows * row_length > self.row_padded_prefill_tokens)):
+            return None
+        return rows
 
     def _prefill_plan(self, prefix_len: int, batch: int = 1) -> tuple[int, bool]:
         """(length, graphed) of _prefill_shape."""
@@ -497,7 +509,7 @@ class VLM:
     def _cache_length(prefix_len: int, max_new: int) -> int:
         # the last token fed back sits at slot prefix_len + max_new - 2; rounding up lets nearby
         # prompt lengths share one cache (and one graph)
-        return -(-(prefix_len + max_new - 1) // CACHE_BUCKET) * CACHE_BUCKET
+        return _round_up(prefix_len + max_new - 1, CACHE_BUCKET)
 
     def _prefill_shared(self, prefixes: list[Prefix], max_new: int, windows: list[WindowPrefix],
                         window_of: list[int]) -> tuple[StaticDecoder, torch.Tensor]:
@@ -529,12 +541,9 @@ class VLM:
         """-> (window length, suffix length, rows, graphed) of a shared-window prefill: padded and
         replayed under the rules of _prefill_shape (the questions are the rows; the windows, one
         row each, are not row padded)."""
-        cfg = self.config
-        Lw = -(-window_len // PREFILL_BUCKET) * PREFILL_BUCKET
-        Lq = -(-suffix_len // SUFFIX_BUCKET) * SUFFIX_BUCKET
-        rows = self._rows(batch)
-        if (not cfg.cuda_graphs or Lw > cfg.graph_prefill_max_tokens
-                or (rows > batch and rows * Lq > self.row_padded_prefill_tokens)):
+        Lw, Lq = _round_up(window_len, PREFILL_BUCKET), _round_up(suffix_len, SUFFIX_BUCKET)
+        rows = self._replay_rows(Lw, Lq, batch)
+        if rows is None:
             return window_len, suffix_len, batch, False
         return Lw, Lq, rows, self.device.type == "cuda"
 

@@ -210,8 +210,7 @@ class StaticDecoder:
         if graph is None:
             if len(self.prefill_graphs) >= MAX_PREFILL_GRAPHS:
                 self.prefill_graphs.popitem(last=False)
-            rows = next(iter(example.values())).shape[0]
-            vlm._make_room(PrefillGraph.buffer_bytes(example, rows, vlm.model.lm_head.out_features), keep=self)
+            vlm._make_room(PrefillGraph.buffer_bytes(example, vlm.model.lm_head.out_features), keep=self)
             graph = PrefillGraph(self, fn, example, pool)
         self.prefill_graphs[key] = graph                                     # most recently used last
         return graph
@@ -295,12 +294,12 @@ class PrefillGraph:
         self.buffers = {k: torch.empty_like(v) for k, v in example.items()}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                              # (B, V), the graph's output
-        rows = next(iter(example.values())).shape[0]
-        self.nbytes = self.buffer_bytes(example, rows, decoder.vlm.model.lm_head.out_features)
+        self.nbytes = self.buffer_bytes(example, decoder.vlm.model.lm_head.out_features)
 
     @staticmethod
-    def buffer_bytes(example: dict[str, torch.Tensor], rows: int, vocab: int) -> int:
-        """Bytes of a graph's static inputs and its (rows, V) float32 logits."""
+    def buffer_bytes(example: dict[str, torch.Tensor], vocab: int) -> int:
+        """Bytes of a graph's static inputs and its (rows, V) float32 logits (rows: the first input's)."""
+        rows = next(iter(example.values())).shape[0]
         return sum(t.nbytes for t in example.values()) + rows * vocab * 4
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:

@@ -154,9 +154,9 @@ class FastTextModel:
         """(cos, sin), each (B, L, 1, hd) in x's dtype, sin with its first half negated (see _rope)."""
         cos, sin = self.lm.rotary_emb(x, positions)
         if cos.dim() == 4:                                                   # older transformers: (3, B, L, hd)
-            section = self.mrope_section * 2
-            cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(section, dim=-1))], dim=-1)
-            sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(section, dim=-1))], dim=-1)
+            section = self.mrope_section * 2                                 # each section from its axis
+            cos, sin = (torch.cat([m[i % 3] for i, m in enumerate(t.split(section, dim=-1))], dim=-1)
+                        for t in (cos, sin))
         half = cos.shape[-1] // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos[:, :, None], sin[:, :, None]

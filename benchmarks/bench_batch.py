@@ -51,7 +51,6 @@ def qwen2_vl_2b_factory(device: torch.device):
 
 
 BENCH_VLM = None  # set in main (VLMConfig of this run), read by the factory in every worker
-VIDEOS_PER_TASK = None  # set in main (--videos-per-task)
 
 
 def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
@@ -74,7 +73,8 @@ def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
     return vps, qps
 
 
-def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int) -> dict:
+def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int,
+            videos_per_task: int | None = None) -> dict:
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     if path == "local":
@@ -82,7 +82,7 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
     else:
         from pipeline.ray_batch import run_ray_batch
         s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
-                          vlm_factory=factory, in_flight=in_flight, videos_per_task=VIDEOS_PER_TASK)
+                          vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task)
     row = s.to_dict()
     vps, qps = steady_rates(s, workers)
     shutil.rmtree(out, ignore_errors=True)
@@ -125,7 +125,7 @@ def vlm_only_run(plan, cfg, *, factory) -> dict:
 
 
 def main() -> None:
-    global BENCH_VLM, VIDEOS_PER_TASK
+    global BENCH_VLM
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny-random VLM, 3 small videos")
@@ -167,7 +167,6 @@ def main() -> None:
     overrides += args.overrides
     cfg = load_config(PipelineConfig, None, overrides)
     BENCH_VLM = cfg.vlm
-    VIDEOS_PER_TASK = args.videos_per_task
     scratch = Path(tempfile.mkdtemp(prefix="bench_batch_"))
     try:
         write_fixture(scratch / "msrvtt", videos=args.videos, questions_per_video=args.questions, seconds=args.seconds,
@@ -185,7 +184,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
             for n in counts:
                 rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch,
-                                    in_flight=args.in_flight))
+                                    in_flight=args.in_flight, videos_per_task=args.videos_per_task))
                 print(json.dumps(rows[-1]), flush=True)
         if counts:
             ray.shutdown()

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                     graph_prefill_max_tokens=0 if args.eager_prefill else args.graph_prefill_max_tokens,
                     fast_lm=not args.hf_lm)
     frames = synthetic_window(T, size, size)
-    results, rows = [], []
+    results = []
     for arch in archs:
         t0 = time.perf_counter()
         vlm = build_vlm(arch, device, dtype, cfg)
@@ -281,13 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             hf = by_label.get(HF_STOCK)
             r["prefill_x_hf_stock"] = hf["prefill_ms"] / r["prefill_ms"] if hf else None
         results += arch_rows
-        rows += arch_rows
         del vlm
         gc.collect()  # the VLM and its cached decoders (graphs, KV caches) reference each other
         if device.type == "cuda":
             torch.cuda.empty_cache()
             print(f"# after {arch}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB still allocated", flush=True)
-    print_table(rows)
+    print_table(results)
     import transformers
     report = dict(command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -28,6 +28,10 @@ class VLMConfig:
     # the LM's decoder layers through pipeline.vlm.text_model (fused norms, one q+k GEMM, rotary
     # on both at once: the same results in fewer kernels); false: through HF's own forward
     fast_lm: bool = True
+    # the vision tower's blocks through pipeline.vlm.vision_blocks (rotary on q and k at once, QuickGELU
+    # as one silu, MLP widths padded to GEMM-friendly multiples of 8, fused RMSNorm: same results,
+    # less memory traffic); false: HF's own block forward. Applies to the model, not this VLM only
+    fast_vision: bool = True
 
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
@@ -43,6 +47,6 @@ class VLMConfig:
         check_range("vlm.min_pixels", self.min_pixels, 28 * 28, 16384 * 16384)
         check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
         check_choice("vlm.dtype", self.dtype, DTYPES)
-        for name in ("cuda_graphs", "fast_lm"):
+        for name in ("cuda_graphs", "fast_lm", "fast_vision"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"vlm.{name} must be true or false, got {getattr(self, name)!r}")

@@ -24,6 +24,7 @@ from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
+from pipeline.vlm.vision_blocks import patch_vision_blocks
 from pipeline.vlm.vision_graph import VisionGraphs
 
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -177,6 +178,8 @@ class VLM:
         self._lm = model.model.language_model
         self._visual = model.model.visual
         patch_vision_attention(self._visual)
+        if config.fast_vision:
+            patch_vision_blocks(self._visual)
         self._cache_kw = "cache" if "cache" in inspect.signature(self._lm.forward).parameters else "past_key_values"
         self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
         self._attn_impl = self._lm.config._attn_implementation

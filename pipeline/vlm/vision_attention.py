@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.vlm.vision_blocks import rotate_qk
+
 _local = threading.local()
 
 
@@ -89,8 +91,12 @@ def _batched_forward(module: nn.Module, original: Any, rotary: Any):
             return original(hidden_states, cu_seqlens, *args, position_embeddings=position_embeddings, **kwargs)
         N, H = hidden_states.shape[0], module.num_heads
         plan = _plan(cu_seqlens, N, state[0], state[1])
-        q, k, v = module.qkv(hidden_states).reshape(N, 3, H, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = rotary(q, k, *position_embeddings)                            # (N, heads, head_dim)
+        qkv = module.qkv(hidden_states).reshape(N, 3, H, -1)
+        if getattr(module, "_arr_coc_fast_rotary", False):                  # vision_blocks: q and k at once
+            q, k = rotate_qk(qkv, *position_embeddings)                      # (N, heads, head_dim)
+        else:
+            q, k = rotary(qkv[:, 0], qkv[:, 1], *position_embeddings)
+        v = qkv[:, 2]
         if plan[0] == "uniform":
             L = plan[1]
             q, k, v = (t.reshape(N // L, L, H, -1).transpose(1, 2) for t in (q, k, v))

@@ -1,0 +1,148 @@
+"""The vision tower's blocks with less memory traffic between their GEMMs (VLMConfig.fast_vision).
+
+Profiled on an H100 (benchmarks/profile_vision.py, 32 frames at 448x448, 16384 patches, bf16), HF's
+vision blocks spent more time outside their GEMMs than in them:
+  - rotary embedding: HF casts q and k to float32 and rotates each apart (two products, a slice,
+    a negation, a concatenation and a sum per tensor, then casts back): about 30 ms of Qwen2-VL-2B's
+    84 ms tower;
+  - QuickGELU (Qwen2-VL): x * sigmoid(1.702 x) is three kernels over the (patches, 5120) activation,
+    12 ms;
+  - Qwen2.5-VL's MLP width, 3420, is not a multiple of 8: rows of 6840 bytes cannot be read by the
+    H100's TMA-based GEMM kernels, so cuBLAS fell back to an Ampere kernel for all three MLP GEMMs
+    (58 of Qwen2.5-VL-7B's 134 ms); its RMSNorms are six kernels each.
+
+What this does instead, same modules, same weights, same results up to rounding:
+  - rotary on q and k at once, straight from the fused qkv output: the float32 products of HF
+    (bfloat16 q/k times float32 cos/sin, computed in float32), the rotate-half as one flip against a
+    sign-folded sine and one addcmul, rounded to the input dtype once, as HF does;
+  - QuickGELU through silu: x * sigmoid(1.702 x) = silu(1.702 x) / 1.702, the 1.702 folded into fc1
+    (the GEMM's alpha, the bias scaled once) and the 1 / 1.702 into fc2's alpha: one kernel;
+  - an MLP width that is not a multiple of 8 padded with zero rows (gate, up) and zero columns
+    (down): the padded units compute act(0) * 0 = 0 and add nothing. gate and up become views of
+    their padded weights (no second copy); down's padded weight is a copy (Qwen2.5-VL-7B: 8.8 MB a
+    block, 280 MB in all);
+  - RMSNorm: torch's fused rms_norm (as pipeline.vlm.text_model).
+Blocks of other layouts keep HF's forward; so does training.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.vlm.text_model import FastTextModel, _eps, rms_norm
+
+QUICK_GELU = 1.702    # QuickGELU(x) = x * sigmoid(1.702 x)
+ALIGN = 8             # 16 bytes of bf16/fp16: GEMM rows a multiple of this reach the sm90 kernels
+
+
+def patch_vision_blocks(visual: nn.Module) -> int:
+    """Give each vision block of `visual` the faster forward (see the module doc) and its attention
+    the joint rotary; returns how many blocks were patched. Patching a block twice does nothing."""
+    count = 0
+    for block in getattr(visual, "blocks", []):
+        if getattr(block, "_arr_coc_fast", False):
+            count += 1
+            continue
+        parts = _parts(block)
+        if parts is None:
+            continue
+        block.forward = _block_forward(block, block.forward, *parts)
+        block.attn._arr_coc_fast_rotary = True
+        block._arr_coc_fast = True
+        count += 1
+    return count
+
+
+def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv (N, 3, H, hd), cos and sin (N, hd) -> rotated q and k, (N, H, hd) each in qkv's dtype:
+    HF's apply_rotary_pos_emb_vision (q * cos + rotate_half(q) * sin in float32 when cos and sin
+    are, then cast back) on q and k together, in four kernels where HF launches about sixteen."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    qk = FastTextModel._rope(qkv[:, :2], cos[:, None, None], signed[:, None, None]).to(qkv.dtype)
+    return qk[:, 0], qk[:, 1]
+
+
+def _norm(module: nn.Module):
+    if type(module) is nn.LayerNorm:
+        return module                                            # already one fused kernel
+    weight, eps = getattr(module, "weight", None), _eps(module)
+    if type(module).__name__.endswith("RMSNorm") and weight is not None and eps is not None:
+        return lambda x: rms_norm(x, weight, eps)
+    return None
+
+
+def _plain(*modules: nn.Module) -> bool:
+    return all(type(m) is nn.Linear and not hasattr(m, "_hf_hook") for m in modules)
+
+
+def _parts(block: nn.Module):
+    """(norm1, norm2, mlp) as callables for a block this forward knows, else None."""
+    norms = [_norm(getattr(block, n, None)) for n in ("norm1", "norm2")]
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    if None in norms or attn is None or mlp is None or not hasattr(attn, "qkv"):
+        return None
+    if all(hasattr(mlp, n) for n in ("fc1", "fc2", "act")) and _plain(mlp.fc1, mlp.fc2):
+        return (*norms, _fc_mlp(mlp))
+    if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) and \
+            _plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        return (*norms, _gated_mlp(mlp))
+    return None
+
+
+def _fc_mlp(mlp: nn.Module):
+    fc1, fc2, act = mlp.fc1, mlp.fc2, mlp.act
+    if type(act).__name__ != "QuickGELUActivation" or fc1.bias is None or fc2.bias is None:
+        return lambda x: fc2(act(fc1(x)))
+    with torch.no_grad():
+        bias1 = fc1.bias * QUICK_GELU                            # alpha scales the product, not the bias
+
+    def quick_gelu_mlp(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return fc2(act(fc1(x)))
+        y = F.silu(torch.addmm(bias1, x, fc1.weight.t(), alpha=QUICK_GELU))
+        return torch.addmm(fc2.bias, y, fc2.weight.t(), alpha=1.0 / QUICK_GELU)
+    return quick_gelu_mlp
+
+
+def _gated_mlp(mlp: nn.Module):
+    gate, up, down, act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+    down_weight = down.weight
+    pad = -gate.out_features % ALIGN
+    if pad:
+        for m in (gate, up):
+            _pad_rows(m, pad)
+        with torch.no_grad():
+            down_weight = F.pad(down.weight, (0, pad))           # zero columns: a copy
+
+    def gated_mlp(x: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, *_padded(gate)), F.linear(x, *_padded(up))
+        return F.linear(act(g) * u, down_weight, down.bias)
+    return gated_mlp
+
+
+def _pad_rows(linear: nn.Linear, pad: int) -> None:
+    """linear's weight (and bias) become views of the first rows of zero-padded ones (kept as
+    `_arr_coc_padded`), so the padded GEMM reads the same memory."""
+    with torch.no_grad():
+        weight = F.pad(linear.weight, (0, 0, 0, pad))
+        bias = None if linear.bias is None else F.pad(linear.bias, (0, pad))
+    rows = linear.out_features
+    linear.weight = nn.Parameter(weight[:rows], requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias[:rows], requires_grad=False)
+    linear._arr_coc_padded = (weight, bias)
+
+
+def _padded(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return getattr(linear, "_arr_coc_padded", (linear.weight, linear.bias))
+
+
+def _block_forward(block: nn.Module, original, norm1, norm2, mlp):
+    def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if block.training or args:
+            return original(hidden_states, cu_seqlens, *args, **kwargs)
+        hidden_states = hidden_states + block.attn(norm1(hidden_states), cu_seqlens=cu_seqlens, **kwargs)
+        return hidden_states + mlp(norm2(hidden_states))
+    return forward

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.vlm import rope_kernel
 from pipeline.vlm.decoding import PACKED_SDPA
 
 
@@ -170,6 +171,17 @@ class FastTextModel:
         swapped = x.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)
         return torch.addcmul(x * cos, swapped, signed_sin)
 
+    def _rotate(self, qkv: torch.Tensor, n: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of the first n heads of qkv (B, L, heads, hd) -> (B, L, n, hd): one Triton
+        kernel where it runs (rope_kernel: float32 inside, rounded once), else _rope."""
+        B, L, heads, hd = qkv.shape
+        if rope_kernel.available(qkv) and qkv.is_contiguous():
+            out = rope_kernel.apply(qkv.view(B * L, heads, hd)[:, :n], cos.reshape(B * L, hd),
+                                    signed_sin.reshape(B * L, hd))
+            if out is not None:
+                return out.view(B, L, n, hd)
+        return self._rope(qkv[:, :, :n], cos, signed_sin)
+
     def __call__(self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
         B, L, _ = embeds.shape
         cos, sin = self.rotary(embeds, positions)
@@ -184,7 +196,7 @@ class FastTextModel:
             attn, mlp, hd = layer.attn, layer.mlp, layer.head_dim
             x = rms_norm(hidden, layer.in_norm.weight, layer.in_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(B, L, -1, hd)
-            qk = self._rope(qkv[:, :, :layer.heads + layer.kv_heads], cos, sin)
+            qk = self._rotate(qkv, layer.heads + layer.kv_heads, cos, sin)
             q = qk[:, :, :layer.heads].transpose(1, 2)                       # (B, H, L, hd)
             k = qk[:, :, layer.heads:].transpose(1, 2)                       # (B, H_kv, L, hd)
             v = qkv[:, :, layer.heads + layer.kv_heads:].transpose(1, 2)

@@ -50,7 +50,8 @@ def test_vision_layout_equals_pytorch(dtype, hd):
         exact = want[:, i].to(dtype)
         tol = 1e-6 if dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(a, exact, atol=tol, rtol=tol)
-        assert (a == exact).float().mean() > 0.99                             # one rounding of the exact value
+        if dtype == torch.bfloat16:          # float32 inside, so one rounding of the exact value
+            assert (a == exact).float().mean() > 0.99
 
 
 @pytest.mark.cuda

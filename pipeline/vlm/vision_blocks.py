@@ -74,6 +74,9 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[
     x = qkv[:, :2]
     x1, x2 = x[..., :half], x[..., half:]
     c1, c2, s1, s2 = (t[:, None, None] for t in (cos[:, :half], cos[:, half:], sin[:, :half], sin[:, half:]))
+    if torch.is_grad_enabled() and qkv.requires_grad:                        # out= records no gradient
+        out = torch.cat([torch.addcmul(x1 * c1, x2, -s1), torch.addcmul(x2 * c2, x1, s2)], dim=-1).to(x.dtype)
+        return out[:, 0], out[:, 1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.addcmul(x1 * c1, x2, -s1, out=out[..., :half])
     torch.addcmul(x2 * c2, x1, s2, out=out[..., half:])

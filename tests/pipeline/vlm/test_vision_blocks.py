@@ -141,3 +141,19 @@ def test_cuda_bf16_tower_close_to_hf(family, vision):
     for got, want in zip(tower_outputs(fast, frames), tower_outputs(hf, frames)):
         err = (got.float() - want.float()).abs().max() / want.float().abs().max()
         assert err < 2e-2, float(err)
+
+
+def test_rotary_under_autograd_has_gradients():
+    """With grad enabled and q/k requiring it (train_vlm's backward through a frozen model), the
+    rotary takes a form autograd records, with HF's values and gradients."""
+    module = sys.modules["transformers.models.qwen2_vl.modeling_qwen2_vl"]
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(9, 3, 2, 8, generator=g, requires_grad=True)
+    emb = torch.randn(9, 8, generator=g)
+    cos, sin = emb.cos(), emb.sin()
+    got = torch.stack(rotate_qk(qkv, cos, sin))
+    (grad,) = torch.autograd.grad(got.square().sum(), qkv)
+    want = torch.stack(module.apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin))
+    (want_grad,) = torch.autograd.grad(want.square().sum(), qkv)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, want_grad)

@@ -77,8 +77,10 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             videos_per_task: int | None = None) -> dict:
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
+    made = []                                                                # the local path's VLM, for its counters
     if path == "local":
-        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=factory, in_flight=in_flight)
+        local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
+        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight)
     else:
         from pipeline.ray_batch import run_ray_batch
         s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
@@ -91,7 +93,9 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             "steady_videos_per_s": round(vps, 4), "steady_questions_per_s": round(qps, 4),
             "tokens_kept_per_video": row["tokens_kept_per_video"], "tokens_full_per_video": row["tokens_full_per_video"],
             "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"],
-            "seconds_per_video": row["seconds_per_video"], "stage_busy_per_video_s": row["stage_busy_per_video_s"]}
+            "seconds_per_video": row["seconds_per_video"], "stage_busy_per_video_s": row["stage_busy_per_video_s"],
+            # decoders made and CUDA graphs captured during the run (each capture a few hundred ms)
+            "vlm_counters": dict(made[0].counters) if made else None}
 
 
 def vlm_only_run(plan, cfg, *, factory) -> dict:
@@ -121,7 +125,8 @@ def vlm_only_run(plan, cfg, *, factory) -> dict:
             "steady_videos_per_s": round((len(done) - 1) / span, 4),
             "steady_questions_per_s": round(sum(n for _, n in done[1:]) / span, 4),
             "tokens_kept_per_video": float(tokens), "tokens_full_per_video": float(tokens),
-            "done": len(done), "wall_s": round(wall, 3), "backend": "stock VLM alone (no ARR-COC front end)"}
+            "done": len(done), "wall_s": round(wall, 3), "backend": "stock VLM alone (no ARR-COC front end)",
+            "vlm_counters": dict(getattr(vlm, "counters", {}))}
 
 
 def main() -> None:

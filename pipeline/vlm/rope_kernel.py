@@ -10,9 +10,13 @@ PyTorch; see benchmarks/profile_vision.py for the kernel's).
 
 Used where it can run: a CUDA tensor, Triton importable, no autograd graph being recorded through
 x (the kernel has no backward: train_vlm's gradients go through the PyTorch path), and the layouts
-below; elsewhere callers keep their PyTorch form. `apply` returns None when it cannot run.
+below; elsewhere callers keep their PyTorch form. `apply` returns None when it cannot run, also
+when Triton fails to build or launch the kernel (it compiles on first use and needs a C compiler
+and a GPU it supports): it warns once and is not tried again.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -47,8 +51,17 @@ if triton is not None:
         tl.store(dst + half, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_failed: str | None = None      # why the kernel could not be built or launched: then never tried again
+
+
 def available(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad)
+    return (triton is not None and _failed is None and x.is_cuda
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def _launch(x, cos, signed_sin, out, n_rows, rows_per_pos, x_pos_stride, cs_pos_stride, half, hd, BLOCK) -> None:
+    _rope[(triton.cdiv(n_rows, ROWS),)](x, cos, signed_sin, out, n_rows, rows_per_pos, x_pos_stride, cs_pos_stride,
+                                        half, hd, ROWS=ROWS, BLOCK=BLOCK)
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:
@@ -63,6 +76,13 @@ def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     n_rows = P * R
     if n_rows:
         half = hd // 2
-        _rope[(triton.cdiv(n_rows, ROWS),)](x, cos, signed_sin, out, n_rows, R, x.stride(0), cos.stride(0),
-                                            half, hd, ROWS=ROWS, BLOCK=triton.next_power_of_2(half))
+        try:
+            _launch(x, cos, signed_sin, out, n_rows, R, x.stride(0), cos.stride(0), half, hd,
+                    BLOCK=triton.next_power_of_2(half))
+        except Exception as e:  # noqa: BLE001 - Triton builds on first use: no C compiler, an unsupported GPU...
+            global _failed
+            _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"the Triton rotary kernel cannot run here ({_failed}); using the PyTorch form",
+                          RuntimeWarning, stacklevel=2)
+            return None
     return out

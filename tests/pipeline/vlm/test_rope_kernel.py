@@ -29,6 +29,25 @@ def test_cpu_and_autograd_keep_the_pytorch_form():
     assert q.shape == k.shape == (5, 2, 8)
 
 
+def test_a_kernel_that_cannot_build_falls_back_once(monkeypatch):
+    """Triton compiles on first use (a C compiler, a supported GPU): when that fails, apply warns once,
+    returns None (callers keep their PyTorch form) and is not tried again."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+    monkeypatch.setattr(rope_kernel, "triton", rope_kernel.triton or type("T", (), {"next_power_of_2": staticmethod(lambda n: n)}))
+    monkeypatch.setattr(rope_kernel, "_failed", None)
+    monkeypatch.setattr(rope_kernel, "_launch", broken)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x, cos = torch.randn(4, 3, 8), torch.randn(4, 8)
+    with pytest.warns(RuntimeWarning, match="cannot run here .*C compiler"):
+        assert rope_kernel.apply(x, cos, cos) is None
+    assert rope_kernel.apply(x, cos, cos) is None and len(calls) == 1
+    assert not rope_kernel.available(x)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.vlm import kernels
+from pipeline.vlm import rope_kernel
 from pipeline.vlm.decoding import PACKED_SDPA
 
 
@@ -126,16 +126,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def act_mul(act: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """A gated MLP's act(gate) * up: for SiLU one Triton kernel where it runs (float32 inside,
-    rounded once), else the two PyTorch ops."""
-    if type(act).__name__ in ("SiLU", "SiLUActivation"):
-        out = kernels.silu_mul(gate, up)
-        if out is not None:
-            return out
-    return act(gate) * up
-
-
 class FastTextModel:
     """The forward of a Qwen2-VL-family text model (VLM._lm_step): (B, L, D) embeddings, a mask (or
     None: causal), M-RoPE positions (3, B, L) and an optional cache with HF's update() -> (B, L, D)
@@ -183,24 +173,14 @@ class FastTextModel:
 
     def _rotate(self, qkv: torch.Tensor, n: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of the first n heads of qkv (B, L, heads, hd) -> (B, L, n, hd): one Triton
-        kernel where it runs (kernels.rope: float32 inside, rounded once), else _rope."""
+        kernel where it runs (rope_kernel: float32 inside, rounded once), else _rope."""
         B, L, heads, hd = qkv.shape
-        if kernels.available(qkv) and qkv.is_contiguous():
-            out = kernels.rope(qkv.view(B * L, heads, hd)[:, :n], cos.reshape(B * L, hd), signed_sin.reshape(B * L, hd))
+        if rope_kernel.available(qkv) and qkv.is_contiguous():
+            out = rope_kernel.apply(qkv.view(B * L, heads, hd)[:, :n], cos.reshape(B * L, hd),
+                                    signed_sin.reshape(B * L, hd))
             if out is not None:
                 return out.view(B, L, n, hd)
         return self._rope(qkv[:, :, :n], cos, signed_sin)
-
-    @staticmethod
-    def _add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + delta, its RMSNorm): one Triton kernel where it runs, else an add and rms_norm."""
-        fused = kernels.add_rms_norm(hidden, delta, weight, eps)
-        if fused is not None:
-            return fused
-        if delta is not None:
-            hidden = hidden + delta
-        return hidden, rms_norm(hidden, weight, eps)
 
     def __call__(self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
         B, L, _ = embeds.shape
@@ -211,11 +191,10 @@ class FastTextModel:
             allowed = keys[None, :] <= torch.arange(K - L, K, device=embeds.device)[:, None]
             mask = torch.zeros((1, 1, L, K), dtype=embeds.dtype, device=embeds.device).masked_fill_(
                 ~allowed, torch.finfo(embeds.dtype).min)
-        # each residual sum is taken where the next norm reads it (delta: the last MLP's output)
-        hidden, delta = embeds, None
+        hidden = embeds
         for layer in self.layers:
             attn, mlp, hd = layer.attn, layer.mlp, layer.head_dim
-            hidden, x = self._add_norm(hidden, delta, layer.in_norm.weight, layer.in_eps)
+            x = rms_norm(hidden, layer.in_norm.weight, layer.in_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(B, L, -1, hd)
             qk = self._rotate(qkv, layer.heads + layer.kv_heads, cos, sin)
             q = qk[:, :, :layer.heads].transpose(1, 2)                       # (B, H, L, hd)
@@ -230,6 +209,7 @@ class FastTextModel:
                                                      scale=layer.scaling, enable_gqa=True).transpose(1, 2)
             else:
                 out, _ = self.attention(attn, q, k, v, mask, dropout=0.0, scaling=layer.scaling, sliding_window=None)
-            hidden, x = self._add_norm(hidden, attn.o_proj(out.reshape(B, L, -1)), layer.post_norm.weight, layer.post_eps)
-            delta = mlp.down_proj(act_mul(mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x)))
-        return self._add_norm(hidden, delta, self.lm.norm.weight, self.final_eps)[1]
+            hidden = hidden + attn.o_proj(out.reshape(B, L, -1))
+            x = rms_norm(hidden, layer.post_norm.weight, layer.post_eps)
+            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        return rms_norm(hidden, self.lm.norm.weight, self.final_eps)

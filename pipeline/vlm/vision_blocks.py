@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.vlm import kernels
-from pipeline.vlm.text_model import _eps, act_mul, rms_norm
+from pipeline.vlm import rope_kernel
+from pipeline.vlm.text_model import _eps, rms_norm
 
 QUICK_GELU = 1.702    # QuickGELU(x) = x * sigmoid(1.702 x)
 ALIGN = 8             # 16 bytes of bf16/fp16: GEMM rows a multiple of this reach the sm90 kernels
@@ -58,16 +58,16 @@ def patch_vision_blocks(visual: nn.Module) -> int:
 def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv (N, 3, H, hd), cos and sin (N, hd) -> rotated q and k, (N, H, hd) each in qkv's dtype:
     HF's apply_rotary_pos_emb_vision (q * cos + rotate_half(q) * sin, in float32 when cos and sin
-    are, then cast back) on q and k together: on CUDA one Triton kernel (kernels.rope), else four
+    are, then cast back) on q and k together: on CUDA one Triton kernel (rope_kernel), else four
     kernels where HF launches about sixteen: per half of the head one product and one addcmul
     written straight into the output's dtype (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), no float32
     copy of q and k, no concatenation (H100, 16384 patches x 16 heads: 0.49 ms a layer, HF's
     0.97 ms; 99.998% of values bit-equal to HF's, the rest one rounding apart)."""
     N, _, H, hd = qkv.shape
     half = hd // 2
-    if kernels.available(qkv) and qkv.is_contiguous():                       # one Triton kernel
+    if rope_kernel.available(qkv) and qkv.is_contiguous():                   # one Triton kernel
         signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        out = kernels.rope(qkv.view(N, 3 * H, hd)[:, :2 * H], cos, signed)
+        out = rope_kernel.apply(qkv.view(N, 3 * H, hd)[:, :2 * H], cos, signed)
         if out is not None:
             out = out.view(N, 2, H, hd)
             return out[:, 0], out[:, 1]
@@ -137,7 +137,7 @@ def _gated_mlp(mlp: nn.Module):
 
     def gated_mlp(x: torch.Tensor) -> torch.Tensor:
         g, u = F.linear(x, *_padded(gate)), F.linear(x, *_padded(up))
-        return F.linear(act_mul(act, g, u), down_weight, down.bias)
+        return F.linear(act(g) * u, down_weight, down.bias)
     return gated_mlp
 
 

@@ -1,11 +1,9 @@
-"""pipeline.vlm.kernels: the Triton kernels (CUDA) against the PyTorch forms they replace: rotary
-embedding in the layouts the LM (heads of a fused qkv at each position) and the vision tower use,
-SiLU-and-multiply, residual add + RMSNorm; and the fallbacks where they cannot run."""
+"""pipeline.vlm.rope_kernel: the Triton rotary kernel (CUDA) against the PyTorch forms it replaces,
+in the layouts the LM (heads of a fused qkv at each position) and the vision tower use."""
 import pytest
 import torch
 
-from pipeline.vlm import kernels
-from pipeline.vlm.text_model import rms_norm
+from pipeline.vlm import rope_kernel
 from pipeline.vlm.text_model import FastTextModel
 from pipeline.vlm.vision_blocks import rotate_qk
 
@@ -25,35 +23,29 @@ def reference(x, cos, ssin):
 def test_cpu_and_autograd_keep_the_pytorch_form():
     x = torch.randn(5, 4, 8)
     cos, sin = torch.randn(5, 8), torch.randn(5, 8)
-    assert not kernels.available(x) and kernels.rope(x, cos, sin) is None
-    assert kernels.silu_mul(x, x) is None and kernels.add_rms_norm(x, x, cos[0], 1e-6) is None
+    assert not rope_kernel.available(x) and rope_kernel.apply(x, cos, sin) is None
     qkv = torch.randn(5, 3, 2, 8)
     q, k = rotate_qk(qkv, cos, sin)                                          # the PyTorch form
     assert q.shape == k.shape == (5, 2, 8)
 
 
 def test_a_kernel_that_cannot_build_falls_back_once(monkeypatch):
-    """Triton compiles on first use (a C compiler, a supported GPU): when that fails, the call warns
-    once, returns None (callers keep their PyTorch form) and no kernel is tried again."""
+    """Triton compiles on first use (a C compiler, a supported GPU): when that fails, apply warns once,
+    returns None (callers keep their PyTorch form) and is not tried again."""
     calls = []
 
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append(1)
-                raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
-            return launch
-
-    fake = type("T", (), {"next_power_of_2": staticmethod(lambda n: n), "cdiv": staticmethod(lambda a, b: -(-a // b))})
-    monkeypatch.setattr(kernels, "triton", kernels.triton or fake)
-    monkeypatch.setattr(kernels, "_failed", None)
-    monkeypatch.setattr(kernels, "_rope", Broken(), raising=False)          # not defined without Triton
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+    monkeypatch.setattr(rope_kernel, "triton", rope_kernel.triton or type("T", (), {"next_power_of_2": staticmethod(lambda n: n)}))
+    monkeypatch.setattr(rope_kernel, "_failed", None)
+    monkeypatch.setattr(rope_kernel, "_launch", broken)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     x, cos = torch.randn(4, 3, 8), torch.randn(4, 8)
     with pytest.warns(RuntimeWarning, match="cannot run here .*C compiler"):
-        assert kernels.rope(x, cos, cos) is None
-    assert kernels.rope(x, cos, cos) is None and len(calls) == 1
-    assert not kernels.available(x) and kernels.silu_mul(x, x) is None
+        assert rope_kernel.apply(x, cos, cos) is None
+    assert rope_kernel.apply(x, cos, cos) is None and len(calls) == 1
+    assert not rope_kernel.available(x)
 
 
 @pytest.mark.cuda
@@ -69,7 +61,7 @@ def test_vision_layout_equals_pytorch(dtype, hd):
     cos, sin = emb.cos(), emb.sin()                                           # float32, as HF's tower
     with torch.no_grad():
         got = rotate_qk(qkv, cos, sin)                                       # the kernel
-        out = kernels.rope(qkv.view(N, 3 * H, hd)[:, :2 * H], cos, signed(sin))
+        out = rope_kernel.apply(qkv.view(N, 3 * H, hd)[:, :2 * H], cos, signed(sin))
         assert out is not None and out.is_contiguous()
     want = reference(qkv[:, :2], cos[:, None, None], signed(sin)[:, None, None])
     for i, a in enumerate(got):
@@ -95,7 +87,7 @@ def test_lm_layout_equals_pytorch(B, L):
     emb = torch.cat([angles, angles], -1)
     cos, sin = emb.cos().bfloat16()[:, :, None], signed(emb.sin()).bfloat16()[:, :, None]
     with torch.no_grad():
-        out = kernels.rope(qkv.view(B * L, H + 2 * Hkv, hd)[:, :H + Hkv], cos.reshape(B * L, hd),
+        out = rope_kernel.apply(qkv.view(B * L, H + 2 * Hkv, hd)[:, :H + Hkv], cos.reshape(B * L, hd),
                                 sin.reshape(B * L, hd))
     assert out is not None
     out = out.view(B, L, H + Hkv, hd)
@@ -111,43 +103,10 @@ def test_lm_layout_equals_pytorch(B, L):
 def test_layouts_it_cannot_take_return_none():
     x = torch.randn(4, 3, 10, device="cuda")
     cos = torch.randn(4, 10, device="cuda")
-    assert kernels.rope(x[:, :, :9], cos[:, :9], cos[:, :9]) is None   # odd head dim
-    assert kernels.rope(x.transpose(0, 1), cos[:3], cos[:3]) is None   # heads not contiguous
-    assert kernels.rope(x, cos.t().contiguous().t(), cos) is None      # cos columns strided
+    assert rope_kernel.apply(x[:, :, :9], cos[:, :9], cos[:, :9]) is None   # odd head dim
+    assert rope_kernel.apply(x.transpose(0, 1), cos[:3], cos[:3]) is None   # heads not contiguous
+    assert rope_kernel.apply(x, cos.t().contiguous().t(), cos) is None      # cos columns strided
     x.requires_grad_(True)
-    assert kernels.rope(x, cos, cos) is None                           # autograd: the PyTorch form
+    assert rope_kernel.apply(x, cos, cos) is None                           # autograd: the PyTorch form
     with torch.no_grad():
-        assert kernels.rope(x, cos, cos) is not None
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_equals_pytorch(dtype):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    gate, up = (torch.randn(37, 3420, device="cuda", generator=g).to(dtype) * 3 for _ in range(2))
-    with torch.no_grad():
-        got = kernels.silu_mul(gate, up)
-    exact = (torch.nn.functional.silu(gate.double()) * up.double()).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-    torch.testing.assert_close(got, exact, atol=tol, rtol=tol)
-    assert kernels.silu_mul(gate[:, ::2], up[:, ::2]) is None                # strided: the PyTorch form
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [1536, 3584, 100])
-def test_add_rms_norm_equals_pytorch(dtype, D):
-    g = torch.Generator(device="cuda").manual_seed(D)
-    hidden, delta = (torch.randn(2, 33, D, device="cuda", generator=g).to(dtype) * 4 for _ in range(2))
-    weight = (torch.rand(D, device="cuda", generator=g) + 0.5).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
-    with torch.no_grad():
-        total, normed = kernels.add_rms_norm(hidden, delta, weight, 1e-6)
-        want_total = hidden + delta
-        torch.testing.assert_close(total, want_total, atol=0, rtol=0)       # the sum, rounded as PyTorch's
-        torch.testing.assert_close(normed, rms_norm(want_total, weight, 1e-6), atol=tol, rtol=tol)
-        same, normed = kernels.add_rms_norm(hidden, None, weight, 1e-6)
-        assert same is hidden
-        torch.testing.assert_close(normed, rms_norm(hidden, weight, 1e-6), atol=tol, rtol=tol)
+        assert rope_kernel.apply(x, cos, cos) is not None

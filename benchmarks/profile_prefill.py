@@ -52,6 +52,15 @@ def profile(fn, device) -> tuple[dict, list]:
     return dict(by_kind), sorted(kernels, reverse=True)
 
 
+def print_profile(by_kind: dict, kernels: list, top: int) -> None:
+    """profile()'s kernel time by kind (ms and share), then its `top` kernels."""
+    total = sum(by_kind.values())
+    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:12s} {v:8.2f} ms  {100 * v / max(total, 1e-9):5.1f}%")
+    for t, n, name in kernels[:top]:
+        print(f"    {t:8.2f} ms  x{n:<4d} {name[:110]}")
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,10 +89,7 @@ def main(argv=None) -> int:
         total = sum(by_kind.values())
         print(f"\n== {arch} L={L}{' graph' if pool is not None else ''}{' hf-lm' if args.hf_lm else ''}: {ms:.2f} ms wall (median of {args.reps}); kernels {total:.2f} ms, "
               f"{sum(k[1] for k in kernels)} launches")
-        for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-            print(f"  {k:12s} {v:8.2f} ms  {100 * v / max(total, 1e-9):5.1f}%")
-        for t, n, name in kernels[:args.top]:
-            print(f"    {t:8.2f} ms  x{n:<4d} {name[:110]}")
+        print_profile(by_kind, kernels, args.top)
     return 0
 
 

@@ -27,7 +27,7 @@ import platform
 import torch
 
 from benchmarks.bench_vlm import build_vlm, synthetic_window, timed
-from benchmarks.profile_prefill import profile
+from benchmarks.profile_prefill import print_profile, profile
 from pipeline.vlm.config import VLMConfig
 
 MODES = {"hf": False, "fast": True}     # label: VLMConfig.fast_vision
@@ -48,10 +48,7 @@ def measure(arch, mode, frames, device, dtype, reps, top) -> dict:
     print(f"\n== {arch} {mode} blocks, {frames.shape[0]} frames {H}x{W} (grid {grid.tolist()}, {pixels.shape[0]} "
           f"patches): {ms:.2f} ms as run, {eager_ms:.2f} ms eager (medians of {reps}); kernels {total:.2f} ms, "
           f"{sum(k[1] for k in kernels)} launches")
-    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:12s} {v:8.2f} ms  {100 * v / max(total, 1e-9):5.1f}%")
-    for t, n, name in kernels[:top]:
-        print(f"    {t:8.2f} ms  x{n:<4d} {name[:120]}")
+    print_profile(by_kind, kernels, top)
     return dict(arch=arch, blocks=mode, frames=int(frames.shape[0]), size=[int(H), int(W)], patches=int(pixels.shape[0]),
                 ms=ms, eager_ms=eager_ms, kernel_ms=total, kernel_ms_by_kind=by_kind,
                 launches=sum(k[1] for k in kernels))

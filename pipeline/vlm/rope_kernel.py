@@ -51,6 +51,12 @@ if triton is not None:
         tl.store(dst + half, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with the first half of its last dim negated: rotate_half(x) * sin = swap(x) * signed_sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 _failed: str | None = None      # why the kernel could not be built or launched: then never tried again
 
 

@@ -158,9 +158,7 @@ class FastTextModel:
             section = self.mrope_section * 2                                 # each section from its axis
             cos, sin = (torch.cat([m[i % 3] for i, m in enumerate(t.split(section, dim=-1))], dim=-1)
                         for t in (cos, sin))
-        half = cos.shape[-1] // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return cos[:, :, None], sin[:, :, None]
+        return cos[:, :, None], rope_kernel.signed_sin(sin)[:, :, None]
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,7 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[
     N, _, H, hd = qkv.shape
     half = hd // 2
     if rope_kernel.available(qkv) and qkv.is_contiguous():                   # one Triton kernel
-        signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        out = rope_kernel.apply(qkv.view(N, 3 * H, hd)[:, :2 * H], cos, signed)
+        out = rope_kernel.apply(qkv.view(N, 3 * H, hd)[:, :2 * H], cos, rope_kernel.signed_sin(sin))
         if out is not None:
             out = out.view(N, 2, H, hd)
             return out[:, 0], out[:, 1]

@@ -12,8 +12,13 @@
                  frame after, start_wall / end_wall float64 [G] their arrival times (Unix s),
                  reason str [G]; empty for files. Stores written before it existed have no `gaps/`.
 
-Crash safety. Every file write of zarr's LocalStore is atomic (write to a temporary, rename), so
-each metadata or chunk file is either old or new, never torn. On top of that:
+Writing. zarr creates each stream group's empty layout once per grid and chunking (a template);
+a writer then appends by writing the chunk files and metadata itself, as zarr would write them
+(same codecs, same bytes: tests compare), without zarr's per-call machinery. Reading, validation
+and everything else go through zarr.
+
+Crash safety. Every local file write is atomic (write to a temporary, rename), so each metadata
+or chunk file is either old or new, never torn. On top of that:
 - a stream group is built complete (attrs + empty arrays) in a staging directory and renamed into
   `streams/` in one step, so a reader never sees a half-created stream;
 - frames are buffered and written a whole chunk at a time; every array is resized and filled
@@ -24,10 +29,11 @@ each metadata or chunk file is either old or new, never torn. On top of that:
 Writers of different streams touch disjoint groups, so threads / processes / Ray actors can share
 one store; the only shared writes are creating the root and `streams/` (both idempotent).
 
-Stores at fsspec URLs (s3://, gs://, memory://, ...; `file://` is a local path) go through zarr's
-FsspecStore. Object stores have no atomic rename, so there a stream group is written in place,
-its own zarr.json last (a listing never shows a group without its arrays), after the incomplete
-group it replaces is deleted; the commit points (`frames`, `answer_count`, `complete`) are the same.
+Stores at fsspec URLs (s3://, gs://, memory://, ...; `file://` is a local path) are read through
+zarr's FsspecStore and written with one put per file. Object stores have no atomic rename, so
+there a stream group is written in place, its own zarr.json last (a listing never shows a group
+without its arrays), after the incomplete group it replaces is deleted; the commit points
+(`frames`, `answer_count`, `complete`) are the same.
 """
 from __future__ import annotations
 
@@ -43,6 +49,9 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 import zarr
+import numcodecs
+from numcodecs.vlen import VLenUTF8
+from zarr.codecs import BytesCodec, VLenUTF8Codec, ZstdCodec
 from zarr.errors import ContainsGroupError
 from zarr.storage import LocalStore
 
@@ -189,10 +198,21 @@ class _Location:
             self.fs.rm(self._full(rel), recursive=True)
 
     def write(self, rel: str, data: bytes) -> None:
+        """Write a file whole: locally through a temporary and a rename (a reader or a crash sees
+        the old file or the new one, as with zarr's LocalStore), else one object put."""
         if self.fs is None:
-            _write_file(self.path / rel, data)
+            _write_file(self.path / rel, data, atomic=True)
         else:
             self.fs.pipe_file(self._full(rel), data)
+
+    def read(self, rel: str) -> bytes | None:
+        """A file's bytes, None where there is none."""
+        try:
+            if self.fs is None:
+                return (self.path / rel).read_bytes()
+            return self.fs.cat_file(self._full(rel))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
 
 
 def _open_group(loc: _Location, group: str = "", *, read_only: bool) -> zarr.Group:
@@ -287,9 +307,11 @@ class ZarrStore:
 
     def is_complete(self, stream_id: str) -> bool:
         """True only when the stream exists and was processed to its end."""
-        if not self._loc.is_file(f"streams/{validate_stream_id(stream_id)}/zarr.json"):
+        meta = self._loc.read(f"streams/{validate_stream_id(stream_id)}/zarr.json")
+        try:
+            return meta is not None and json.loads(meta)["attributes"].get("complete") is True
+        except (ValueError, KeyError, TypeError, AttributeError):   # not a readable group: not complete
             return False
-        return _open_group(self._loc, f"streams/{stream_id}", read_only=True).attrs.get("complete") is True
 
     def stream(self, stream_id: str, *, source: str, query: str, fps: float, width: int, height: int,
                grid: tuple[int, int], vlm: str, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
@@ -308,28 +330,30 @@ class ZarrStore:
         if self.is_complete(stream_id) and not overwrite:
             raise SinkError(f"stream {stream_id!r} is already complete in {self.path}; "
                             f"pass overwrite=True to replace it")
+        files = _stream_files(attrs, tuple(attrs["grid"]), chunk_frames)   # the group's zarr.json last
         try:
             if self._loc.fs is None:
-                self._stage_stream(stream_id, attrs, chunk_frames)
+                self._stage_stream(stream_id, files)
             else:
                 # object stores have no atomic rename: the old stream goes first, then the new one is
                 # written with its group's zarr.json last, so a listing never shows a half-made group
                 # (and an interrupted one is incomplete: a resumed batch redoes it)
                 self._loc.remove(f"streams/{stream_id}")
-                _build_stream(lambda rel, data: self._loc.write(f"streams/{stream_id}/{rel}", data), attrs,
-                              tuple(attrs["grid"]), chunk_frames)
-            group = _open_group(self._loc, f"streams/{stream_id}", read_only=False)
+                for rel, data in files.items():
+                    self._loc.write(f"streams/{stream_id}/{rel}", data)
         except OSError as e:
             raise SinkError(f"cannot write stream {stream_id!r} into {self._loc}: {e.strerror or e}") from e
-        return StreamWriter(group, stream_id=stream_id, store_path=self.path, chunk_frames=chunk_frames)
+        return StreamWriter(self._loc, f"streams/{stream_id}", files, stream_id=stream_id, store_path=self.path,
+                            chunk_frames=chunk_frames)
 
-    def _stage_stream(self, stream_id: str, attrs: dict[str, Any], chunk_frames: int) -> None:
+    def _stage_stream(self, stream_id: str, files: Mapping[str, bytes]) -> None:
         """A local store's new stream: built in the staging directory, renamed into place."""
         target = self.path / "streams" / stream_id
         staging = self.path / STAGING
         new = staging / f"{stream_id}.{uuid.uuid4().hex}"
         _make_dir(new)  # once it exists, staging is not empty: no other writer's rmdir below removes it
-        _build_stream(lambda rel, data: _write_file(new / rel, data), attrs, tuple(attrs["grid"]), chunk_frames)
+        for rel, data in files.items():
+            _write_file(new / rel, data)
         old = staging / f"{stream_id}.{uuid.uuid4().hex}.old"
         if target.exists():
             os.rename(target, old)  # the old stream vanishes in one step, never half-deleted
@@ -381,18 +405,14 @@ def _stream_attrs(*, source: str, query: str, fps: float, width: int, height: in
             "grid": [int(grid[0]), int(grid[1])], "vlm": vlm, "complete": False, "frames": 0, "answer_count": 0}
 
 
-def _build_stream(write, attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: int) -> None:
-    """Write a complete, empty stream group through write(relative path, bytes): the metadata files
-    of an empty group of this grid and chunking, with this stream's attrs, the group's own
-    zarr.json last."""
-    files = _stream_template(tuple(grid), chunk_frames)
-    for rel in sorted(files, key=lambda r: r == "zarr.json"):
-        data = files[rel]
-        if rel == "zarr.json":  # the group's own metadata: the template's, with this stream's attributes
-            meta = json.loads(data)
-            meta["attributes"] = attrs
-            data = json.dumps(meta, indent=2).encode()
-        write(rel, data)
+def _stream_files(attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: int) -> dict[str, bytes]:
+    """The files (relative path -> bytes, the group's own zarr.json last) of a complete, empty
+    stream group of this grid and chunking with this stream's attrs."""
+    files = dict(_stream_template(tuple(grid), chunk_frames))
+    meta = json.loads(files.pop("zarr.json"))
+    meta["attributes"] = attrs
+    files["zarr.json"] = json.dumps(meta, indent=2).encode()
+    return files
 
 
 def _make_dir(directory: Path, tries: int = 5) -> None:
@@ -408,9 +428,18 @@ def _make_dir(directory: Path, tries: int = 5) -> None:
     directory.mkdir(parents=True, exist_ok=True)
 
 
-def _write_file(target: Path, data: bytes) -> None:
+def _write_file(target: Path, data: bytes, atomic: bool = False) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(data)
+    if not atomic:
+        target.write_bytes(data)
+        return
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 _TEMPLATES: dict[tuple, dict[str, bytes]] = {}
@@ -419,38 +448,120 @@ _TEMPLATES: dict[tuple, dict[str, bytes]] = {}
 def _stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, bytes]:
     """The metadata files (relative path -> bytes) zarr writes for an empty stream group of this
     grid and chunking, made by zarr itself once per process and shape (a stream per video would
-    otherwise pay zarr's ~20 array creations, ~50 ms, every time)."""
+    otherwise pay zarr's ~20 array creations, ~50 ms, every time). The codecs are named, not
+    zarr's defaults of the day: _ArrayFiles encodes chunks with exactly these."""
     key = (grid, chunk_frames)
     if key not in _TEMPLATES:
         with tempfile.TemporaryDirectory(prefix="arrcoc_stream_") as tmp:
             root = Path(tmp) / "stream"
             root.mkdir()
             group = zarr.create_group(LocalStore(root), attributes={}, zarr_format=3)
+
+            def create(where: zarr.Group, spec: ArraySpec, shape: tuple[int, ...], chunks: tuple[int, ...]) -> None:
+                where.create_array(spec.name, shape=shape, chunks=chunks, dtype=spec.dtype, fill_value=spec.fill,
+                                   serializer=VLenUTF8Codec() if spec.dtype is str else BytesCodec(endian="little"),
+                                   compressors=ZstdCodec(level=0, checksum=False))
+
             for spec in FRAME_ARRAYS:
                 cell = grid if spec.per_cell else ()
-                group.create_array(spec.name, shape=(0, *cell), chunks=(chunk_frames, *cell),
-                                   dtype=spec.dtype, fill_value=spec.fill)
+                create(group, spec, (0, *cell), (chunk_frames, *cell))
             for sub, specs in (("answers", ANSWER_ARRAYS), ("gaps", GAP_ARRAYS)):
                 child = group.create_group(sub)
                 for spec in specs:
-                    child.create_array(spec.name, shape=(0,), chunks=(ANSWER_CHUNK,), dtype=spec.dtype,
-                                       fill_value=spec.fill)
-            _TEMPLATES[key] = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+                    create(child, spec, (0,), (ANSWER_CHUNK,))
+            files = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+            _TEMPLATES[key] = {rel: files[rel] for rel in sorted(files, key=lambda r: r == "zarr.json")}
     return _TEMPLATES[key]
+
+
+class _ArrayFiles:
+    """One array of a stream group this process created, appended to by writing its files the way
+    zarr writes them, without zarr's per-call machinery (each zarr resize or write is ~1 ms of
+    Python on an event-loop thread; a batch video made ~40 of them, ~40 ms of a GIL every stage of
+    the process shares). Chunks: the rows padded with the fill value to the chunk shape, through
+    the array's own codecs (little-endian bytes or vlen-utf8, then zstd), at zarr's default chunk
+    keys; a chunk of fill values only is not written (zarr's write_empty_chunks=False). Then the
+    array's zarr.json with the new shape. The rows of the last, partial chunk are kept, so a later
+    append rewrites that chunk whole (the same bytes zarr writes: tests compare them)."""
+
+    def __init__(self, loc: _Location, rel: str, meta: bytes, spec: ArraySpec) -> None:
+        self._loc, self._rel, self._spec = loc, rel, spec
+        self._meta = json.loads(meta)
+        names = [c["name"] for c in self._meta["codecs"]]
+        key = self._meta["chunk_key_encoding"]
+        if (names not in (["bytes", "zstd"], ["vlen-utf8", "zstd"])
+                or key != {"name": "default", "configuration": {"separator": "/"}}):
+            raise ValueError(f"{rel}: no direct writer for codecs {names} / chunk keys {key}")
+        if names[0] == "bytes" and self._meta["codecs"][0].get("configuration", {}).get("endian", "little") != "little":
+            raise ValueError(f"{rel}: no direct writer for big-endian chunks")
+        self._zstd = numcodecs.Zstd(**self._meta["codecs"][-1]["configuration"])
+        self._chunk = tuple(self._meta["chunk_grid"]["configuration"]["chunk_shape"])
+        self._strings = spec.dtype is str
+        self.length = int(self._meta["shape"][0])
+        if self.length:
+            raise ValueError(f"{rel}: a direct writer starts from an empty array")
+        self._tail = self._empty()                                           # rows of the partial last chunk
+
+    def _empty(self) -> np.ndarray:
+        if self._strings:
+            return np.empty(0, dtype=object)
+        return np.empty((0, *self._chunk[1:]), dtype=self._spec.dtype)
+
+    def append(self, values: np.ndarray) -> None:
+        """Rows [length, length + len(values)): the chunks they touch, then the shape."""
+        n = len(values)
+        if n == 0:
+            return
+        values = np.asarray(values, dtype=object if self._strings else self._spec.dtype)
+        rows = self._chunk[0]
+        first = self.length // rows                                          # chunk of the tail's first row
+        data = np.concatenate([self._tail, values])
+        end = self.length + n
+        for index in range(first, -(-end // rows)):
+            self._write_chunk(index, data[(index - first) * rows:(index - first + 1) * rows])
+        self._tail = data[(end // rows - first) * rows:].copy()
+        self.length = end
+        self._meta["shape"] = [end, *self._meta["shape"][1:]]
+        self._loc.write(f"{self._rel}/zarr.json", json.dumps(self._meta, indent=2).encode())
+
+    def _write_chunk(self, index: int, block: np.ndarray) -> None:
+        fill = self._spec.fill
+        if self._strings:
+            if all(v == fill for v in block):
+                return
+            full = np.full(self._chunk, fill, dtype=object)
+            full[:len(block)] = block
+            raw = _VLEN_UTF8.encode(full)
+        else:
+            if not block.any():                                              # only the fill (0, False; -0.0 == 0 too)
+                return
+            full = np.zeros(self._chunk, dtype=np.dtype(self._spec.dtype).newbyteorder("<"))
+            full[:len(block)] = block
+            raw = full.tobytes()
+        key = "/".join(["c", str(index)] + ["0"] * (len(self._chunk) - 1))
+        self._loc.write(f"{self._rel}/{key}", bytes(self._zstd.encode(raw)))
+
+
+_VLEN_UTF8 = VLenUTF8()
 
 
 class StreamWriter:
     """Appends one stream's per-frame arrays and answers. One writer per stream, one thread at a time."""
 
-    def __init__(self, group: zarr.Group, *, stream_id: str, store_path: Path | str, chunk_frames: int) -> None:
+    def __init__(self, loc: _Location, rel: str, files: Mapping[str, bytes], *, stream_id: str,
+                 store_path: Path | str, chunk_frames: int) -> None:
         self.stream_id = stream_id
         self.chunk_frames = chunk_frames
         self._where = f"stream {stream_id!r} in {store_path}"
-        self._group = group
-        self._frames = {spec.name: group[spec.name] for spec in FRAME_ARRAYS}
-        self._answers = {spec.name: group[f"answers/{spec.name}"] for spec in ANSWER_ARRAYS}
-        self._gaps: dict[str, Any] | None = None                              # opened by the first add_gap
-        self.grid = tuple(group.attrs["grid"])
+        self._loc, self._rel = loc, rel
+        self._meta = json.loads(files["zarr.json"])                          # the group's, attributes included
+        arrays = lambda prefix, specs: {spec.name: _ArrayFiles(loc, f"{rel}/{prefix}{spec.name}",  # noqa: E731
+                                                               files[f"{prefix}{spec.name}/zarr.json"], spec)
+                                        for spec in specs}
+        self._frames = arrays("", FRAME_ARRAYS)
+        self._answers = arrays("answers/", ANSWER_ARRAYS)
+        self._gaps = arrays("gaps/", GAP_ARRAYS)
+        self.grid = tuple(self._meta["attributes"]["grid"])
         self.frames = 0   # committed: rows on disk and recorded in the `frames` attr
         self.answers = 0  # committed answers (`answer_count` attr)
         self.gaps = 0     # committed gaps (`gap_count` attr)
@@ -520,8 +631,6 @@ class StreamWriter:
         if not isinstance(reason, str):
             raise ValueError(f"reason must be a string, got {type(reason).__name__}")
         row["reason"] = reason
-        if self._gaps is None:
-            self._gaps = {spec.name: self._group[f"gaps/{spec.name}"] for spec in GAP_ARRAYS}
         self.gaps = self._append_rows(self._gaps, self.gaps, [row], "gap_count", "a gap")
 
     def _append_rows(self, arrays: dict[str, Any], n: int, rows: list[dict[str, Any]], count_attr: str,
@@ -533,10 +642,8 @@ class StreamWriter:
             return n
         try:
             for name, array in arrays.items():
-                values = [row[name] for row in rows]
-                array.resize((n + k,))
-                array[n:n + k] = np.array(values, dtype=object if isinstance(values[0], str) else array.dtype)
-            self._group.attrs[count_attr] = n + k
+                array.append([row[name] for row in rows])
+            self._set_attrs({count_attr: n + k})
         except OSError as e:
             raise SinkError(f"cannot write {what} of {self._where}: {e.strerror or e}") from e
         return n + k
@@ -546,7 +653,7 @@ class StreamWriter:
         self._check_open()
         self._write(full_chunks_only=False)
         try:
-            self._group.attrs.update({"complete": bool(complete), "frames": self.frames})
+            self._set_attrs({"complete": bool(complete), "frames": self.frames})
         except OSError as e:
             raise SinkError(f"cannot finish {self._where}: {e.strerror or e}") from e
         self.closed = True
@@ -558,6 +665,11 @@ class StreamWriter:
         # Leaving a `with` block never claims completeness: only an explicit close(True) does.
         if not self.closed:
             self.close(complete=False)
+
+    def _set_attrs(self, values: Mapping[str, Any]) -> None:
+        """Update the group's attributes: its zarr.json rewritten whole (as zarr does)."""
+        self._meta["attributes"].update(values)
+        self._loc.write(f"{self._rel}/zarr.json", json.dumps(self._meta, indent=2).encode())
 
     def _check_open(self) -> None:
         if self.closed:
@@ -598,9 +710,8 @@ class StreamWriter:
         n = end - start
         try:
             for name, array in self._frames.items():
-                array.resize((end, *array.shape[1:]))
-                array[start:end] = batch[name][:n]
-            self._group.attrs["frames"] = end  # commit point: every array already holds [0, end)
+                array.append(batch[name][:n])
+            self._set_attrs({"frames": end})  # commit point: every array already holds [0, end)
         except OSError as e:
             raise SinkError(f"cannot write frames of {self._where}: {e.strerror or e}") from e
         rest = {name: column[n:] for name, column in batch.items()}

@@ -207,6 +207,63 @@ class TestStreamTemplate:
             np.testing.assert_array_equal(got["tokens"], expected(20, grid=grid)["tokens"])
 
 
+class TestDirectWrites:
+    """StreamWriter writes chunk and metadata files itself (sinks.zarr_store._ArrayFiles): the files
+    must be the ones zarr writes for the same data."""
+
+    @staticmethod
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+    def test_chunks_and_metadata_equal_zarrs_own(self, store, tmp_path):
+        from sinks.zarr_store import GAP_ARRAYS, _stream_files
+
+        writer = store.stream("v", **META, chunk_frames=16)
+        write_frames(writer, 20)
+        writer.flush()                                   # a partial chunk, rewritten whole by the next append
+        write_frames(writer, 20)
+        rows = [dict(t_start=float(i), t_end=i + 1.5, question=f"q{i} ¿dónde está? 日本", text="" if i % 3 else "é" * i,
+                     tokens_kept=i, tokens_full=4 * i, latency_s=0.1 * i) for i in range(70)]   # answers span 2 chunks
+        writer.add_answers(rows[:5])
+        writer.add_answers(rows[5:])
+        writer.add_gap(1.0, 2.0, 100.0, 101.5, "rtsp drop-out")
+        writer.close(complete=True)
+        direct = store.path / "streams/v"
+        data = read_stream(store.path, "v")
+        assert data["attrs"]["frames"] == 40 and data["attrs"]["answer_count"] == 70
+        assert list(data["answers"]["text"]) == [r["text"] for r in rows]
+
+        # the same rows written through zarr's own API into the same empty group
+        ref = tmp_path / "ref"
+        attrs = json.loads((direct / "zarr.json").read_text())["attributes"]
+        for rel, blob in _stream_files(attrs, GRID, 16).items():
+            (ref / rel).parent.mkdir(parents=True, exist_ok=True)
+            (ref / rel).write_bytes(blob)
+        group = zarr.open_group(ref, mode="r+")
+        for spec in FRAME_ARRAYS:
+            group[spec.name].resize(data[spec.name].shape)
+            group[spec.name][:] = data[spec.name]
+        for prefix, specs, values in (("answers/", ANSWER_ARRAYS, data["answers"]), ("gaps/", GAP_ARRAYS, data["gaps"])):
+            for spec in specs:
+                group[prefix + spec.name].resize(values[spec.name].shape)
+                group[prefix + spec.name][:] = values[spec.name]
+
+        got, want = self.files(direct), self.files(ref)
+        assert sorted(got) == sorted(want)              # same chunks written (and fill-only ones skipped)
+        assert "scene_change/c/2" not in got and "scene_change/c/1" in got   # rows 32..39 all False: not written
+        for rel in want:
+            if rel.endswith("zarr.json"):
+                assert json.loads(got[rel]) == json.loads(want[rel]), rel
+            else:
+                assert got[rel] == want[rel], rel
+
+    def test_no_temporary_files_are_left(self, store):
+        writer = store.stream("v", **META, chunk_frames=8)
+        write_frames(writer, 30)
+        writer.close(complete=True)
+        assert not [f for f in (store.path / "streams/v").rglob("*") if f.name.endswith(".partial")]
+
+
 class TestLifecycle:
     def test_complete_only_after_close_true(self, store):
         writer = store.stream("v", **META)

@@ -37,6 +37,7 @@ without its arrays), after the incomplete group it replaces is deleted; the comm
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -429,16 +430,20 @@ def _make_dir(directory: Path, tries: int = 5) -> None:
 
 
 def _write_file(target: Path, data: bytes, atomic: bool = False) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not atomic:
-        target.write_bytes(data)
-        return
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
+    """Write a file, making its directory when missing; atomic: through a temporary beside it and
+    a rename."""
+    path = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial") if atomic else target
     try:
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        try:
+            path.write_bytes(data)
+        except FileNotFoundError:                                            # the directory, first time
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        if atomic:
+            os.replace(path, target)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if atomic:
+            path.unlink(missing_ok=True)
         raise
 
 
@@ -486,7 +491,7 @@ class _ArrayFiles:
 
     def __init__(self, loc: _Location, rel: str, meta: bytes, spec: ArraySpec) -> None:
         self._loc, self._rel, self._spec = loc, rel, spec
-        self._meta = json.loads(meta)
+        self._meta = dict(_parsed(meta))                                     # "shape" is replaced, never mutated
         names = [c["name"] for c in self._meta["codecs"]]
         key = self._meta["chunk_key_encoding"]
         if (names not in (["bytes", "zstd"], ["vlen-utf8", "zstd"])
@@ -522,7 +527,7 @@ class _ArrayFiles:
         self._tail = data[(end // rows - first) * rows:].copy()
         self.length = end
         self._meta["shape"] = [end, *self._meta["shape"][1:]]
-        self._loc.write(f"{self._rel}/zarr.json", json.dumps(self._meta, indent=2).encode())
+        self._loc.write(f"{self._rel}/zarr.json", _json_bytes(self._meta))
 
     def _write_chunk(self, index: int, block: np.ndarray) -> None:
         fill = self._spec.fill
@@ -543,6 +548,18 @@ class _ArrayFiles:
 
 
 _VLEN_UTF8 = VLenUTF8()
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(meta: bytes) -> dict[str, Any]:
+    """A template's parsed zarr.json (shared: callers copy before changing a key)."""
+    return json.loads(meta)
+
+
+def _json_bytes(meta: Mapping[str, Any]) -> bytes:
+    """Metadata as JSON on one line: json's C encoder (zarr's indent=2 runs the pure-Python one,
+    most of a stream writer's own CPU time); readers parse either."""
+    return json.dumps(meta).encode()
 
 
 class StreamWriter:
@@ -669,7 +686,7 @@ class StreamWriter:
     def _set_attrs(self, values: Mapping[str, Any]) -> None:
         """Update the group's attributes: its zarr.json rewritten whole (as zarr does)."""
         self._meta["attributes"].update(values)
-        self._loc.write(f"{self._rel}/zarr.json", json.dumps(self._meta, indent=2).encode())
+        self._loc.write(f"{self._rel}/zarr.json", _json_bytes(self._meta))
 
     def _check_open(self) -> None:
         if self.closed:

@@ -14,8 +14,8 @@
 
 Writing. zarr creates each stream group's empty layout once per grid and chunking (a template);
 a writer then appends by writing the chunk files and metadata itself, as zarr would write them
-(same codecs, same bytes: tests compare), without zarr's per-call machinery. Reading, validation
-and everything else go through zarr.
+(same codecs, the same chunk bytes: tests compare), without zarr's per-call machinery (~1 ms of
+Python per call; a batch video made ~40). Reading, validation and everything else go through zarr.
 
 Crash safety. Every local file write is atomic (write to a temporary, rename), so each metadata
 or chunk file is either old or new, never torn. On top of that:
@@ -486,8 +486,9 @@ class _ArrayFiles:
     the process shares). Chunks: the rows padded with the fill value to the chunk shape, through
     the array's own codecs (little-endian bytes or vlen-utf8, then zstd), at zarr's default chunk
     keys; a chunk of fill values only is not written (zarr's write_empty_chunks=False). Then the
-    array's zarr.json with the new shape. The rows of the last, partial chunk are kept, so a later
-    append rewrites that chunk whole (the same bytes zarr writes: tests compare them)."""
+    array's zarr.json with the new shape (one-line JSON; zarr indents it). The rows of the last,
+    partial chunk are kept, so a later append rewrites that chunk whole (chunks are the bytes zarr
+    writes: tests compare them)."""
 
     def __init__(self, loc: _Location, rel: str, meta: bytes, spec: ArraySpec) -> None:
         self._loc, self._rel, self._spec = loc, rel, spec

@@ -125,7 +125,9 @@ class ProcessSource:
                  worker: DecodeWorker | None = None, **open_kwargs: Any) -> None:
         if batch_size < 1 or slots < 2:
             raise ValueError(f"batch_size must be >= 1 and slots >= 2, got {batch_size} and {slots}")
-        with open_video(path, **open_kwargs) as probe:  # errors (missing, corrupt, ...) surface here
+        # errors (missing, corrupt, ...) surface here. The probe decodes its first frame on one thread:
+        # FFmpeg's frame threads (up to 16) would each take a packet before the first frame came out
+        with open_video(path, **{**open_kwargs, "threads": 1}) as probe:
             self.stream_id, self.fps, self.source_fps = probe.stream_id, probe.fps, probe.source_fps
             self.width, self.height, self.frame_count = probe.width, probe.height, probe.frame_count
             info = probe.info

@@ -412,7 +412,7 @@ def _stream_files(attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: in
     files = dict(_stream_template(tuple(grid), chunk_frames))
     meta = json.loads(files.pop("zarr.json"))
     meta["attributes"] = attrs
-    files["zarr.json"] = json.dumps(meta, indent=2).encode()
+    files["zarr.json"] = _json_bytes(meta)
     return files
 
 

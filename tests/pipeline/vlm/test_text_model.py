@@ -90,9 +90,14 @@ def test_weights_become_views_and_state_dict_is_unchanged():
     attn, layer = vlm._lm.layers[0].self_attn, fast.layers[0]
     assert attn.q_proj.weight.data_ptr() == layer.qkv_weight.data_ptr()      # one copy: views of the fused weight
     assert attn.v_proj.weight.data_ptr() == layer.qkv_weight[-attn.v_proj.out_features:].data_ptr()
+    mlp = vlm._lm.layers[0].mlp
+    assert mlp.gate_proj.weight.data_ptr() == layer.gate_up_weight.data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == layer.gate_up_weight[layer.inter:].data_ptr()
+    assert layer.gate_up_weight.shape == (2 * mlp.gate_proj.out_features, mlp.gate_proj.in_features)
     # a second VLM over the same model (rewrap) reuses the fused weights
     again = FastTextModel(vlm._lm, vlm._attn_impl)
     assert again.layers[0].qkv_weight is layer.qkv_weight and again.layers[0].qkv_bias is layer.qkv_bias
+    assert again.layers[0].gate_up_weight is layer.gate_up_weight
 
 
 def test_concat_weights_without_biases():

@@ -274,6 +274,18 @@ class TestLifecycle:
         with pytest.raises(SinkError, match="already closed"):
             writer.append(**columns(5, 1))
 
+    def test_a_stream_with_unreadable_metadata_is_incomplete_and_redone(self, store):
+        writer = store.stream("v", **META)
+        write_frames(writer, 5)
+        writer.close(complete=True)
+        (store.path / "streams/v/zarr.json").write_text('{"attributes": {"complete": tr')   # torn by hand
+        assert not store.is_complete("v")
+        writer = store.stream("v", **META)                                   # replaced, not refused
+        write_frames(writer, 3)
+        writer.close(complete=True)
+        assert store.is_complete("v") and read_stream(store.path, "v")["attrs"]["frames"] == 3
+        assert validate_store(store.path) == []
+
     def test_with_block_closes_incomplete(self, store):
         with store.stream("v", **META) as writer:
             write_frames(writer, 5)

@@ -474,8 +474,7 @@ def _stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, byte
                 child = group.create_group(sub)
                 for spec in specs:
                     create(child, spec, (0,), (ANSWER_CHUNK,))
-            files = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
-            _TEMPLATES[key] = {rel: files[rel] for rel in sorted(files, key=lambda r: r == "zarr.json")}
+            _TEMPLATES[key] = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
     return _TEMPLATES[key]
 
 
@@ -573,9 +572,11 @@ class StreamWriter:
         self._where = f"stream {stream_id!r} in {store_path}"
         self._loc, self._rel = loc, rel
         self._meta = json.loads(files["zarr.json"])                          # the group's, attributes included
-        arrays = lambda prefix, specs: {spec.name: _ArrayFiles(loc, f"{rel}/{prefix}{spec.name}",  # noqa: E731
-                                                               files[f"{prefix}{spec.name}/zarr.json"], spec)
-                                        for spec in specs}
+
+        def arrays(prefix: str, specs: tuple[ArraySpec, ...]) -> dict[str, _ArrayFiles]:
+            return {spec.name: _ArrayFiles(loc, f"{rel}/{prefix}{spec.name}", files[f"{prefix}{spec.name}/zarr.json"],
+                                           spec) for spec in specs}
+
         self._frames = arrays("", FRAME_ARRAYS)
         self._answers = arrays("answers/", ANSWER_ARRAYS)
         self._gaps = arrays("gaps/", GAP_ARRAYS)

@@ -129,6 +129,7 @@ class _Window:
     next_due: float | None = None
     pending: Future | None = None
     pending_meta: tuple[float, float] | None = None
+    seen: bool = False     # a frame of this stream has been through; the first one is no scene change
 
 
 def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: PipelineConfig,
@@ -181,10 +182,13 @@ class LiveVLMStage(Stage):
             if take or cut:
                 self._add(win, frame, lod)
             if self.options.on_scene_change:
-                due = bool(cut) and frame.index > 0
+                # the first frame that reaches this stage opens the stream, whatever its index
+                # (in realtime mode the first frames may have been dropped): no change to answer
+                due = bool(cut) and win.seen
             else:
                 win.next_due = frame.pts_s + self.options.every_s if win.next_due is None else win.next_due
                 due = frame.pts_s >= win.next_due
+            win.seen = True
             out += self._collect(sid, win)
             if due and win.pending is None and win.rgb:
                 self._submit(sid, win)

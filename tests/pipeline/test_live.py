@@ -182,6 +182,39 @@ class TestAnswers:
         assert len(ends) == len(cuts) and np.allclose(ends, cuts)
 
 
+def test_scene_change_answers_skip_the_streams_first_frame_whatever_its_index():
+    """In realtime mode the first frames can be dropped before ARR-COC sees any: the first frame
+    that arrives (here index 3) opens the stream and is flagged as a change, but is not a cut to
+    answer; a later flagged frame is."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.live import LiveVLMStage
+    from pipeline.stages import AllocationBatch, FrameBatch
+    from pipeline.vlm.model import AnswerResult
+    from sources.frame import Frame
+
+    asked = []
+
+    class Batcher:
+        def submit(self, request):
+            asked.append((request.t_start, request.t_end))
+            future = Future()
+            future.set_result(AnswerResult(text="a", tokens_kept=1, tokens_full=4, latency_s=0.01))
+            return future
+
+    stage = LiveVLMStage(Batcher(), "what changed?", LiveOptions(every_s=1.0, on_scene_change=True))
+    indices, cuts = [3, 4, 5, 6, 7], [True, False, False, True, False]
+    frames = [Frame("s", i, i / 10, np.zeros((8, 8, 3), np.uint8)) for i in indices]
+    allocation = SimpleNamespace(lod=torch.ones(5, 2, 2, dtype=torch.int8), scene_change=torch.tensor(cuts))
+    item = AllocationBatch(FrameBatch("s", frames, torch.zeros(5, 8, 8, 3, dtype=torch.uint8)), allocation, None)
+    out = list(stage.process(item)) + list(stage.finish())
+    answers = [x for x in out if not isinstance(x, AllocationBatch)]
+    assert asked == [(0.3, 0.6)] and [(a.t_start, a.t_end) for a in answers] == [(0.3, 0.6)]
+
+
 class TestCLI:
     def run(self, capsys, *args):
         code = main(["live", *args])

@@ -111,7 +111,8 @@ class TestSharedWorker:
     """One DecodeWorker serving video after video: the same frames as a fresh process each time."""
 
     @pytest.fixture(scope="class")
-    def clips(self, tmp_path_factory):
+    @classmethod
+    def clips(cls, tmp_path_factory):
         d = tmp_path_factory.mktemp("shared")
         sizes = [(72, 96), (48, 64), (72, 96)]
         return [write_video(d / f"c{i}.mp4", render_clip([Shot("pan", 12 + 5 * i)], height=h, width=w, seed=i).frames,

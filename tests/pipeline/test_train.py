@@ -87,7 +87,7 @@ class TestCheckpoint:
         dst = ARRCOC(query_dim=32)
         skipped = load_weights(dst, path, partial=True)
         assert skipped and all(k.startswith(("knowing.participatory.project", "balancer.")) for k in skipped)
-        assert float(dst.realizer.decay_logit) == 2.0
+        assert dst.realizer.decay_logit.item() == 2.0
 
     def test_bad_path(self, tmp_path):
         with pytest.raises(ConfigError, match="no such file"):

@@ -90,14 +90,15 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     use_gpu = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and gpus > 0)
     if cfg.runtime.device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda was asked for, but the Ray cluster has no GPUs")
+    tasks = -(-len(plan) // per_task)
     size = workers or (gpus if use_gpu else 1)
-    size = max(1, min(size, len(plan)))
+    size = max(1, min(size, tasks))       # an actor with no task to run would still load a model
     # the driver creates the store once, so actors never race to create its root
     VideoAnswerer.create_store(cfg, out)
     start = time.perf_counter()
     outcomes: list[VideoOutcome] = []
     if plan:
-        ds = ray.data.from_items(plan_rows(plan), override_num_blocks=-(-len(plan) // per_task))
+        ds = ray.data.from_items(plan_rows(plan), override_num_blocks=tasks)
         ds = ds.map_batches(AnswerActor, batch_size=per_task,
                             fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock, vlm_factory=vlm_factory,
                                                        in_flight=in_flight),
@@ -109,4 +110,4 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
             outcomes.append(outcome)
             report_outcome(outcome)
     return BatchSummary(out, len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start, outcomes,
-                        backend=f"ray ({size} {'GPU' if use_gpu else 'CPU'} actors)")
+                        backend=f"ray ({size} {'GPU' if use_gpu else 'CPU'} actor{'s' if size > 1 else ''})")

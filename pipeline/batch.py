@@ -424,7 +424,9 @@ def add_batch_parser(sub: Any, common: Any) -> None:
     p.add_argument("--shard", metavar="I/N", help="answer every N-th video from the I-th (0-based)")
     p.add_argument("--ray", metavar="ADDRESS", help="run on Ray Data: 'auto' (a running cluster), 'local', "
                                                     "or a cluster address")
-    p.add_argument("--workers", type=int, help="Ray: actors in the pool (default: one per GPU, else one; never more than the actor calls the plan makes, ceil(videos / --videos-per-task))")
+    p.add_argument("--workers", type=int, help="Ray: actors in the pool (default: one per GPU, else one; never "
+                                               "more than the actor calls the plan makes, "
+                                               "ceil(videos / --videos-per-task))")
     p.add_argument("--in-flight", type=int, default=IN_FLIGHT, metavar="N",
                    help="videos each worker has in work at once: the next is decoded and allocated while the "
                         "VLM answers the last (default: %(default)s)")

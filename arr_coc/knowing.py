@@ -70,16 +70,6 @@ class KnowingScores:
         return torch.stack([self.information, self.salience, self.coupling], dim=1)
 
 
-def pool_query(query: torch.Tensor, query_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, Dq) from (B, Dq) or (B, L, Dq) query tokens: the mean over unmasked tokens."""
-    if query.dim() == 2:
-        return query
-    if query_mask is None:
-        return query.mean(dim=1)
-    w = query_mask.to(query.dtype).unsqueeze(-1)  # (B, L, 1)
-    return (query * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)  # (B, Dq)
-
-
 class PropositionalScorer(nn.Module):
     """Information content as the local differential entropy of the texture features.
 

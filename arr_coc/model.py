@@ -72,10 +72,6 @@ class Allocation:
     def __len__(self) -> int:
         return int(self.relevance.shape[0])
 
-    @property
-    def tokens_per_frame(self) -> torch.Tensor:
-        return self.tokens.flatten(1).sum(1)  # (T,)
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Allocation":
         move = lambda x: x.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, relevance=move(self.relevance), tokens=move(self.tokens),

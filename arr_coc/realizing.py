@@ -68,12 +68,6 @@ class StreamState:
     scores: torch.Tensor | None = None
     frames: torch.Tensor | None = None
 
-    def detached(self) -> "StreamState":
-        """Cut the autograd history between batches (truncated back-propagation through time)."""
-        def d(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.detach()
-        return replace(self, prev_frame=d(self.prev_frame), prev_relevance=d(self.prev_relevance))
-
 
 STATE_TENSORS = ("prev_relevance", "ref_rgb", "stale", "scores", "frames")  # what a stream's first batch lacks
 

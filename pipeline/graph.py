@@ -241,10 +241,6 @@ class Graph:
         """Ask the sources to stop; what they already produced still flows to the end."""
         self._stop.set()
 
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
     def run(self, on_progress: Callable[[Stage, Any], None] | None = None,
             on_interrupt: Callable[[], None] | None = None, workers: Workers | None = None) -> None:
         """Run every stage in its own thread until all drained; re-raise the first failure.

@@ -9,7 +9,6 @@ gets a note naming them.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -87,16 +86,6 @@ def load_weights(model: nn.Module, path: str | Path, *, partial: bool = False) -
     return missing + mismatched
 
 
-def checkpoint_metadata(path: str | Path) -> dict:
-    """The JSON-decoded metadata of a checkpoint (values that are not JSON stay strings)."""
-    _, meta = read_weights(path)
-    out = {}
-    for k, v in meta.items():
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
 
 
 def load_default(model: nn.Module, spec: str) -> list[str]:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from arr_coc._validate import ConfigError
-from arr_coc.knowing import DEFAULT_CHANNELS, Knowing, KnowingConfig, KnowingScores, pool_query
+from arr_coc.knowing import DEFAULT_CHANNELS, Knowing, KnowingConfig, KnowingScores
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DQ = 24
@@ -195,12 +195,6 @@ class TestGradients:
         k(x, torch.randn(1, DQ)).stack().sum().backward()
         assert torch.isfinite(x.grad).all()
         assert all(torch.isfinite(p.grad).all() for p in k.parameters())
-
-
-def test_pool_query_masked_mean():
-    q = torch.tensor([[[1.0, 0.0], [3.0, 2.0], [100.0, 100.0]]])
-    assert torch.equal(pool_query(q, torch.tensor([[True, True, False]])), torch.tensor([[2.0, 1.0]]))
-    assert torch.equal(pool_query(q[:, 0]), q[:, 0])
 
 
 def test_bad_inputs_are_named():

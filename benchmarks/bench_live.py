@@ -284,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bench_live_{device.type}{'_quick' if quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(rows, soak_row, fps)
+    print_table(rows, soak_row)
     print(f"wrote {out}")
     return 0
 
 
-def print_table(rows: list[dict], soak_row: dict | None, target_fps: int) -> None:
+def print_table(rows: list[dict], soak_row: dict | None) -> None:
     print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} {'p95 ms':>7}")
     for r in rows:
         print(f"{r['streams']:>7} {r['fps_processed_per_stream_mean']:>10.1f} {r['fps_processed_per_stream_min']:>6.1f} "

@@ -124,6 +124,28 @@ class TestRun:
         assert 0 < len(data["pts"]) < 60
 
 
+def test_demo_makes_its_clip_then_the_store_overlay_and_contact_sheet(capsys, tmp_path):
+    import struct
+
+    import av
+
+    out = tmp_path / "demo" / "demo.zarr"
+    code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu")
+    assert code == 0, err
+    assert "generated sample video" in err
+    data = read_stream(out, "sample")
+    assert validate_store(out) == [] and data["attrs"]["complete"] is True
+    assert np.flatnonzero(data["scene_change"]).tolist() == [0, 40, 80, 120]   # the demo clip's cuts
+    with av.open(str(tmp_path / "demo" / "demo_overlay.mp4")) as c:
+        assert sum(1 for _ in c.decode(video=0)) == len(data["pts"]) == 150
+    png = (tmp_path / "demo" / "demo_contact.png").read_bytes()
+    width, height = struct.unpack(">II", png[16:24])                            # IHDR
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and width > 0 and height > 0
+    assert "contact sheet:" in stdout
+    code, _, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu")   # the clip is kept
+    assert code == 0 and "generated sample video" not in err
+
+
 class TestBoundedQueues:
     def test_slow_sink_holds_the_decoder_back(self, tmp_path, videos):
         """Backpressure through the real run graph: a slow sink never lets the queues grow."""

@@ -106,6 +106,14 @@ class TestWholeFlow:
         a = read_stream(out, "video7010")["answers"]
         assert (a["tokens_kept"] == a["tokens_full"]).all() and a["tokens_full"][0] > 0
 
+    def test_progress_bar_counts_videos_and_questions(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=3, seconds=0.6)
+        args = [a for a in FAST if a != "--no-progress"]
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), "--progress", *args)
+        assert code == 0, err
+        assert "batch: 100%" in err and "2/2" in err and "questions=6" in err
+
     def test_shards_partition_limit_and_rerun_skips(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=4, questions=1, seconds=0.6)

@@ -10,6 +10,7 @@ hoards work and the driver never materialises results it has not consumed.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from .config import PipelineConfig
 from sources.msrvtt import Question, VideoWork
 
 MAX_IN_FLIGHT = 2
+CONNECT_TIMEOUT_S = 5.0   # a cluster address that does not answer a TCP connect in this long is unreachable
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -64,11 +66,28 @@ def _connect(address: str) -> None:
     if address == "local":
         ray.init(include_dashboard=False, runtime_env=env, log_to_driver=False)
     else:
+        if address != "auto":
+            _check_reachable(address)
         try:
             ray.init(address=address, runtime_env=env if address == "auto" else None, log_to_driver=False)
         except ConnectionError as e:
-            raise ConfigError(f"cannot connect to the Ray cluster at --ray {address}: {str(e).splitlines()[0]}") \
-                from None
+            reason = str(e).splitlines()[0]
+            if reason.startswith("Could not find any running Ray instance"):
+                reason = "no running Ray instance found (start one with `ray start --head`, or give its address)"
+            raise ConfigError(f"cannot connect to the Ray cluster at --ray {address}: {reason}") from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail at once, naming the address, when nothing answers a TCP connect to it: ray.init would
+    otherwise retry an unreachable head node for minutes. Addresses it cannot parse go to Ray as they are."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        reason = f"no answer in {CONNECT_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise ConfigError(f"cannot connect to the Ray cluster at --ray {address}: {reason}") from None
 
 
 def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",

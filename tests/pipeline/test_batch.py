@@ -253,6 +253,21 @@ class TestBadInputs:
         code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), *args, *FAST)
         assert code == 2 and err.strip() == f"error: {message}"
 
+    def test_unreachable_ray_cluster_is_one_line_at_once(self, capsys, tmp_path):
+        import socket
+
+        pytest.importorskip("ray")
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            port = server.getsockname()[1]                      # closed: nothing listens there now
+        root = tmp_path / "ds"
+        fixture(root, videos=1, questions=1, seconds=0.4)
+        started = time.monotonic()
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), "--ray",
+                             f"127.0.0.1:{port}", *FAST)
+        assert code == 2 and err.strip() == f"error: cannot connect to the Ray cluster at --ray 127.0.0.1:{port}: " \
+            "Connection refused"
+        assert time.monotonic() - started < 30                # ray.init alone retried this for minutes
+
     def test_malformed_json_is_named(self, capsys, tmp_path):
         (tmp_path / "test_qa.json").write_text("[{")
         code, _, err = batch(capsys, "--root", str(tmp_path), "--out", str(tmp_path / "o.zarr"), *FAST)

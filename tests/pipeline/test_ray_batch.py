@@ -65,3 +65,27 @@ def test_videos_per_task_must_be_positive(tmp_path):
 def test_store_urls(tmp_path):
     assert store_location(f"file://{tmp_path}/x.zarr") == tmp_path / "x.zarr"
     assert store_location("s3://bucket/x.zarr") == "s3://bucket/x.zarr"                # fsspec URLs go to FsspecStore
+
+
+def test_a_head_node_that_does_not_answer_fails_within_the_connect_timeout(monkeypatch):
+    import socket
+
+    from pipeline import ray_batch
+
+    def silent(address, timeout):
+        assert address == ("10.1.2.3", 6379) and timeout == ray_batch.CONNECT_TIMEOUT_S
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    with pytest.raises(ConfigError, match=r"at --ray ray://10\.1\.2\.3:6379: no answer in 5 s$"):
+        ray_batch._check_reachable("ray://10.1.2.3:6379")
+
+
+def test_a_listening_head_node_passes_the_reachability_check():
+    import socket
+
+    from pipeline.ray_batch import _check_reachable
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        _check_reachable(f"127.0.0.1:{server.getsockname()[1]}")   # no error
+    _check_reachable("not-an-address")                              # left to Ray

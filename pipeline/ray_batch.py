@@ -10,6 +10,7 @@ hoards work and the driver never materialises results it has not consumed.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from dataclasses import asdict
@@ -66,8 +67,8 @@ def _connect(address: str) -> None:
     if address == "local":
         ray.init(include_dashboard=False, runtime_env=env, log_to_driver=False)
     else:
-        if address != "auto":
-            _check_reachable(address)
+        # auto: RAY_ADDRESS when set (else the address file a local `ray start` left)
+        _check_reachable(os.environ.get("RAY_ADDRESS", "") if address == "auto" else address, address)
         try:
             ray.init(address=address, runtime_env=env if address == "auto" else None, log_to_driver=False)
         except ConnectionError as e:
@@ -77,9 +78,10 @@ def _connect(address: str) -> None:
             raise ConfigError(f"cannot connect to the Ray cluster at --ray {address}: {reason}") from None
 
 
-def _check_reachable(address: str) -> None:
-    """Fail at once, naming the address, when nothing answers a TCP connect to it: ray.init would
-    otherwise retry an unreachable head node for minutes. Addresses it cannot parse go to Ray as they are."""
+def _check_reachable(address: str, given: str | None = None) -> None:
+    """Fail at once, naming the address (and `given`, the --ray value it came from), when nothing
+    answers a TCP connect to it: ray.init would otherwise retry an unreachable head node for minutes.
+    Addresses it cannot parse go to Ray as they are."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return
@@ -87,7 +89,8 @@ def _check_reachable(address: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
         reason = f"no answer in {CONNECT_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
-        raise ConfigError(f"cannot connect to the Ray cluster at --ray {address}: {reason}") from None
+        where = address if given in (None, address) else f"{given} ({address}, from RAY_ADDRESS)"
+        raise ConfigError(f"cannot connect to the Ray cluster at --ray {where}: {reason}") from None
 
 
 def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",

@@ -89,3 +89,16 @@ def test_a_listening_head_node_passes_the_reachability_check():
     with socket.create_server(("127.0.0.1", 0)) as server:
         _check_reachable(f"127.0.0.1:{server.getsockname()[1]}")   # no error
     _check_reachable("not-an-address")                              # left to Ray
+
+
+def test_auto_checks_the_ray_address_variable(monkeypatch):
+    import socket
+
+    from pipeline.ray_batch import _connect
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match=rf"at --ray auto \(127\.0\.0\.1:{port}, from RAY_ADDRESS\): Connection refused"):
+        _connect("auto")

@@ -55,10 +55,10 @@ class LiveOptions:
     window_frames: int = 32            # most VLM frames per answer window
 
     def __post_init__(self) -> None:
-        check_range("every", self.every_s, 0.0, None, lo_open=True)
+        check_range("--every", self.every_s, 0.0, None, lo_open=True)
         if self.duration_s is not None:
-            check_range("duration", self.duration_s, 0.0, None, lo_open=True)
-        check_range("metrics_every", self.metrics_every_s, 0.0, None, lo_open=True)
+            check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
+        check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
         check_range("window_frames", self.window_frames, 1, 4096)
 
 

@@ -234,6 +234,17 @@ class TestCLI:
         assert len(err.strip().splitlines()) == 1 and message.format(port=port) in err
         assert not (tmp_path / "o.zarr").exists()
 
+    @pytest.mark.parametrize("option, message", [
+        (["--duration", "-1"], "--duration=-1.0 is out of range; allowed: (0.0, inf)"),
+        (["--metrics-every", "0"], "--metrics-every=0.0 is out of range; allowed: (0.0, inf)"),
+        (["--buffer", "0"], "live.buffer_frames=0 is out of range; allowed: [1, 10000]"),
+    ])
+    def test_bad_options_name_the_option(self, capsys, tmp_path, videos, option, message):
+        code, out, err = self.run(capsys, str(videos["cuts"]), "--realtime", "--query", "q",
+                                  "--out", str(tmp_path / "o.zarr"), *option)
+        assert code == 2 and out == "" and err.strip() == f"error: {message}"
+        assert not (tmp_path / "o.zarr").exists()
+
     def test_sigterm_ends_cleanly(self, capsys, tmp_path, videos):
         store = tmp_path / "o.zarr"
 

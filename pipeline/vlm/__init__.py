@@ -1,7 +1,29 @@
-"""VLM stage: answer questions about a window of frames from only the visual tokens ARR-COC kept."""
-from pipeline.vlm.config import VLMConfig
-from pipeline.vlm.geometry import VLMGeometry
-from pipeline.vlm.loading import VLMLoadError, load_vlm
-from pipeline.vlm.model import VLM, AnswerRequest, AnswerResult
+"""VLM stage: answer questions about a window of frames from only the visual tokens ARR-COC kept.
 
+The names below are imported on first use (PEP 562): `pipeline.vlm.config` is read by every
+command's configuration, and importing the model code with it would import transformers (about
+2.4 s) for commands that never load a VLM, `--help` included.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {"VLMConfig": "config", "VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading",
+          "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model"}
 __all__ = ["VLMConfig", "VLMGeometry", "VLMLoadError", "load_vlm", "VLM", "AnswerRequest", "AnswerResult"]
+
+if TYPE_CHECKING:
+    from pipeline.vlm.config import VLMConfig
+    from pipeline.vlm.geometry import VLMGeometry
+    from pipeline.vlm.loading import VLMLoadError, load_vlm
+    from pipeline.vlm.model import VLM, AnswerRequest, AnswerResult
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value

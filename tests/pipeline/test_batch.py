@@ -18,6 +18,9 @@ from pipeline.evaluate import evaluate
 from sinks import ZarrStore, read_stream, validate_store
 from sources.msrvtt import load_msrvtt, write_fixture
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "live"))
+from live_servers import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--vlm", "tiny-random", "--device", "cpu", "--set", "vlm.max_new_tokens=2", "--no-progress"]
 
@@ -254,12 +257,8 @@ class TestBadInputs:
         assert code == 2 and err.strip() == f"error: {message}"
 
     def test_unreachable_ray_cluster_is_one_line_at_once(self, capsys, tmp_path):
-        import socket
-
         pytest.importorskip("ray")
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            port = server.getsockname()[1]                      # closed: nothing listens there now
-        root = tmp_path / "ds"
+        root, port = tmp_path / "ds", free_port()             # nothing listens there
         fixture(root, videos=1, questions=1, seconds=0.4)
         started = time.monotonic()
         code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), "--ray",

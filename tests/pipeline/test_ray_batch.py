@@ -1,6 +1,9 @@
 """The batch on Ray Data (a local Ray instance) writes the same per-video results as the local path."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +17,9 @@ from pipeline.ray_batch import run_ray_batch  # noqa: E402
 from sinks import store_location  # noqa: E402
 from sinks import ZarrStore, read_stream, validate_store  # noqa: E402
 from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "live"))
+from live_servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a local Ray instance takes ~20 s to start and tear down
 
@@ -92,12 +98,9 @@ def test_a_listening_head_node_passes_the_reachability_check():
 
 
 def test_auto_checks_the_ray_address_variable(monkeypatch):
-    import socket
-
     from pipeline.ray_batch import _connect
 
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
+    port = free_port()                                      # nothing listens there
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(ConfigError, match=rf"at --ray auto \(127\.0\.0\.1:{port}, from RAY_ADDRESS\): Connection refused"):

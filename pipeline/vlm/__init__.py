@@ -7,17 +7,11 @@ command's configuration, and importing the model code with it would import trans
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 _HOMES = {"VLMConfig": "config", "VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading",
           "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model"}
-__all__ = ["VLMConfig", "VLMGeometry", "VLMLoadError", "load_vlm", "VLM", "AnswerRequest", "AnswerResult"]
-
-if TYPE_CHECKING:
-    from pipeline.vlm.config import VLMConfig
-    from pipeline.vlm.geometry import VLMGeometry
-    from pipeline.vlm.loading import VLMLoadError, load_vlm
-    from pipeline.vlm.model import VLM, AnswerRequest, AnswerResult
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:

@@ -474,8 +474,13 @@ def _stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, byte
                 child = group.create_group(sub)
                 for spec in specs:
                     create(child, spec, (0,), (ANSWER_CHUNK,))
-            _TEMPLATES[key] = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+            _TEMPLATES[key] = _files_under(root)
     return _TEMPLATES[key]
+
+
+def _files_under(root: Path) -> dict[str, bytes]:
+    """Every file below a local directory: '/'-relative path -> bytes, in sorted path order."""
+    return {f.relative_to(root).as_posix(): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 
 
 class _ArrayFiles:

@@ -211,12 +211,8 @@ class TestDirectWrites:
     """StreamWriter writes chunk and metadata files itself (sinks.zarr_store._ArrayFiles): the files
     must be the ones zarr writes for the same data."""
 
-    @staticmethod
-    def files(root: Path) -> dict[str, bytes]:
-        return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
-
     def test_chunks_and_metadata_equal_zarrs_own(self, store, tmp_path):
-        from sinks.zarr_store import GAP_ARRAYS, _stream_files
+        from sinks.zarr_store import GAP_ARRAYS, _files_under, _stream_files, _write_file
 
         writer = store.stream("v", **META, chunk_frames=16)
         write_frames(writer, 20)
@@ -237,8 +233,7 @@ class TestDirectWrites:
         ref = tmp_path / "ref"
         attrs = json.loads((direct / "zarr.json").read_text())["attributes"]
         for rel, blob in _stream_files(attrs, GRID, 16).items():
-            (ref / rel).parent.mkdir(parents=True, exist_ok=True)
-            (ref / rel).write_bytes(blob)
+            _write_file(ref / rel, blob)
         group = zarr.open_group(ref, mode="r+")
         for spec in FRAME_ARRAYS:
             group[spec.name].resize(data[spec.name].shape)
@@ -248,7 +243,7 @@ class TestDirectWrites:
                 group[prefix + spec.name].resize(values[spec.name].shape)
                 group[prefix + spec.name][:] = values[spec.name]
 
-        got, want = self.files(direct), self.files(ref)
+        got, want = _files_under(direct), _files_under(ref)
         assert sorted(got) == sorted(want)              # same chunks written (and fill-only ones skipped)
         assert "scene_change/c/2" not in got and "scene_change/c/1" in got   # rows 32..39 all False: not written
         for rel in want:

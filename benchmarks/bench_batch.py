@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_topology  # noqa: E402
-from pipeline.batch import IN_FLIGHT, BatchSummary, make_plan, run_batch  # noqa: E402
+from pipeline.runners.batch import IN_FLIGHT, BatchSummary, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
@@ -82,7 +82,7 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
         local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
         s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight)
     else:
-        from pipeline.ray_batch import run_ray_batch
+        from pipeline.runners.ray_batch import run_ray_batch
         s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
                           vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task)
     row = s.to_dict()
@@ -104,7 +104,7 @@ def vlm_only_run(plan, cfg, *, factory) -> dict:
     front end and no store; one video at a time. Steady rates leave out the first video."""
     import time
 
-    from pipeline.run import load_answerer, resolve_device
+    from pipeline.core.setup import load_answerer, resolve_device
     from sources import open_video
 
     device = resolve_device(cfg.runtime.device)

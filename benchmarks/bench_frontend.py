@@ -7,7 +7,7 @@
 Frames are a generated camera pan with a moving square (real motion for the flow), already on
 the device as the pipeline hands them over: uint8 (B, H, W, 3) permuted to (B, 3, H, W). One
 step is `model.extract(frames, last_frame, grid)` then `model.realize(texture, query, state)`,
-with the stream state and last frame carried from batch to batch as pipeline/stages.py does.
+with the stream state and last frame carried from batch to batch as pipeline/core/stages.py does.
 On CUDA an extra row per size/batch adds the host->device upload from pinned memory.
 The token grid is the VLM's merged-token grid with max_pixels = H * W (the VLM keeps the frame
 at its own size): 448x448 -> 16x16, 1024x1024 -> 36x36.
@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from arr_coc.model import ARRCOC
 from benchmarks.common import device_name, write_result
-from pipeline.cudagraph import FrontendGraphs, graphable
+from pipeline.core.frontend_graphs import FrontendGraphs, graphable
 from pipeline.vlm.geometry import VLMGeometry
 from sources.synthetic import Shot, render_clip
 
@@ -156,7 +156,7 @@ def bench_one(model: ARRCOC, query: torch.Tensor, pool: torch.Tensor, grid: tupl
     laps = pool.shape[0] // batch
     stream = {"last": None, "state": None, "k": 0}
     # graphs=True: the pipeline's steady state, every batch after a stream's first replays the
-    # texture and realize CUDA graphs (pipeline/cudagraph.py), on a side stream as the stages do
+    # texture and realize CUDA graphs (pipeline/core/frontend_graphs.py), on a side stream as the stages do
     frontend = FrontendGraphs(model, grid, query) if graphs else None
     side = torch.cuda.Stream(device) if graphs else None
     ones = torch.ones(batch, dtype=torch.bool, device=device)

@@ -1,4 +1,4 @@
-"""Live serving benchmark: 1, 4 and 16 concurrent 720p30 streams through `pipeline.live` on one GPU.
+"""Live serving benchmark: 1, 4 and 16 concurrent 720p30 streams through `pipeline.runners.live` on one GPU.
 
     python3 benchmarks/bench_live.py --device cuda                  # GPU: streams 1,4,16 + 10-minute soak
     python3 benchmarks/bench_live.py --quick                        # CPU smoke test (small, short)
@@ -40,8 +40,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
-from pipeline.live import LiveOptions, run_live  # noqa: E402
-from pipeline.live_status import snapshot  # noqa: E402
+from pipeline.core.live_stages import LiveOptions
+from pipeline.runners.live import run_live  # noqa: E402
+from pipeline.core.live_status import snapshot  # noqa: E402
 from pipeline.vlm.config import VLMConfig  # noqa: E402
 from sources.live import LiveConfig, percentile  # noqa: E402
 

@@ -8,7 +8,7 @@ Test videos are generated (a smooth texture panning 2 px per frame with a square
 it, H.264 via sources.synthetic.write_video) and cached in --workdir. For each size and decoder:
   raw decode   iterate open_video(path, decoder=...) and touch every frame: exactly the
                pipeline's source, so the difference is what the graph adds;
-  pipeline     pipeline.run.run_video(path, question, out, cfg) with runtime.vlm=none; its
+  pipeline     pipeline.runners.run.run_video(path, question, out, cfg) with runtime.vlm=none; its
                frames/s is RunResult.frames / RunResult.wall_s.
   no-RGB       (PyAV) decoding that stops at the decoder's YUV frames: what the pipeline's worker
                does on a GPU run, where the conversion to RGB happens on the device.
@@ -41,8 +41,9 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
 from benchmarks.common import cpu_name, device_name, write_result
-from pipeline.query import QueryEncoderError
-from pipeline.run import encode_query, resolve_device, run_video
+from pipeline.core.query import QueryEncoderError
+from pipeline.core.setup import encode_query, resolve_device
+from pipeline.runners.run import run_video
 from sources import open_video
 from sources.synthetic import smooth_texture, write_video
 from sources.video import DECODERS

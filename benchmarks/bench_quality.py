@@ -1,7 +1,7 @@
 """Relevance quality on held-out generated scenes: trained ARR-COC vs uniform, saliency-only and untrained.
 
 The seeds' three claims (adaptive allocation, query awareness, temporal coherence + scene cuts vs
-PySceneDetect) scored by pipeline.evaluate_relevance. Scenes and clips come from seeds the
+PySceneDetect) scored by pipeline.training.evaluate_relevance. Scenes and clips come from seeds the
 training never uses (configs/train_default.yaml: data.seed 1..5; here 1000..1002).
 
     python benchmarks/bench_quality.py                  # CPU, writes benchmarks/results/bench_quality_cpu.json
@@ -23,7 +23,7 @@ import torch
 
 
 def main() -> int:
-    from pipeline.evaluate_relevance import EvalConfig, evaluate, quick_config, summary
+    from pipeline.training.evaluate_relevance import EvalConfig, evaluate, quick_config, summary
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

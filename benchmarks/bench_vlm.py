@@ -129,8 +129,8 @@ def relevance_map(vlm, frames: np.ndarray, reps: int = 3) -> tuple[torch.Tensor,
 @torch.inference_mode()
 def graphed_frontend_s(model, video: torch.Tensor, query: torch.Tensor, grid: tuple[int, int], reps: int) -> float:
     """Seconds for one window through the front end as a stream's later batches run in the
-    pipeline: texture + realize replayed as CUDA graphs (pipeline.cudagraph.FrontendGraphs)."""
-    from pipeline.cudagraph import FrontendGraphs
+    pipeline: texture + realize replayed as CUDA graphs (pipeline.core.frontend_graphs.FrontendGraphs)."""
+    from pipeline.core.frontend_graphs import FrontendGraphs
     T, _, H, W = video.shape
     graphs = FrontendGraphs(model, grid, query)
     graphs.prepare(T, H, W)

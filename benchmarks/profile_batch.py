@@ -29,9 +29,9 @@ from collections import defaultdict
 import torch
 
 import benchmarks.bench_batch as bb
-import pipeline.batch as batch_mod
-from pipeline import cudagraph, graph as graph_mod
-from pipeline.batch import VideoAnswerer, make_plan
+import pipeline.runners.batch as batch_mod
+from pipeline.core import frontend_graphs as cudagraph, graph as graph_mod
+from pipeline.runners.batch import VideoAnswerer, make_plan
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
 from pipeline.vlm import model as vlm_model

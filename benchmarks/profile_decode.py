@@ -33,7 +33,7 @@ import torch
 import benchmarks.bench_pipeline as bp
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
-from pipeline.stages import DecodeStage, RunStatus
+from pipeline.core.stages import DecodeStage, RunStatus
 from sources.process import ProcessSource
 from sources.video import DECODERS
 

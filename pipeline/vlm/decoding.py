@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.cudagraph import capture, to_device
+from pipeline.core.cuda import capture, to_device
 
 if TYPE_CHECKING:
     from pipeline.vlm.model import VLM

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.core.cuda import resolve_device
 from pipeline.vlm.builtin import FAMILIES, MODEL_CLASSES, build_model, build_tokenizer, tiny_config
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
@@ -19,12 +20,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class VLMLoadError(RuntimeError):
     """The VLM spec cannot be loaded. The message is one line, fit for the CLI."""
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def load_vlm(spec: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.cudagraph import to_device
+from pipeline.core.cuda import to_device
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph, StaticDecoder,  # noqa: F401
                                    StaticKVCache, register_packed_sdpa, sample_next, sdpa_packed_gqa)

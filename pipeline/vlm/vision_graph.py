@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.cudagraph import capture
+from pipeline.core.cuda import capture
 from pipeline.vlm.vision_attention import batched_attention
 
 T_BUCKET = 2          # temporal patches (frame pairs) a graph's length is a multiple of (H100, 2B arch,

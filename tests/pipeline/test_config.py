@@ -14,7 +14,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_load(path):
-    from pipeline.train import TrainConfig  # configs/train_*.yaml configure `python -m pipeline train`
+    from pipeline.training.train import TrainConfig  # configs/train_*.yaml configure `python -m pipeline train`
     kind = TrainConfig if path.name.startswith("train_") else PipelineConfig
     assert isinstance(load_config(kind, path), kind)
 

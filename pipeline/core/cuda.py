@@ -1,0 +1,61 @@
+"""CUDA helpers shared by the front end and the VLM: the device choice, host -> device copies that
+do not stall, and graph capture. CPU-safe: on a machine without CUDA only resolve_device and
+to_device run.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from arr_coc._validate import ConfigError
+
+# While a thread captures a CUDA graph, page-locked host allocations in other threads fail (torch's
+# caching host allocator queries its blocks' events; seen on an H100 in live mode as "operation not
+# permitted when stream is capturing" / "invalid argument" in pin_memory while the VLM captured its
+# decode step). Captures and those allocations take this lock: captures are rare (one per shape),
+# the allocations short. So do (un)registering host memory and device-wide syncs (a sync waits on
+# the capturing stream, which invalidates its capture); the hot paths sync streams or events only.
+CAPTURE_LOCK = threading.RLock()
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """"auto" -> cuda when a GPU is there, else cpu; "cuda" without a GPU is a ConfigError."""
+    name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name} was asked for, but no CUDA GPU is available (use --device auto or cpu)")
+    return torch.device(name)
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list, an array, a CPU tensor) -> a device tensor, queued like a kernel: from
+    page-locked memory the copy does not wait for the GPU, where a copy from pageable memory waits
+    for all the work queued before it (a sync the VLM thread would pay once per question)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda" or host.device.type != "cpu" or host.is_pinned():
+        return host.to(device, non_blocking=True)
+    with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,
+            warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run fn() `warmup` times on `stream` (kernels get chosen and workspaces allocated before
+    capture), then capture it there -> (graph, fn's outputs: the buffers each replay overwrites).
+    The stream first waits for the current stream's work, and the current stream for the capture.
+    thread_local: other threads (the stages, the VLM) keep launching work on their own streams
+    while this one captures; CAPTURE_LOCK: but none allocates page-locked memory meanwhile."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            outputs = fn()
+    current.wait_stream(stream)
+    return graph, outputs

@@ -1,0 +1,298 @@
+"""The live graph's stages: capture from several live sources, the front end per stream, one
+batched VLM, and a sink that writes every stream (graph wired in core/compose.py: compose_live).
+
+Where things drop: only the capture buffers (newest `live.buffer_frames` frames per source, drops
+counted per source). The capture stage hands a batch on only when the texture queue has room, so
+a slow GPU or VLM makes the capture buffers overflow (more drops) instead of queues growing (more
+latency, more memory). A reconnect (a `Gap` on the batch) resets the texture's last frame and the
+realizer's temporal state of that stream, so the first frame after it is a new fixation; the sink
+records the gap.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, TextIO
+
+import numpy as np
+import torch
+
+from arr_coc._validate import check_range
+from sources.frame import Frame
+from sources.live import Gap, LiveSource
+
+from ..config import PipelineConfig
+from ..vlm.geometry import VLMGeometry
+from .graph import Stage
+from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
+
+_LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
+_POLL_S = 0.002         # capture stage poll when no source has a frame
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    every_s: float = 2.0               # one answer per this many seconds over the latest window
+    on_scene_change: bool = False      # answer at each scene change instead of every `every_s`
+    duration_s: float | None = None    # stop after this long (None: until Ctrl-C / SIGTERM)
+    metrics_every_s: float = 5.0       # JSON metrics period when stderr is not a terminal
+    window_frames: int = 32            # most VLM frames per answer window
+
+    def __post_init__(self) -> None:
+        check_range("--every", self.every_s, 0.0, None, lo_open=True)
+        if self.duration_s is not None:
+            check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
+        check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
+        check_range("window_frames", self.window_frames, 1, 4096)
+
+
+@dataclass
+class LiveBatch(FrameBatch):
+    gap: Gap | None = None             # the stream was cut off just before frames[0]
+
+
+@dataclass
+class StreamCounters:
+    """What the status line shows for one source (written by the sink thread, read by the reporter)."""
+
+    frames_out: int = 0
+    out_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_WINDOW))
+    frame_latency: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_WINDOW))
+    answer_latency: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_WINDOW))
+    answers: int = 0
+    gaps: int = 0
+
+
+class CaptureStage(Stage):
+    """Source stage: batches of the newest frames of every live source, round-robin."""
+
+    name = "capture"
+
+    def __init__(self, sources: list[LiveSource], batch_size: int, pin: bool, stop: threading.Event) -> None:
+        self.sources, self.batch_size, self.pin, self.stop = sources, batch_size, pin, stop
+        self.outlet: Channel | None = None   # set by compose_live: batches wait for room there
+
+    def produce(self) -> Iterator[LiveBatch]:
+        turn = 0
+        while not self.stop.is_set() and not all(s.finished for s in self.sources):
+            if self.outlet is not None and self.outlet.depth >= self.outlet.capacity:
+                self.stop.wait(_POLL_S)   # downstream is busy: frames wait (and drop) in the capture buffers
+                continue
+            for k in range(len(self.sources)):
+                source = self.sources[(turn + k) % len(self.sources)]
+                frames, gap = source.take(self.batch_size, timeout_s=0.0)
+                if frames:
+                    turn = (turn + k + 1) % len(self.sources)
+                    yield LiveBatch(source.stream_id, frames, stack_frames(frames, self.pin), gap=gap)
+                    break
+            else:
+                self.stop.wait(_POLL_S)
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+
+class LiveTextureStage(TextureStage):
+    def process(self, item: LiveBatch) -> Iterable[Any]:
+        if item.gap is not None:
+            self.reset(item.stream_id)
+        return super().process(item)
+
+
+class LiveRealizeStage(RealizeStage):
+    def process(self, item: Any) -> Iterable[AllocationBatch]:
+        if item.batch.gap is not None:
+            self.reset(item.batch.stream_id)
+        return super().process(item)
+
+
+@dataclass
+class _Window:
+    rgb: collections.deque = field(default_factory=collections.deque)     # (pts, arrival_s, rgb, lod)
+    next_due: float | None = None
+    pending: Future | None = None
+    pending_meta: tuple[float, float] | None = None
+    seen: bool = False     # a frame of this stream has been through; the first one is no scene change
+
+
+def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: PipelineConfig,
+             options: LiveOptions) -> None:
+    """Capture the VLM's decoders and prefill graphs for the batches and prefix lengths live
+    answering will ask for, now, during setup: each capture takes a few hundred ms that would
+    otherwise land on an answer's latency (and, under CAPTURE_LOCK, stall the stages' page-locked
+    allocations). Prefix lengths are estimated from each source's window: `every_s` seconds at the
+    VLM's frame rate, frames paired by the temporal patch, each pair keeping between one frame's and
+    two frames' share of the cells at the retention in use (fraction mode; other shapes get
+    captured when they first occur)."""
+    g = vlm.geometry
+    frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
+    pairs = -(-frames // g.temporal_patch_size)
+    retention = cfg.model.attending.retention
+    lengths = set()
+    for height, width in sizes:
+        gh, gw = g.grid(height, width)
+        lo, hi = pairs * max(1, round(retention * gh * gw)), pairs * min(gh * gw, 2 * round(retention * gh * gw))
+        for kept in range(lo, hi + 64, 64):                 # the prefill pads lengths to multiples of 64
+            lengths.add(vlm.prefix_length(question, min(kept, hi)))
+    largest = vlm.config.max_batch                           # the batcher's batches are 1..largest
+    vlm.warm_up([1 << i for i in range(largest.bit_length())] + [largest], sorted(lengths))
+
+
+class LiveVLMStage(Stage):
+    """Per-stream answer windows over the latest `every_s` seconds, asked through one VLMBatcher.
+
+    Requests are submitted, not awaited: a stream asks again only when its previous answer is back,
+    so a slow VLM makes answers rarer, never later or queued without bound.
+    """
+
+    name = "vlm"
+
+    def __init__(self, batcher: Any, question: str, options: LiveOptions) -> None:
+        self.batcher, self.question, self.options = batcher, question, options
+        self.windows: dict[str, _Window] = collections.defaultdict(_Window)
+
+    def process(self, item: AllocationBatch) -> Iterable[Any]:
+        out: list[Any] = [item]
+        allocation = item.wait()
+        sid = item.batch.stream_id
+        win = self.windows[sid]
+        if getattr(item.batch, "gap", None) is not None:
+            win.rgb.clear()   # frames from before the outage do not describe what is in view now
+            win.next_due = None
+        marks = item.vlm_frames or [True] * len(item.batch.frames)
+        for frame, lod, take, cut in zip(item.batch.frames, allocation.lod.numpy(), marks,
+                                         allocation.scene_change.numpy()):
+            if take or cut:
+                self._add(win, frame, lod)
+            if self.options.on_scene_change:
+                # the first frame that reaches this stage opens the stream, whatever its index
+                # (in realtime mode the first frames may have been dropped): no change to answer
+                due = bool(cut) and win.seen
+            else:
+                win.next_due = frame.pts_s + self.options.every_s if win.next_due is None else win.next_due
+                due = frame.pts_s >= win.next_due
+            win.seen = True
+            out += self._collect(sid, win)
+            if due and win.pending is None and win.rgb:
+                self._submit(sid, win)
+                while not self.options.on_scene_change and win.next_due <= frame.pts_s:
+                    win.next_due += self.options.every_s
+        return out
+
+    def finish(self) -> Iterable[Any]:
+        out: list[Any] = []
+        for sid, win in self.windows.items():
+            if win.pending is not None:
+                win.pending.exception()   # wait: an answer already asked for is still written
+                out += self._collect(sid, win)
+        return out
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def _add(self, win: _Window, frame: Frame, lod: np.ndarray) -> None:
+        win.rgb.append((frame.pts_s, frame.arrival_s, frame.rgb, lod))
+        while win.rgb and win.rgb[0][0] < frame.pts_s - self.options.every_s:
+            win.rgb.popleft()
+        if len(win.rgb) > self.options.window_frames:  # keep an even spread of a long window
+            kept = list(win.rgb)[1::2]
+            win.rgb.clear()
+            win.rgb.extend(kept)
+
+    def _submit(self, sid: str, win: _Window) -> None:
+        from ..vlm import AnswerRequest
+
+        frames = list(win.rgb)
+        last_arrival = frames[-1][1] if frames[-1][1] is not None else time.time()
+        # AnswerRequest.arrival_s is on the monotonic clock; the frame's arrival is wall-clock
+        arrival_mono = time.monotonic() - (time.time() - last_arrival)
+        request = AnswerRequest(stream_id=sid, frames=np.stack([f[2] for f in frames]),
+                                keep=np.stack([f[3] for f in frames]), question=self.question,
+                                t_start=float(frames[0][0]), t_end=float(frames[-1][0]), arrival_s=arrival_mono)
+        win.pending, win.pending_meta = self.batcher.submit(request), (request.t_start, request.t_end)
+
+    def _collect(self, sid: str, win: _Window) -> list[AnswerItem]:
+        if win.pending is None or not win.pending.done():
+            return []
+        future, (t_start, t_end) = win.pending, win.pending_meta
+        win.pending = win.pending_meta = None
+        result = future.result()   # a VLM error fails the stage, naming the stream
+        return [AnswerItem(stream_id=sid, t_start=t_start, t_end=t_end, question=self.question, text=result.text,
+                           tokens_kept=result.tokens_kept, tokens_full=result.tokens_full,
+                           latency_s=float(result.latency_s))]
+
+
+class LiveSinkStage(Stage):
+    """One StreamWriter per source: allocations, gaps and answers; answers also as JSON lines."""
+
+    name = "sink"
+
+    def __init__(self, writers: dict[str, Any], counters: dict[str, StreamCounters], answers_out: TextIO | None) -> None:
+        self.writers, self.counters, self.answers_out = writers, counters, answers_out
+        self.sources: dict[str, LiveSource] = {}   # set by run_live: a source that gave up is not complete
+        self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
+        self.answers: list[AnswerItem] = []
+        self._closed = False
+
+    def process(self, item: Any) -> Iterable[Any]:
+        if isinstance(item, AnswerItem):
+            self._answer(item)
+            return ()
+        sid = item.batch.stream_id
+        writer, counters = self.writers[sid], self.counters[sid]
+        gap: Gap | None = getattr(item.batch, "gap", None)
+        if gap is not None:
+            writer.add_gap(start_pts=gap.start_pts, end_pts=gap.end_pts, start_wall=gap.start_wall,
+                           end_wall=gap.end_wall, reason=gap.reason)
+            counters.gaps += 1
+        allocation = item.wait()
+        frames = item.batch.frames
+        writer.append(pts=np.array([f.pts_s for f in frames], dtype=np.float64),
+                      frame_index=np.array([f.index for f in frames], dtype=np.int64),
+                      relevance=allocation.relevance.float().numpy(), tokens=allocation.tokens.numpy(),
+                      scene_change=allocation.scene_change.numpy(), motion=allocation.motion.float().numpy())
+        now = time.time()
+        counters.frames_out += len(frames)
+        counters.out_times.extend([now] * len(frames))
+        counters.frame_latency.extend(now - f.arrival_s for f in frames if f.arrival_s is not None)
+        return ()
+
+    def _answer(self, item: AnswerItem) -> None:
+        self.writers[item.stream_id].add_answers([item.row()])
+        counters = self.counters[item.stream_id]
+        counters.answers += 1
+        counters.answer_latency.append(item.latency_s)
+        self.answers.append(item)
+        if self.answers_out is not None:
+            self.answers_out.write(json.dumps({
+                "stream": item.stream_id, "t_start": round(item.t_start, 3), "t_end": round(item.t_end, 3),
+                "question": item.question, "text": item.text, "tokens_kept": item.tokens_kept,
+                "tokens_full": item.tokens_full, "latency_s": round(item.latency_s, 4)}) + "\n")
+            self.answers_out.flush()
+
+    def finish(self) -> Iterable[Any]:
+        self._close(failed=False)
+        return ()
+
+    def close(self) -> None:
+        self._close(failed=True)   # only reached without finish() after a failure
+
+    def _close(self, failed: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for sid, writer in self.writers.items():
+            source = self.sources.get(sid)
+            complete = not (failed or self.interrupted or (source is not None and source.error is not None))
+            try:
+                writer.close(complete=complete)
+            except Exception as e:  # close every writer; report the first failure
+                errors.append(e)
+        if errors:
+            raise errors[0]

@@ -1,0 +1,43 @@
+"""What every way of running builds before its graph: the ARR-COC model, the query it attends
+to, and the VLM that answers. run, live, batch, train and the server all call these, so a
+question is encoded the same way and a model is built from the same checkpoint everywhere.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from arr_coc.model import ARRCOC
+
+from ..config import PipelineConfig
+from .cuda import resolve_device
+
+__all__ = ["build_model", "encode_query", "load_answerer", "resolve_device"]
+
+
+def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> ARRCOC:
+    """ARR-COC for queries of width query_dim, with the weights runtime.model_weights names."""
+    from .weights import load_default
+    model = ARRCOC(cfg.model, query_dim=query_dim)
+    load_default(model, cfg.runtime.model_weights)
+    return model.to(device).eval()
+
+
+def encode_query(question: str, device: torch.device, vlm: Any = None) -> torch.Tensor:
+    """The question as ARR-COC reads it: with a VLM, the VLM's own token embeddings (the space of
+    its visual tokens), (L, D); without one, MiniLM's sentence vector, (384,)."""
+    if vlm is not None:
+        return vlm.text_embeddings(question).float().to(device)           # (L, D)
+    from .query import sentence_encoder
+    return sentence_encoder(str(device)).encode(question)                  # (384,)
+
+
+def load_answerer(cfg: PipelineConfig, device: torch.device):
+    """The VLM named by runtime.vlm, or None for allocation only."""
+    if cfg.runtime.vlm == "none":
+        return None
+    from ..vlm import load_vlm
+    # bf16 matrix products are slow on CPUs; there the VLM runs in float32
+    dtype = "float32" if device.type == "cpu" else cfg.vlm.dtype
+    return load_vlm(cfg.runtime.vlm, device=device, dtype=dtype, config=cfg.vlm)

@@ -1,0 +1,477 @@
+"""The stages of the streaming graph: decode -> texture -> realize -> [vlm] -> sink.
+
+Items flowing between stages:
+  FrameBatch       decoded frames of one stream, stacked in (pinned) host memory
+  TextureBatch     + the texture array on the device and the CUDA event that makes it ready
+  AllocationBatch  + the allocation copied to (pinned) host memory and its ready event
+  AnswerItem       one VLM answer for one window
+
+GPU stages each own a CUDA stream; hand-offs carry CUDA events (`wait_event` on the consumer's
+stream, `event.synchronize()` only where the host must read the data), never a device-wide sync.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from arr_coc.model import ARRCOC, Allocation
+from arr_coc.realizing import StreamState
+from arr_coc.texture import Texture
+from sources.frame import Frame
+from sources.process import ProcessSource
+from sources.yuv import yuv_to_rgb
+
+from .cuda import CAPTURE_LOCK, to_device
+from .frontend_graphs import FrontendGraphs, graphable
+from .graph import Stage
+
+
+@dataclass
+class RunStatus:
+    """Shared facts about a run that the sink needs when it closes the store."""
+
+    truncated: bool = False
+    stopped: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass(frozen=True)
+class FrameRef:
+    """A frame's place in its stream, for batches whose pixels live only on the device."""
+
+    stream_id: str
+    index: int
+    pts_s: float
+    arrival_s: float | None = None
+
+
+@dataclass
+class FrameBatch:
+    stream_id: str
+    frames: list[Frame] | list[FrameRef]  # FrameRef when the pixels went straight to the device
+    pixels: torch.Tensor            # (T, H, W, 3) uint8: on the host (pinned on CUDA), or on the device
+    ready: torch.cuda.Event | None = None  # device pixels: ready once this fires
+
+    @property
+    def frames_count(self) -> int:
+        return len(self.frames)
+
+    @property
+    def description(self) -> str:
+        return f"stream '{self.stream_id}' frames {self.frames[0].index}-{self.frames[-1].index}"
+
+
+@dataclass
+class TextureBatch:
+    batch: FrameBatch
+    texture: Texture
+    ready: torch.cuda.Event | None
+
+    frames_count = property(lambda self: self.batch.frames_count)
+    description = property(lambda self: self.batch.description)
+
+
+@dataclass
+class AllocationBatch:
+    batch: FrameBatch
+    allocation: Allocation          # on the host (pinned when on CUDA); valid once `ready` fired
+    ready: torch.cuda.Event | None
+    vlm_frames: list[bool] | None = None  # frames sampled for the VLM (None: no VLM in the graph)
+
+    frames_count = property(lambda self: self.batch.frames_count)
+    description = property(lambda self: self.batch.description)
+
+    def wait(self) -> Allocation:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.allocation
+
+
+@dataclass
+class AnswerItem:
+    stream_id: str
+    t_start: float
+    t_end: float
+    question: str
+    text: str
+    tokens_kept: int
+    tokens_full: int
+    latency_s: float
+
+    frames_count = 0
+    description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
+
+    def row(self) -> dict[str, Any]:
+        """The store's answer columns (StreamWriter.add_answers)."""
+        return dict(t_start=self.t_start, t_end=self.t_end, question=self.question, text=self.text,
+                    tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s)
+
+
+@dataclass
+class AnswerItems:
+    """Several answers of one stream (a batch video's questions), committed to the store at once."""
+    items: list[AnswerItem]
+
+    frames_count = 0
+    description = property(lambda self: f"{len(self.items)} answers for '{self.items[0].stream_id}'")
+
+
+def frontend_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream for the per-frame stages (decode copies, texture, realize), at the highest
+    priority: where the VLM shares the GPU (live mode), the GPU's scheduler runs the front end's
+    kernels first, so frames keep their rate and answers absorb the wait. With the default stream
+    (priority 0) for the VLM, it is a no-op when nothing else runs."""
+    return torch.cuda.Stream(device, priority=-1)  # lower is higher; torch maps it into CUDA's range
+
+
+def host_uint8(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
+    """An empty uint8 host tensor, page-locked when `pin` (not while another thread captures)."""
+    with CAPTURE_LOCK if pin else nullcontext():
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+
+
+def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
+    """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`."""
+    h, w = frames[0].rgb.shape[:2]
+    out = host_uint8((len(frames), h, w, 3), pin)
+    np.stack([f.rgb for f in frames], out=out.numpy())
+    return out
+
+
+class DecodeStage(Stage):
+    """Source stage: batches of consecutive frames from a video source.
+
+    device: with a ProcessSource and a CUDA device, batches go from the worker's shared slots
+    straight to the device (the slots are page-locked in place, so no host copy is made; YUV
+    planes are converted to RGB there) and carry FrameRefs instead of host frames. For runs that
+    never read pixels on the host (no VLM, no overlay).
+    """
+
+    name = "decode"
+
+    def __init__(self, source: Any, batch_size: int, pin: bool, status: RunStatus,
+                 stop: threading.Event | None = None, device: torch.device | None = None) -> None:
+        self.source, self.batch_size, self.pin, self.status = source, batch_size, pin, status
+        self._stop = stop
+        self.device = device if isinstance(source, ProcessSource) and device is not None and device.type == "cuda" else None
+        if self.device is None and getattr(source, "yuv", None) is not None:
+            raise ValueError("a ProcessSource handing over YUV planes needs a CUDA device to convert them")
+        self.stream = frontend_stream(self.device) if self.device is not None else None
+        self._registered: int | None = None  # address of the page-locked slots
+        if self.device is not None:
+            self._page_lock(source.buffer)
+
+    def produce(self) -> Iterator[FrameBatch]:
+        if self.device is not None:
+            batches = self._to_device()
+        elif isinstance(self.source, ProcessSource):
+            batches = self._from_process()
+        else:
+            batches = self._from_thread()
+        yield from batches
+        if getattr(self.source, "truncated", False):
+            with self.status.lock:
+                self.status.truncated = True
+
+    def _from_process(self) -> Iterator[FrameBatch]:
+        """Batches decoded by the worker process: one copy from its shared slot into (pinned) memory."""
+        sid = self.source.stream_id
+        for decoded in self.source.batches():
+            pixels = host_uint8(decoded.rgb.shape, self.pin)
+            rgb = pixels.numpy()
+            np.copyto(rgb, decoded.rgb)
+            self.source.release(decoded)
+            frames = [Frame(sid, index, pts, rgb[k]) for k, (index, pts) in enumerate(zip(decoded.indices, decoded.pts))]
+            yield FrameBatch(sid, frames, pixels)
+
+    def _to_device(self) -> Iterator[FrameBatch]:
+        """Shared slot -> device (DMA from the page-locked slot), YUV -> RGB on the device. The slot
+        goes back to the worker as soon as its copy is done; conversion and the next stages run on."""
+        sid, source = self.source.stream_id, self.source
+        for decoded in source.batches():
+            with torch.cuda.stream(self.stream):
+                data = torch.from_numpy(decoded.pixels).to(self.device, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+                pixels = yuv_to_rgb(data, decoded.yuv) if decoded.yuv is not None else data  # (T, H, W, 3)
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            copied.synchronize()
+            source.release(decoded)
+            frames = [FrameRef(sid, index, pts) for index, pts in zip(decoded.indices, decoded.pts)]
+            yield FrameBatch(sid, frames, pixels, ready)
+
+    def _page_lock(self, buffer: np.ndarray) -> None:
+        """cudaHostRegister the slots so copies from them are asynchronous DMA. Where the driver
+        refuses (some containers limit locked memory), copies still work, synchronously."""
+        cudart = torch.cuda.cudart()
+        with CAPTURE_LOCK:  # (un)registering page-locked memory: not while another thread captures
+            err = cudart.cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0)
+        if int(getattr(err, "value", err)) == 0:
+            self._registered = buffer.ctypes.data
+
+    def _from_thread(self) -> Iterator[FrameBatch]:
+        pending: list[Frame] = []
+        for frame in self.source:
+            if pending and frame.rgb.shape != pending[0].rgb.shape:
+                raise ValueError(f"frame size changed mid-stream at frame {frame.index}: "
+                                 f"{pending[0].rgb.shape[:2]} -> {frame.rgb.shape[:2]}")
+            pending.append(frame)
+            if len(pending) == self.batch_size:
+                yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
+                pending = []
+        if pending:
+            yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
+
+    def close(self) -> None:
+        if self._registered is not None:  # before the slots are unmapped
+            with CAPTURE_LOCK:  # a device-wide sync would invalidate another thread's capture
+                torch.cuda.synchronize(self.device)
+                torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+
+class TextureStage(Stage):
+    """GPU stream A: host->device copy from pinned memory, then the texture array."""
+
+    name = "texture"
+
+    def __init__(self, model: ARRCOC, device: torch.device, grid: tuple[int, int],
+                 graphs: FrontendGraphs | None = None) -> None:
+        self.model, self.device, self.grid = model, device, grid
+        self.cuda = device.type == "cuda"
+        self.stream = frontend_stream(device) if self.cuda else None
+        self.last: dict[str, torch.Tensor] = {}  # last frame of each stream, on the device
+        # batches of a stream with history replay a CUDA graph (one per batch shape); a stream's
+        # first batch runs eagerly
+        self.graphs = graphs
+
+    def reset(self, stream_id: str) -> None:
+        """Forget the stream's last frame: the next one has no predecessor (a live reconnect)."""
+        self.last.pop(stream_id, None)
+
+    @torch.inference_mode()
+    def process(self, item: FrameBatch) -> Iterable[TextureBatch]:
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            if item.ready is not None:  # decoded straight to the device on the decode stage's stream
+                self.stream.wait_event(item.ready)
+                item.pixels.record_stream(self.stream)
+            pixels = item.pixels.to(self.device, non_blocking=True)       # (T, H, W, 3) uint8
+            frames = pixels.permute(0, 3, 1, 2)                           # (T, 3, H, W)
+            last = self.last.get(item.stream_id)
+            texture = None
+            if self.graphs is not None:  # a stream's first batch too: frames[0] stands in for its last frame
+                texture = self.graphs.extract(frames, frames[0] if last is None else last, self.stream,
+                                              last_real=last is not None)     # None: no graph for this shape
+            if texture is None:
+                texture = self.model.extract(frames, last, self.grid)
+            self.last[item.stream_id] = frames[-1].clone()  # not a view that pins the whole batch
+            ready = None
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        return (TextureBatch(item, texture, ready),)
+
+
+class RealizeStage(Stage):
+    """GPU stream B: knowing -> balancing -> temporal realizing -> attending, then device->host."""
+
+    name = "realize"
+
+    def __init__(self, model: ARRCOC, device: torch.device, query: torch.Tensor,
+                 query_mask: torch.Tensor | None = None, vlm_fps: float | None = None,
+                 graphs: FrontendGraphs | None = None) -> None:
+        self.model, self.device = model, device
+        self.query, self.query_mask = query.to(device), None if query_mask is None else query_mask.to(device)
+        self.vlm_fps = vlm_fps
+        self.cuda = device.type == "cuda"
+        self.stream = frontend_stream(device) if self.cuda else None
+        if self.cuda:
+            # The query was made on the caller's stream, and PyTorch's pool streams do not wait for
+            # the default stream by themselves: without this a first batch could read a query (and
+            # mask) still being written.
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.states: dict[str, StreamState] = {}
+        self.next_vlm_pts: dict[str, float] = {}
+        self.graphs = graphs
+
+    def reset(self, stream_id: str) -> None:
+        """Drop the stream's temporal state: its next frame is a new fixation (scene_change True)."""
+        self.states.pop(stream_id, None)
+        self.next_vlm_pts.pop(stream_id, None)
+
+    def vlm_frames(self, item: FrameBatch) -> torch.Tensor | None:
+        """Which frames the VLM will see (sampled at vlm_fps on pts); None when every frame counts."""
+        if self.vlm_fps is None:
+            return None
+        nxt = self.next_vlm_pts.get(item.stream_id)
+        marks = []
+        for f in item.frames:
+            take = nxt is None or f.pts_s >= nxt - 1e-6
+            if take:
+                nxt = (f.pts_s if nxt is None else nxt) + 1.0 / self.vlm_fps
+                while nxt <= f.pts_s:
+                    nxt += 1.0 / self.vlm_fps
+            marks.append(take)
+        self.next_vlm_pts[item.stream_id] = nxt
+        return torch.tensor(marks, dtype=torch.bool)
+
+    @torch.inference_mode()
+    def process(self, item: TextureBatch) -> Iterable[AllocationBatch]:
+        vlm_frames = self.vlm_frames(item.batch)
+        marks = None if vlm_frames is None else vlm_frames.tolist()
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            if item.ready is not None:
+                self.stream.wait_event(item.ready)
+                _record_stream(item.texture, self.stream)
+            if vlm_frames is not None and self.cuda:  # pinned, so the copy does not wait for the GPU
+                vlm_frames = to_device(vlm_frames, self.device)
+            state = self.states.get(item.batch.stream_id)
+            replayed = None
+            if self.graphs is not None and state is None:  # a stream's first batch, as tensors a graph takes
+                state = self.model.realizer.initial_state(item.texture)
+            if self.graphs is not None and graphable(state):
+                marks_dev = vlm_frames
+                if marks_dev is None:
+                    marks_dev = torch.ones(item.batch.frames_count, dtype=torch.bool, device=self.device)
+                replayed = self.graphs.realize(item.texture, state, marks_dev, self.stream,  # None: no graph
+                                               self.query, self.query_mask)
+            if replayed is not None:
+                allocation, state = replayed
+            else:
+                allocation, state, _ = self.model.realize(item.texture, self.query, state,
+                                                          query_mask=self.query_mask, vlm_frames=vlm_frames)
+            self.states[item.batch.stream_id] = state
+            with CAPTURE_LOCK if self.cuda else nullcontext():
+                host = allocation.to("cpu", non_blocking=self.cuda)
+            ready = None
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        return (AllocationBatch(item.batch, host, ready, marks),)
+
+
+class VLMStage(Stage):
+    """Collects the VLM-sampled frames and their token maps into answer windows and asks the VLM.
+
+    Allocation batches pass straight through to the sink; an AnswerItem follows each window.
+    Windows are `every_s` seconds of video (None: the whole video, answered at the end).
+    """
+
+    name = "vlm"
+
+    def __init__(self, vlm: Any, question: str, every_s: float | None, max_frames: int = 256) -> None:
+        self.vlm, self.question, self.every_s, self.max_frames = vlm, question, every_s, max_frames
+        self.rgb: list[np.ndarray] = []
+        self.lod: list[np.ndarray] = []
+        self.pts: list[float] = []
+        self.stream_id = ""
+        self.window_start: float | None = None
+        self.answered = 0
+
+    def process(self, item: AllocationBatch) -> Iterable[Any]:
+        out: list[Any] = [item]
+        allocation = item.wait()
+        self.stream_id = item.batch.stream_id
+        for frame, lod, take in zip(item.batch.frames, allocation.lod.numpy(), item.vlm_frames or []):
+            if self.window_start is None:
+                self.window_start = frame.pts_s
+            if self.every_s is not None and frame.pts_s >= self.window_start + self.every_s and self.rgb:
+                out.append(self._answer(end=self.window_start + self.every_s))
+                self.window_start += self.every_s * ((frame.pts_s - self.window_start) // self.every_s)
+            if take:
+                if len(self.rgb) == self.max_frames:  # a long window keeps an even spread of frames
+                    del self.rgb[::2], self.lod[::2], self.pts[::2]
+                self.rgb.append(frame.rgb)
+                self.lod.append(lod)
+                self.pts.append(frame.pts_s)
+        return out
+
+    def finish(self) -> Iterable[Any]:
+        if self.rgb:
+            return (self._answer(end=self.pts[-1]),)
+        return ()
+
+    def _answer(self, end: float) -> AnswerItem:
+        from ..vlm import AnswerRequest
+
+        request = AnswerRequest(stream_id=self.stream_id, frames=np.stack(self.rgb), keep=np.stack(self.lod),
+                                question=self.question, t_start=float(self.window_start), t_end=float(end),
+                                arrival_s=time.monotonic())
+        result = self.vlm.answer([request])[0]
+        self.rgb, self.lod, self.pts = [], [], []
+        self.answered += 1
+        return AnswerItem(stream_id=self.stream_id, t_start=request.t_start, t_end=request.t_end,
+                          question=self.question, text=result.text, tokens_kept=result.tokens_kept,
+                          tokens_full=result.tokens_full, latency_s=result.latency_s)
+
+
+class SinkStage(Stage):
+    """Writes homunculus sequences and answers to the zarr store (and the overlay video)."""
+
+    name = "sink"
+
+    def __init__(self, writer: Any, status: RunStatus, overlay: Any = None) -> None:
+        self.writer, self.status, self.overlay = writer, status, overlay
+        self.frames_written = 0
+        self.answers: list[AnswerItem] = []
+        self._closed = False
+
+    def process(self, item: Any) -> Iterable[Any]:
+        if isinstance(item, (AnswerItem, AnswerItems)):
+            answers = item.items if isinstance(item, AnswerItems) else [item]
+            self.writer.add_answers([a.row() for a in answers])
+            self.answers += answers
+            return ()
+        allocation = item.wait()
+        frames = item.batch.frames
+        tokens = allocation.tokens.numpy()
+        relevance = allocation.relevance.float().numpy()
+        self.writer.append(
+            pts=np.array([f.pts_s for f in frames], dtype=np.float64),
+            frame_index=np.array([f.index for f in frames], dtype=np.int64),
+            relevance=relevance,
+            tokens=tokens,
+            scene_change=allocation.scene_change.numpy(),
+            motion=allocation.motion.float().numpy(),
+        )
+        if self.overlay is not None:
+            for f, tok, rel in zip(frames, tokens, relevance):
+                self.overlay.write(f.rgb, tok, rel)
+        self.frames_written += len(frames)
+        return ()
+
+    def finish(self) -> Iterable[Any]:
+        with self.status.lock:
+            complete = not (self.status.truncated or self.status.stopped)
+        self._close(complete)
+        return ()
+
+    def close(self) -> None:
+        self._close(False)  # only reached without finish() after a failure
+
+    def _close(self, complete: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.overlay is not None:
+                self.overlay.close()
+        finally:
+            self.writer.close(complete=complete)
+
+
+def _record_stream(texture: Texture, stream: torch.cuda.Stream) -> None:
+    """Tell the caching allocator that stream B uses tensors made on stream A."""
+    for value in vars(texture).values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(stream)

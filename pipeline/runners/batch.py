@@ -1,0 +1,412 @@
+"""Answer every question of a dataset split, one video at a time.
+
+Work plan: questions grouped by video; each video is decoded once, ARR-COC allocates its tokens once
+(attending to all of its questions together), and the VLM answers all of its questions from one
+set of vision tokens (`VLM.answer_questions`). Videos are sharded across workers (`--shard i/n`,
+or the Ray actor pool of runners/ray_batch.py).
+
+Resumable: each video lands in the store as its own stream group with its answers, marked
+complete=true only after the last answer is written. A re-run skips complete videos and redoes
+incomplete ones (the store replaces an incomplete group wholesale), so a run killed at any moment
+and restarted answers every question exactly once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from arr_coc._validate import ConfigError
+from sinks import ZarrStore, store_location
+from sources import SourceError, open_video
+from sources.process import DecodeWorker, ProcessSource
+from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
+
+from ..config import PipelineConfig
+from ..configio import to_dict
+from ..core.compose import compose, frontend_graphs
+from ..core.graph import StageError, Workers
+from ..core.setup import build_model, encode_query, load_answerer, resolve_device
+from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
+
+DATASETS = ("msrvtt",)
+MODEL_SEED = 0
+# videos a worker has in flight at once: while one video's questions are answered on the GPU, the next
+# ones are decoded and allocated (decode is CPU-bound, in its own process), so the VLM rarely waits.
+# On H100s (MSR-VTT-sized clips at 2 fps, bench_batch): one Ray actor 152.8 questions/s with 2, 192.8
+# with 4; four actors 585.0 with 2, 644.2 with 4 (one run each, 2026-11-27)
+IN_FLIGHT = 4
+
+
+def check_count(option: str, value: int) -> None:
+    """A command-line count (videos in flight, videos per task) must be an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{option} must be >= 1, got {value}")
+
+
+def check_in_flight(in_flight: int) -> None:
+    check_count("--in-flight", in_flight)
+
+
+@dataclass
+class VideoOutcome:
+    """What one video's job did; `status` is done | skipped (already complete) | missing | failed."""
+    video_id: str
+    status: str
+    questions: int = 0
+    frames: int = 0
+    tokens_kept: int = 0
+    tokens_full: int = 0
+    wall_s: float = 0.0
+    message: str = ""
+    finished_at: float = 0.0  # time.time() when the worker finished it (Ray delivers rows in bursts)
+    worker: str = ""          # host:pid of the process that answered it
+    stage_busy: str = ""      # JSON {stage: seconds busy on this video} (decode, texture, realize, vlm, sink)
+
+    def to_row(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each stage of this video's graph spent working on it (its thread, GPU waits included)."""
+        return json.loads(self.stage_busy) if self.stage_busy else {}
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """'i/n' (0 <= i < n) -> (i, n); None -> (0, 1)."""
+    if text is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard must be i/n with integers 0 <= i < n, got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise ConfigError(f"--shard must be i/n with integers 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def make_plan(dataset: Dataset, *, limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> list[VideoWork]:
+    """The videos this worker answers: the first `limit` videos of the split (video-number order),
+    then every n-th from i, so shards of the same limit partition the same set."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    videos = dataset.videos()
+    if limit is not None:
+        videos = videos[:limit]
+    i, n = shard
+    return videos[i::n]
+
+
+class QuestionsStage(VLMStage):
+    """The VLM stage of a batch job: collects the VLM-sampled frames and keep maps of the whole video
+    (as VLMStage does), then answers all the video's questions from one set of vision tokens.
+    `stock`: send every visual token (the baseline ARR-COC is measured against). `vlm_lock`: held
+    while the VLM answers (the videos a worker has in flight share one VLM and its caches)."""
+
+    def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False,
+                 vlm_lock: threading.Lock | None = None, vlm_worker: Workers | None = None) -> None:
+        super().__init__(vlm, query_text(work), every_s=None)
+        self.work, self.stock = work, stock
+        self.vlm_lock = vlm_lock if vlm_lock is not None else threading.Lock()
+        self.vlm_worker = vlm_worker  # the thread the VLM runs in (None: this stage's own)
+
+    def finish(self) -> Iterable[AnswerItems]:
+        if not self.rgb:
+            return ()
+        keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
+        questions = [q.question for q in self.work.questions]
+        frames = np.stack(self.rgb)
+
+        def answer() -> list:
+            with self.vlm_lock:
+                return self.vlm.answer_questions(frames, keep, questions)
+        results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
+        t_start, t_end = float(self.window_start), float(self.pts[-1])
+        self.answered += len(results)
+        answers = [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
+                              tokens_kept=r.tokens_kept, tokens_full=r.tokens_full, latency_s=r.latency_s)
+                   for q, r in zip(questions, results)]
+        return [AnswerItems(answers)] if answers else []
+
+
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+QUERY_BUCKET = 64  # query tokens are padded (and masked) to a multiple of this: videos share front-end graphs
+
+
+def pad_query(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, D) token embeddings -> (L', D) zero-padded to a multiple of QUERY_BUCKET and the (L',)
+    mask of the real tokens (ARR-COC pools over the real ones only)."""
+    L = query.shape[0]
+    padded = query.new_zeros(-(-L // QUERY_BUCKET) * QUERY_BUCKET, query.shape[1])
+    padded[:L] = query
+    mask = torch.zeros(padded.shape[0], dtype=torch.bool, device=query.device)
+    mask[:L] = True
+    return padded, mask
+
+
+def query_text(work: VideoWork) -> str:
+    """What ARR-COC attends to: all of the video's questions (one allocation serves them all)."""
+    return "\n".join(q.question for q in work.questions)
+
+
+class VideoAnswerer:
+    """One worker's loaded models (VLM + ARR-COC) and open store; `answer(work)` does one video.
+
+    Used by the local loop and by each Ray actor, so both paths write identical stream groups.
+    `answer_all` keeps several videos in flight; their graphs share the models (ARR-COC's forward
+    passes keep no state in the module; the VLM is used under a lock).
+    """
+
+    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False,
+                 vlm_factory: Callable[[torch.device], Any] | None = None) -> None:
+        if cfg.runtime.vlm == "none":
+            raise ConfigError("batch answers questions, so it needs a VLM: pass --vlm ID|PATH|tiny-random")
+        if cfg.runtime.every_s is not None:
+            raise ConfigError("batch answers each question once over the whole video; --every/runtime.every_s "
+                              "does not apply (leave it unset)")
+        self.cfg, self.stock = cfg, stock
+        self.device = resolve_device(cfg.runtime.device)
+        # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
+        self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
+        self.store = self.create_store(cfg, out)
+        self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
+        self._vlm_lock = threading.Lock()
+        self._lock = threading.Lock()                            # guards the two below
+        self._running: dict[int, tuple[Any, RunStatus]] = {}  # graphs in flight, to stop them on Ctrl-C
+        self._idle_workers: list[DecodeWorker] = []              # decode processes between videos
+        self._idle_graphs: dict[tuple, list[Any]] = {}           # front-end CUDA graphs between videos, per grid
+        # Threads kept from video to video (CUDA libraries' per-thread state stays warm): the
+        # graphs' stages, and one for every VLM call
+        self._stage_workers, self._vlm_worker = Workers("stage"), Workers("vlm", max_threads=1)
+
+    @staticmethod
+    def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
+        return ZarrStore.open(out, config=to_dict(cfg))
+
+    def answer(self, work: VideoWork) -> VideoOutcome:
+        if self.store.is_complete(work.video_id):
+            return VideoOutcome(work.video_id, "skipped", questions=len(work.questions))
+        if work.path is None:
+            return VideoOutcome(work.video_id, "missing", message=f"video file of {work.video_id} not found")
+        start = time.perf_counter()
+        try:
+            frames, answers, busy = self._run_graph(work)
+        except (SourceError, StageError) as e:
+            cause = e.error if isinstance(e, StageError) else e
+            if isinstance(e, StageError) and not isinstance(cause, SourceError):
+                raise
+            return VideoOutcome(work.video_id, "failed", message=str(cause).splitlines()[0])
+        # every question of a video is asked over the same selected tokens: the first answer's count is the video's
+        kept, full = (answers[0].tokens_kept, answers[0].tokens_full) if answers else (0, 0)
+        return VideoOutcome(work.video_id, "done", questions=len(answers), frames=frames, tokens_kept=kept,
+                            tokens_full=full, wall_s=time.perf_counter() - start, finished_at=time.time(),
+                            worker=WORKER_ID, stage_busy=json.dumps(busy))
+
+    def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem], dict[str, float]]:
+        # decode.process: the decoder runs in its own process, where the stage threads of the videos
+        # in flight cannot hold the GIL from it; the processes serve video after video (a fresh
+        # one costs ~0.3 s, a good part of a short clip's time)
+        worker = self._take_decode_worker() if self.cfg.decode.process else None
+        try:
+            return self._run_video(work, worker)
+        finally:
+            if worker is not None:
+                self._give_back_decode_worker(worker)
+
+    def _take_graphs(self, grid: tuple[int, int], query: torch.Tensor) -> Any:
+        """The front end's CUDA graphs of an earlier video of this grid (captures: ~0.1 s a video),
+        or new ones; None where the front end runs eagerly (CPU, runtime.cuda_graphs off)."""
+        with self._lock:
+            idle = self._idle_graphs.get(grid)
+            if idle:
+                return idle.pop()
+        return frontend_graphs(self.model, grid, query, self.cfg, self.device)
+
+    def _take_decode_worker(self) -> DecodeWorker:
+        with self._lock:
+            while self._idle_workers:
+                worker = self._idle_workers.pop()
+                if worker.alive:
+                    return worker
+                worker.close()
+        return DecodeWorker()
+
+    def _give_back_decode_worker(self, worker: DecodeWorker) -> None:
+        if not worker.alive:
+            worker.close()
+            return
+        with self._lock:
+            self._idle_workers.append(worker)
+
+    def close(self) -> None:
+        """Stop the decode worker processes (they also exit by themselves when this process ends)
+        and the kept threads."""
+        with self._lock:
+            workers, self._idle_workers = self._idle_workers, []
+        for worker in workers:
+            worker.close()
+        self._stage_workers.close()
+        self._vlm_worker.close()
+
+    def _run_video(self, work: VideoWork, worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float]]:
+        cfg, d = self.cfg, self.cfg.decode
+        kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
+                      stream_id=work.video_id, threads=d.threads)
+        source = (ProcessSource(work.path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
+                                worker=worker, **kwargs) if worker is not None else open_video(work.path, **kwargs))
+        try:
+            grid = self.vlm.geometry.grid(source.height, source.width)
+            writer = self.store.stream(work.video_id, source=str(work.path), query=query_text(work),
+                                       fps=float(source.fps), width=source.width, height=source.height, grid=grid,
+                                       vlm=cfg.runtime.vlm, chunk_frames=cfg.output.chunk_frames)
+        except BaseException:
+            source.close()
+            raise
+        with self._vlm_lock:
+            query = self.vlm.text_embeddings(query_text(work)).float()        # (L, D)
+            if self.model is None:
+                # Untrained ARR-COC weights are random: seed them, so a video's result does not depend
+                # on which worker (local process, Ray actor, shard) answered it.
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(MODEL_SEED)
+                    self.model = build_model(cfg, query.shape[-1], self.device)
+        query, query_mask = pad_query(query)
+        status = RunStatus()
+        graphs = self._take_graphs(grid, query)
+        try:
+            graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
+                            vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, vlm_lock=self._vlm_lock,
+                                                     vlm_worker=self._vlm_worker),
+                            query_mask=query_mask, graphs=graphs)
+            with self._lock:
+                self._running[id(graph)] = (graph, status)
+            try:
+                graph.run(on_interrupt=lambda: setattr(status, "stopped", True), workers=self._stage_workers)
+            finally:
+                with self._lock:
+                    del self._running[id(graph)]
+        finally:
+            if graphs is not None:  # one video at a time replays them (each stage on its own stream)
+                with self._lock:
+                    self._idle_graphs.setdefault(grid, []).append(graphs)
+        if status.stopped:
+            raise KeyboardInterrupt
+        sink = graph.stages[-1]
+        busy = {stage.name: round(graph.metrics[stage.name].busy_s, 4) for stage in graph.stages}
+        return sink.frames_written, list(sink.answers), busy
+
+    def answer_all(self, plan: Iterable[VideoWork], in_flight: int = IN_FLIGHT) -> Iterator[VideoOutcome]:
+        """Outcomes of `plan`'s videos in plan order, with up to `in_flight` videos in work at once.
+        Ctrl-C (or any error) stops the videos in flight (left incomplete, redone on resume) and re-raises."""
+        check_in_flight(in_flight)  # now, not at the first next()
+        return map(self.answer, plan) if in_flight == 1 else self._in_flight(plan, in_flight)
+
+    def _in_flight(self, plan: Iterable[VideoWork], in_flight: int) -> Iterator[VideoOutcome]:
+        with ThreadPoolExecutor(in_flight, thread_name_prefix="video") as pool:
+            pending: deque = deque()
+            try:
+                for work in plan:
+                    pending.append(pool.submit(self.answer, work))
+                    if len(pending) == in_flight:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                self._stop_running()
+                raise
+
+    def _stop_running(self) -> None:
+        with self._lock:
+            running = list(self._running.values())
+        for graph, status in running:
+            status.stopped = True
+            graph.stop()
+
+
+@dataclass
+class BatchSummary:
+    out: Path | str                   # a local path or an fsspec URL
+    videos: int                       # in this worker's plan
+    questions: int
+    wall_s: float
+    outcomes: list[VideoOutcome] = field(default_factory=list)
+    backend: str = "local"
+
+    def count(self, status: str) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+    def to_dict(self) -> dict[str, Any]:
+        done = [o for o in self.outcomes if o.status == "done"]
+        answered = sum(o.questions for o in done)
+        kept, full = sum(o.tokens_kept for o in done), sum(o.tokens_full for o in done)
+        return {
+            "out": str(self.out), "backend": self.backend, "videos": self.videos, "questions": self.questions,
+            "done": len(done), "skipped_complete": self.count("skipped"), "missing": self.count("missing"),
+            "failed": self.count("failed"), "answered": answered, "wall_s": round(self.wall_s, 3),
+            "videos_per_s": round(len(done) / self.wall_s, 4) if self.wall_s > 0 else 0.0,
+            "questions_per_s": round(answered / self.wall_s, 4) if self.wall_s > 0 else 0.0,
+            "tokens_kept_per_video": round(kept / len(done), 1) if done else 0.0,
+            "tokens_full_per_video": round(full / len(done), 1) if done else 0.0,
+            # where a video's time went: its wall time, and each stage's busy seconds (means over
+            # the videos done; with videos in flight these overlap)
+            "seconds_per_video": round(sum(o.wall_s for o in done) / len(done), 4) if done else 0.0,
+            "stage_busy_per_video_s": mean_busy(done),
+        }
+
+
+def mean_busy(outcomes: list[VideoOutcome]) -> dict[str, float]:
+    """Mean busy seconds per stage over outcomes (a stage absent from one counts 0 there)."""
+    busy = [o.busy() for o in outcomes]
+    names = list(dict.fromkeys(name for b in busy for name in b))
+    return {name: round(sum(b.get(name, 0.0) for b in busy) / len(busy), 4) for name in names} if busy else {}
+
+
+def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
+              progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
+              in_flight: int = IN_FLIGHT) -> BatchSummary:
+    """The local path: this process answers the plan's videos, `in_flight` at a time."""
+    check_in_flight(in_flight)  # before the models load
+    start = time.perf_counter()
+    answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
+    outcomes = []
+    try:
+        for outcome in _with_progress(answerer.answer_all(plan, in_flight), len(plan), progress):
+            outcomes.append(outcome)
+            report_outcome(outcome)
+    finally:
+        answerer.close()
+    return BatchSummary(store_location(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
+                        outcomes)
+
+
+def report_outcome(outcome: VideoOutcome) -> None:
+    if outcome.status in ("missing", "failed"):
+        print(f"warning: skipped {outcome.video_id}: {outcome.message}", file=sys.stderr)
+
+
+def _with_progress(items: Iterator[VideoOutcome], total: int, progress: bool | None) -> Iterator[VideoOutcome]:
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        yield from items
+        return
+    from tqdm import tqdm
+    with tqdm(total=total, unit="video", desc="batch", dynamic_ncols=True, file=sys.stderr) as bar:
+        answered = 0
+        for outcome in items:
+            answered += outcome.questions if outcome.status == "done" else 0
+            bar.set_postfix(questions=answered, refresh=False)
+            bar.update(1)
+            yield outcome

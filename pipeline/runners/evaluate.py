@@ -1,0 +1,127 @@
+"""`python -m pipeline eval STORE --dataset msrvtt --root DIR`: score a batch run.
+
+Accuracy is exact match after normalization (lower case, punctuation and articles dropped,
+whitespace collapsed), overall and per question type, over the questions of complete streams;
+coverage says how many of the split's questions that is. GPT-judge scoring is out of scope; the
+predictions can be exported in the Video-ChatGPT judge format for people who run it.
+
+Answers are matched to the ground truth by (video, question text, occurrence): a batch writes a
+video's answers in annotation order, so the k-th answer to a text is the k-th question with it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sinks import SinkError, ZarrStore, store_location
+from sources.msrvtt import TASKS, Dataset, Question, load_msrvtt
+
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
+
+
+def normalize(text: str) -> str:
+    text = PUNCTUATION.sub(" ", text.lower())
+    return " ".join(ARTICLES.sub(" ", text).split())
+
+
+def is_correct(prediction: str, question: Question) -> bool:
+    pred = normalize(prediction)
+    return any(pred == normalize(truth) for truth in (question.answer, *question.references))
+
+
+@dataclass
+class Prediction:
+    question: Question
+    text: str
+    correct: bool
+
+
+@dataclass
+class EvalReport:
+    questions: int                     # in the split
+    predictions: list[Prediction] = field(default_factory=list)
+    videos_complete: int = 0
+    videos_incomplete: int = 0         # groups present but not complete (a resumed run redoes them)
+    duplicates: int = 0                # answers beyond one per question (must be 0)
+    unmatched: int = 0                 # answers to questions the annotations do not have
+    tokens_kept: list[int] = field(default_factory=list)   # per complete video
+    tokens_full: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        n = len(self.predictions)
+        by_type: dict[str, list[bool]] = defaultdict(list)
+        for p in self.predictions:
+            by_type[p.question.type].append(p.correct)
+        kept, full = sum(self.tokens_kept), sum(self.tokens_full)
+        videos = len(self.tokens_kept)
+        return {
+            "questions": self.questions, "answered": n,
+            "coverage": round(n / self.questions, 6) if self.questions else 0.0,
+            "accuracy": round(sum(p.correct for p in self.predictions) / n, 6) if n else 0.0,
+            "accuracy_by_type": {t: {"accuracy": round(sum(v) / len(v), 6), "questions": len(v)}
+                                 for t, v in sorted(by_type.items())},
+            "videos_complete": self.videos_complete, "videos_incomplete": self.videos_incomplete,
+            "duplicates": self.duplicates, "unmatched": self.unmatched,
+            "tokens": {"kept_over_full": round(kept / full, 6) if full else 0.0,
+                       "mean_kept_per_video": round(kept / videos, 3) if videos else 0.0,
+                       "mean_full_per_video": round(full / videos, 3) if videos else 0.0},
+        }
+
+
+def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
+    store = ZarrStore.open(store_path, mode="r")
+    present = set(store.stream_ids())
+    report = EvalReport(questions=len(dataset.questions))
+    for work in dataset.videos():
+        if work.video_id not in present:
+            continue
+        if not store.is_complete(work.video_id):
+            report.videos_incomplete += 1
+            continue
+        report.videos_complete += 1
+        answers = store.read(work.video_id)["answers"]   # the store opened once, not per video
+        pending: dict[str, list[Question]] = defaultdict(list)
+        for q in work.questions:
+            pending[q.question].append(q)
+        for question_text, text in zip(answers["question"].tolist(), answers["text"].tolist()):
+            queue = pending.get(question_text)
+            if not queue:
+                asked = question_text in {q.question for q in work.questions}
+                report.duplicates += asked
+                report.unmatched += not asked
+                continue
+            q = queue.pop(0)
+            report.predictions.append(Prediction(q, text, is_correct(text, q)))
+        if len(answers["text"]):
+            report.tokens_kept.append(int(answers["tokens_kept"][0]))
+            report.tokens_full.append(int(answers["tokens_full"][0]))
+    return report
+
+
+def judge_predictions(report: EvalReport) -> list[dict[str, str]]:
+    """The Video-ChatGPT judge's input (video_name, Q, A, pred), plus the id/question/answer keys the
+    Video-LLaVA variant of that script reads, so either runs on the file unchanged."""
+    return [{"video_name": p.question.video_id, "id": p.question.question_id, "Q": p.question.question,
+             "A": p.question.answer, "question": p.question.question, "answer": p.question.answer, "pred": p.text}
+            for p in report.predictions]
+
+
+def format_report(row: dict[str, Any]) -> str:
+    lines = [f"accuracy {row['accuracy']:.4f} over {row['answered']} of {row['questions']} questions "
+             f"(coverage {row['coverage']:.4f})"]
+    for t, v in row["accuracy_by_type"].items():
+        lines.append(f"  {t:<8} {v['accuracy']:.4f}  ({v['questions']} questions)")
+    tok = row["tokens"]
+    lines.append(f"tokens kept/full {tok['kept_over_full']:.4f}; per video: kept {tok['mean_kept_per_video']}, "
+                 f"full {tok['mean_full_per_video']}")
+    if row["videos_incomplete"] or row["duplicates"] or row["unmatched"]:
+        lines.append(f"warning: {row['videos_incomplete']} incomplete videos, {row['duplicates']} duplicate and "
+                     f"{row['unmatched']} unmatched answers")
+    return "\n".join(lines)

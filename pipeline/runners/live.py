@@ -1,0 +1,143 @@
+"""Answer a question continuously over live video: `run_live` opens the sources, builds the model
+and the VLM (core/setup.py), wires the live graph (core/compose.py: compose_live) and runs it
+until the duration ends, the sources end, a stop event or Ctrl-C. Answers go to `answers_out` as
+JSON lines and to the store; the status to `status_out` (a live line on a terminal, JSON metrics
+lines otherwise).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, TextIO
+
+from sinks import ZarrStore, store_location
+from sources.live import LiveConfig, LiveSource, open_live
+
+from ..config import PipelineConfig
+from ..configio import to_dict
+from ..core.compose import compose_live
+from ..core.graph import Stage
+from ..core.live_stages import LiveOptions, LiveSinkStage, LiveVLMStage, StreamCounters, warm_vlm
+from ..core.stages import AnswerItem
+from ..vlm.geometry import VLMGeometry
+
+
+@dataclass
+class LiveResult:
+    out: Path | str      # a local path or an fsspec URL
+    stream_ids: list[str]
+    complete: bool
+    stopped: bool                       # ended by Ctrl-C / SIGTERM
+    wall_s: float
+    grid: tuple[int, int]
+    streams: dict[str, dict[str, Any]]  # final per-source metrics (live_status.snapshot)
+    answers: list[AnswerItem] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)   # sources that gave up (one line each)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def open_sources(specs: list[str], config: LiveConfig) -> list[LiveSource]:
+    """Open every source (one SourceError if any fails; the ones opened are closed again).
+    Two sources with the same name get distinct stream ids (name, name_2, ...)."""
+    from sources.live import parse_source
+
+    seen: dict[str, int] = {}
+    opened: list[LiveSource] = []
+    try:
+        for spec in specs:
+            sid = parse_source(spec, realtime=config.realtime).stream_id
+            seen[sid] = seen.get(sid, 0) + 1
+            opened.append(open_live(spec, config=config, stream_id=sid if seen[sid] == 1 else f"{sid}_{seen[sid]}"))
+    except BaseException:
+        for source in opened:
+            source.close()
+        raise
+    return opened
+
+
+def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConfig, *,
+             live: LiveConfig | None = None, options: LiveOptions | None = None,
+             answers_out: TextIO | None = None, status_out: TextIO | None = None, status_tty: bool | None = None,
+             stop: threading.Event | None = None, on_graph: Any = None, slow_stage_s: float = 0.0,
+             vlm: Any = None) -> LiveResult:
+    """Watch the live sources and answer `question` until the duration ends, the sources end
+    (realtime files), `stop` is set, or Ctrl-C / SIGTERM (KeyboardInterrupt, re-raised after the
+    store is closed). Raises SourceError when a source cannot be opened at start.
+
+    slow_stage_s: extra seconds the texture stage spends per batch (overload tests and benchmarks).
+    vlm: an already loaded VLM to use instead of loading cfg.runtime.vlm (benchmarks reuse one).
+    """
+    from ..core.live_status import StatusReporter, snapshot
+    from ..core.setup import build_model, encode_query, load_answerer, resolve_device
+
+    live, options = live or LiveConfig(), options or LiveOptions()
+    stop = stop or threading.Event()
+    device = resolve_device(cfg.runtime.device)
+    sources = open_sources(specs, live)
+    try:
+        vlm = load_answerer(cfg, device) if vlm is None else vlm
+        geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
+                                                                    max_pixels=cfg.vlm.max_pixels)
+        grids = {s.stream_id: geometry.grid(s.height, s.width) for s in sources}
+        store = ZarrStore.open(out, config={**to_dict(cfg), "live": _live_dict(live, options)})
+        writers = {s.stream_id: store.stream(s.stream_id, source=s.name, query=question, fps=float(s.fps),
+                                             width=s.width, height=s.height, grid=grids[s.stream_id],
+                                             vlm=cfg.runtime.vlm, chunk_frames=cfg.output.chunk_frames, overwrite=True)
+                   for s in sources}
+        query = encode_query(question, device, vlm)
+        model = build_model(cfg, query.shape[-1], device)
+    except BaseException:
+        for source in sources:
+            source.close()
+        raise
+    vlm_stage = None
+    if vlm is not None:
+        from ..vlm.batcher import VLMBatcher
+        if device.type == "cuda" and cfg.vlm.cuda_graphs:
+            warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
+        vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options)
+    counters = {s.stream_id: StreamCounters() for s in sources}
+    graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
+                         vlm_stage=vlm_stage, answers_out=answers_out)
+    sink: LiveSinkStage = graph.stages[-1]
+    sink.sources = {s.stream_id: s for s in sources}
+    if slow_stage_s > 0:
+        _slow_down(graph.stages[1], slow_stage_s)
+    if on_graph is not None:
+        on_graph(graph)
+    reporter = StatusReporter(sources, counters, every_s=options.metrics_every_s, stream=status_out,
+                              tty=status_tty).start()
+    timer = threading.Timer(options.duration_s, stop.set) if options.duration_s is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    start = time.perf_counter()
+    try:
+        graph.run(on_interrupt=lambda: (setattr(sink, "interrupted", True), stop.set()))
+    finally:
+        if timer is not None:
+            timer.cancel()
+        reporter.close()
+    errors = [str(s.error) for s in sources if s.error is not None]
+    return LiveResult(out=store_location(out), stream_ids=[s.stream_id for s in sources], complete=not errors,
+                      stopped=False, wall_s=time.perf_counter() - start, grid=next(iter(grids.values())),
+                      streams=snapshot(sources, counters)["streams"], answers=list(sink.answers), errors=errors,
+                      metrics=graph.report(), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
+
+
+def _slow_down(stage: Stage, seconds: float) -> None:
+    """Make `stage` take `seconds` longer per item: a deliberately slow GPU for overload tests."""
+    process = stage.process
+
+    def slow(item: Any) -> Iterable[Any]:
+        time.sleep(seconds)
+        return process(item)
+    stage.process = slow
+
+
+def _live_dict(live: LiveConfig, options: LiveOptions) -> dict[str, Any]:
+    from dataclasses import asdict
+    return {**asdict(live), **asdict(options)}

@@ -1,0 +1,149 @@
+"""One video file through decode -> texture -> realize -> [vlm] -> sink (graph: core/compose.py).
+Offline input blocks (backpressure): no frame is ever dropped.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sinks import ZarrStore, store_location
+from sources import open_video
+from sources.process import ProcessSource
+
+from ..config import PipelineConfig
+from ..configio import to_dict
+from ..core.compose import compose
+from ..core.graph import Graph
+from ..core.setup import build_model, encode_query, load_answerer, resolve_device
+from ..core.stages import RunStatus, VLMStage
+from ..vlm.geometry import VLMGeometry
+
+
+@dataclass
+class RunResult:
+    stream_id: str
+    out: Path | str      # a local path or an fsspec URL
+    frames: int
+    complete: bool
+    truncated: bool
+    stopped: bool
+    wall_s: float
+    grid: tuple[int, int]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    answers: list[Any] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fps(self) -> float:
+        return self.frames / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineConfig, *,
+              overlay_path: str | Path | None = None, progress: bool | None = None,
+              on_graph: Callable[[Graph], None] | None = None,
+              query_embedding: torch.Tensor | None = None) -> RunResult:
+    """Process one video file end to end. Raises SourceError / SinkError / StageError on failure.
+
+    query_embedding: (Dq,) use this instead of encoding `question` (callers with their own encoder).
+    """
+    from sinks import OverlayWriter
+
+    device = resolve_device(cfg.runtime.device)
+    d = cfg.decode
+    kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
+                  threads=d.threads)
+    # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV
+    device_color = device.type == "cuda" and cfg.runtime.vlm == "none" and overlay_path is None
+    source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
+                            device_color=device_color, **kwargs)
+              if d.process else open_video(path, **kwargs))
+    try:
+        vlm = load_answerer(cfg, device)
+        geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
+                                                                    max_pixels=cfg.vlm.max_pixels)
+        grid = geometry.grid(source.height, source.width)
+        store = ZarrStore.open(out, config=to_dict(cfg))
+        writer = store.stream(source.stream_id, source=str(path), query=question, fps=float(source.fps),
+                              width=source.width, height=source.height, grid=grid, vlm=cfg.runtime.vlm,
+                              chunk_frames=cfg.output.chunk_frames, overwrite=True)
+    except BaseException:
+        source.close()
+        raise
+    query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device, vlm)
+    model = build_model(cfg, query.shape[-1], device)
+    if isinstance(source, ProcessSource):
+        try:
+            source.wait_ready()  # its start overlapped the setup above; decoding starts with the clock
+        except BaseException:
+            source.close()
+            writer.close(complete=False)
+            raise
+    status = RunStatus()
+    overlay = None
+    if overlay_path is not None:
+        overlay = OverlayWriter(overlay_path, fps=float(source.fps), width=source.width, height=source.height)
+    vlm_stage = None if vlm is None else VLMStage(vlm, question, cfg.runtime.every_s)
+    graph = compose(source, writer, model, query, grid, cfg, device, status, overlay, vlm_stage)
+    if on_graph is not None:
+        on_graph(graph)
+    bar = _progress_bar(source, progress)
+    start = time.perf_counter()
+    try:
+        graph.run(on_progress=(lambda stage, item: bar.update(item.frames_count) if stage.name == "sink" else None)
+                  if bar is not None else None,
+                  on_interrupt=lambda: setattr(status, "stopped", True))
+    finally:
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - start
+    sink = graph.stages[-1]
+    return RunResult(stream_id=source.stream_id, out=store_location(out), frames=sink.frames_written,
+                     complete=not (status.truncated or status.stopped), truncated=status.truncated,
+                     stopped=status.stopped, wall_s=wall, grid=grid, metrics=graph.report(),
+                     answers=list(sink.answers), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
+
+
+def _progress_bar(source: Any, progress: bool | None):
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    from tqdm import tqdm
+    total = getattr(source, "frame_count", None)
+    return tqdm(total=total, unit="frame", desc=source.stream_id, dynamic_ncols=True, file=sys.stderr)
+
+
+def print_summary(result: RunResult, verbose: bool = False) -> None:
+    """The run's JSON summary on stdout (frames, scene changes, tokens, answers); warnings on stderr."""
+    import json
+
+    from sinks import read_stream
+
+    data = read_stream(result.out, result.stream_id)
+    tokens = data["tokens"].reshape(len(data["tokens"]), -1).sum(1) if len(data["tokens"]) else []
+    gh, gw = result.grid
+    summary = {
+        "stream": result.stream_id, "out": str(result.out), "frames": result.frames,
+        "fps": round(result.fps, 1), "grid": [gh, gw], "complete": result.complete,
+        "scene_changes": [int(i) for i in data["frame_index"][data["scene_change"]]],
+        "mean_tokens_per_frame": round(float(sum(tokens)) / max(1, len(tokens)), 2),
+        "tokens_per_frame_full": gh * gw,
+        "answers": [{"t_start": a.t_start, "t_end": a.t_end, "text": a.text, "tokens_kept": a.tokens_kept,
+                     "tokens_full": a.tokens_full} for a in result.answers],
+    }
+    if result.notes:
+        summary["notes"] = result.notes
+    print(json.dumps(summary))
+    for note in result.notes:
+        print(f"warning: {note}", file=sys.stderr)
+    if result.truncated:  # the source already warned about the damage itself
+        print(f"warning: {result.stream_id}: stored the {result.frames} frames decoded before the damage "
+              "(complete=false)", file=sys.stderr)
+    if verbose:
+        for row in result.metrics:
+            print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)

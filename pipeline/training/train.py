@@ -1,0 +1,423 @@
+"""`python -m pipeline train --config configs/train_*.yaml`: learn where to look.
+
+The seeds' curriculum (Parts 29, 44, 45), on generated scenes with exact ground truth
+(sources/scenes.py), each stage training the parameters it names:
+  grounding  the participatory scorer: cells of the named object couple to the query
+  static     knowing + balancer + allocator on still frames, through the soft budget
+  temporal   decay and motion boost (and the rest, gently) on video: tokens stay on the target
+             while it moves and do not flicker inside a shot
+  hard       everything, on tiny peripheral and low-contrast targets mixed with normal scenes
+  vlm        with a VLM loaded: the VLM's answer loss, VLM frozen (pipeline/training/train_vlm.py)
+Training is soft (the allocator's differentiable budget), inference hard (seed Part 44).
+Queries are embedded by all-MiniLM-L6-v2, or by the VLM's own token embeddings when one is
+loaded. Texture extraction has no parameters, so every frame's texture is computed once.
+Checkpoints are safetensors (model + optimizer state + position), written every epoch; `--resume`
+continues from the last one and reproduces the uninterrupted run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc.metrics import box_coverage, share_inside
+from arr_coc.model import ARRCOC, ARRCOCConfig
+from arr_coc.realizing import StreamState
+from arr_coc.texture import Texture
+
+StageName = Literal["grounding", "static", "temporal", "hard", "vlm"]
+# Parameter-name prefixes each stage trains by default ("" = all).
+STAGE_PARAMS = {"grounding": ("knowing.participatory",), "static": ("knowing", "balancer", "allocator"),
+                "temporal": ("",), "hard": ("",), "vlm": ("",)}
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    name: StageName = "static"
+    epochs: int = 10
+    lr: float = 3e-3
+    batch_size: int = 64          # examples per step (clips: one clip per step)
+    params: tuple[str, ...] = ()  # parameter-name prefixes to train; () = the stage's default
+    coherence_weight: float = 0.5  # temporal: weight of in-shot flicker (1 - cosine of soft maps)
+
+    def __post_init__(self) -> None:
+        check_choice("stage.name", self.name, STAGE_PARAMS)
+        check_range("stage.epochs", self.epochs, 0, 10_000)
+        check_range("stage.lr", self.lr, 0.0, 1.0, lo_open=True)
+        check_range("stage.batch_size", self.batch_size, 1, 100_000)
+        check_range("stage.coherence_weight", self.coherence_weight, 0.0, None)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    size: int = 224               # square frames; the grid is the VLM merged-token grid of this size
+    scenes: int = 256             # still scenes (each object of each scene is queried)
+    hard_scenes: int = 128        # tiny-periphery + low-contrast scenes for the hard stage
+    clips: int = 12               # video clips for the temporal stage
+    clip_shots: int = 3
+    val_scenes: int = 32          # held-out still scenes for the per-epoch val_token_share
+    seed: int = 1                 # training data; benchmarks/bench_quality.py uses other seeds
+
+    def __post_init__(self) -> None:
+        check_range("data.size", self.size, 56, 1024)
+        for name in ("scenes", "hard_scenes", "clips", "clip_shots"):
+            check_range(f"data.{name}", getattr(self, name), 1, 100_000)
+        check_range("data.val_scenes", self.val_scenes, 1, 100_000)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    vlm: str = "none"             # "none": MiniLM queries; else a VLM spec (its embeddings + answer loss)
+    out_dir: str = "runs/train"
+    export: str | None = None     # also copy the final weights here (the shipped default checkpoint)
+    model: ARRCOCConfig = field(default_factory=ARRCOCConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    stages: tuple[StageConfig, ...] = (
+        StageConfig("grounding", 12), StageConfig("static", 10), StageConfig("temporal", 4, lr=1e-2, batch_size=1),
+        StageConfig("hard", 6, lr=1e-3))
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, ("cpu", "cuda", "auto"))
+        if not self.stages:
+            raise ConfigError("stages must list at least one stage")
+        if any(s.name == "vlm" for s in self.stages) and self.vlm == "none":
+            raise ConfigError("stage 'vlm' needs a VLM: set vlm to tiny-random, an HF id or a path")
+
+
+# ---------------------------------------------------------------- data
+@dataclass
+class Examples:
+    """Still-frame examples: a texture row, a query and the named object's box coverage."""
+    texture: Texture               # (S, C, gh, gw) one row per scene
+    scene: torch.Tensor            # (E,) row of texture
+    query: torch.Tensor            # (E, L, Dq)
+    query_mask: torch.Tensor       # (E, L) bool
+    coverage: torch.Tensor         # (E, gh, gw)
+
+    def __len__(self) -> int:
+        return int(self.scene.shape[0])
+
+
+class QueryEmbedder:
+    """Question -> (L, Dq) token embeddings + mask: MiniLM's sentence vector (L = 1) or the VLM's tokens."""
+
+    def __init__(self, vlm=None, device: torch.device | str = "cpu") -> None:
+        self.vlm, self.device, self.cache = vlm, torch.device(device), {}
+        if vlm is None:
+            from ..core.query import sentence_encoder
+            self.encoder = sentence_encoder(str(self.device))
+
+    def __call__(self, text: str) -> torch.Tensor:
+        if text not in self.cache:
+            e = self.vlm.text_embeddings(text).float() if self.vlm is not None else self.encoder.encode(text)[None]
+            self.cache[text] = e.to(self.device)                              # (L, Dq)
+        return self.cache[text]
+
+    def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        embs = [self(t) for t in texts]
+        L = max(e.shape[0] for e in embs)
+        q = torch.zeros(len(embs), L, embs[0].shape[1], device=self.device)   # (E, L, Dq)
+        mask = torch.zeros(len(embs), L, dtype=torch.bool, device=self.device)
+        for i, e in enumerate(embs):
+            q[i, :e.shape[0]], mask[i, :e.shape[0]] = e, True
+        return q, mask
+
+
+def frames_tensor(frames: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(device)  # (T, 3, H, W)
+
+
+@torch.no_grad()
+def still_textures(model: ARRCOC, images: np.ndarray, grid: tuple[int, int], device: torch.device,
+                   chunk: int = 64) -> Texture:
+    """Textures of unrelated still frames (no history), computed in chunks."""
+    parts = [model.texture(frames_tensor(images[i:i + chunk], device), None, grid)
+             for i in range(0, len(images), chunk)]
+    return Texture(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                     ("data", "flow", "motion", "residual", "cell_rgb", "has_prev")))
+
+
+def scene_examples(model: ARRCOC, scenes, embed: QueryEmbedder, grid, device, every_object: bool = True) -> Examples:
+    """One example per (scene, object): the query naming that object and its box."""
+    images = np.stack([s.image for s in scenes])
+    H, W = images.shape[1:3]
+    texture = still_textures(model, images, grid, device)
+    rows, texts, boxes = [], [], []
+    for i, s in enumerate(scenes):
+        for o in range(len(s.objects)) if every_object else (s.target,):
+            rows.append(i)
+            texts.append(s.queries[o])
+            boxes.append(s.objects[o].box)
+    q, mask = embed.batch(texts)
+    cov = box_coverage(torch.tensor(boxes, device=device), (H, W), grid)
+    return Examples(texture, torch.tensor(rows, device=device), q, mask, cov)
+
+
+def take(texture: Texture, index: torch.Tensor) -> Texture:
+    return Texture(*(getattr(texture, f)[index] for f in ("data", "flow", "motion", "residual", "cell_rgb", "has_prev")))
+
+
+# ---------------------------------------------------------------- forward passes
+def still_forward(model: ARRCOC, texture: Texture, query: torch.Tensor, query_mask: torch.Tensor | None):
+    """ARR-COC on B unrelated still frames, each with its own query (B, L, Dq) -> (scores, balanced, allotment).
+
+    Same path as ARRCOC.realize; frames without history are each a new scene to the realizer,
+    so its warped cache is empty and every cell is available: the frames stay independent.
+    """
+    x = texture.data.index_select(1, model._knowing_index)               # (B, C-1, gh, gw)
+    scores = model.knowing(x, query, query_mask)
+    w = query_mask.unsqueeze(-1).to(query.dtype)                         # (B, L, 1)
+    pooled = (query * w).sum(1) / w.sum(1).clamp_min(1.0)                # (B, Dq)
+    balanced = model.balancer(scores, pooled)
+    realized, _ = model.realizer(balanced.relevance, texture, StreamState())
+    allotment = model.allocator(realized.relevance, realized.available)
+    return scores, balanced, realized.relevance, allotment
+
+
+def balanced_bce(p: torch.Tensor, coverage: torch.Tensor) -> torch.Tensor:
+    """BCE of a [0, 1] map against the box coverage, inside and outside weighted equally."""
+    p = p.flatten(1).clamp(1e-6, 1 - 1e-6)
+    c = coverage.flatten(1)
+    inside = -(c * torch.log(p)).sum(1) / c.sum(1).clamp_min(1e-6)
+    outside = -((1 - c) * torch.log(1 - p)).sum(1) / (1 - c).sum(1).clamp_min(1e-6)
+    return (0.5 * (inside + outside)).mean()
+
+
+def still_loss(model: ARRCOC, ex: Examples, idx: torch.Tensor, stage: str):
+    tex = take(ex.texture, ex.scene[idx])
+    scores, balanced, relevance, allot = still_forward(model, tex, ex.query[idx], ex.query_mask[idx])
+    cov = ex.coverage[idx]
+    grounding = balanced_bce(scores.coupling, cov) + (1 - share_inside(scores.coupling, cov)).mean()
+    if stage == "grounding":
+        return grounding, balanced.tensions
+    soft_share = share_inside(allot.soft, cov).mean()
+    mass_share = share_inside(relevance, cov).mean()
+    return (1 - soft_share) + 0.5 * (1 - mass_share) + 0.2 * grounding, balanced.tensions
+
+
+@dataclass
+class ClipData:
+    texture: Texture
+    query: torch.Tensor            # (L, Dq)
+    query_mask: torch.Tensor       # (L,)
+    coverage: torch.Tensor         # (T, gh, gw), zeros where the target has no box
+    has_box: torch.Tensor          # (T,) bool
+    same_shot: torch.Tensor        # (T - 1,) bool, frame t and t + 1 in the same shot
+
+
+def clip_data(model: ARRCOC, clip, embed: QueryEmbedder, grid, device) -> ClipData:
+    with torch.no_grad():
+        texture = model.extract(frames_tensor(clip.frames, device), None, grid)
+    T, H, W = clip.frames.shape[:3]
+    boxes = torch.tensor([b if b is not None else (0, 0, 0, 0) for b in clip.boxes], device=device)
+    shot = torch.tensor(clip.shot, device=device)
+    q, mask = embed.batch([clip.query])
+    return ClipData(texture, q[0], mask[0], box_coverage(boxes, (H, W), grid),
+                    torch.tensor([b is not None for b in clip.boxes], device=device),
+                    (shot[1:] == shot[:-1]) & (shot[1:] >= 0))
+
+
+def clip_loss(model: ARRCOC, c: ClipData, coherence_weight: float):
+    allocation, _, _ = model.realize(c.texture, c.query, None, query_mask=c.query_mask)
+    soft = allocation.soft                                                # (T, gh, gw)
+    share = share_inside(soft[c.has_box], c.coverage[c.has_box]).mean()
+    flicker = (1 - _soft_cosine(soft))[c.same_shot].mean()
+    return (1 - share) + coherence_weight * flicker, allocation.tensions
+
+
+def _soft_cosine(maps: torch.Tensor) -> torch.Tensor:
+    """Differentiable consecutive_cosine: (T, gh, gw) -> (T - 1,)."""
+    v = maps.flatten(1)
+    return F.cosine_similarity(v[:-1], v[1:], dim=1, eps=1e-8)
+
+
+# ---------------------------------------------------------------- logging + checkpoints
+@torch.no_grad()
+def learned_values(model: ARRCOC, tensions: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The seed checklist: tensions, allocation steepness, temporal decay, motion boost."""
+    out = {f"tension_{k}": round(float(v.detach().float().mean()), 4) for k, v in tensions.items()}
+    alloc = model.allocator
+    if hasattr(alloc, "steepness_raw"):
+        out["steepness"] = round(float(F.softplus(alloc.steepness_raw)), 4)
+    out["offset"] = round(float(alloc.offset), 4)
+    out["decay"] = round(float(model.realizer.decay), 4)
+    out["motion_boost"] = round(float(model.realizer.motion_boost), 4)
+    return out
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, state in opt.state_dict()["state"].items():
+        for name, value in state.items():
+            out[f"optim.{i}.{name}"] = torch.as_tensor(value).clone()
+    return out
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    sd = opt.state_dict()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = value
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
+
+# ---------------------------------------------------------------- the loop
+def select_params(model: ARRCOC, stage: StageConfig) -> list[torch.nn.Parameter]:
+    prefixes = stage.params or STAGE_PARAMS[stage.name]
+    params = [p for n, p in model.named_parameters() if any(n.startswith(pre) for pre in prefixes)]
+    if not params:
+        raise ConfigError(f"stage {stage.name}: params {list(prefixes)} match no parameter of the model")
+    return params
+
+
+def _order(n: int, seed: int, stage: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, stage, epoch]).generate_state(1)[0]))
+    return torch.randperm(n, generator=g)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = None, log=print) -> dict:
+    """Run the curriculum; returns {"weights": path, "history": [per-epoch rows]}."""
+    from tqdm import tqdm
+
+    from ..core.cuda import resolve_device
+    from ..vlm.geometry import VLMGeometry
+    from ..core.weights import load_weights, read_weights, save_weights
+    from sources.scenes import make_clips, make_scenes
+
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vlm = None
+    if cfg.vlm != "none":
+        from ..vlm import load_vlm
+        vlm = load_vlm(cfg.vlm, device=device, dtype="float32")
+        for p in vlm.model.parameters():
+            p.requires_grad_(False)
+    embed = QueryEmbedder(vlm, device)
+    query_dim = embed("a").shape[-1]
+    model = ARRCOC(cfg.model, query_dim=query_dim).to(device)
+    size = (cfg.data.size, cfg.data.size)
+    grid = (vlm.geometry if vlm is not None else VLMGeometry(max_pixels=size[0] * size[1])).grid(*size)
+
+    t0 = time.perf_counter()
+    names = {s.name for s in cfg.stages}
+    d = cfg.data
+    still = scene_examples(model, make_scenes(d.seed, d.scenes, size), embed, grid, device)
+    hard = None
+    if "hard" in names:
+        hard_scenes = make_scenes(d.seed + 1, d.hard_scenes, size, kinds=("tiny_periphery", "low_contrast", "normal"))
+        hard = scene_examples(model, hard_scenes, embed, grid, device)
+    clips = [clip_data(model, c, embed, grid, device) for c in make_clips(d.seed + 2, d.clips, size, shots=d.clip_shots)] \
+        if "temporal" in names else []
+    vlm_scenes = make_scenes(d.seed + 4, d.scenes, size) if "vlm" in names else []
+    val_scenes = make_scenes(d.seed + 3, d.val_scenes, size)
+    val = scene_examples(model, val_scenes, embed, grid, device, every_object=False)
+    log(f"data: {len(still)} still examples, {0 if hard is None else len(hard)} hard, {len(clips)} clips, "
+        f"grid {grid}, query_dim {query_dim} ({time.perf_counter() - t0:.1f}s)")
+
+    start_stage, start_epoch, history = 0, 0, []
+    last = out / "last.safetensors"
+    resumed_tensors = None
+    if resume and last.is_file():
+        resumed_tensors, meta = read_weights(last)
+        load_weights(model, last)
+        start_stage, start_epoch = int(meta["stage"]), int(meta["epoch"]) + 1
+        history = json.loads(meta.get("history", "[]"))
+        log(f"resumed from {last}: stage {start_stage} epoch {start_epoch}")
+
+    for si, stage in enumerate(cfg.stages):
+        if si < start_stage:
+            continue
+        params = select_params(model, stage)
+        opt = torch.optim.Adam(params, lr=stage.lr)
+        first_epoch = start_epoch if si == start_stage else 0
+        if resumed_tensors is not None and si == start_stage and first_epoch > 0:
+            restore_optimizer(opt, resumed_tensors)
+        for epoch in range(first_epoch, stage.epochs):
+            model.train()
+            losses, tensions = [], {}
+            steps = _steps(stage, still, hard, clips, vlm_scenes, cfg.seed, si, epoch)
+            bar = tqdm(steps, desc=f"{stage.name} {epoch + 1}/{stage.epochs}", leave=False, file=sys.stderr,
+                       disable=(not sys.stderr.isatty()) if progress is None else not progress)
+            for kind, data, idx in bar:
+                if kind == "clip":
+                    loss, tensions = clip_loss(model, data, stage.coherence_weight)
+                elif kind == "vlm":
+                    from .train_vlm import vlm_step_loss
+                    loss, tensions = vlm_step_loss(model, vlm, data, idx, embed)
+                else:
+                    loss, tensions = still_loss(model, data, idx, stage.name)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+                bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            row = {"stage": stage.name, "epoch": epoch + 1, "loss": round(float(np.mean(losses)), 5),
+                   "val_token_share": round(validate(model, val), 4), **learned_values(model, tensions)}
+            history.append(row)
+            log(json.dumps(row))
+            save_weights(model, last, {"stage": str(si), "epoch": str(epoch), "history": json.dumps(history)},
+                         extra=optimizer_tensors(opt))
+    meta = {"format": "arr-coc-weights/1", "query_dim": str(query_dim), "grid": json.dumps(list(grid)),
+            "query_encoder": "all-MiniLM-L6-v2" if vlm is None else cfg.vlm,
+            "train_config": json.dumps(_plain(cfg)), "history": json.dumps(history)}
+    final = save_weights(model, out / "model.safetensors", meta)
+    if cfg.export:
+        save_weights(model, cfg.export, meta)
+        log(f"exported {cfg.export}")
+    log(f"done in {time.perf_counter() - t0:.1f}s: {final}")
+    return {"weights": final, "history": history}
+
+
+def _steps(stage: StageConfig, still: Examples, hard: Examples | None, clips: list[ClipData], vlm_scenes: list,
+           seed: int, si: int, epoch: int):
+    if stage.name == "temporal":
+        return [("clip", clips[int(i)], None) for i in _order(len(clips), seed, si, epoch)]
+    data = still
+    if stage.name == "hard":
+        data = _concat(hard, still)
+    if stage.name == "vlm":
+        order = _order(len(vlm_scenes), seed, si, epoch)
+        return [("vlm", vlm_scenes, order[i:i + stage.batch_size]) for i in range(0, len(order), stage.batch_size)]
+    order = _order(len(data), seed, si, epoch)
+    return [("still", data, order[i:i + stage.batch_size]) for i in range(0, len(order), stage.batch_size)]
+
+
+def _concat(a: Examples, b: Examples) -> Examples:
+    n = a.texture.data.shape[0]
+    texture = Texture(*(torch.cat([getattr(a.texture, f), getattr(b.texture, f)])
+                        for f in ("data", "flow", "motion", "residual", "cell_rgb", "has_prev")))
+    L = max(a.query.shape[1], b.query.shape[1])
+    pad = lambda q: F.pad(q, (0, 0, 0, L - q.shape[1]))  # noqa: E731
+    padm = lambda m: F.pad(m, (0, L - m.shape[1]), value=False)  # noqa: E731
+    return Examples(texture, torch.cat([a.scene, b.scene + n]), torch.cat([pad(a.query), pad(b.query)]),
+                    torch.cat([padm(a.query_mask), padm(b.query_mask)]), torch.cat([a.coverage, b.coverage]))
+
+
+@torch.no_grad()
+def validate(model: ARRCOC, val: Examples) -> float:
+    """Mean hard-token share inside the target box on held-out still scenes."""
+    model.eval()
+    _, _, _, allot = still_forward(model, take(val.texture, val.scene), val.query, val.query_mask)
+    model.train()
+    return float(share_inside(allot.tokens.float(), val.coverage).mean())
+
+
+def _plain(cfg) -> dict:
+    from ..configio import to_dict
+    return to_dict(cfg)

@@ -1,0 +1,188 @@
+"""The staged graph: bounded channels, queue policies, error propagation, clean stop."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pipeline.core.graph import Channel, Graph, Policy, Stage, StageError, Workers
+
+
+class Numbers(Stage):
+    name = "numbers"
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        self.n, self.delay = n, delay
+        self.produced = 0
+
+    def produce(self):
+        for i in range(self.n):
+            if self.delay:
+                time.sleep(self.delay)
+            self.produced += 1
+            yield i
+
+
+class Double(Stage):
+    name = "double"
+
+    def process(self, item):
+        if item == "boom":
+            raise ValueError("bad item")
+        return (item * 2,)
+
+    def describe(self, item):
+        return f"item {item}"
+
+
+class Collect(Stage):
+    name = "collect"
+
+    def __init__(self, delay: float = 0.0, fail_on: int | None = None) -> None:
+        self.delay, self.fail_on = delay, fail_on
+        self.items: list = []
+        self.finished = self.closed = False
+
+    def process(self, item):
+        if item == self.fail_on:
+            raise RuntimeError(f"cannot take {item}")
+        if self.delay:
+            time.sleep(self.delay)
+        self.items.append(item)
+        return ()
+
+    def finish(self):
+        self.finished = True
+        return ()
+
+    def close(self):
+        self.closed = True
+
+    def describe(self, item):
+        return f"item {item}"
+
+
+def chain(*stages: Stage, capacity: int = 2, policy: Policy = Policy.BLOCK) -> tuple[Graph, list[Channel]]:
+    g, chans = Graph(), []
+    for a, b in zip(stages, stages[1:]):
+        chans.append(g.add_flow(a, b, Channel(capacity, policy)))
+    return g, chans
+
+
+class TestFlow:
+    def test_items_arrive_in_order_and_finish_runs(self):
+        sink = Collect()
+        g, _ = chain(Numbers(50), Double(), sink)
+        g.run()
+        assert sink.items == [2 * i for i in range(50)]
+        assert sink.finished and sink.closed
+        report = {r["stage"]: r for r in g.report()}
+        assert report["collect"]["items"] == 50 and report["numbers"]["items"] == 50
+
+    def test_block_policy_applies_backpressure(self):
+        # a slow sink must hold the producer back: the queue never exceeds its capacity
+        src, sink = Numbers(40), Collect(delay=0.005)
+        g, chans = chain(src, Double(), sink, capacity=3)
+        g.run()
+        assert len(sink.items) == 40
+        assert all(c.max_depth <= 3 for c in chans)
+        assert all(c.dropped == 0 for c in chans)
+
+    def test_drop_oldest_keeps_newest_and_counts_drops(self):
+        src, sink = Numbers(200), Collect(delay=0.002)
+        g, chans = chain(src, sink, capacity=2, policy=Policy.DROP_OLDEST)
+        g.run()
+        assert chans[0].dropped > 0
+        assert len(sink.items) + chans[0].dropped == 200
+        assert sink.items[-1] == 199                       # the newest item always arrives
+        assert sink.items == sorted(sink.items)
+        assert chans[0].max_depth <= 2
+
+
+class TestFailures:
+    def test_error_names_stage_and_item(self):
+        sink = Collect(fail_on=14)
+        g, _ = chain(Numbers(100), Double(), sink)
+        with pytest.raises(StageError) as info:
+            g.run()
+        assert info.value.stage == "collect"
+        assert "stage 'collect' failed on item 14: RuntimeError: cannot take 14" == str(info.value)
+        assert sink.closed and not sink.finished
+
+    def test_error_in_source_stops_everything(self):
+        class Broken(Numbers):
+            def produce(self):
+                yield 1
+                raise OSError("device unplugged")
+        sink = Collect()
+        g, _ = chain(Broken(0), Double(), sink)
+        with pytest.raises(StageError, match="stage 'numbers' failed.*OSError: device unplugged"):
+            g.run()
+
+    def test_stop_drains_what_was_produced(self):
+        src, sink = Numbers(10_000, delay=0.001), Collect()
+        g, _ = chain(src, Double(), sink)
+        timer = threading.Timer(0.2, g.stop)
+        timer.start()
+        g.run()
+        assert 0 < len(sink.items) == src.produced < 10_000
+        assert sink.finished
+
+    def test_channel_rejects_bad_capacity(self):
+        with pytest.raises(ValueError, match="capacity must be >= 1"):
+            Channel(0)
+
+
+class TestWorkers:
+    def test_jobs_run_at_once_and_threads_are_kept_for_the_next_ones(self):
+        workers = Workers("t")
+        started, release = threading.Barrier(4, timeout=5), threading.Event()
+
+        def job(i):
+            started.wait()                  # all four must be running at the same time
+            release.wait(5)
+            return i, threading.get_ident()
+        first = [workers.submit(job, i) for i in range(3)]
+        started.wait()
+        release.set()
+        idents = {f.result(5)[1] for f in first}
+        assert [f.result()[0] for f in first] == [0, 1, 2] and len(idents) == 3
+        time.sleep(0.05)                    # the threads are idle again
+        again = [workers.submit(lambda: threading.get_ident()) for _ in range(3)]
+        assert {f.result(5) for f in again} <= idents  # no new thread
+        workers.close()
+
+    def test_one_thread_runs_jobs_in_order_and_errors_reach_the_future(self):
+        workers, order = Workers("vlm", max_threads=1), []
+
+        def job(i):
+            time.sleep(0.01)
+            order.append((i, threading.get_ident()))
+            if i == 2:
+                raise ValueError("bad job")
+            return i
+        jobs = [workers.submit(job, i) for i in range(4)]
+        assert [j.exception(5) is None for j in jobs] == [True, True, False, True]
+        with pytest.raises(ValueError, match="bad job"):
+            jobs[2].result()
+        assert [i for i, _ in order] == [0, 1, 2, 3] and len({t for _, t in order}) == 1
+        workers.close()
+
+    def test_rejects_bad_max_threads(self):
+        with pytest.raises(ValueError, match="max_threads"):
+            Workers("x", max_threads=0)
+
+    def test_graphs_run_on_kept_workers_give_the_same_result(self):
+        workers = Workers("stage")
+        for _ in range(3):
+            sink = Collect()
+            g, _ = chain(Numbers(20), Double(), sink)
+            g.run(workers=workers)
+            assert sink.items == [2 * i for i in range(20)] and sink.finished and sink.closed
+        sink = Collect(fail_on=6)
+        g, _ = chain(Numbers(20), Double(), sink)
+        with pytest.raises(StageError, match="cannot take 6"):
+            g.run(workers=workers)
+        assert workers._threads == 3    # one per stage, reused by every run
+        workers.close()

@@ -1,0 +1,305 @@
+"""`python -m pipeline batch` on generated MSR-VTT-format fixtures: one answer per question, resume after
+kill -9, shards, bad inputs; and VLM.answer_questions (one vision pass for all questions of a video)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.commands.cli import main
+from pipeline.runners.evaluate import evaluate
+from sinks import ZarrStore, read_stream, validate_store
+from sources.msrvtt import load_msrvtt, write_fixture
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "live"))
+from live_servers import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+FAST = ["--vlm", "tiny-random", "--device", "cpu", "--set", "vlm.max_new_tokens=2", "--no-progress"]
+
+
+def fixture(root: Path, layout: str = "msrvtt-qa", videos: int = 3, questions: int = 2, seconds: float = 1.0):
+    return write_fixture(root, layout=layout, videos=videos, questions_per_video=questions, seconds=seconds,
+                         height=64, width=96, fps=10)
+
+
+def batch(capsys, *args: str) -> tuple[int, dict | None, str]:
+    code = main(["batch", "--dataset", "msrvtt", *args])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out.strip().splitlines()[-1]) if code == 0 else None), err
+
+
+def stored_answers(out: Path) -> dict[str, list[tuple[str, str]]]:
+    store = ZarrStore.open(out, mode="r")
+    result = {}
+    for sid in store.stream_ids():
+        a = read_stream(out, sid)["answers"]
+        result[sid] = list(zip(a["question"].tolist(), a["text"].tolist()))
+    return result
+
+
+class TestWholeFlow:
+    @pytest.mark.parametrize("layout", ["msrvtt-qa", "zero-shot"])
+    def test_one_answer_per_question_and_a_score(self, capsys, tmp_path, layout):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        written = fixture(root, layout)
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0, err
+        assert summary["done"] == 3 and summary["answered"] == 6 and summary["missing"] == 0
+        # where a video's time went: every stage of its graph, busy for part of the video's wall time
+        busy = summary["stage_busy_per_video_s"]
+        assert list(busy) == ["decode", "texture", "realize", "vlm", "sink"]
+        assert all(v > 0 for v in busy.values()) and max(busy.values()) <= summary["seconds_per_video"]
+        assert validate_store(out) == []
+        answers = stored_answers(out)
+        assert sorted(answers) == ["video7010", "video7011", "video7012"]
+        for vid, rows in answers.items():
+            want = [q.question for q in written if q.video_id == vid]
+            assert [q for q, _ in rows] == want
+            data = read_stream(out, vid)
+            assert data["attrs"]["complete"] is True and len(data["pts"]) == 10
+            assert data["attrs"]["query"] == "\n".join(want)  # ARR-COC attended to all the video's questions
+            kept, full = data["answers"]["tokens_kept"], data["answers"]["tokens_full"]
+            assert len(set(kept.tolist())) == 1 and len(set(full.tolist())) == 1  # one set of vision tokens
+            assert 0 < kept[0] < full[0]
+        code = main(["eval", str(out), "--dataset", "msrvtt", "--root", str(root)])
+        printed = capsys.readouterr().out
+        assert code == 0 and "over 6 of 6 questions" in printed
+        report = json.loads(out.with_name("out.zarr.eval.json").read_text())
+        assert report["answered"] == 6 and report["duplicates"] == 0 and 0 <= report["accuracy"] <= 1
+        assert 0 < report["tokens"]["kept_over_full"] < 1
+
+    def test_store_at_an_fsspec_url(self, capsys, tmp_path, monkeypatch):
+        """--out an fsspec URL (fsspec's in-memory filesystem here; s3://, gs://... alike): the same
+        answers, a rerun skips what is complete, eval reads it and writes its report locally."""
+        import uuid
+
+        import fsspec
+
+        root, url = tmp_path / "ds", f"memory://arrcoc-batch-{uuid.uuid4().hex}/out.zarr"
+        fixture(root)
+        try:
+            code, summary, err = batch(capsys, "--root", str(root), "--out", url, *FAST)
+            assert code == 0 and summary["done"] == 3 and summary["out"] == url, err
+            assert validate_store(url) == [] and sorted(stored_answers(url)) == ["video7010", "video7011", "video7012"]
+            code, summary, err = batch(capsys, "--root", str(root), "--out", url, *FAST)
+            assert code == 0 and summary["skipped_complete"] == 3 and summary["done"] == 0, err
+            monkeypatch.chdir(tmp_path)
+            assert main(["eval", url, "--dataset", "msrvtt", "--root", str(root)]) == 0
+            assert "over 6 of 6 questions" in capsys.readouterr().out
+            assert json.loads((tmp_path / "out.zarr.eval.json").read_text())["answered"] == 6
+        finally:
+            fs = fsspec.filesystem("memory")
+            bucket = url.removeprefix("memory://").split("/")[0]
+            if fs.exists(f"/{bucket}"):
+                fs.rm(f"/{bucket}", recursive=True)
+
+    def test_stock_tokens_send_every_token(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=1)
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), "--stock-tokens", *FAST)
+        assert code == 0, err
+        a = read_stream(out, "video7010")["answers"]
+        assert (a["tokens_kept"] == a["tokens_full"]).all() and a["tokens_full"][0] > 0
+
+    def test_progress_bar_counts_videos_and_questions(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=3, seconds=0.6)
+        args = [a for a in FAST if a != "--no-progress"]
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), "--progress", *args)
+        assert code == 0, err
+        assert "batch: 100%" in err and "2/2" in err and "questions=6" in err
+
+    def test_shards_partition_limit_and_rerun_skips(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=4, questions=1, seconds=0.6)
+        code, s0, err = batch(capsys, "--root", str(root), "--out", str(out), "--limit", "3", "--shard", "0/2", *FAST)
+        assert code == 0, err
+        code, s1, err = batch(capsys, "--root", str(root), "--out", str(out), "--limit", "3", "--shard", "1/2", *FAST)
+        assert code == 0, err
+        assert (s0["done"], s1["done"]) == (2, 1)
+        assert sorted(stored_answers(out)) == ["video7010", "video7011", "video7012"]  # the limit held
+        code, again, err = batch(capsys, "--root", str(root), "--out", str(out), "--limit", "3", *FAST)
+        assert code == 0 and again["done"] == 0 and again["skipped_complete"] == 3
+
+
+    def test_videos_in_flight_give_the_same_results_as_one_at_a_time(self, capsys, tmp_path):
+        root = tmp_path / "ds"
+        fixture(root, videos=4, questions=2, seconds=0.6)
+        stores = {}
+        for n in (1, 3):
+            stores[n] = tmp_path / f"in_flight_{n}.zarr"
+            code, summary, err = batch(capsys, "--root", str(root), "--out", str(stores[n]), "--in-flight", str(n),
+                                       *FAST)
+            assert code == 0 and summary["done"] == 4, err
+        assert stored_answers(stores[1]) == stored_answers(stores[3])
+        for vid in stored_answers(stores[1]):
+            one, three = read_stream(stores[1], vid), read_stream(stores[3], vid)
+            np.testing.assert_array_equal(one["tokens"], three["tokens"])      # the same allocations
+            np.testing.assert_array_equal(one["answers"]["tokens_kept"], three["answers"]["tokens_kept"])
+
+    def test_in_flight_must_be_positive(self, capsys, tmp_path):
+        root = tmp_path / "ds"
+        fixture(root, videos=1, questions=1, seconds=0.6)
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), "--in-flight", "0", *FAST)
+        assert code == 2 and "--in-flight must be >= 1, got 0" in err and "Traceback" not in err
+
+
+class TestResume:
+    def test_kill_9_mid_run_then_resume_answers_each_question_once(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        written = fixture(root, videos=5, questions=2, seconds=2.5)
+        proc = start_batch(root, out)
+        try:
+            wait_mid_run(proc, out, "killed")
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        store = ZarrStore.open(out, mode="r")
+        complete = [s for s in store.stream_ids() if store.is_complete(s)]
+        assert 1 <= len(complete) < 5 and len(store.stream_ids()) > len(complete)  # really mid-run
+        resume_answers_each_question_once(capsys, root, out, written, complete)
+        assert validate_store(out) == []
+
+    def test_sigterm_with_videos_in_flight_exits_130_and_resume_answers_each_once(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        written = fixture(root, videos=6, questions=2, seconds=1.5)
+        proc = start_batch(root, out, "--in-flight", "3")
+        try:
+            wait_mid_run(proc, out, "stopped")
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+            err = proc.stderr.read().decode()
+        finally:
+            proc.kill()
+            proc.wait()
+        assert code == 130, err
+        assert "Traceback" not in err
+        assert validate_store(out) == []                       # the videos in flight were closed cleanly
+        store = ZarrStore.open(out, mode="r")
+        complete = [s for s in store.stream_ids() if store.is_complete(s)]
+        assert 1 <= len(complete) < 6
+        resume_answers_each_question_once(capsys, root, out, written, complete)
+
+
+def start_batch(root: Path, out: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+           "--out", str(out), *args, *FAST]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_mid_run(proc: subprocess.Popen, out: Path, what: str) -> None:
+    """Until one video is complete and another one's group is being written."""
+    streams, deadline = out / "streams", time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        groups = [p for p in streams.glob("video*") if (p / "zarr.json").is_file()] if streams.is_dir() else []
+        done = [group_complete(p) for p in groups]
+        if any(done) and not all(done):
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, f"batch ended before it could be {what}: {proc.stderr.read().decode()}"
+
+
+def resume_answers_each_question_once(capsys, root: Path, out: Path, written, complete: list[str]) -> None:
+    """A re-run skips the complete videos, does the rest, and every question has exactly one answer."""
+    videos = len({q.video_id for q in written})
+    code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+    assert code == 0, err
+    assert summary["skipped_complete"] == len(complete) and summary["done"] == videos - len(complete)
+    report = evaluate(out, load_msrvtt(root))
+    assert report.duplicates == 0 and report.unmatched == 0 and report.videos_incomplete == 0
+    assert sorted(p.question.question_id for p in report.predictions) == sorted(q.question_id for q in written)
+
+
+def group_complete(group: Path) -> bool:
+    try:
+        return json.loads((group / "zarr.json").read_text())["attributes"].get("complete") is True
+    except (OSError, ValueError, KeyError):  # being renamed into place, or half written
+        return False
+
+
+class TestBadInputs:
+    def test_missing_video_is_reported_and_skipped(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=1, seconds=0.6)
+        (root / "videos/all/video7010.mp4").unlink()
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0
+        assert "skipped video7010: video file of video7010 not found" in err
+        assert summary["missing"] == 1 and summary["done"] == 1
+
+    def test_corrupt_video_is_reported_and_skipped(self, capsys, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=1, seconds=0.6)
+        (root / "videos/all/video7011.mp4").write_bytes(np.random.default_rng(0).bytes(5000))
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0 and summary["failed"] == 1 and summary["done"] == 1
+        assert "skipped video7011" in err and "video7011.mp4" in err
+
+    @pytest.mark.parametrize("args, message", [
+        (["--split", "dev"], "unknown split 'dev'; allowed: train, val, test"),
+        (["--shard", "2/2"], "--shard must be i/n with integers 0 <= i < n, got '2/2'"),
+        (["--limit", "0"], "--limit must be >= 1, got 0"),
+        (["--videos-per-task", "4"], "--videos-per-task is for --ray runs (actor calls); the local path streams its videos"),
+    ])
+    def test_bad_options(self, capsys, tmp_path, args, message):
+        root = tmp_path / "ds"
+        fixture(root, videos=1, questions=1, seconds=0.4)
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), *args, *FAST)
+        assert code == 2 and err.strip() == f"error: {message}"
+
+    def test_unreachable_ray_cluster_is_one_line_at_once(self, capsys, tmp_path):
+        pytest.importorskip("ray")
+        root, port = tmp_path / "ds", free_port()             # nothing listens there
+        fixture(root, videos=1, questions=1, seconds=0.4)
+        started = time.monotonic()
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), "--ray",
+                             f"127.0.0.1:{port}", *FAST)
+        assert code == 2 and err.strip() == f"error: cannot connect to the Ray cluster at --ray 127.0.0.1:{port}: " \
+            "Connection refused"
+        assert time.monotonic() - started < 30                # ray.init alone retried this for minutes
+
+    def test_malformed_json_is_named(self, capsys, tmp_path):
+        (tmp_path / "test_qa.json").write_text("[{")
+        code, _, err = batch(capsys, "--root", str(tmp_path), "--out", str(tmp_path / "o.zarr"), *FAST)
+        assert code == 2 and err.startswith("error: ") and "test_qa.json is not valid JSON" in err
+
+    def test_needs_a_vlm(self, capsys, tmp_path):
+        fixture(tmp_path, videos=1, questions=1, seconds=0.4)
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(tmp_path), "--out", str(tmp_path / "o.zarr"),
+                     "--device", "cpu"])
+        assert code == 2 and "needs a VLM" in capsys.readouterr().err
+
+
+class TestAnswerQuestions:
+    def test_one_vision_pass_matches_separate_requests(self, monkeypatch):
+        from pipeline.vlm import AnswerRequest, VLMConfig
+        from pipeline.vlm.loading import build_tiny_vlm
+
+        vlm = build_tiny_vlm(config=VLMConfig(max_new_tokens=4))
+        rng = np.random.default_rng(0)
+        frames = rng.integers(0, 255, (4, 56, 84, 3), dtype=np.uint8)
+        gh, gw = vlm.geometry.grid(56, 84)
+        keep = (rng.random((4, gh, gw)) < 0.5).astype(np.int8)
+        keep[:, 0, 0] = 1
+        questions = ["what is red?", "who moves?", "how many squares are there?"]
+        separate = vlm.answer([AnswerRequest("v", frames, keep, q, 0.0, 1.0) for q in questions])
+        calls = []
+        original = vlm._merged_tokens
+        monkeypatch.setattr(vlm, "_merged_tokens", lambda videos: calls.append(len(videos)) or original(videos))
+        together = vlm.answer_questions(frames, keep, questions)
+        chunked = vlm.answer_questions(frames, keep, questions, max_batch=2)
+        assert calls == [1, 1]  # one video through the vision tower per call, whatever the question count
+        assert [r.text for r in together] == [r.text for r in separate] == [r.text for r in chunked]
+        assert [(r.tokens_kept, r.tokens_full) for r in together] == [(r.tokens_kept, r.tokens_full) for r in separate]
+        assert together[0].tokens_kept < together[0].tokens_full
+        assert vlm.answer_questions(frames, None, questions[:1])[0].tokens_kept == together[0].tokens_full
+        assert vlm.answer_questions(frames, keep, []) == []

@@ -1,0 +1,268 @@
+"""`python -m pipeline live` end to end: RTSP on loopback (allocations, reconnect gap, two sources),
+overload (drops rise, latency and memory stay flat), answers from the tiny VLM, and the CLI's errors
+and SIGTERM."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.commands.cli import main
+from pipeline.config import PipelineConfig, RuntimeConfig
+from pipeline.core.live_stages import LiveOptions
+from pipeline.runners.live import run_live
+from sinks import read_stream, validate_store
+from sources.live import LiveConfig
+from sources.synthetic import Shot, render_clip, write_video
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "live"))
+from live_servers import free_port, rtsp_or_skip  # noqa: E402
+
+FAST = LiveConfig(open_timeout_s=2.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.4)
+CUTS = [Shot("moving_object", 25, speed=2.0), Shot("pan", 25, speed=1.0), Shot("fast_object", 25, speed=3.0)]
+
+
+# These tests check the live plumbing, not trained relevance: the model's initial values will do
+# (and need no weights file).
+UNTRAINED = {"model_weights": "none"} if "model_weights" in {f.name for f in dataclasses.fields(RuntimeConfig)} else {}
+
+
+def cfg(**runtime) -> PipelineConfig:
+    return PipelineConfig(runtime=RuntimeConfig(device="cpu", **{"batch_size": 4, **UNTRAINED, **runtime}))
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    d = tmp_path_factory.mktemp("live_videos")
+    return {
+        "cuts": write_video(d / "cuts.mp4", render_clip(CUTS, height=120, width=160, seed=3).frames, fps=25),
+        "big": write_video(d / "big.mp4", render_clip([Shot("moving_object", 125, speed=1.0)], height=360,
+                                                      width=640, seed=4).frames, fps=25),
+    }
+
+
+def when(predicate, then, timeout_s: float = 60.0) -> threading.Thread:
+    """Run `then()` in a thread once predicate() holds (polled)."""
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not predicate():
+            time.sleep(0.02)
+        then()
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class TestRTSP:
+    def test_allocations_and_a_reconnect_gap(self, tmp_path):
+        server = rtsp_or_skip(fps=15)
+        graphs, stop, events = [], threading.Event(), {}
+        frames_out = lambda: graphs and graphs[0].stages[-1].counters[sid].frames_out  # noqa: E731
+        sid = f"127.0.0.1_{server.port}_cam"
+
+        def outage():
+            server.kill()
+            events["killed"] = time.monotonic()
+            time.sleep(1.5)
+            server.start()
+            events["back"] = server.ready_at
+            n = frames_out()
+            when(lambda: frames_out() >= n + 30, stop.set)   # let 2 s of new frames through, then stop
+
+        try:
+            when(lambda: frames_out() and frames_out() >= 20, outage)
+            result = run_live([server.url()], "where is the ball?", tmp_path / "o.zarr", cfg(), live=FAST,
+                              options=LiveOptions(duration_s=60), stop=stop, on_graph=graphs.append,
+                              status_out=io.StringIO())
+        finally:
+            server.stop()
+        assert validate_store(tmp_path / "o.zarr") == []
+        data = read_stream(tmp_path / "o.zarr", sid)
+        assert result.complete and data["attrs"]["complete"] is True and result.errors == []
+        assert len(data["pts"]) >= 50 and np.all(np.diff(data["pts"]) > 0)
+        assert data["tokens"].shape[1:] == tuple(result.grid) and data["tokens"].sum() > 0
+        assert data["attrs"]["source"] == server.url() and data["attrs"]["width"] == 160
+        gaps = data["gaps"]
+        assert len(gaps["start_pts"]) == 1 and result.streams[sid]["reconnects"] == 1
+        start, end = gaps["start_pts"][0], gaps["end_pts"][0]
+        assert gaps["end_wall"][0] - gaps["start_wall"][0] >= 1.4
+        assert gaps["end_wall"][0] - (time.time() - time.monotonic() + events["back"]) < 2.0  # back within 2 s
+        # the last frame before the outage and the first after it are both stored
+        i = int(np.flatnonzero(data["pts"] == start)[0])
+        assert data["pts"][i + 1] == end
+        assert data["scene_change"][i + 1]           # a new fixation after the reconnect
+        assert not data["pts"][(data["pts"] > start) & (data["pts"] < end)].size
+
+    def test_two_sources_share_the_graph(self, tmp_path):
+        server = rtsp_or_skip(mounts=("a", "b"), fps=15)
+        try:
+            result = run_live([server.url("a"), server.url("b")], "q", tmp_path / "o.zarr", cfg(), live=FAST,
+                              options=LiveOptions(duration_s=4), status_out=io.StringIO())
+        finally:
+            server.stop()
+        assert validate_store(tmp_path / "o.zarr") == []
+        assert sorted(result.stream_ids) == sorted([f"127.0.0.1_{server.port}_a", f"127.0.0.1_{server.port}_b"])
+        for sid in result.stream_ids:
+            data = read_stream(tmp_path / "o.zarr", sid)
+            assert len(data["pts"]) >= 15, (sid, len(data["pts"]))
+            assert result.streams[sid]["frames_out"] == len(data["pts"])
+
+
+class TestOverload:
+    def test_drops_rise_instead_of_latency_or_memory(self, tmp_path, videos):
+        samples, stop = [], threading.Event()
+
+        def sample():
+            while not stop.wait(0.25):
+                samples.append((time.monotonic(), rss_mb()))
+        threading.Thread(target=sample, daemon=True).start()
+        status = io.StringIO()
+        try:
+            result = run_live([str(videos["big"])], "q", tmp_path / "o.zarr", cfg(batch_size=2),
+                              live=LiveConfig(realtime=True, buffer_frames=4),
+                              options=LiveOptions(metrics_every_s=1.0), slow_stage_s=0.4, status_out=status)
+        finally:
+            stop.set()
+        s = result.streams["big"]
+        assert s["frames_in"] == 125
+        assert s["dropped"] >= 60 and s["frames_out"] + s["dropped"] == s["frames_in"]
+        # latency is bounded by what the buffers hold, not by how far behind the slow stage is
+        assert s["frame_latency_p95_s"] < 2.5, s
+        metrics = [json.loads(line)["metrics"]["streams"]["big"] for line in status.getvalue().splitlines()]
+        drops = [m["dropped"] for m in metrics]
+        assert len(metrics) >= 3 and drops == sorted(drops) and drops[-1] > drops[0]
+        # 125 frames of 640x360 are 86 MB: keeping them would show; a bounded buffer does not grow
+        t0 = samples[0][0]
+        early = max(mb for t, mb in samples if t - t0 < 1.5)
+        late = max(mb for t, mb in samples if t - t0 >= samples[-1][0] - t0 - 1.5)
+        assert late - early < 40, (early, late)
+        assert validate_store(tmp_path / "o.zarr") == []
+
+
+class TestAnswers:
+    def test_every_window_is_answered_and_streamed(self, tmp_path, videos):
+        out = io.StringIO()
+        result = run_live([str(videos["cuts"])], "what moves?", tmp_path / "o.zarr", cfg(vlm="tiny-random"),
+                          live=LiveConfig(realtime=True, buffer_frames=32), options=LiveOptions(every_s=1.0),
+                          answers_out=out, status_out=io.StringIO())
+        lines = [json.loads(line) for line in out.getvalue().splitlines()]
+        data = read_stream(tmp_path / "o.zarr", "cuts")
+        answers = data["answers"]
+        assert len(lines) == len(answers["text"]) == len(result.answers) >= 2
+        assert {"stream", "t_start", "t_end", "question", "text", "tokens_kept", "tokens_full", "latency_s"} <= set(lines[0])
+        assert all(line["stream"] == "cuts" and line["question"] == "what moves?" for line in lines)
+        assert np.all(answers["t_end"] - answers["t_start"] <= 1.0 + 1e-6)
+        assert np.all(np.diff(answers["t_end"]) >= 0.9)          # one per --every
+        assert np.all((answers["latency_s"] > 0) & (answers["latency_s"] < 10))
+        assert np.all(answers["tokens_kept"] <= answers["tokens_full"])
+        assert data["attrs"]["complete"] is True and validate_store(tmp_path / "o.zarr") == []
+
+    def test_on_scene_change(self, tmp_path, videos):
+        out = io.StringIO()
+        run_live([str(videos["cuts"])], "what changed?", tmp_path / "o.zarr", cfg(vlm="tiny-random"),
+                 live=LiveConfig(realtime=True, buffer_frames=32),
+                 options=LiveOptions(every_s=1.0, on_scene_change=True), answers_out=out, status_out=io.StringIO())
+        data = read_stream(tmp_path / "o.zarr", "cuts")
+        cuts = data["pts"][data["scene_change"]][1:]        # the stream's first frame is not a change
+        assert len(cuts) >= 1
+        ends = data["answers"]["t_end"]
+        assert len(ends) == len(cuts) and np.allclose(ends, cuts)
+
+
+def test_scene_change_answers_skip_the_streams_first_frame_whatever_its_index():
+    """In realtime mode the first frames can be dropped before ARR-COC sees any: the first frame
+    that arrives (here index 3) opens the stream and is flagged as a change, but is not a cut to
+    answer; a later flagged frame is."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.core.live_stages import LiveVLMStage
+    from pipeline.core.stages import AllocationBatch, FrameBatch
+    from pipeline.vlm.model import AnswerResult
+    from sources.frame import Frame
+
+    asked = []
+
+    class Batcher:
+        def submit(self, request):
+            asked.append((request.t_start, request.t_end))
+            future = Future()
+            future.set_result(AnswerResult(text="a", tokens_kept=1, tokens_full=4, latency_s=0.01))
+            return future
+
+    stage = LiveVLMStage(Batcher(), "what changed?", LiveOptions(every_s=1.0, on_scene_change=True))
+    indices, cuts = [3, 4, 5, 6, 7], [True, False, False, True, False]
+    frames = [Frame("s", i, i / 10, np.zeros((8, 8, 3), np.uint8)) for i in indices]
+    allocation = SimpleNamespace(lod=torch.ones(5, 2, 2, dtype=torch.int8), scene_change=torch.tensor(cuts))
+    item = AllocationBatch(FrameBatch("s", frames, torch.zeros(5, 8, 8, 3, dtype=torch.uint8)), allocation, None)
+    out = list(stage.process(item)) + list(stage.finish())
+    answers = [x for x in out if not isinstance(x, AllocationBatch)]
+    assert asked == [(0.3, 0.6)] and [(a.t_start, a.t_end) for a in answers] == [(0.3, 0.6)]
+
+
+class TestCLI:
+    def run(self, capsys, *args):
+        code = main(["live", *args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    @pytest.mark.parametrize("source, message", [
+        ("/dev/video97", "error: /dev/video97: cannot open the camera"),
+        ("rtsp://127.0.0.1:{port}/cam", "error: rtsp://127.0.0.1:{port}/cam: cannot open the stream"),
+        ("{file}", "--realtime"),
+    ])
+    def test_bad_sources_are_one_line(self, capsys, tmp_path, videos, source, message):
+        port = free_port()
+        source = source.format(port=port, file=videos["cuts"])
+        code, out, err = self.run(capsys, source, "--query", "q", "--out", str(tmp_path / "o.zarr"), "--timeout", "1")
+        assert code == 2 and out == ""
+        assert len(err.strip().splitlines()) == 1 and message.format(port=port) in err
+        assert not (tmp_path / "o.zarr").exists()
+
+    @pytest.mark.parametrize("option, message", [
+        (["--duration", "-1"], "--duration=-1.0 is out of range; allowed: (0.0, inf)"),
+        (["--metrics-every", "0"], "--metrics-every=0.0 is out of range; allowed: (0.0, inf)"),
+        (["--buffer", "0"], "live.buffer_frames=0 is out of range; allowed: [1, 10000]"),
+    ])
+    def test_bad_options_name_the_option(self, capsys, tmp_path, videos, option, message):
+        code, out, err = self.run(capsys, str(videos["cuts"]), "--realtime", "--query", "q",
+                                  "--out", str(tmp_path / "o.zarr"), *option)
+        assert code == 2 and out == "" and err.strip() == f"error: {message}"
+        assert not (tmp_path / "o.zarr").exists()
+
+    def test_sigterm_ends_cleanly(self, capsys, tmp_path, videos):
+        store = tmp_path / "o.zarr"
+
+        def frames_committed():
+            try:
+                return json.loads((store / "streams/cuts/zarr.json").read_text())["attributes"]["frames"] > 0
+            except (OSError, ValueError, KeyError):
+                return False
+        when(frames_committed, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            code, out, err = self.run(capsys, str(videos["cuts"]), "--realtime", "--query", "q", "--out", str(store),
+                                      "--device", "cpu", "--set", "output.chunk_frames=4", "--set", "runtime.batch_size=4",
+                                      *[f"--set=runtime.{k}={v}" for k, v in UNTRAINED.items()])
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        assert code == 130 and "interrupted" in err
+        assert validate_store(store) == []
+        data = read_stream(store, "cuts")
+        assert data["attrs"]["complete"] is False and 4 <= len(data["pts"]) < 75

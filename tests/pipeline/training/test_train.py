@@ -1,0 +1,166 @@
+"""Training: the loss goes down, checkpoints round-trip and resume exactly, the VLM answer loss
+reaches ARR-COC and nothing else, and the default weights load (or refuse) as documented."""
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from arr_coc._validate import ConfigError
+from arr_coc.model import ARRCOC
+from pipeline.configio import load_config
+from pipeline.training.train import TrainConfig, train
+from pipeline.core.weights import DEFAULT_WEIGHTS, load_default, load_weights, save_weights
+
+TINY = ["data.scenes=12", "data.hard_scenes=4", "data.clips=1", "data.clip_shots=2", "data.size=112", "data.val_scenes=4",
+        "export=null"]
+
+
+def tiny_cfg(tmp_path, stages: str, *extra: str) -> TrainConfig:
+    return load_config(TrainConfig, "configs/train_default.yaml",
+                       [*TINY, f"out_dir={tmp_path}", f"stages={stages}", *extra])
+
+
+@pytest.fixture(scope="module")
+def grounding_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    cfg = tiny_cfg(out, "[{name: grounding, epochs: 4, lr: 0.01, batch_size: 8}]")
+    return out, train(cfg, log=lambda s: None)
+
+
+class TestTraining:
+    def test_loss_decreases(self, grounding_run):
+        losses = [row["loss"] for row in grounding_run[1]["history"]]
+        assert len(losses) == 4
+        assert losses[-1] < 0.9 * losses[0], losses
+
+    def test_logs_the_seed_checklist(self, grounding_run):
+        row = grounding_run[1]["history"][-1]
+        for key in ("tension_compress", "tension_exploit", "tension_focus", "steepness", "decay", "motion_boost"):
+            assert key in row and np.isfinite(row[key])
+
+    def test_resume_reproduces_the_uninterrupted_run(self, grounding_run, tmp_path):
+        full_dir, _ = grounding_run
+        stages = "[{name: grounding, epochs: %d, lr: 0.01, batch_size: 8}]"
+        train(tiny_cfg(tmp_path, stages % 2), log=lambda s: None)  # "interrupted" after 2 epochs
+        result = train(tiny_cfg(tmp_path, stages % 4), resume=True, log=lambda s: None)
+        a = ARRCOC(query_dim=384)
+        b = ARRCOC(query_dim=384)
+        load_weights(a, full_dir / "model.safetensors")
+        load_weights(b, result["weights"])
+        for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(va, vb), k
+        assert [r["epoch"] for r in result["history"]] == [1, 2, 3, 4]
+
+    def test_every_stage_runs_and_the_temporal_stage_moves_decay(self, tmp_path):
+        stages = ("[{name: static, epochs: 1, batch_size: 16}, {name: temporal, epochs: 2, lr: 0.05, batch_size: 1, "
+                  "params: [realizer]}, {name: hard, epochs: 1, batch_size: 16}]")
+        history = train(tiny_cfg(tmp_path, stages), log=lambda s: None)["history"]
+        assert [r["stage"] for r in history] == ["static", "temporal", "temporal", "hard"]
+        assert history[2]["decay"] != 0.5 or history[2]["motion_boost"] != pytest.approx(0.3, abs=1e-6)
+
+
+class TestCheckpoint:
+    def test_round_trip(self, tmp_path):
+        torch.manual_seed(1)
+        a = ARRCOC(query_dim=16)
+        with torch.no_grad():
+            for p in a.parameters():
+                p.add_(torch.randn_like(p))
+        path = save_weights(a, tmp_path / "w.safetensors", {"note": "x"})
+        b = ARRCOC(query_dim=16)
+        assert load_weights(b, path) == []
+        for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(va, vb), k
+
+    def test_shape_mismatch_is_a_clear_error(self, tmp_path):
+        path = save_weights(ARRCOC(query_dim=16), tmp_path / "w.safetensors")
+        with pytest.raises(ConfigError, match=r"shape mismatches \(first: balancer.policy.0.weight is \(64, 25\) in the file, \(64, 41\) in the model\)"):
+            load_weights(ARRCOC(query_dim=32), path)
+
+    def test_partial_keeps_only_misfits_at_init(self, tmp_path):
+        src = ARRCOC(query_dim=16)
+        with torch.no_grad():
+            src.realizer.decay_logit.fill_(2.0)
+        path = save_weights(src, tmp_path / "w.safetensors")
+        dst = ARRCOC(query_dim=32)
+        skipped = load_weights(dst, path, partial=True)
+        assert skipped and all(k.startswith(("knowing.participatory.project", "balancer.")) for k in skipped)
+        assert dst.realizer.decay_logit.item() == 2.0
+
+    def test_bad_path(self, tmp_path):
+        with pytest.raises(ConfigError, match="no such file"):
+            load_default(ARRCOC(query_dim=384), str(tmp_path / "missing.safetensors"))
+
+
+@pytest.mark.skipif(not DEFAULT_WEIGHTS.is_file(), reason="the shipped checkpoint is not built yet")
+class TestShippedDefault:
+    def test_default_is_trained_and_loads_strictly_for_minilm(self):
+        m = ARRCOC(query_dim=384)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert load_default(m, "default") == []
+        assert not torch.equal(m.state_dict()["knowing.participatory.log_scale"],
+                               ARRCOC(query_dim=384).state_dict()["knowing.participatory.log_scale"])
+
+    def test_other_query_width_warns(self):
+        with pytest.warns(UserWarning, match="keep their untrained initial values"):
+            skipped = load_default(ARRCOC(query_dim=64), "default")
+        assert skipped
+
+    def test_build_model_uses_it(self):
+        from pipeline.config import PipelineConfig
+        from pipeline.core.setup import build_model
+        trained = build_model(PipelineConfig(), 384, torch.device("cpu"))
+        none = load_config(PipelineConfig, None, ["runtime.model_weights=none"])
+        untrained = build_model(none, 384, torch.device("cpu"))
+        assert float(trained.realizer.decay) != pytest.approx(float(untrained.realizer.decay), abs=1e-6) or \
+            not torch.equal(trained.balancer.mix_logits, untrained.balancer.mix_logits)
+
+
+class TestVLMFineTune:
+    def test_one_step_reaches_arr_coc_and_not_the_vlm(self):
+        from pipeline.training.train_vlm import answer_loss, where_answer
+        from pipeline.vlm.loading import build_tiny_vlm
+        from sources.scenes import make_scene
+
+        vlm = build_tiny_vlm("qwen2_vl")
+        for p in vlm.model.parameters():
+            p.requires_grad_(False)
+        scene = make_scene(3, size=(112, 112))
+        target = scene.objects[scene.target]
+        question = f"where is the {target.color} {target.shape}?"
+        query = vlm.text_embeddings(question).float()
+        model = ARRCOC(query_dim=query.shape[-1])
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        vlm_before = {k: v.clone() for k, v in vlm.model.state_dict().items()}
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        loss, _ = answer_loss(vlm, model, np.stack([scene.image] * 2), question,
+                              where_answer(target.box, (112, 112)), query)
+        assert torch.isfinite(loss)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        reached = [n for n, g in grads.items() if g is not None and g.abs().sum() > 0]
+        for name in ("knowing.participatory.project.0.weight", "balancer.mix_logits", "allocator.offset"):
+            assert name in reached, (name, reached)
+        assert all(p.grad is None for p in vlm.model.parameters())
+        opt.step()
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert all(torch.equal(vlm_before[k], v) for k, v in vlm.model.state_dict().items())
+
+    def test_where_answer(self):
+        from pipeline.training.train_vlm import soft_keep, where_answer
+        assert where_answer((0, 0, 10, 10), (90, 90)) == "top left"
+        assert where_answer((40, 40, 50, 50), (90, 90)) == "center"
+        keep = soft_keep(torch.tensor([[[0.2]], [[0.6]], [[3.0]]]), 2)
+        assert keep.flatten().tolist() == pytest.approx([0.4, 1.0])
+
+
+def test_train_cli_writes_weights(tmp_path, capsys):
+    from pipeline.commands.cli import main
+    rc = main(["train", "--config", "configs/train_default.yaml", "--no-progress", *sum((["--set", s] for s in TINY), []),
+               "--set", f"out_dir={tmp_path}", "--set", "stages=[{name: grounding, epochs: 1, batch_size: 16}]"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (tmp_path / "model.safetensors").is_file() and out["final"]["stage"] == "grounding"

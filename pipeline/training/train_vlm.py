@@ -65,13 +65,13 @@ def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: s
     target = torch.tensor(vlm.tokenizer(answer + "<|im_end|>").input_ids, device=device)  # (A,)
     v0 = int((ids == vlm.video_token_id).nonzero()[0])
     with torch.no_grad():
-        text = vlm._lm.embed_tokens(torch.cat([ids, target[:-1]])).float()  # (L_full + A - 1, D)
+        text = vlm.lm.embed_tokens(torch.cat([ids, target[:-1]])).float()  # (L_full + A - 1, D)
     L = ids.shape[0]
     embeds = torch.cat([text[:v0], visual, text[v0 + n_full:]]).to(vlm.dtype)  # (L_full + A - 1, D)
     next_pos = int(positions.max()) + 1
     answer_pos = (next_pos + torch.arange(target.numel() - 1, device=device)).expand(3, -1)
     pos = torch.cat([positions, answer_pos], 1)[:, None]                   # (3, 1, L + A - 1)
-    hidden = vlm._lm_step(embeds[None], None, pos, None)[0, L - 1:]        # (A, D) predicts each answer token
+    hidden = vlm.lm_step(embeds[None], None, pos, None)[0, L - 1:]        # (A, D) predicts each answer token
     logits = vlm.model.lm_head(hidden).float()                             # (A, V)
     return F.cross_entropy(logits, target), allocation.tensions
 

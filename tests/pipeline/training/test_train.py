@@ -121,7 +121,8 @@ class TestShippedDefault:
 
 class TestVLMFineTune:
     def test_one_step_reaches_arr_coc_and_not_the_vlm(self):
-        from pipeline.training.train_vlm import answer_loss, where_answer
+        from pipeline.training.train_vlm import answer_loss
+        from sources.synth_qa import where_answer
         from pipeline.vlm.loading import build_tiny_vlm
         from sources.scenes import make_scene
 
@@ -150,7 +151,8 @@ class TestVLMFineTune:
         assert all(torch.equal(vlm_before[k], v) for k, v in vlm.model.state_dict().items())
 
     def test_where_answer(self):
-        from pipeline.training.train_vlm import soft_keep, where_answer
+        from arr_coc.lod import pair_soft as soft_keep
+        from sources.synth_qa import where_answer
         assert where_answer((0, 0, 10, 10), (90, 90)) == "top left"
         assert where_answer((40, 40, 50, 50), (90, 90)) == "center"
         keep = soft_keep(torch.tensor([[[0.2]], [[0.6]], [[3.0]]]), 2)

@@ -1,7 +1,9 @@
-"""Output sinks: the zarr store (public schema) and the homunculus overlay video / contact sheet."""
+"""Output sinks: the zarr store (its public schema declared in sinks.schema) and the homunculus
+overlay video / contact sheet."""
 from sinks.overlay import OverlayWriter, contact_sheet, render_homunculus
-from sinks.zarr_store import (FORMAT, SinkError, StreamWriter, ZarrStore, read_stream, store_location,
+from sinks.schema import FORMAT
+from sinks.zarr_store import (ReplacedStream, SinkError, StreamWriter, ZarrStore, read_stream, store_location,
                               validate_store, validate_stream_id)
 
-__all__ = ["FORMAT", "SinkError", "ZarrStore", "StreamWriter", "read_stream", "store_location", "validate_store",
-           "validate_stream_id", "OverlayWriter", "contact_sheet", "render_homunculus"]
+__all__ = ["FORMAT", "SinkError", "ZarrStore", "StreamWriter", "ReplacedStream", "read_stream", "store_location",
+           "validate_store", "validate_stream_id", "OverlayWriter", "contact_sheet", "render_homunculus"]

@@ -342,6 +342,9 @@ class _DecordSource(VideoSource):
             raise SourceError(f"{self.path}: decoder='decord' needs the decord package "
                               f"(pip install decord); or use decoder='pyav'") from e
         self._error_types = (decord.DECORDError, RuntimeError)
+        # decord's own FFmpeg logs straight to fd 2 (43 "[h264 @ 0x...]" lines on one damaged file);
+        # damage is reported once, as a VideoTruncatedWarning, like PyAV's (whose log is off)
+        decord.logging.set_level(decord.logging.QUIET)
         # decord exposes neither rotation nor the declared duration: PyAV reads the header
         container, stream = _open_container(self.path)
         with container:
@@ -591,7 +594,16 @@ def _reason(error: BaseException) -> str:
     """One line from an FFmpeg / decord error (decord's carry a C++ backtrace)."""
     text = getattr(error, "strerror", None) or str(error) or type(error).__name__
     line = text.strip().splitlines()[0]
-    return re.sub(r"^(\[[\d:]+\] \S+:\d+: )+", "", line)[:200]  # decord's "[time] file.cc:line: " prefix
+    line = re.sub(r"^(\[[\d:]+\] \S+:\d+: )+", "", line)  # decord's "[time] file.cc:line: " prefix
+    # decord's failed FFmpeg call, "Check failed: avcodec_send_packet(...) >= 0 (-1094995529 vs. 0) ...":
+    # FFmpeg's own words for the code
+    failed = re.match(r"Check failed: (\w+)\(.*\) >= 0 \((-\d+) vs\. 0\)", line)
+    if failed:
+        try:
+            av.error.err_check(int(failed[2]))
+        except av.FFmpegError as e:
+            line = f"{e.strerror} ({failed[1]})"
+    return line[:200]
 
 
 class _DecordMemory:

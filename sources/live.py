@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import random
 import re
 import threading
@@ -221,8 +222,19 @@ class _NetworkConnection(_Connection):
         self.container.close()
 
 
+def _quiet_opencv() -> None:
+    """OpenCV logs every capture backend it tries and fails (V4L2, its FFmpeg, Orbbec: ~10 lines for
+    a missing camera) before we can say one line ourselves. Its logger goes silent (process-wide,
+    as PyAV's FFmpeg log is); its FFmpeg reads OPENCV_FFMPEG_LOGLEVEL when that backend first starts."""
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")   # AV_LOG_QUIET
+    import cv2
+
+    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+
+
 class _CameraConnection(_Connection):
     def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        _quiet_opencv()
         import cv2
 
         params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(cfg.open_timeout_s * 1000),

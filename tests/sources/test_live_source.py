@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -134,6 +135,21 @@ class TestOpenErrors:
             open_live("/dev/video97", config=FAST)
         assert "/dev/video97" in str(e.value) and "cannot open the camera" in str(e.value)
         assert "\n" not in str(e.value) and time.monotonic() - t < 5
+
+    @pytest.mark.parametrize("spec", ["97", "/dev/video97"])
+    def test_missing_camera_prints_nothing_but_our_line(self, spec):
+        """OpenCV's own warnings for each backend it tries (and its FFmpeg's) stay off."""
+        script = ("import sys\n"
+                  "from sources import SourceError\n"
+                  "from sources.live import open_live\n"
+                  "try:\n"
+                  "    open_live(sys.argv[1])\n"
+                  "except SourceError as e:\n"
+                  "    print(e, file=sys.stderr)\n")
+        done = subprocess.run([sys.executable, "-c", script, spec], capture_output=True, text=True, timeout=30,
+                              cwd=Path(__file__).parents[2])
+        assert done.returncode == 0 and done.stderr.splitlines() == [
+            f"{parse_source(spec).name}: cannot open the camera (no such device, busy, or no permission)"], done.stderr
 
     def test_refused_url(self):
         url = f"rtsp://127.0.0.1:{free_port()}/cam"

@@ -354,6 +354,7 @@ class TestErrors:
         ({"stream_id": ""}, "stream_id='' must be a non-empty string"),
         ({"threads": -1}, "threads=-1 is out of range"),
         ({"threads": True}, "threads=True is out of range"),
+        ({"max_pixels": 0}, "max_pixels=0 is out of range; allowed: integers >= 1, or None for no limit"),
         ({"start_s": 5.0}, "start_s=5.0 is past the end of the video"),
     ])
     def test_bad_arguments(self, cfr_video: Video, kwargs: dict, problem: str):

@@ -164,11 +164,11 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
 
     def mark():
         time.sleep(args.warmup)
-        sink = graphs[0].stages[-1]
-        marks["t0"], marks["s0"] = time.monotonic(), snapshot(list(sink.sources.values()), sink.counters)
+        sink, sources = graphs[0].stages[-1], graphs[0].stages[0].sources   # the capture stage's sources
+        marks["t0"], marks["s0"] = time.monotonic(), snapshot(sources, sink.counters)
         marks["lat0"] = {sid: len(c.answer_latency) for sid, c in sink.counters.items()}
         time.sleep(args.seconds)
-        marks["t1"], marks["s1"] = time.monotonic(), snapshot(list(sink.sources.values()), sink.counters)
+        marks["t1"], marks["s1"] = time.monotonic(), snapshot(sources, sink.counters)
         marks["lat"] = [lat for sid, c in sink.counters.items() for lat in list(c.answer_latency)[marks["lat0"][sid]:]]
         stop.set()
 

@@ -21,7 +21,7 @@ from sources.live import LiveSource
 from ..config import PipelineConfig
 from .frontend_graphs import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
-from .live_stages import CaptureStage, LiveRealizeStage, LiveSinkStage, LiveTextureStage, StreamCounters
+from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters
 from .stages import DecodeStage, RealizeStage, RunStatus, SinkStage, TextureStage
 
 
@@ -52,7 +52,10 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
     texture = TextureStage(model, device, grid, graphs)
     realize = RealizeStage(model, device, query, query_mask=query_mask,
                            vlm_fps=cfg.vlm.fps if vlm_stage is not None else None, graphs=graphs)
-    sink = SinkStage(writer, status, overlay)
+    def complete(stream_id: str) -> bool:    # processed to its end: not truncated, not stopped
+        with status.lock:
+            return not (status.truncated or status.stopped)
+    sink = SinkStage({source.stream_id: writer}, complete=complete, overlay=overlay)
     graph = Graph()
     graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))
@@ -94,7 +97,10 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     texture = LiveTextureStage(model, device, grid, graphs)
     realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
                                graphs=graphs)
-    sink = LiveSinkStage(writers, counters, answers_out)
+    by_id = {s.stream_id: s for s in sources}
+    # a source that gave up was not watched to its end
+    sink = SinkStage(writers, complete=lambda stream_id: by_id[stream_id].error is None, counters=counters,
+                     answers_out=answers_out)
     graph = Graph()
     capture.outlet = graph.add_flow(capture, texture, Channel(1, Policy.DROP_OLDEST))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))

@@ -11,11 +11,12 @@ stream, `event.synchronize()` only where the host must read the data), never a d
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 import torch
@@ -415,59 +416,108 @@ class VLMStage(Stage):
                           tokens_full=result.tokens_full, latency_s=result.latency_s)
 
 
+def frame_rows(frames: list[Frame], allocation: Any) -> dict[str, np.ndarray]:
+    """One batch's rows of the store's per-frame arrays (sinks.schema.FRAMES)."""
+    return dict(pts=np.array([f.pts_s for f in frames], dtype=np.float64),
+                frame_index=np.array([f.index for f in frames], dtype=np.int64),
+                relevance=allocation.relevance.float().numpy(), tokens=allocation.tokens.numpy(),
+                scene_change=allocation.scene_change.numpy(), motion=allocation.motion.float().numpy())
+
+
 class SinkStage(Stage):
-    """Writes homunculus sequences and answers to the zarr store (and the overlay video)."""
+    """Writes every stream's homunculus sequence, gaps and answers to the store (one StreamWriter per
+    stream), the overlay video of a single-stream run, and answers as JSON lines when asked.
+
+    A stream is complete when the graph finished, the run was not interrupted and `complete(stream_id)`
+    says so (run: the video was not truncated; live: the source did not give up). After a failure no
+    stream is complete. Counters (live) are updated per stream when given.
+    """
 
     name = "sink"
 
-    def __init__(self, writer: Any, status: RunStatus, overlay: Any = None) -> None:
-        self.writer, self.status, self.overlay = writer, status, overlay
+    def __init__(self, writers: dict[str, Any], *, complete: Callable[[str], bool] = lambda stream_id: True,
+                 overlay: Any = None, counters: dict[str, Any] | None = None, answers_out: TextIO | None = None) -> None:
+        self.writers, self.complete, self.overlay = writers, complete, overlay
+        self.counters, self.answers_out = counters, answers_out
+        self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
         self.frames_written = 0
         self.answers: list[AnswerItem] = []
         self._closed = False
 
     def process(self, item: Any) -> Iterable[Any]:
         if isinstance(item, (AnswerItem, AnswerItems)):
-            answers = item.items if isinstance(item, AnswerItems) else [item]
-            self.writer.add_answers([a.row() for a in answers])
-            self.answers += answers
+            for answers in _by_stream(item.items if isinstance(item, AnswerItems) else [item]):
+                self._answers(answers)
             return ()
+        sid = item.batch.stream_id
+        writer = self.writers[sid]
+        gap = getattr(item.batch, "gap", None)
+        if gap is not None:
+            writer.add_gap(start_pts=gap.start_pts, end_pts=gap.end_pts, start_wall=gap.start_wall,
+                           end_wall=gap.end_wall, reason=gap.reason)
         allocation = item.wait()
         frames = item.batch.frames
-        tokens = allocation.tokens.numpy()
-        relevance = allocation.relevance.float().numpy()
-        self.writer.append(
-            pts=np.array([f.pts_s for f in frames], dtype=np.float64),
-            frame_index=np.array([f.index for f in frames], dtype=np.int64),
-            relevance=relevance,
-            tokens=tokens,
-            scene_change=allocation.scene_change.numpy(),
-            motion=allocation.motion.float().numpy(),
-        )
+        rows = frame_rows(frames, allocation)
+        writer.append(**rows)
         if self.overlay is not None:
-            for f, tok, rel in zip(frames, tokens, relevance):
+            for f, tok, rel in zip(frames, rows["tokens"], rows["relevance"]):
                 self.overlay.write(f.rgb, tok, rel)
         self.frames_written += len(frames)
+        if self.counters is not None:
+            counters, now = self.counters[sid], time.time()
+            counters.gaps += gap is not None
+            counters.frames_out += len(frames)
+            counters.out_times.extend([now] * len(frames))
+            counters.frame_latency.extend(now - f.arrival_s for f in frames if f.arrival_s is not None)
         return ()
 
+    def _answers(self, answers: list[AnswerItem]) -> None:
+        sid = answers[0].stream_id
+        self.writers[sid].add_answers([a.row() for a in answers])   # one commit: all or none
+        self.answers += answers
+        if self.counters is not None:
+            self.counters[sid].answers += len(answers)
+            self.counters[sid].answer_latency.extend(a.latency_s for a in answers)
+        if self.answers_out is not None:
+            for a in answers:
+                self.answers_out.write(json.dumps({
+                    "stream": a.stream_id, "t_start": round(a.t_start, 3), "t_end": round(a.t_end, 3),
+                    "question": a.question, "text": a.text, "tokens_kept": a.tokens_kept,
+                    "tokens_full": a.tokens_full, "latency_s": round(a.latency_s, 4)}) + "\n")
+            self.answers_out.flush()
+
     def finish(self) -> Iterable[Any]:
-        with self.status.lock:
-            complete = not (self.status.truncated or self.status.stopped)
-        self._close(complete)
+        self._close(failed=False)
         return ()
 
     def close(self) -> None:
-        self._close(False)  # only reached without finish() after a failure
+        self._close(failed=True)   # only reached without finish() after a failure
 
-    def _close(self, complete: bool) -> None:
+    def _close(self, failed: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        errors = []
         try:
             if self.overlay is not None:
                 self.overlay.close()
-        finally:
-            self.writer.close(complete=complete)
+        except Exception as e:
+            errors.append(e)
+        for sid, writer in self.writers.items():
+            complete = not (failed or self.interrupted) and self.complete(sid)
+            try:
+                writer.close(complete=complete)
+            except Exception as e:  # close every writer; report the first failure
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def _by_stream(answers: list[AnswerItem]) -> list[list[AnswerItem]]:
+    groups: dict[str, list[AnswerItem]] = {}
+    for a in answers:
+        groups.setdefault(a.stream_id, []).append(a)
+    return list(groups.values())
 
 
 def _record_stream(texture: Texture, stream: torch.cuda.Stream) -> None:

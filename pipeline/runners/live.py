@@ -19,8 +19,8 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose_live
 from ..core.graph import Stage
-from ..core.live_stages import LiveOptions, LiveSinkStage, LiveVLMStage, StreamCounters, warm_vlm
-from ..core.stages import AnswerItem
+from ..core.live_stages import LiveOptions, LiveVLMStage, StreamCounters, warm_vlm
+from ..core.stages import AnswerItem, SinkStage
 from ..vlm.geometry import VLMGeometry
 
 
@@ -102,8 +102,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     counters = {s.stream_id: StreamCounters() for s in sources}
     graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
                          vlm_stage=vlm_stage, answers_out=answers_out)
-    sink: LiveSinkStage = graph.stages[-1]
-    sink.sources = {s.stream_id: s for s in sources}
+    sink: SinkStage = graph.stages[-1]
     if slow_stage_s > 0:
         _slow_down(graph.stages[1], slow_stage_s)
     if on_graph is not None:

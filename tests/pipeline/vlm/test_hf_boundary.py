@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 INTERNALS = re.compile(r"(?<!hf\.)\b(_attn_implementation|language_model|get_rope_index|AttentionInterface"
                        r"|AttentionMaskInterface|masking_utils|sdpa_attention_forward|sdpa_mask|vision_utils"
                        r"|ALL_ATTENTION_FUNCTIONS|eager_attention_forward|apply_rotary_pos_emb_vision)\b"
-                       r"|model\.model\.visual|sys\.modules\[type|__name__\.endswith|__name__ ?[!=]="
+                       r"|model\.model\.visual|sys\.modules\[type|\)\.__name__(\.endswith| ?[!=]=)"
                        r"|transformers\.(integrations|modeling_utils|models)")
 ADAPTER = ROOT / "pipeline" / "vlm" / "hf.py"
 

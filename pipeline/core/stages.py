@@ -28,6 +28,7 @@ from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
 from .cuda import CAPTURE_LOCK, to_device
+from .damage import close_stream
 from .frontend_graphs import FrontendGraphs, graphable
 from .graph import Stage
 
@@ -423,6 +424,7 @@ class SinkStage(Stage):
     def __init__(self, writer: Any, status: RunStatus, overlay: Any = None) -> None:
         self.writer, self.status, self.overlay = writer, status, overlay
         self.frames_written = 0
+        self.last_pts: float | None = None
         self.answers: list[AnswerItem] = []
         self._closed = False
 
@@ -448,18 +450,20 @@ class SinkStage(Stage):
             for f, tok, rel in zip(frames, tokens, relevance):
                 self.overlay.write(f.rgb, tok, rel)
         self.frames_written += len(frames)
+        self.last_pts = frames[-1].pts_s
         return ()
 
     def finish(self) -> Iterable[Any]:
         with self.status.lock:
-            complete = not (self.status.truncated or self.status.stopped)
-        self._close(complete)
+            truncated, stopped = self.status.truncated, self.status.stopped
+        # decoded up to damage and all of it processed: done, not complete (core/damage.py)
+        self._close(complete=not (truncated or stopped), damaged=truncated and not stopped)
         return ()
 
     def close(self) -> None:
-        self._close(False)  # only reached without finish() after a failure
+        self._close(complete=False)  # only reached without finish() after a failure or an abort
 
-    def _close(self, complete: bool) -> None:
+    def _close(self, complete: bool, damaged: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
@@ -467,7 +471,7 @@ class SinkStage(Stage):
             if self.overlay is not None:
                 self.overlay.close()
         finally:
-            self.writer.close(complete=complete)
+            close_stream(self.writer, complete=complete, damaged=damaged, last_pts_s=self.last_pts)
 
 
 def _record_stream(texture: Texture, stream: torch.cuda.Stream) -> None:

@@ -122,6 +122,9 @@ class TestRun:
         data = read_stream(out, "truncated")
         assert data["attrs"]["complete"] is False
         assert 0 < len(data["pts"]) < 60
+        # done up to the damage (core/damage.py): every decoded frame stored, and where it stops
+        assert data["attrs"]["damaged"] is True and data["attrs"]["truncated_at_s"] == data["pts"][-1]
+        assert "complete=false, damaged=true" in err
 
 
 def test_demo_makes_its_clip_then_the_store_overlay_and_contact_sheet(capsys, tmp_path):

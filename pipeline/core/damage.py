@@ -1,0 +1,54 @@
+"""A video that damage stopped decoding early: what its stream records, and who counts it as done.
+
+Such a stream, processed to the last frame that could be decoded, is finished but not complete.
+`complete` stays false: the store does not hold the whole video, and a reader that knows only
+`complete` must not take it for one (`run` and `live` say so on stderr). Two attrs say why and
+where it stops:
+
+    damaged: true
+    truncated_at_s: pts of its last stored frame (s); null if none was stored
+
+Nothing more can be decoded from the file, so a resumed batch does not redo it (it is *done*), and
+`eval` scores its answers and reports how many came from damaged videos. A stream interrupted or
+failed before the end of what could be decoded gets no such attrs: it is incomplete, and a resume
+redoes it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sinks import SinkError
+
+
+def close_stream(writer: Any, *, complete: bool, damaged: bool = False, last_pts_s: float | None = None) -> None:
+    """Close a stream's writer; `damaged`: it was processed to where damage stopped decoding
+    (`last_pts_s`: its last frame's pts), recorded as above."""
+    if damaged and not complete:
+        # Every row is committed before `damaged` is written: a crash from here on leaves a stream
+        # that holds all it ever will. StreamWriter has no public way to add attributes
+        # (sinks/zarr_store.py is being reworked on another branch; this belongs in its close()).
+        writer.flush()
+        writer._set_attrs({"damaged": True, "truncated_at_s": last_pts_s})
+    writer.close(complete=complete)
+
+
+def is_damaged(attrs: dict[str, Any]) -> bool:
+    """The stream (its attrs) was processed to where damage stopped decoding."""
+    return attrs.get("damaged") is True and attrs.get("complete") is not True
+
+
+def damaged_streams(store: Any) -> set[str]:
+    """Ids of the streams of `store` (a ZarrStore) processed to where damage stopped decoding: with
+    the complete ones, the streams a resumed batch has nothing left to do for. Reads the attrs of
+    every incomplete stream once (few: a batch lists this at its start, not per video)."""
+    damaged = set()
+    for stream_id in store.stream_ids():
+        if store.is_complete(stream_id):
+            continue
+        try:
+            attrs = store.read(stream_id)["attrs"]
+        except (SinkError, OSError, KeyError, ValueError):   # a group a crash left half made: not done
+            continue
+        if is_damaged(attrs):
+            damaged.add(stream_id)
+    return damaged

@@ -168,6 +168,7 @@ class _Connection:
     width: int
     height: int
     fps: float
+    truncated = False   # a file whose decoding damage stopped early (set once frames() ended)
 
     def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
         raise NotImplementedError
@@ -278,6 +279,10 @@ class _FileConnection(_Connection):
                 time.sleep(delay)
             yield frame.pts_s, frame.rgb
 
+    @property
+    def truncated(self) -> bool:
+        return self.video.truncated
+
     def close(self) -> None:
         self.video.close()
 
@@ -354,6 +359,7 @@ class LiveSource:
         self.frames_in = 0
         self.reconnects = 0
         self.error: SourceError | None = None   # why the source gave up, if it did
+        self.truncated = False                   # a file whose decoding damage stopped early (warned)
         self._stop = threading.Event()
         self._rng = random.Random()
         self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
@@ -408,6 +414,7 @@ class LiveSource:
             while conn is not None and not self._stop.is_set():
                 reason = self._pump(conn, gap_reason)
                 conn.close()
+                self.truncated = self.truncated or conn.truncated
                 if self._stop.is_set() or self.spec.kind == "file":
                     break
                 gap_reason, conn = reason, self._reconnect(reason)

@@ -27,6 +27,7 @@ from sources.live import Gap, LiveSource
 
 from ..config import PipelineConfig
 from ..vlm.geometry import VLMGeometry
+from .damage import close_stream
 from .graph import Stage
 from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
 
@@ -237,6 +238,7 @@ class LiveSinkStage(Stage):
         self.sources: dict[str, LiveSource] = {}   # set by run_live: a source that gave up is not complete
         self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
         self.answers: list[AnswerItem] = []
+        self.last_pts: dict[str, float] = {}
         self._closed = False
 
     def process(self, item: Any) -> Iterable[Any]:
@@ -256,6 +258,7 @@ class LiveSinkStage(Stage):
                       frame_index=np.array([f.index for f in frames], dtype=np.int64),
                       relevance=allocation.relevance.float().numpy(), tokens=allocation.tokens.numpy(),
                       scene_change=allocation.scene_change.numpy(), motion=allocation.motion.float().numpy())
+        self.last_pts[sid] = frames[-1].pts_s
         now = time.time()
         counters.frames_out += len(frames)
         counters.out_times.extend([now] * len(frames))
@@ -280,7 +283,7 @@ class LiveSinkStage(Stage):
         return ()
 
     def close(self) -> None:
-        self._close(failed=True)   # only reached without finish() after a failure
+        self._close(failed=True)   # only reached without finish() after a failure or an abort
 
     def _close(self, failed: bool) -> None:
         if self._closed:
@@ -289,9 +292,12 @@ class LiveSinkStage(Stage):
         errors = []
         for sid, writer in self.writers.items():
             source = self.sources.get(sid)
-            complete = not (failed or self.interrupted or (source is not None and source.error is not None))
+            ended = not (failed or self.interrupted or (source is not None and source.error is not None))
+            # a --realtime file that damage cut short: done up to the damage, not complete (core/damage.py)
+            damaged = ended and source is not None and source.truncated
             try:
-                writer.close(complete=complete)
+                close_stream(writer, complete=ended and not damaged, damaged=damaged,
+                             last_pts_s=self.last_pts.get(sid))
             except Exception as e:  # close every writer; report the first failure
                 errors.append(e)
         if errors:

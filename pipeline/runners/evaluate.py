@@ -2,8 +2,9 @@
 
 Accuracy is exact match after normalization (lower case, punctuation and articles dropped,
 whitespace collapsed), overall and per question type, over the questions of done streams: complete
-ones, and those answered up to where damage stopped decoding the video (core/damage.py; the report
-says how many answers came from those); coverage says how many of the split's questions that is. GPT-judge scoring is out of scope; the
+ones, and those answered up to where damage stopped decoding the video (core/damage.py; the
+report says how many answers came from those); coverage says how many of the split's questions
+that is. GPT-judge scoring is out of scope; the
 predictions can be exported in the Video-ChatGPT judge format for people who run it.
 
 Answers are matched to the ground truth by (video, question text, occurrence): a batch writes a

@@ -246,6 +246,25 @@ class TestCLI:
         assert code == 2 and out == "" and err.strip() == f"error: {message}"
         assert not (tmp_path / "o.zarr").exists()
 
+    def test_a_damaged_realtime_file_is_done_not_complete(self, capsys, tmp_path, videos):
+        """A --realtime file that damage cuts short ends the stream as `run` does: complete=false,
+        damaged=true, and a warning that says so (it used to store complete=true)."""
+        damaged = tmp_path / "damaged.mkv"
+        clip = write_video(tmp_path / "clip.mkv", render_clip(CUTS[:2], height=120, width=160, seed=5).frames, fps=25)
+        data = clip.read_bytes()
+        damaged.write_bytes(data[: int(len(data) * 0.6)])
+        store = tmp_path / "o.zarr"
+        code, out, err = self.run(capsys, str(damaged), "--realtime", "--query", "q", "--out", str(store),
+                                  "--device", "cpu", *[f"--set=runtime.{k}={v}" for k, v in UNTRAINED.items()])
+        assert code == 0, err
+        summary = json.loads(next(line for line in err.splitlines() if line.startswith('{"summary"')))
+        assert summary["summary"]["complete"] is False
+        assert "warning: damaged: stored the" in err and "(complete=false, damaged=true)" in err
+        assert validate_store(store) == []
+        data = read_stream(store, "damaged")
+        assert data["attrs"]["complete"] is False and data["attrs"]["damaged"] is True
+        assert 0 < len(data["pts"]) < 50 and data["attrs"]["truncated_at_s"] == data["pts"][-1]
+
     def test_sigterm_ends_cleanly(self, capsys, tmp_path, videos):
         store = tmp_path / "o.zarr"
 

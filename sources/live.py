@@ -9,6 +9,11 @@ One capture thread per source reads as fast as the source delivers and keeps onl
 counted, so neither latency nor memory grows. Each Frame carries its wall-clock arrival time
 (`arrival_s`, time.time()) and its pts.
 
+Capture serves the consumer from when it is ready (`begin()`, or its first `take()`), not from
+when the source was opened, which may be seconds earlier (models load in between): a file starts
+playing then, and a stream (read from the start, which keeps its connection alive) forgets what
+arrived before, without counting it as dropped.
+
 pts of a live stream are seconds on the session's timeline: within one connection they follow the
 stream's own timestamps, and each (re)connection starts at its arrival time since the session
 began (or just after the last frame, if the stream's clock ran ahead). So pts never go backwards
@@ -44,7 +49,8 @@ SourceKind = Literal["camera", "network", "file"]
 NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
 TRANSPORTS = ("tcp", "udp")
 _FALLBACK_FPS = 30.0  # for streams that declare no frame rate (the store needs one)
-_RATE_WINDOW_S = 2.0  # fps_in is measured over this many recent seconds
+_RATE_WINDOW_S = 2.0  # rates (fps in, fps out) are measured over this many recent seconds
+_RATE_MIN_SPAN_S = 0.5  # ... and over at least this long just after the start (no spike from 2 frames)
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,7 @@ class SourceStats:
     frames_in: int      # frames the source delivered
     dropped: int        # of those, dropped because the consumer was slower
     reconnects: int     # successful reconnections
-    fps_in: float       # delivery rate over the last few seconds
+    fps_in: float       # frames delivered over the last _RATE_WINDOW_S seconds, per second
 
 
 def redact(url: str) -> str:
@@ -319,6 +325,12 @@ class LatestFrames:
             nxt, own = self._items[0]
             self._items[0] = (nxt, own or dataclasses.replace(carried, end_pts=nxt.pts_s, end_wall=nxt.arrival_s))
 
+    def clear(self) -> None:
+        """Forget every buffered frame, and the drops so far (frames from before the consumer was ready)."""
+        with self._cond:
+            self._items.clear()
+            self.dropped = 0
+
     def close(self) -> None:
         """No more frames will come: wake the consumer."""
         with self._cond:
@@ -366,16 +378,38 @@ class LiveSource:
         self._thread: threading.Thread | None = None
         self._conn: _Connection | None = None
         self._t0 = 0.0
+        self._begin_lock = threading.Lock()
+        self.began_at: float | None = None       # time.time() when the consumer became ready
         self._last: tuple[float, float] | None = None   # (pts, arrival) of the last frame
 
     def start(self) -> "LiveSource":
-        """Open the source (SourceError if it cannot be opened) and start capturing."""
+        """Open the source (SourceError if it cannot be opened). A stream is read from now on (that
+        keeps its connection alive); a file starts playing at `begin()`."""
         self._conn = _CONNECTIONS[self.spec.kind](self.spec, self.config, None)
         self.width, self.height, self.fps = self._conn.width, self._conn.height, self._conn.fps
         self._t0 = time.time()
+        if self.spec.kind != "file":
+            self._start_capture()
+        return self
+
+    def begin(self) -> None:
+        """The consumer is ready for frames (the first `take()` calls this too). A file starts
+        playing now, at pts 0 of the session; a stream forgets the frames that arrived before,
+        uncounted, so that the consumer's first frames are the newest."""
+        with self._begin_lock:
+            if self.began_at is not None:
+                return
+            self.began_at = time.time()
+            if self._thread is None:
+                self._t0 = self.began_at
+                if not self._stop.is_set():
+                    self._start_capture()
+            else:
+                self.buffer.clear()
+
+    def _start_capture(self) -> None:
         self._thread = threading.Thread(target=self._capture, name=f"capture-{self.stream_id}", daemon=True)
         self._thread.start()
-        return self
 
     @property
     def finished(self) -> bool:
@@ -383,19 +417,21 @@ class LiveSource:
         return self.buffer.closed and len(self.buffer) == 0
 
     def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
+        if self.began_at is None:
+            self.begin()
         return self.buffer.take(max_frames, timeout_s)
 
     def stats(self) -> SourceStats:
-        now = time.time()
-        arrivals = [a for a in list(self._arrivals) if a >= now - _RATE_WINDOW_S]
-        span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-        fps = (len(arrivals) - 1) / span if span > 0 else 0.0
+        fps = window_rate(list(self._arrivals), time.time(), since=self.began_at)
         return SourceStats(self.frames_in, self.buffer.dropped, self.reconnects, fps)
 
     def close(self) -> None:
-        self._stop.set()
+        with self._begin_lock:   # a begin() from now on starts nothing
+            self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.read_timeout_s + self.config.open_timeout_s + 1.0)
+        elif self._thread is None and self._conn is not None:
+            self._conn.close()   # a file that never started playing
         self.buffer.close()
 
     def __enter__(self) -> "LiveSource":
@@ -485,6 +521,17 @@ def open_live(spec: str, *, config: LiveConfig | None = None, stream_id: str | N
 def _reason(e: BaseException) -> str:
     text = getattr(e, "strerror", None) or str(e) or type(e).__name__
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def window_rate(times: list[float], now: float, *, window_s: float = _RATE_WINDOW_S,
+                since: float | None = None) -> float:
+    """Events per second over the last `window_s` seconds: those whose time falls in the window,
+    over its length (shorter just after `since`, the start, but at least _RATE_MIN_SPAN_S). A burst
+    (frames buffered during an outage and delivered at once) counts for what it adds to the
+    window, not at the rate it came in."""
+    start = now - window_s if since is None else max(now - window_s, since)
+    span = max(now - start, min(window_s, _RATE_MIN_SPAN_S))
+    return sum(1 for t in times if start <= t <= now) / span
 
 
 def percentile(values: list[float], q: float) -> float:

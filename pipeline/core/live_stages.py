@@ -78,6 +78,8 @@ class CaptureStage(Stage):
         self.outlet: Channel | None = None   # set by compose_live: batches wait for room there
 
     def produce(self) -> Iterator[LiveBatch]:
+        for source in self.sources:   # the graph takes frames from now on: files start playing
+            source.begin()
         turn = 0
         while not self.stop.is_set() and not all(s.finished for s in self.sources):
             if self.outlet is not None and self.outlet.depth >= self.outlet.capacity:

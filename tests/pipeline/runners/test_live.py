@@ -153,6 +153,19 @@ class TestOverload:
         assert validate_store(tmp_path / "o.zarr") == []
 
 
+class TestStartUp:
+    def test_a_realtime_files_first_frame_is_processed(self, tmp_path, videos):
+        """Capture starts when the graph can take frames: a slow warm-up (here a second between
+        composing the graph and running it) costs no frame of a --realtime file (its first 1.5 s
+        used to play, and drop, while the model loaded)."""
+        result = run_live([str(videos["cuts"])], "q", tmp_path / "o.zarr", cfg(),
+                          live=LiveConfig(realtime=True, buffer_frames=4), status_out=io.StringIO(),
+                          on_graph=lambda graph: time.sleep(1.0))
+        data = read_stream(tmp_path / "o.zarr", "cuts")
+        assert data["frame_index"][0] == 0 and data["pts"][0] == pytest.approx(0.0, abs=0.05)
+        assert result.streams["cuts"]["frames_in"] == 75
+
+
 class TestAnswers:
     def test_every_window_is_answered_and_streamed(self, tmp_path, videos):
         out = io.StringIO()

@@ -365,16 +365,22 @@ class VLMStage(Stage):
     """Collects the VLM-sampled frames and their token maps into answer windows and asks the VLM.
 
     Allocation batches pass straight through to the sink; an AnswerItem follows each window.
-    Windows are `every_s` seconds of video (None: the whole video, answered at the end).
+    Windows are `every_s` seconds of video on a fixed grid from the first frame's pts (None: the
+    whole video, answered at the end). A window longer than `max_frames` VLM frames keeps an even
+    spread over all of it: every `stride`-th frame, the stride doubling each time the window fills.
     """
 
     name = "vlm"
 
     def __init__(self, vlm: Any, question: str, every_s: float | None, max_frames: int = 256) -> None:
+        if max_frames < 2:
+            raise ValueError(f"max_frames must be >= 2 (a full window keeps every other frame), got {max_frames}")
         self.vlm, self.question, self.every_s, self.max_frames = vlm, question, every_s, max_frames
         self.rgb: list[np.ndarray] = []
         self.lod: list[np.ndarray] = []
-        self.pts: list[float] = []
+        self.stride = 1                       # the window keeps every stride-th of its VLM frames
+        self.offered = 0                      # VLM frames of this window so far, kept or not
+        self.last_pts: float | None = None    # the newest of them
         self.stream_id = ""
         self.window_start: float | None = None
         self.answered = 0
@@ -388,18 +394,26 @@ class VLMStage(Stage):
                 self.window_start = frame.pts_s
             if self.every_s is not None and frame.pts_s >= self.window_start + self.every_s and self.rgb:
                 out.append(self._answer(end=self.window_start + self.every_s))
+                # the window this frame falls in (after a jump in pts, the windows between are empty)
                 self.window_start += self.every_s * ((frame.pts_s - self.window_start) // self.every_s)
             if take:
-                if len(self.rgb) == self.max_frames:  # a long window keeps an even spread of frames
-                    del self.rgb[::2], self.lod[::2], self.pts[::2]
+                self._take(frame, lod)
+        return out
+
+    def _take(self, frame: Frame, lod: np.ndarray) -> None:
+        if self.offered % self.stride == 0:
+            if len(self.rgb) == self.max_frames:  # keep frames 0, 2, 4 ... of those kept: the stride doubles
+                del self.rgb[1::2], self.lod[1::2]
+                self.stride *= 2
+            if self.offered % self.stride == 0:
                 self.rgb.append(frame.rgb)
                 self.lod.append(lod)
-                self.pts.append(frame.pts_s)
-        return out
+        self.offered += 1
+        self.last_pts = frame.pts_s
 
     def finish(self) -> Iterable[Any]:
         if self.rgb:
-            return (self._answer(end=self.pts[-1]),)
+            return (self._answer(end=self.last_pts),)
         return ()
 
     def _answer(self, end: float) -> AnswerItem:
@@ -409,7 +423,7 @@ class VLMStage(Stage):
                                 question=self.question, t_start=float(self.window_start), t_end=float(end),
                                 arrival_s=time.monotonic())
         result = self.vlm.answer([request])[0]
-        self.rgb, self.lod, self.pts = [], [], []
+        self.rgb, self.lod, self.stride, self.offered = [], [], 1, 0
         self.answered += 1
         return AnswerItem(stream_id=self.stream_id, t_start=request.t_start, t_end=request.t_end,
                           question=self.question, text=result.text, tokens_kept=result.tokens_kept,

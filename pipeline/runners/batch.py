@@ -135,7 +135,7 @@ class QuestionsStage(VLMStage):
             with self.vlm_lock:
                 return self.vlm.answer_questions(frames, keep, questions)
         results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
-        t_start, t_end = float(self.window_start), float(self.pts[-1])
+        t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)
         answers = [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
                               tokens_kept=r.tokens_kept, tokens_full=r.tokens_full, latency_s=r.latency_s)

@@ -295,9 +295,10 @@ class Graph:
             self.stop()
         signals = wait_through_interrupts([workers.submit(self._work, s, on_progress) for s in self.stages],
                                           interrupted)
-        # closed in a worker thread, which a signal cannot interrupt (it lands in this one)
-        signals += wait_through_interrupts([workers.submit(self._close_stages)],
-                                           lambda count: interrupted(signals + count))
+        # closed in a thread of its own, which a signal cannot interrupt (it lands in this one), and
+        # not one of `workers`: their owner may be closing them (a batch stopped by Ctrl-C)
+        closing = Workers("close", keep=False).submit(self._close_stages)
+        signals += wait_through_interrupts([closing], lambda count: interrupted(signals + count))
         if signals:
             raise KeyboardInterrupt
         if self._error is not None:

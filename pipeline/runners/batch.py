@@ -38,7 +38,7 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
 from ..core.damage import damaged_streams
-from ..core.graph import StageError, Workers
+from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, encode_query, load_answerer, resolve_device
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
@@ -332,14 +332,17 @@ class VideoAnswerer:
                 for future in pending:
                     future.cancel()
                 self._stop_running()
+                # the videos in flight close their streams before this returns (and the models and
+                # threads they use are closed after): a second Ctrl-C stops their drain instead
+                wait_through_interrupts(pending, lambda count: self._stop_running(abort=True))
                 raise
 
-    def _stop_running(self) -> None:
+    def _stop_running(self, abort: bool = False) -> None:
         with self._lock:
             running = list(self._running.values())
         for graph, status in running:
             status.stopped = True
-            graph.stop()
+            graph.abort() if abort else graph.stop()
 
 
 @dataclass

@@ -195,20 +195,26 @@ class TestResume:
         resume_answers_each_question_once(capsys, root, out, written, complete)
         assert validate_store(out) == []
 
-    def test_sigterm_with_videos_in_flight_exits_130_and_resume_answers_each_once(self, capsys, tmp_path):
+    @pytest.mark.parametrize("signals", [1, 2])
+    def test_sigterm_with_videos_in_flight_exits_130_and_resume_answers_each_once(self, capsys, tmp_path, signals):
+        """One SIGTERM lets the videos in flight drain; a second, while they do, stops the drain. Either
+        way the process waits for them to close their streams."""
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         written = fixture(root, videos=6, questions=2, seconds=1.5)
         proc = start_batch(root, out, "--in-flight", "3")
         try:
             wait_mid_run(proc, out, "stopped")
-            proc.send_signal(signal.SIGTERM)
+            for _ in range(signals):
+                assert proc.poll() is None, "the batch ended before the signal"
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.1)
             code = proc.wait(timeout=60)
             err = proc.stderr.read().decode()
         finally:
             proc.kill()
             proc.wait()
         assert code == 130, err
-        assert "Traceback" not in err
+        assert "Traceback" not in err and "terminate called" not in err
         assert validate_store(out) == []                       # the videos in flight were closed cleanly
         store = ZarrStore.open(out, mode="r")
         complete = [s for s in store.stream_ids() if store.is_complete(s)]

@@ -37,18 +37,16 @@ def is_damaged(attrs: dict[str, Any]) -> bool:
     return attrs.get("damaged") is True and attrs.get("complete") is not True
 
 
+def stream_damaged(store: Any, stream_id: str) -> bool:
+    """The stream `stream_id` of `store` (a ZarrStore), which exists, was processed to where damage
+    stopped decoding. Reads its attrs (a group a crash left half made is not)."""
+    try:
+        return is_damaged(store.read(stream_id)["attrs"])
+    except (SinkError, OSError, KeyError, ValueError):
+        return False
+
+
 def damaged_streams(store: Any) -> set[str]:
-    """Ids of the streams of `store` (a ZarrStore) processed to where damage stopped decoding: with
-    the complete ones, the streams a resumed batch has nothing left to do for. Reads the attrs of
-    every incomplete stream once (few: a batch lists this at its start, not per video)."""
-    damaged = set()
-    for stream_id in store.stream_ids():
-        if store.is_complete(stream_id):
-            continue
-        try:
-            attrs = store.read(stream_id)["attrs"]
-        except (SinkError, OSError, KeyError, ValueError):   # a group a crash left half made: not done
-            continue
-        if is_damaged(attrs):
-            damaged.add(stream_id)
-    return damaged
+    """Ids of the streams of `store` processed to where damage stopped decoding: with the complete
+    ones, the streams there is nothing left to do for."""
+    return {sid for sid in store.stream_ids() if not store.is_complete(sid) and stream_damaged(store, sid)}

@@ -37,7 +37,7 @@ from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
 from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
-from ..core.damage import damaged_streams
+from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, encode_query, load_answerer, resolve_device
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
@@ -183,8 +183,7 @@ class VideoAnswerer:
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
         self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
         self.store = self.create_store(cfg, out)
-        # done up to the damage in an earlier run: nothing more can be decoded, so not redone
-        self.damaged_done = damaged_streams(self.store)
+        self.present = set(self.store.stream_ids())   # streams earlier runs left (one listing)
         self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
         self._vlm_lock = threading.Lock()
         self._lock = threading.Lock()                            # guards the two below
@@ -200,7 +199,9 @@ class VideoAnswerer:
         return ZarrStore.open(out, config=to_dict(cfg))
 
     def answer(self, work: VideoWork) -> VideoOutcome:
-        if work.video_id in self.damaged_done or self.store.is_complete(work.video_id):
+        if self.store.is_complete(work.video_id) or (work.video_id in self.present
+                                                     and stream_damaged(self.store, work.video_id)):
+            # done in an earlier run (up to the damage, if any: nothing more can be decoded)
             return VideoOutcome(work.video_id, "skipped", questions=len(work.questions))
         if work.path is None:
             return VideoOutcome(work.video_id, "missing", message=f"video file of {work.video_id} not found")
@@ -342,7 +343,10 @@ class VideoAnswerer:
             running = list(self._running.values())
         for graph, status in running:
             status.stopped = True
-            graph.abort() if abort else graph.stop()
+            if abort:
+                graph.abort()
+            else:
+                graph.stop()
 
 
 @dataclass

@@ -246,6 +246,10 @@ STREAM_ATTRS = (
     Attr("gap_count", (int,), "gap rows committed (absent: 0)", optional=True),
     Attr("config", (dict,), "the config of the run that wrote this stream (absent in older stores: the root's)",
          optional=True),
+    Attr("damaged", (bool,), "true: damage stopped decoding; processed up to it, done but not complete",
+         optional=True),
+    Attr("truncated_at_s", (int, float, type(None)), "damaged streams: pts of the last stored frame (s)",
+         optional=True),
 )
 
 

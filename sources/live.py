@@ -9,6 +9,11 @@ One capture thread per source reads as fast as the source delivers and keeps onl
 counted, so neither latency nor memory grows. Each Frame carries its wall-clock arrival time
 (`arrival_s`, time.time()) and its pts.
 
+Capture serves the consumer from when it is ready (`begin()`, or its first `take()`), not from
+when the source was opened, which may be seconds earlier (models load in between): a file starts
+playing then, and a stream (read from the start, which keeps its connection alive) forgets what
+arrived before, without counting it as dropped.
+
 pts of a live stream are seconds on the session's timeline: within one connection they follow the
 stream's own timestamps, and each (re)connection starts at its arrival time since the session
 began (or just after the last frame, if the stream's clock ran ahead). So pts never go backwards
@@ -52,7 +57,8 @@ SourceKind = Literal["camera", "network", "file"]
 NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
 TRANSPORTS = ("tcp", "udp")
 _FALLBACK_FPS = 30.0  # for streams that declare no frame rate (the store needs one)
-_RATE_WINDOW_S = 2.0  # fps_in is measured over this many recent seconds
+_RATE_WINDOW_S = 2.0  # rates (fps in, fps out) are measured over this many recent seconds
+_RATE_MIN_SPAN_S = 0.5  # ... and over at least this long just after the start (no spike from 2 frames)
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ class SourceStats:
     frames_in: int      # frames the source delivered
     dropped: int        # of those, dropped because the consumer was slower
     reconnects: int     # successful reconnections
-    fps_in: float       # delivery rate over the last few seconds
+    fps_in: float       # frames delivered over the last _RATE_WINDOW_S seconds, per second
     gaps: int = 0       # outages so far (stalls, drops), the current one included
     outage_s: float = 0.0   # seconds without frames in those outages, up to now for a current one
     connected: bool = True  # False during an outage and once the capture ended
@@ -224,6 +230,7 @@ class _Connection:
     width: int
     height: int
     fps: float
+    truncated = False   # a file whose decoding damage stopped early (set once frames() ended)
 
     def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
         raise NotImplementedError
@@ -374,6 +381,10 @@ class _FileConnection(_Connection):
             yield frame.pts_s, frame.rgb
         raise _Lost("end of file")
 
+    @property
+    def truncated(self) -> bool:
+        return self.video.truncated
+
     def close(self) -> None:
         self.video.close()
 
@@ -410,6 +421,12 @@ class LatestFrames:
             # the gap now ends at the first frame a consumer will see after it
             nxt, own = self._items[0]
             self._items[0] = (nxt, own or dataclasses.replace(carried, end_pts=nxt.pts_s, end_wall=nxt.arrival_s))
+
+    def clear(self) -> None:
+        """Forget every buffered frame, and the drops so far (frames from before the consumer was ready)."""
+        with self._cond:
+            self._items.clear()
+            self.dropped = 0
 
     def close(self, last_gap: Gap | None = None) -> None:
         """No more frames will come: wake the consumer. `last_gap`: the stream was down from then
@@ -463,12 +480,15 @@ class LiveSource:
         self.frames_in = 0
         self.reconnects = 0
         self.error: SourceError | None = None   # why the source gave up, if it did
+        self.truncated = False                   # a file whose decoding damage stopped early (warned)
         self._stop = threading.Event()
         self._rng = random.Random()
         self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
         self._thread: threading.Thread | None = None
         self._conn: _Connection | None = None
         self._t0 = 0.0
+        self._begin_lock = threading.Lock()
+        self.began_at: float | None = None       # time.time() when the consumer became ready
         self._last: tuple[float, float] | None = None   # (pts, arrival) of the last frame
         self._outage: _Outage | None = None             # the stream is down since then
         self._outages = 0
@@ -478,13 +498,33 @@ class LiveSource:
         self._closed_at: float | None = None
 
     def start(self) -> "LiveSource":
-        """Open the source (SourceError if it cannot be opened) and start capturing."""
+        """Open the source (SourceError if it cannot be opened). A stream is read from now on (that
+        keeps its connection alive); a file starts playing at `begin()`."""
         self._conn = _CONNECTIONS[self.spec.kind](self.spec, self.config, None)
         self.width, self.height, self.fps = self._conn.width, self._conn.height, self._conn.fps
         self._t0 = time.time()
+        if self.spec.kind != "file":
+            self._start_capture()
+        return self
+
+    def begin(self) -> None:
+        """The consumer is ready for frames (the first `take()` calls this too). A file starts
+        playing now, at pts 0 of the session; a stream forgets the frames that arrived before,
+        uncounted, so that the consumer's first frames are the newest."""
+        with self._begin_lock:
+            if self.began_at is not None:
+                return
+            self.began_at = time.time()
+            if self._thread is None:
+                self._t0 = self.began_at
+                if not self._stop.is_set():
+                    self._start_capture()
+            else:
+                self.buffer.clear()
+
+    def _start_capture(self) -> None:
         self._thread = threading.Thread(target=self._capture, name=f"capture-{self.stream_id}", daemon=True)
         self._thread.start()
-        return self
 
     @property
     def finished(self) -> bool:
@@ -492,13 +532,13 @@ class LiveSource:
         return self.buffer.drained
 
     def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
+        if self.began_at is None:
+            self.begin()
         return self.buffer.take(max_frames, timeout_s)
 
     def stats(self) -> SourceStats:
         now = time.time()
-        arrivals = [a for a in list(self._arrivals) if a >= now - _RATE_WINDOW_S]
-        span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-        fps = (len(arrivals) - 1) / span if span > 0 else 0.0
+        fps = window_rate(list(self._arrivals), now, since=self.began_at)
         outage = self._outage
         current = max(0.0, now - outage.start_wall) if outage is not None else 0.0
         return SourceStats(self.frames_in, self.buffer.dropped, self.reconnects, fps, self._outages,
@@ -508,9 +548,12 @@ class LiveSource:
         """Stop capturing. An outage still open is recorded as a Gap ending now (see `take`)."""
         if self._closed_at is None:
             self._closed_at = time.time()
-        self._stop.set()
+        with self._begin_lock:   # a begin() from now on starts nothing
+            self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.read_timeout_s + self.config.open_timeout_s + 1.0)
+        elif self._thread is None and self._conn is not None:
+            self._conn.close()   # a file that never started playing
         self._end_capture(self._closed_at, "still down when the source closed")
 
     def __enter__(self) -> "LiveSource":
@@ -528,6 +571,7 @@ class LiveSource:
             while conn is not None and not self._stop.is_set():
                 lost = self._pump(conn)
                 conn.close()
+                self.truncated = self.truncated or conn.truncated
                 if self._stop.is_set() or self.spec.kind == "file":
                     break
                 self._lose(lost)
@@ -656,6 +700,17 @@ def _reason(e: BaseException) -> str:
 def _lower(text: str) -> str:
     """FFmpeg's "Connection refused" inside a sentence: "connection refused" (acronyms stay)."""
     return text[:1].lower() + text[1:] if text[1:2].islower() else text
+
+
+def window_rate(times: list[float], now: float, *, window_s: float = _RATE_WINDOW_S,
+                since: float | None = None) -> float:
+    """Events per second over the last `window_s` seconds: those whose time falls in the window,
+    over its length (shorter just after `since`, the start, but at least _RATE_MIN_SPAN_S). A burst
+    (frames buffered during an outage and delivered at once) counts for what it adds to the
+    window, not at the rate it came in."""
+    start = now - window_s if since is None else max(now - window_s, since)
+    span = max(now - start, min(window_s, _RATE_MIN_SPAN_S))
+    return sum(1 for t in times if start <= t <= now) / span
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -193,7 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
-        print("interrupted: the store was closed and stays valid (complete=false)", file=sys.stderr)
+        # the graph waited for its threads and closed the store (core/graph.py: Graph.run); a
+        # signal from here on must not turn the exit into a traceback
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            print("interrupted: the store was closed and stays valid (complete=false)", file=sys.stderr)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         return EXIT_INTERRUPTED
     except Exception as e:  # one line for the user; the traceback only on request
         from ..core.graph import StageError

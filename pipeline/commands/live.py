@@ -29,6 +29,9 @@ def cmd_live(args: argparse.Namespace) -> int:
     print(json.dumps(summary), file=sys.stderr)
     for note in result.notes:
         print(f"warning: {note}", file=sys.stderr)
+    for sid in result.damaged:   # the source already warned about the damage itself
+        print(f"warning: {sid}: stored the {result.streams[sid]['frames_out']} frames processed before the "
+              "damage (complete=false, damaged=true)", file=sys.stderr)
     if args.verbose:
         for row in result.metrics:
             print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)

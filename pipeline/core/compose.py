@@ -22,7 +22,7 @@ from ..config import PipelineConfig
 from .frontend_graphs import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
 from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters
-from .stages import DecodeStage, RealizeStage, RunStatus, SinkStage, TextureStage
+from .stages import DecodeStage, Outcome, RealizeStage, RunStatus, SinkStage, TextureStage
 
 
 def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, cfg: PipelineConfig,
@@ -52,10 +52,12 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
     texture = TextureStage(model, device, grid, graphs)
     realize = RealizeStage(model, device, query, query_mask=query_mask,
                            vlm_fps=cfg.vlm.fps if vlm_stage is not None else None, graphs=graphs)
-    def complete(stream_id: str) -> bool:    # processed to its end: not truncated, not stopped
+    def outcome(stream_id: str) -> Outcome:
         with status.lock:
-            return not (status.truncated or status.stopped)
-    sink = SinkStage({source.stream_id: writer}, complete=complete, overlay=overlay)
+            if status.stopped:
+                return "incomplete"
+            return "damaged" if status.truncated else "complete"   # truncated: decoded up to the damage
+    sink = SinkStage({source.stream_id: writer}, outcome=outcome, overlay=overlay)
     graph = Graph()
     graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))
@@ -98,9 +100,13 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
                                graphs=graphs)
     by_id = {s.stream_id: s for s in sources}
-    # a source that gave up was not watched to its end
-    sink = SinkStage(writers, complete=lambda stream_id: by_id[stream_id].error is None, counters=counters,
-                     answers_out=answers_out)
+
+    def outcome(stream_id: str) -> Outcome:
+        source = by_id[stream_id]
+        if source.error is not None:         # gave up: not watched to its end
+            return "incomplete"
+        return "damaged" if source.truncated else "complete"   # a --realtime file cut short by damage
+    sink = SinkStage(writers, outcome=outcome, counters=counters, answers_out=answers_out)
     graph = Graph()
     capture.outlet = graph.add_flow(capture, texture, Channel(1, Policy.DROP_OLDEST))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))

@@ -9,6 +9,8 @@ channel's capacity and policy is visible:
 An exception in any stage stops the whole graph; `Graph.run` re-raises it in the calling thread
 as a `StageError` naming the stage and the item. `Graph.stop()` (e.g. on Ctrl-C) stops the source,
 and everything already produced drains through to the sink, so the sink can close cleanly.
+`Graph.abort()` (a second Ctrl-C) drops what is still queued instead: each stage ends after its
+current item, without `finish`, and the stages still close.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import enum
 import queue
 import threading
 import time
-from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -203,6 +204,27 @@ class Workers:
                 self._idle += 1
 
 
+def wait_through_interrupts(jobs: Iterable[Future], on_interrupt: Callable[[int], None]) -> int:
+    """Wait until every job is done, whatever signals arrive; return how many interrupts came.
+
+    A KeyboardInterrupt in this thread (Ctrl-C; SIGTERM through the CLI's handler) does not end the
+    wait: it calls `on_interrupt(n)` (n = 1 for the first, 2 for the second ...), which should make
+    the jobs end sooner, and the wait goes on. Polls `done()` rather than blocking in
+    `futures.wait`, so that the exception never lands inside a lock's bookkeeping."""
+    pending, count, handled = list(jobs), 0, 0
+    while pending:
+        try:
+            while handled < count:   # here, so that a signal during a callback is caught too
+                handled += 1
+                on_interrupt(handled)
+            pending = [job for job in pending if not job.done()]
+            if pending:
+                time.sleep(0.02)
+        except KeyboardInterrupt:
+            count += 1
+    return count
+
+
 class Graph:
     """A chain or tree of stages joined by channels; `run` blocks until everything drained."""
 
@@ -213,6 +235,7 @@ class Graph:
         self.metrics: dict[str, StageMetrics] = {}
         self._error: StageError | None = None
         self._stop = threading.Event()
+        self._aborted = False
         self._lock = threading.Lock()
 
     def add(self, stage: Stage) -> Stage:
@@ -241,35 +264,53 @@ class Graph:
         """Ask the sources to stop; what they already produced still flows to the end."""
         self._stop.set()
 
+    def abort(self) -> None:
+        """Stop now: the sources stop, queued items are dropped, and each stage ends after the item
+        it is working on without `finish` (a stage that writes closes as incomplete)."""
+        self._aborted = True
+        self._stop.set()
+        for ch in self.inputs.values():
+            ch.abort()
+
     def run(self, on_progress: Callable[[Stage, Any], None] | None = None,
             on_interrupt: Callable[[], None] | None = None, workers: Workers | None = None) -> None:
-        """Run every stage in its own thread until all drained; re-raise the first failure.
-        workers: take the threads from there (kept warm across runs) instead of new ones.
+        """Run every stage in its own thread until all drained, close the stages, then re-raise the
+        first failure. workers: take the threads from there (kept warm across runs) instead of new ones.
 
-        Ctrl-C (KeyboardInterrupt in this thread) calls `on_interrupt`, stops the sources and
-        lets what was produced drain, then re-raises.
+        Ctrl-C (KeyboardInterrupt in this thread; the CLI turns SIGTERM into one) calls `on_interrupt`
+        and stops the sources; what they produced drains. A second one aborts the drain (`abort`).
+        Either way run() returns only once every stage thread has ended and every stage is closed,
+        then re-raises KeyboardInterrupt: threads that ran torch code must not outlive the
+        interpreter ("terminate called without an active exception", exit 134), and a close cut
+        short would leave the store's last rows unwritten.
         """
         workers = Workers("stage", keep=False) if workers is None else workers
-        done = [workers.submit(self._work, s, on_progress) for s in self.stages]
-        try:
-            pending = set(done)
-            while pending:
-                _, pending = futures.wait(pending, timeout=0.1)
-        except KeyboardInterrupt:
+
+        def interrupted(count: int) -> None:
+            if count > 1:
+                self.abort()
+                return
             if on_interrupt is not None:
                 on_interrupt()
             self.stop()
-            futures.wait(done)
-            raise
-        finally:
-            for s in self.stages:
-                try:
-                    s.close()
-                except Exception as e:  # closing must not mask the original error
-                    if self._error is None:
-                        self._error = StageError(s.name, "close", e)
+        signals = wait_through_interrupts([workers.submit(self._work, s, on_progress) for s in self.stages],
+                                          interrupted)
+        # closed in a thread of its own, which a signal cannot interrupt (it lands in this one), and
+        # not one of `workers`: their owner may be closing them (a batch stopped by Ctrl-C)
+        closing = Workers("close", keep=False).submit(self._close_stages)
+        signals += wait_through_interrupts([closing], lambda count: interrupted(signals + count))
+        if signals:
+            raise KeyboardInterrupt
         if self._error is not None:
             raise self._error
+
+    def _close_stages(self) -> None:
+        for s in self.stages:
+            try:
+                s.close()
+            except Exception as e:  # closing must not mask the original error
+                if self._error is None:
+                    self._error = StageError(s.name, "close", e)
 
     def _fail(self, stage: Stage, item: Any, error: BaseException) -> None:
         with self._lock:
@@ -320,7 +361,7 @@ class Graph:
                     if not self._emit(stage, outs):
                         return
             item = None
-            if self._error is None:
+            if self._error is None and not self._aborted:
                 t0 = time.perf_counter()
                 tail = list(stage.finish())
                 m.busy_s += time.perf_counter() - t0

@@ -28,6 +28,7 @@ from sources.live import Gap, LiveSource
 
 from ..config import PipelineConfig
 from ..vlm.geometry import VLMGeometry
+from .damage import close_stream
 from .graph import Stage
 from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
 
@@ -78,6 +79,8 @@ class CaptureStage(Stage):
         self.outlet: Channel | None = None   # set by compose_live: batches wait for room there
 
     def produce(self) -> Iterator[LiveBatch]:
+        for source in self.sources:   # the graph takes frames from now on: files start playing
+            source.begin()
         turn = 0
         while not self.stop.is_set() and not all(s.finished for s in self.sources):
             if self.outlet is not None and self.outlet.depth >= self.outlet.capacity:

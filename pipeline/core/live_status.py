@@ -12,9 +12,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from sources.live import LiveSource, percentile
-
-_RATE_WINDOW_S = 2.0
+from sources.live import LiveSource, percentile, window_rate
 
 
 def snapshot(sources: list[LiveSource], counters: dict[str, Any]) -> dict[str, Any]:
@@ -23,12 +21,11 @@ def snapshot(sources: list[LiveSource], counters: dict[str, Any]) -> dict[str, A
     streams = {}
     for source in sources:
         c = counters[source.stream_id]
-        stats = source.stats()
-        recent = [t for t in list(c.out_times) if t >= now - _RATE_WINDOW_S]
-        span = recent[-1] - recent[0] if len(recent) > 1 else 0.0
+        stats = source.stats()   # fps_in: over the same window as fps_out
         answer_lat, frame_lat = list(c.answer_latency), list(c.frame_latency)
         streams[source.stream_id] = {
-            "fps_in": round(stats.fps_in, 2), "fps_out": round((len(recent) - 1) / span if span > 0 else 0.0, 2),
+            "fps_in": round(stats.fps_in, 2),
+            "fps_out": round(window_rate(list(c.out_times), now, since=source.began_at), 2),
             "frames_in": stats.frames_in, "frames_out": c.frames_out, "dropped": stats.dropped,
             "reconnects": stats.reconnects, "gaps": c.gaps, "answers": c.answers,
             "answer_latency_p50_s": _round(percentile(answer_lat, 50)),

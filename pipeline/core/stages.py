@@ -16,7 +16,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, Literal, TextIO
 
 import numpy as np
 import torch
@@ -29,8 +29,11 @@ from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
 from .cuda import CAPTURE_LOCK, to_device
+from .damage import close_stream
 from .frontend_graphs import FrontendGraphs, graphable
 from .graph import Stage
+
+Outcome = Literal["complete", "damaged", "incomplete"]   # how a stream of a finished graph ends
 
 
 @dataclass
@@ -365,16 +368,22 @@ class VLMStage(Stage):
     """Collects the VLM-sampled frames and their token maps into answer windows and asks the VLM.
 
     Allocation batches pass straight through to the sink; an AnswerItem follows each window.
-    Windows are `every_s` seconds of video (None: the whole video, answered at the end).
+    Windows are `every_s` seconds of video on a fixed grid from the first frame's pts (None: the
+    whole video, answered at the end). A window longer than `max_frames` VLM frames keeps an even
+    spread over all of it: every `stride`-th frame, the stride doubling each time the window fills.
     """
 
     name = "vlm"
 
     def __init__(self, vlm: Any, question: str, every_s: float | None, max_frames: int = 256) -> None:
+        if max_frames < 2:
+            raise ValueError(f"max_frames must be >= 2 (a full window keeps every other frame), got {max_frames}")
         self.vlm, self.question, self.every_s, self.max_frames = vlm, question, every_s, max_frames
         self.rgb: list[np.ndarray] = []
         self.lod: list[np.ndarray] = []
-        self.pts: list[float] = []
+        self.stride = 1                       # the window keeps every stride-th of its VLM frames
+        self.offered = 0                      # VLM frames of this window so far, kept or not
+        self.last_pts: float | None = None    # the newest of them
         self.stream_id = ""
         self.window_start: float | None = None
         self.answered = 0
@@ -388,18 +397,26 @@ class VLMStage(Stage):
                 self.window_start = frame.pts_s
             if self.every_s is not None and frame.pts_s >= self.window_start + self.every_s and self.rgb:
                 out.append(self._answer(end=self.window_start + self.every_s))
+                # the window this frame falls in (after a jump in pts, the windows between are empty)
                 self.window_start += self.every_s * ((frame.pts_s - self.window_start) // self.every_s)
             if take:
-                if len(self.rgb) == self.max_frames:  # a long window keeps an even spread of frames
-                    del self.rgb[::2], self.lod[::2], self.pts[::2]
+                self._take(frame, lod)
+        return out
+
+    def _take(self, frame: Frame, lod: np.ndarray) -> None:
+        if self.offered % self.stride == 0:
+            if len(self.rgb) == self.max_frames:  # keep frames 0, 2, 4 ... of those kept: the stride doubles
+                del self.rgb[1::2], self.lod[1::2]
+                self.stride *= 2
+            if self.offered % self.stride == 0:
                 self.rgb.append(frame.rgb)
                 self.lod.append(lod)
-                self.pts.append(frame.pts_s)
-        return out
+        self.offered += 1
+        self.last_pts = frame.pts_s
 
     def finish(self) -> Iterable[Any]:
         if self.rgb:
-            return (self._answer(end=self.pts[-1]),)
+            return (self._answer(end=self.last_pts),)
         return ()
 
     def _answer(self, end: float) -> AnswerItem:
@@ -409,7 +426,7 @@ class VLMStage(Stage):
                                 question=self.question, t_start=float(self.window_start), t_end=float(end),
                                 arrival_s=time.monotonic())
         result = self.vlm.answer([request])[0]
-        self.rgb, self.lod, self.pts = [], [], []
+        self.rgb, self.lod, self.stride, self.offered = [], [], 1, 0
         self.answered += 1
         return AnswerItem(stream_id=self.stream_id, t_start=request.t_start, t_end=request.t_end,
                           question=self.question, text=result.text, tokens_kept=result.tokens_kept,
@@ -428,19 +445,21 @@ class SinkStage(Stage):
     """Writes every stream's homunculus sequence, gaps and answers to the store (one StreamWriter per
     stream), the overlay video of a single-stream run, and answers as JSON lines when asked.
 
-    A stream is complete when the graph finished, the run was not interrupted and `complete(stream_id)`
-    says so (run: the video was not truncated; live: the source did not give up). After a failure no
-    stream is complete. Counters (live) are updated per stream when given.
+    How each stream ends is `outcome(stream_id)` once the graph finished: "complete" (processed to its
+    end), "damaged" (processed to where damage stopped decoding: done, not complete; core/damage.py)
+    or "incomplete" (run: stopped; live: the source gave up). After a failure, an abort or an
+    interrupt every stream is incomplete. Counters (live) are updated per stream when given.
     """
 
     name = "sink"
 
-    def __init__(self, writers: dict[str, Any], *, complete: Callable[[str], bool] = lambda stream_id: True,
+    def __init__(self, writers: dict[str, Any], *, outcome: Callable[[str], Outcome] = lambda stream_id: "complete",
                  overlay: Any = None, counters: dict[str, Any] | None = None, answers_out: TextIO | None = None) -> None:
-        self.writers, self.complete, self.overlay = writers, complete, overlay
+        self.writers, self.outcome, self.overlay = writers, outcome, overlay
         self.counters, self.answers_out = counters, answers_out
         self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
         self.frames_written = 0
+        self.last_pts: dict[str, float] = {}      # per stream: its last stored frame's pts
         self.answers: list[AnswerItem] = []
         self._closed = False
 
@@ -463,6 +482,7 @@ class SinkStage(Stage):
             for f, tok, rel in zip(frames, rows["tokens"], rows["relevance"]):
                 self.overlay.write(f.rgb, tok, rel)
         self.frames_written += len(frames)
+        self.last_pts[sid] = frames[-1].pts_s
         if self.counters is not None:
             counters, now = self.counters[sid], time.time()
             counters.gaps += gap is not None
@@ -491,7 +511,7 @@ class SinkStage(Stage):
         return ()
 
     def close(self) -> None:
-        self._close(failed=True)   # only reached without finish() after a failure
+        self._close(failed=True)   # only reached without finish() after a failure or an abort
 
     def _close(self, failed: bool) -> None:
         if self._closed:
@@ -504,9 +524,10 @@ class SinkStage(Stage):
         except Exception as e:
             errors.append(e)
         for sid, writer in self.writers.items():
-            complete = not (failed or self.interrupted) and self.complete(sid)
+            outcome = "incomplete" if failed or self.interrupted else self.outcome(sid)
             try:
-                writer.close(complete=complete)
+                close_stream(writer, complete=outcome == "complete", damaged=outcome == "damaged",
+                             last_pts_s=self.last_pts.get(sid))
             except Exception as e:  # close every writer; report the first failure
                 errors.append(e)
         if errors:

@@ -6,9 +6,10 @@ set of vision tokens (`VLM.answer_questions`). Videos are sharded across workers
 or the Ray actor pool of runners/ray_batch.py).
 
 Resumable: each video lands in the store as its own stream group with its answers, marked
-complete=true only after the last answer is written. A re-run skips complete videos and redoes
-incomplete ones (the store replaces an incomplete group wholesale), so a run killed at any moment
-and restarted answers every question exactly once.
+complete=true only after the last answer is written. A re-run skips done videos (complete, or
+answered up to where damage stopped decoding them: core/damage.py) and redoes incomplete ones (the
+store replaces an incomplete group wholesale), so a run killed at any moment and restarted answers
+every question exactly once.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
 from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
-from ..core.graph import StageError, Workers
+from ..core.damage import stream_damaged
+from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, encode_query, load_answerer, resolve_device
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
@@ -61,9 +63,11 @@ def check_in_flight(in_flight: int) -> None:
 
 @dataclass
 class VideoOutcome:
-    """What one video's job did; `status` is done | skipped (already complete) | missing | failed."""
+    """What one video's job did; `status` is done | skipped (already done) | missing | failed.
+    `damaged`: done, but damage stopped decoding early (its answers cover what could be decoded)."""
     video_id: str
     status: str
+    damaged: bool = False
     questions: int = 0
     frames: int = 0
     tokens_kept: int = 0
@@ -131,7 +135,7 @@ class QuestionsStage(VLMStage):
             with self.vlm_lock:
                 return self.vlm.answer_questions(frames, keep, questions)
         results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
-        t_start, t_end = float(self.window_start), float(self.pts[-1])
+        t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)
         answers = [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
                               tokens_kept=r.tokens_kept, tokens_full=r.tokens_full, latency_s=r.latency_s)
@@ -179,6 +183,7 @@ class VideoAnswerer:
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
         self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
         self.store = self.create_store(cfg, out)
+        self.present = set(self.store.stream_ids())   # streams earlier runs left (one listing)
         self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
         self._vlm_lock = threading.Lock()
         self._lock = threading.Lock()                            # guards the two below
@@ -194,13 +199,15 @@ class VideoAnswerer:
         return ZarrStore.open(out, config=to_dict(cfg))
 
     def answer(self, work: VideoWork) -> VideoOutcome:
-        if self.store.is_complete(work.video_id):
+        if self.store.is_complete(work.video_id) or (work.video_id in self.present
+                                                     and stream_damaged(self.store, work.video_id)):
+            # done in an earlier run (up to the damage, if any: nothing more can be decoded)
             return VideoOutcome(work.video_id, "skipped", questions=len(work.questions))
         if work.path is None:
             return VideoOutcome(work.video_id, "missing", message=f"video file of {work.video_id} not found")
         start = time.perf_counter()
         try:
-            frames, answers, busy = self._run_graph(work)
+            frames, answers, busy, damaged = self._run_graph(work)
         except (SourceError, StageError) as e:
             cause = e.error if isinstance(e, StageError) else e
             if isinstance(e, StageError) and not isinstance(cause, SourceError):
@@ -208,11 +215,11 @@ class VideoAnswerer:
             return VideoOutcome(work.video_id, "failed", message=str(cause).splitlines()[0])
         # every question of a video is asked over the same selected tokens: the first answer's count is the video's
         kept, full = (answers[0].tokens_kept, answers[0].tokens_full) if answers else (0, 0)
-        return VideoOutcome(work.video_id, "done", questions=len(answers), frames=frames, tokens_kept=kept,
-                            tokens_full=full, wall_s=time.perf_counter() - start, finished_at=time.time(),
-                            worker=WORKER_ID, stage_busy=json.dumps(busy))
+        return VideoOutcome(work.video_id, "done", damaged=damaged, questions=len(answers), frames=frames,
+                            tokens_kept=kept, tokens_full=full, wall_s=time.perf_counter() - start,
+                            finished_at=time.time(), worker=WORKER_ID, stage_busy=json.dumps(busy))
 
-    def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem], dict[str, float]]:
+    def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem], dict[str, float], bool]:
         # decode.process: the decoder runs in its own process, where the stage threads of the videos
         # in flight cannot hold the GIL from it; the processes serve video after video (a fresh
         # one costs ~0.3 s, a good part of a short clip's time)
@@ -258,7 +265,8 @@ class VideoAnswerer:
         self._stage_workers.close()
         self._vlm_worker.close()
 
-    def _run_video(self, work: VideoWork, worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float]]:
+    def _run_video(self, work: VideoWork,
+                   worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float], bool]:
         cfg, d = self.cfg, self.cfg.decode
         kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
                       stream_id=work.video_id, threads=d.threads)
@@ -303,7 +311,7 @@ class VideoAnswerer:
             raise KeyboardInterrupt
         sink = graph.stages[-1]
         busy = {stage.name: round(graph.metrics[stage.name].busy_s, 4) for stage in graph.stages}
-        return sink.frames_written, list(sink.answers), busy
+        return sink.frames_written, list(sink.answers), busy, status.truncated
 
     def answer_all(self, plan: Iterable[VideoWork], in_flight: int = IN_FLIGHT) -> Iterator[VideoOutcome]:
         """Outcomes of `plan`'s videos in plan order, with up to `in_flight` videos in work at once.
@@ -325,14 +333,20 @@ class VideoAnswerer:
                 for future in pending:
                     future.cancel()
                 self._stop_running()
+                # the videos in flight close their streams before this returns (and the models and
+                # threads they use are closed after): a second Ctrl-C stops their drain instead
+                wait_through_interrupts(pending, lambda count: self._stop_running(abort=True))
                 raise
 
-    def _stop_running(self) -> None:
+    def _stop_running(self, abort: bool = False) -> None:
         with self._lock:
             running = list(self._running.values())
         for graph, status in running:
             status.stopped = True
-            graph.stop()
+            if abort:
+                graph.abort()
+            else:
+                graph.stop()
 
 
 @dataclass
@@ -354,7 +368,8 @@ class BatchSummary:
         return {
             "out": str(self.out), "backend": self.backend, "videos": self.videos, "questions": self.questions,
             "done": len(done), "skipped_complete": self.count("skipped"), "missing": self.count("missing"),
-            "failed": self.count("failed"), "answered": answered, "wall_s": round(self.wall_s, 3),
+            "failed": self.count("failed"), "damaged": sum(o.damaged for o in done), "answered": answered,
+            "wall_s": round(self.wall_s, 3),
             "videos_per_s": round(len(done) / self.wall_s, 4) if self.wall_s > 0 else 0.0,
             "questions_per_s": round(answered / self.wall_s, 4) if self.wall_s > 0 else 0.0,
             "tokens_kept_per_video": round(kept / len(done), 1) if done else 0.0,

@@ -1,8 +1,10 @@
 """`python -m pipeline eval STORE --dataset msrvtt --root DIR`: score a batch run.
 
 Accuracy is exact match after normalization (lower case, punctuation and articles dropped,
-whitespace collapsed), overall and per question type, over the questions of complete streams;
-coverage says how many of the split's questions that is. GPT-judge scoring is out of scope; the
+whitespace collapsed), overall and per question type, over the questions of done streams: complete
+ones, and those answered up to where damage stopped decoding the video (core/damage.py; the
+report says how many answers came from those); coverage says how many of the split's questions
+that is. GPT-judge scoring is out of scope; the
 predictions can be exported in the Video-ChatGPT judge format for people who run it.
 
 Answers are matched to the ground truth by (video, question text, occurrence): a batch writes a
@@ -21,6 +23,8 @@ from typing import Any
 
 from sinks import SinkError, ZarrStore, store_location
 from sources.msrvtt import TASKS, Dataset, Question, load_msrvtt
+
+from ..core.damage import damaged_streams
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
@@ -47,8 +51,10 @@ class Prediction:
 class EvalReport:
     questions: int                     # in the split
     predictions: list[Prediction] = field(default_factory=list)
-    videos_complete: int = 0
-    videos_incomplete: int = 0         # groups present but not complete (a resumed run redoes them)
+    videos_complete: int = 0           # done: complete, or answered up to the damage (counted here too)
+    videos_damaged: int = 0            # done up to where damage stopped decoding
+    answers_from_damaged: int = 0      # predictions that come from those
+    videos_incomplete: int = 0         # groups present but not done (a resumed run redoes them)
     duplicates: int = 0                # answers beyond one per question (must be 0)
     unmatched: int = 0                 # answers to questions the annotations do not have
     tokens_kept: list[int] = field(default_factory=list)   # per complete video
@@ -67,7 +73,8 @@ class EvalReport:
             "accuracy": round(sum(p.correct for p in self.predictions) / n, 6) if n else 0.0,
             "accuracy_by_type": {t: {"accuracy": round(sum(v) / len(v), 6), "questions": len(v)}
                                  for t, v in sorted(by_type.items())},
-            "videos_complete": self.videos_complete, "videos_incomplete": self.videos_incomplete,
+            "videos_complete": self.videos_complete, "videos_damaged": self.videos_damaged,
+            "answers_from_damaged_videos": self.answers_from_damaged, "videos_incomplete": self.videos_incomplete,
             "duplicates": self.duplicates, "unmatched": self.unmatched,
             "tokens": {"kept_over_full": round(kept / full, 6) if full else 0.0,
                        "mean_kept_per_video": round(kept / videos, 3) if videos else 0.0,
@@ -77,16 +84,19 @@ class EvalReport:
 
 def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
     store = ZarrStore.open(store_path, mode="r")
-    present = set(store.stream_ids())
+    present, damaged_done = set(store.stream_ids()), damaged_streams(store)
     report = EvalReport(questions=len(dataset.questions))
     for work in dataset.videos():
         if work.video_id not in present:
             continue
-        if not store.is_complete(work.video_id):
+        damaged = work.video_id in damaged_done
+        if not (damaged or store.is_complete(work.video_id)):
             report.videos_incomplete += 1
             continue
         report.videos_complete += 1
+        report.videos_damaged += damaged
         answers = store.read(work.video_id)["answers"]   # the store opened once, not per video
+        predicted = len(report.predictions)
         pending: dict[str, list[Question]] = defaultdict(list)
         for q in work.questions:
             pending[q.question].append(q)
@@ -99,6 +109,8 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
                 continue
             q = queue.pop(0)
             report.predictions.append(Prediction(q, text, is_correct(text, q)))
+        if damaged:
+            report.answers_from_damaged += len(report.predictions) - predicted
         if len(answers["text"]):
             report.tokens_kept.append(int(answers["tokens_kept"][0]))
             report.tokens_full.append(int(answers["tokens_full"][0]))
@@ -121,6 +133,10 @@ def format_report(row: dict[str, Any]) -> str:
     tok = row["tokens"]
     lines.append(f"tokens kept/full {tok['kept_over_full']:.4f}; per video: kept {tok['mean_kept_per_video']}, "
                  f"full {tok['mean_full_per_video']}")
+    if row["videos_damaged"]:
+        n = row["videos_damaged"]
+        lines.append(f"note: {row['answers_from_damaged_videos']} answers come from {n} damaged video{'s' * (n != 1)}, "
+                     "answered over the frames decoded before the damage")
     if row["videos_incomplete"] or row["duplicates"] or row["unmatched"]:
         lines.append(f"warning: {row['videos_incomplete']} incomplete videos, {row['duplicates']} duplicate and "
                      f"{row['unmatched']} unmatched answers")

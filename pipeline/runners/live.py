@@ -28,13 +28,14 @@ from ..vlm.geometry import VLMGeometry
 class LiveResult:
     out: Path | str      # a local path or an fsspec URL
     stream_ids: list[str]
-    complete: bool
+    complete: bool                      # every stream ended as asked, none cut short by damage
     stopped: bool                       # ended by Ctrl-C / SIGTERM
     wall_s: float
     grid: tuple[int, int]
     streams: dict[str, dict[str, Any]]  # final per-source metrics (live_status.snapshot)
     answers: list[AnswerItem] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)   # sources that gave up (one line each)
+    damaged: list[str] = field(default_factory=list)  # --realtime files that damage cut short
     metrics: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -121,8 +122,9 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             timer.cancel()
         reporter.close()
     errors = [str(s.error) for s in sources if s.error is not None]
-    return LiveResult(out=store_location(out), stream_ids=[s.stream_id for s in sources], complete=not errors,
-                      stopped=False, wall_s=time.perf_counter() - start, grid=next(iter(grids.values())),
+    damaged = [s.stream_id for s in sources if s.truncated and s.error is None]
+    return LiveResult(out=store_location(out), stream_ids=[s.stream_id for s in sources],
+                      complete=not (errors or damaged), damaged=damaged, stopped=False, wall_s=time.perf_counter() - start, grid=next(iter(grids.values())),
                       streams=snapshot(sources, counters)["streams"], answers=list(sink.answers), errors=errors,
                       metrics=graph.report(), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
 

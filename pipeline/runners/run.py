@@ -136,6 +136,8 @@ def print_summary(result: RunResult, verbose: bool = False) -> None:
         "answers": [{"t_start": a.t_start, "t_end": a.t_end, "text": a.text, "tokens_kept": a.tokens_kept,
                      "tokens_full": a.tokens_full} for a in result.answers],
     }
+    if result.truncated:
+        summary["damaged"] = True   # done up to the damage: core/damage.py
     if result.notes:
         summary["notes"] = result.notes
     print(json.dumps(summary))
@@ -143,7 +145,7 @@ def print_summary(result: RunResult, verbose: bool = False) -> None:
         print(f"warning: {note}", file=sys.stderr)
     if result.truncated:  # the source already warned about the damage itself
         print(f"warning: {result.stream_id}: stored the {result.frames} frames decoded before the damage "
-              "(complete=false)", file=sys.stderr)
+              "(complete=false, damaged=true)", file=sys.stderr)
     if verbose:
         for row in result.metrics:
             print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)

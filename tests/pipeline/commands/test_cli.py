@@ -122,6 +122,9 @@ class TestRun:
         data = read_stream(out, "truncated")
         assert data["attrs"]["complete"] is False
         assert 0 < len(data["pts"]) < 60
+        # done up to the damage (core/damage.py): every decoded frame stored, and where it stops
+        assert data["attrs"]["damaged"] is True and data["attrs"]["truncated_at_s"] == data["pts"][-1]
+        assert "complete=false, damaged=true" in err
 
 
 def test_demo_makes_its_clip_then_the_store_overlay_and_contact_sheet(capsys, tmp_path):
@@ -239,11 +242,11 @@ def _wait_for_frames(store: Path, stream: str, at_least: int, proc: subprocess.P
 
 
 class TestInterruptions:
-    def _start(self, video: Path, out: Path) -> subprocess.Popen:
+    def _start(self, video: Path, out: Path, *extra: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         return subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(video), "--query", "q", "--out", str(out),
-                                 "--device", "cpu", "--set", "output.chunk_frames=16", "--set", "runtime.batch_size=8"],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--device", "cpu", "--set", "output.chunk_frames=16", "--set", "runtime.batch_size=8",
+                                 *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def test_sigkill_leaves_a_readable_incomplete_store(self, tmp_path, videos):
         out = tmp_path / "killed.zarr"
@@ -269,6 +272,25 @@ class TestInterruptions:
         data = read_stream(out, "long")
         assert data["attrs"]["complete"] is False
         assert 16 <= len(data["pts"]) < 600
+
+    def test_second_sigterm_while_closing_exits_130_with_a_valid_store(self, tmp_path, videos):
+        """The first SIGTERM stops decoding and lets the VLM answer the last window; a second one
+        during that drain aborts it. The process still waits for its threads and closes the store
+        (it used to abort: "terminate called without an active exception", exit 134)."""
+        out = tmp_path / "twice.zarr"
+        proc = self._start(videos["long"], out, "--vlm", "tiny-random", "--every", "1")
+        _wait_for_frames(out, "long", 16, proc)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        assert proc.poll() is None, "the run ended before the second signal"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "terminate called" not in err and "Traceback" not in err
+        assert err.strip().splitlines()[-1] == "interrupted: the store was closed and stays valid (complete=false)"
+        assert validate_store(out) == []
+        data = read_stream(out, "long")
+        assert data["attrs"]["complete"] is False and 16 <= len(data["pts"]) < 600
 
 
 def test_help_and_configuration_do_not_import_transformers():

@@ -1,12 +1,13 @@
 """The staged graph: bounded channels, queue policies, error propagation, clean stop."""
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
 import pytest
 
-from pipeline.core.graph import Channel, Graph, Policy, Stage, StageError, Workers
+from pipeline.core.graph import _END, Channel, Graph, Policy, Stage, StageError, Workers
 
 
 class Numbers(Stage):
@@ -88,6 +89,14 @@ class TestFlow:
         assert len(sink.items) == 40
         assert all(c.max_depth <= 3 for c in chans)
         assert all(c.dropped == 0 for c in chans)
+
+    def test_drop_oldest_discards_the_oldest_queued_item(self):
+        ch = Channel(3, Policy.DROP_OLDEST)
+        for i in range(6):
+            assert ch.put(i)
+        ch.put(_END)                                       # the end marker is never dropped
+        ch.put(6)
+        assert [ch.get() for _ in range(4)] == [4, 5, _END, 6] and ch.dropped == 4
 
     def test_drop_oldest_keeps_newest_and_counts_drops(self):
         src, sink = Numbers(200), Collect(delay=0.002)
@@ -186,3 +195,62 @@ class TestWorkers:
             g.run(workers=workers)
         assert workers._threads == 3    # one per stage, reused by every run
         workers.close()
+
+
+class SlowFinish(Collect):
+    """A sink whose end-of-input work takes long (a VLM answering the last window)."""
+
+    name = "slow"
+
+    def __init__(self, finish_s: float) -> None:
+        super().__init__()
+        self.finish_s = finish_s
+        self.finish_started = threading.Event()
+
+    def finish(self):
+        self.finish_started.set()
+        time.sleep(self.finish_s)
+        self.finished = True
+        return ()
+
+
+class TestInterrupts:
+    """Ctrl-C in the thread that runs the graph: the first drains, a second aborts the drain, and
+    run() returns only after every stage thread ended and every stage closed."""
+
+    def _interrupt_main(self, when: threading.Event, delay: float = 0.0) -> threading.Thread:
+        main = threading.main_thread().ident
+
+        def send():
+            when.wait(10)
+            time.sleep(delay)
+            signal.pthread_kill(main, signal.SIGINT)
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        return thread
+
+    def test_second_interrupt_aborts_the_drain_and_waits_for_the_threads(self):
+        src, sink = Numbers(10_000, delay=0.001), SlowFinish(finish_s=2.0)
+        g, _ = chain(src, Double(), sink)
+        produced, calls = threading.Event(), []
+        timer = threading.Timer(0.2, produced.set)
+        timer.start()
+        first = self._interrupt_main(produced)
+        second = self._interrupt_main(sink.finish_started, delay=0.1)   # while the sink drains
+        with pytest.raises(KeyboardInterrupt):
+            g.run(on_interrupt=lambda: calls.append("interrupt"))
+        first.join(5), second.join(5)
+        assert calls == ["interrupt"]                     # the second one aborted instead
+        assert sink.finished and sink.closed              # run() waited for the sink's finish
+        for thread in threading.enumerate():              # (a thread ends just after its job)
+            if thread.name.startswith("stage-"):
+                thread.join(0.5)
+                assert not thread.is_alive(), f"{thread.name} outlived Graph.run"
+
+    def test_abort_skips_finish_and_still_closes(self):
+        src, sink = Numbers(10_000, delay=0.001), Collect()
+        g, _ = chain(src, Double(), sink)
+        threading.Timer(0.1, g.abort).start()
+        g.run()
+        assert sink.closed and not sink.finished
+        assert 0 < len(sink.items) < 10_000

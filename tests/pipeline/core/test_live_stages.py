@@ -1,13 +1,77 @@
-"""live.warm_vlm: the decoders live answering needs exist before the first answer."""
+"""The live stages: the VLM stage's answer windows around an outage (a gap), and warm_vlm (the
+decoders live answering needs exist before the first answer)."""
 from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.config import PipelineConfig
-from pipeline.core.live_stages import LiveOptions, warm_vlm
+from pipeline.core.live_stages import LiveBatch, LiveOptions, LiveVLMStage, warm_vlm
+from pipeline.core.stages import AllocationBatch, AnswerItem
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm.model import AnswerRequest, AnswerResult
+from sources.frame import Frame
+from sources.live import Gap
+
+
+class RecordingBatcher:
+    """Answers at once; keeps the requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[AnswerRequest] = []
+
+    def submit(self, request: AnswerRequest) -> Future:
+        self.requests.append(request)
+        future: Future = Future()
+        future.set_result(AnswerResult(text="a", tokens_kept=1, tokens_full=4, latency_s=0.0))
+        return future
+
+
+def live_batch(pts: list[float], first_index: int, gap: Gap | None = None,
+               cuts: list[bool] | None = None) -> AllocationBatch:
+    """Frames whose pixels hold their index, all sampled for the VLM."""
+    frames = [Frame("s", first_index + k, t, np.full((4, 4, 3), first_index + k, np.uint8), arrival_s=t)
+              for k, t in enumerate(pts)]
+    cuts = cuts or [False] * len(frames)
+    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), scene_change=torch.tensor(cuts))
+    batch = LiveBatch("s", frames, torch.zeros(len(frames), 4, 4, 3, dtype=torch.uint8), gap=gap)
+    return AllocationBatch(batch, allocation, None)
+
+
+def answer_frames(request: AnswerRequest) -> list[int]:
+    return [int(f[0, 0, 0]) for f in request.frames]
+
+
+class TestWindowAfterAGap:
+    """Frames from before an outage describe what was in view then, not now: the window starts over
+    at the first frame after the gap, and so does the answer schedule."""
+
+    BEFORE = [k / 10 for k in range(10)]                     # 0.0 - 0.9 s
+    AFTER = [1.3 + k / 10 for k in range(13)]                # 1.3 - 2.5 s, after 0.4 s without frames
+    GAP = Gap("s", 0.9, 1.3, 0.9, 1.3, "the stream ended (server closed or stalled)")
+
+    def run(self, options: LiveOptions, cuts_after: list[bool] | None = None) -> list[AnswerRequest]:
+        batcher = RecordingBatcher()
+        stage = LiveVLMStage(batcher, "what is there?", options)
+        batches = [live_batch(self.BEFORE, 0), live_batch(self.AFTER, 10, self.GAP, cuts_after)]
+        out = [x for b in batches for x in stage.process(b)] + list(stage.finish())
+        assert len([x for x in out if isinstance(x, AnswerItem)]) == len(batcher.requests)
+        return batcher.requests
+
+    def test_every_window_starts_after_the_gap(self):
+        requests = self.run(LiveOptions(every_s=1.0))
+        # due one --every after the first frame after the gap (1.3 + 1.0), not at 1.0 (the old schedule)
+        assert [(r.t_start, r.t_end) for r in requests] == [(pytest.approx(1.3), pytest.approx(2.3))]
+        assert answer_frames(requests[0]) == list(range(10, 21))
+
+    def test_a_cut_right_after_the_gap_sees_no_frame_from_before(self):
+        cuts = [True] + [False] * 12                         # the first frame after a gap is a new fixation
+        requests = self.run(LiveOptions(every_s=1.0, on_scene_change=True), cuts)
+        assert len(requests) == 1 and answer_frames(requests[0]) == [10]
 
 
 def window(vlm, frames: int, height: int, width: int, retention: float, seed: int) -> AnswerRequest:

@@ -1,6 +1,9 @@
-"""GPU runs: frames decoded in the worker go from its page-locked slots straight to the device
-(YUV planes converted there) and give the same store as the host path."""
+"""The stages of the offline graph: the VLM stage's answer windows (on CPU, with a recording VLM),
+and on GPU runs, frames decoded in the worker going from its page-locked slots straight to the
+device (YUV planes converted there) and giving the same store as the host path."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,11 +12,74 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
 from pipeline.runners.run import run_video
-from pipeline.core.stages import DecodeStage, FrameRef
+from pipeline.core.stages import AllocationBatch, AnswerItem, DecodeStage, FrameBatch, FrameRef, VLMStage
+from pipeline.vlm.model import AnswerResult
 from sinks import read_stream
+from sources.frame import Frame
 from sources.synthetic import Shot, render_clip, write_video
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class RecordingVLM:
+    """Answers every request with its frame count, and keeps the requests."""
+
+    def __init__(self) -> None:
+        self.requests = []
+
+    def answer(self, requests):
+        self.requests += requests
+        return [AnswerResult(text=str(len(r.frames)), tokens_kept=1, tokens_full=4, latency_s=0.0) for r in requests]
+
+    def frames(self, k: int) -> list[int]:
+        """Which frames (by index: each frame's pixels hold its index) the k-th request carried."""
+        return [int(f[0, 0, 0]) + 256 * int(f[0, 0, 1]) for f in self.requests[k].frames]
+
+
+def allocations(indices: list[int], fps: float = 10.0, pts: list[float] | None = None) -> AllocationBatch:
+    """A batch of frames whose pixels hold their index (red + 256 green), every one sampled for the VLM."""
+    pts = [i / fps for i in indices] if pts is None else pts
+    frames = [Frame("s", i, t, np.broadcast_to(np.array([i % 256, i // 256, 0], np.uint8), (4, 4, 3)))
+              for i, t in zip(indices, pts)]
+    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8))
+    return AllocationBatch(FrameBatch("s", frames, torch.zeros(len(frames), 4, 4, 3, dtype=torch.uint8)),
+                           allocation, None, vlm_frames=[True] * len(frames))
+
+
+def run_stage(stage: VLMStage, batches: list[AllocationBatch]) -> list[AnswerItem]:
+    out = [x for b in batches for x in stage.process(b)] + list(stage.finish())
+    return [x for x in out if isinstance(x, AnswerItem)]
+
+
+class TestVLMWindows:
+    def test_windows_follow_a_fixed_grid(self):
+        vlm = RecordingVLM()
+        answers = run_stage(VLMStage(vlm, "q", every_s=1.0), [allocations(list(range(i, i + 5))) for i in range(0, 25, 5)])
+        assert [(a.t_start, a.t_end) for a in answers] == [(0.0, 1.0), (1.0, 2.0), (2.0, 2.4)]
+        assert [vlm.frames(k) for k in range(3)] == [list(range(0, 10)), list(range(10, 20)), list(range(20, 25))]
+
+    def test_after_a_jump_in_pts_the_window_is_the_one_the_frame_falls_in(self):
+        # frames 0.0-1.9 s, then nothing until 4.3 s: the next window is [4, 5), not [2, 3) or [4.3, 5.3)
+        vlm = RecordingVLM()
+        before = allocations(list(range(20)))
+        after = allocations(list(range(20, 35)), pts=[4.3 + k / 10 for k in range(15)])
+        answers = run_stage(VLMStage(vlm, "q", every_s=1.0), [before, after])
+        assert [(a.t_start, a.t_end) for a in answers] == [(0.0, 1.0), (1.0, 2.0), (4.0, 5.0),
+                                                            (5.0, pytest.approx(5.7))]
+        assert vlm.frames(2) == list(range(20, 27)) and vlm.frames(3) == list(range(27, 35))
+
+    @pytest.mark.parametrize("max_frames", [4, 5, 256])
+    def test_a_long_window_keeps_an_even_spread_of_all_of_it(self, max_frames):
+        vlm = RecordingVLM()
+        n = 1200                                        # 10 min at the VLM's 2 fps, answered at the end
+        answers = run_stage(VLMStage(vlm, "q", every_s=None, max_frames=max_frames),
+                            [allocations(list(range(i, i + 8)), fps=2.0) for i in range(0, n, 8)])
+        assert len(answers) == 1 and answers[0].t_start == 0.0 and answers[0].t_end == (n - 1) / 2
+        indices = np.array(vlm.frames(0))
+        assert max_frames // 2 < len(indices) <= max_frames
+        steps = np.diff(indices)
+        assert indices[0] == 0 and len(set(steps.tolist())) == 1      # evenly spaced from the window's start
+        assert n - indices[-1] <= steps[0]                            # ... to its end
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +98,8 @@ def run(path, out, process: bool, decoder: str = "pyav"):
     return result, graphs[0].stages[0], read_stream(out, result.stream_id)
 
 
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("decoder", ["pyav", "decord"])
 def test_device_path_matches_the_host_path(clip, tmp_path, decoder):
     path, _ = clip
@@ -49,6 +117,8 @@ def test_device_path_matches_the_host_path(clip, tmp_path, decoder):
     assert (got["tokens"] == ref["tokens"]).mean() > 0.95
 
 
+@cuda
+@pytest.mark.cuda
 def test_device_batches_carry_frame_refs(clip):
     from pipeline.core.stages import RunStatus
     from sources.process import ProcessSource

@@ -101,6 +101,32 @@ class TestWholeFlow:
             if fs.exists(f"/{bucket}"):
                 fs.rm(f"/{bucket}", recursive=True)
 
+    def test_a_damaged_video_is_done_up_to_the_damage(self, capsys, tmp_path):
+        """A video whose decoding stops at damage is answered over what was decoded, once: its stream
+        says damaged (complete stays false), a resume skips it, and eval scores its answers."""
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, seconds=2.0)
+        video = next(root.rglob("video7011.mp4"))
+        data = bytearray(video.read_bytes())
+        middle = data.find(b"moov") // 2                       # inside the frames (mdat)
+        data[middle:middle + 300] = np.random.default_rng(0).bytes(300)
+        video.write_bytes(bytes(data))
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0, err
+        assert summary["done"] == 3 and summary["damaged"] == 1 and summary["answered"] == 6
+        assert validate_store(out) == []
+        attrs = read_stream(out, "video7011")["attrs"]
+        assert attrs["complete"] is False and attrs["damaged"] is True and 0 < attrs["frames"] < 20
+        assert attrs["truncated_at_s"] == pytest.approx(read_stream(out, "video7011")["pts"][-1])
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0 and summary["done"] == 0 and summary["skipped_complete"] == 3, err
+        assert main(["eval", str(out), "--dataset", "msrvtt", "--root", str(root)]) == 0
+        printed = capsys.readouterr().out
+        assert "over 6 of 6 questions" in printed and "2 answers come from 1 damaged video," in printed
+        report = json.loads(out.with_name("out.zarr.eval.json").read_text())
+        assert report["videos_complete"] == 3 and report["videos_incomplete"] == 0
+        assert report["videos_damaged"] == 1 and report["answers_from_damaged_videos"] == 2
+
     def test_stock_tokens_send_every_token(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=1)
@@ -169,20 +195,26 @@ class TestResume:
         resume_answers_each_question_once(capsys, root, out, written, complete)
         assert validate_store(out) == []
 
-    def test_sigterm_with_videos_in_flight_exits_130_and_resume_answers_each_once(self, capsys, tmp_path):
+    @pytest.mark.parametrize("signals", [1, 2])
+    def test_sigterm_with_videos_in_flight_exits_130_and_resume_answers_each_once(self, capsys, tmp_path, signals):
+        """One SIGTERM lets the videos in flight drain; a second, while they do, stops the drain. Either
+        way the process waits for them to close their streams."""
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         written = fixture(root, videos=6, questions=2, seconds=1.5)
         proc = start_batch(root, out, "--in-flight", "3")
         try:
             wait_mid_run(proc, out, "stopped")
-            proc.send_signal(signal.SIGTERM)
+            for _ in range(signals):
+                assert proc.poll() is None, "the batch ended before the signal"
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.1)
             code = proc.wait(timeout=60)
             err = proc.stderr.read().decode()
         finally:
             proc.kill()
             proc.wait()
         assert code == 130, err
-        assert "Traceback" not in err
+        assert "Traceback" not in err and "terminate called" not in err
         assert validate_store(out) == []                       # the videos in flight were closed cleanly
         store = ZarrStore.open(out, mode="r")
         complete = [s for s in store.stream_ids() if store.is_complete(s)]

@@ -153,6 +153,19 @@ class TestOverload:
         assert validate_store(tmp_path / "o.zarr") == []
 
 
+class TestStartUp:
+    def test_a_realtime_files_first_frame_is_processed(self, tmp_path, videos):
+        """Capture starts when the graph can take frames: a slow warm-up (here a second between
+        composing the graph and running it) costs no frame of a --realtime file (its first 1.5 s
+        used to play, and drop, while the model loaded)."""
+        result = run_live([str(videos["cuts"])], "q", tmp_path / "o.zarr", cfg(),
+                          live=LiveConfig(realtime=True, buffer_frames=4), status_out=io.StringIO(),
+                          on_graph=lambda graph: time.sleep(1.0))
+        data = read_stream(tmp_path / "o.zarr", "cuts")
+        assert data["frame_index"][0] == 0 and data["pts"][0] == pytest.approx(0.0, abs=0.05)
+        assert result.streams["cuts"]["frames_in"] == 75
+
+
 class TestAnswers:
     def test_every_window_is_answered_and_streamed(self, tmp_path, videos):
         out = io.StringIO()
@@ -245,6 +258,25 @@ class TestCLI:
                                   "--out", str(tmp_path / "o.zarr"), *option)
         assert code == 2 and out == "" and err.strip() == f"error: {message}"
         assert not (tmp_path / "o.zarr").exists()
+
+    def test_a_damaged_realtime_file_is_done_not_complete(self, capsys, tmp_path, videos):
+        """A --realtime file that damage cuts short ends the stream as `run` does: complete=false,
+        damaged=true, and a warning that says so (it used to store complete=true)."""
+        damaged = tmp_path / "damaged.mkv"
+        clip = write_video(tmp_path / "clip.mkv", render_clip(CUTS[:2], height=120, width=160, seed=5).frames, fps=25)
+        data = clip.read_bytes()
+        damaged.write_bytes(data[: int(len(data) * 0.6)])
+        store = tmp_path / "o.zarr"
+        code, out, err = self.run(capsys, str(damaged), "--realtime", "--query", "q", "--out", str(store),
+                                  "--device", "cpu", *[f"--set=runtime.{k}={v}" for k, v in UNTRAINED.items()])
+        assert code == 0, err
+        summary = json.loads(next(line for line in err.splitlines() if line.startswith('{"summary"')))
+        assert summary["summary"]["complete"] is False
+        assert "warning: damaged: stored the" in err and "(complete=false, damaged=true)" in err
+        assert validate_store(store) == []
+        data = read_stream(store, "damaged")
+        assert data["attrs"]["complete"] is False and data["attrs"]["damaged"] is True
+        assert 0 < len(data["pts"]) < 50 and data["attrs"]["truncated_at_s"] == data["pts"][-1]
 
     def test_sigterm_ends_cleanly(self, capsys, tmp_path, videos):
         store = tmp_path / "o.zarr"

@@ -293,9 +293,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     """Run the curriculum; returns {"weights": path, "history": [per-epoch rows]}."""
     from tqdm import tqdm
 
+    from arr_coc.checkpoint import load_weights, read_weights, save_weights
     from ..core.cuda import resolve_device
     from ..vlm.geometry import VLMGeometry
-    from ..core.weights import load_weights, read_weights, save_weights
     from sources.scenes import make_clips, make_scenes
 
     torch.manual_seed(cfg.seed)

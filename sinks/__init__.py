@@ -1,7 +1,10 @@
-"""Output sinks: the zarr store (public schema) and the homunculus overlay video / contact sheet."""
-from sinks.overlay import OverlayWriter, contact_sheet, render_homunculus
+"""Output sinks: the zarr store (public schema), the homunculus overlay video / contact sheet, and
+flat exports of a store's answers and scene changes."""
+from sinks.export import EXPORT_FORMATS, export_store
+from sinks.overlay import FrameLabel, OverlayWriter, contact_sheet, render_homunculus
 from sinks.zarr_store import (FORMAT, SinkError, StreamWriter, ZarrStore, read_stream, store_location,
                               validate_store, validate_stream_id)
 
 __all__ = ["FORMAT", "SinkError", "ZarrStore", "StreamWriter", "read_stream", "store_location", "validate_store",
-           "validate_stream_id", "OverlayWriter", "contact_sheet", "render_homunculus"]
+           "validate_stream_id", "OverlayWriter", "FrameLabel", "contact_sheet", "render_homunculus",
+           "EXPORT_FORMATS", "export_store"]

@@ -46,7 +46,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import zarr
@@ -365,10 +365,15 @@ class ZarrStore:
         except OSError:
             pass
 
-    def read(self, stream_id: str) -> dict[str, Any]:
+    def read(self, stream_id: str, frame_arrays: Sequence[str] | None = None) -> dict[str, Any]:
         """One stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
         "answers": {<answer array>: ndarray (A,)}}; strings come back as numpy StringDType arrays.
+        frame_arrays: read only these frame arrays (default: all; the per-cell ones are the bulk).
         Reads from this open store: a caller reading many streams opens it once."""
+        names = [spec.name for spec in FRAME_ARRAYS]
+        unknown = sorted(set(frame_arrays or ()) - set(names))
+        if unknown:
+            raise ValueError(f"Invalid frame array ({unknown[0]!r}). Supported values are {', '.join(names)}.")
         if not self._loc.is_file(f"streams/{validate_stream_id(stream_id)}/zarr.json"):
             raise SinkError(f"stream {stream_id!r} not found in {self._loc}; "
                             f"streams: {', '.join(self.stream_ids()) or 'none'}")
@@ -376,8 +381,8 @@ class ZarrStore:
         attrs = group.attrs.asdict()
         t, a = int(attrs["frames"]), int(attrs["answer_count"])
         out: dict[str, Any] = {"attrs": attrs}
-        for spec in FRAME_ARRAYS:
-            out[spec.name] = group[spec.name][:t]
+        for name in names if frame_arrays is None else [n for n in names if n in frame_arrays]:
+            out[name] = group[name][:t]
         out["answers"] = {spec.name: group[f"answers/{spec.name}"][:a] for spec in ANSWER_ARRAYS}
         if "gaps" in group:
             g = int(attrs.get("gap_count", 0))

@@ -15,7 +15,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -111,6 +111,30 @@ class AnswerItem:
         """The store's answer columns (StreamWriter.add_answers)."""
         return dict(t_start=self.t_start, t_end=self.t_end, question=self.question, text=self.text,
                     tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s)
+
+
+@dataclass(frozen=True)
+class FrameAllocation:
+    """One frame's allocation: a row of the store's frame arrays (streams/<stream_id>/), as the
+    sink writes it (the store holds relevance as float16 and tokens as uint16)."""
+
+    stream_id: str
+    pts: float                # presentation time (s)
+    frame_index: int          # index in the decoded stream
+    relevance: np.ndarray     # (gh, gw) float32, realized relevance in [0, 1]
+    tokens: np.ndarray        # (gh, gw) int32, the homunculus: VLM tokens spent on each cell
+    scene_change: bool        # the first frame of a new shot / fixation
+    motion: float             # mean motion magnitude of the frame
+
+    @property
+    def tokens_kept(self) -> int:
+        """Visual tokens spent on this frame."""
+        return int(self.tokens.sum())
+
+    @property
+    def tokens_full(self) -> int:
+        """Visual tokens a stock VLM spends on it: one per cell."""
+        return int(self.tokens.size)
 
 
 @dataclass
@@ -416,12 +440,17 @@ class VLMStage(Stage):
 
 
 class SinkStage(Stage):
-    """Writes homunculus sequences and answers to the zarr store (and the overlay video)."""
+    """Writes homunculus sequences and answers to the zarr store (and the overlay video).
+
+    writer None: no store (the Python API's answers and allocations unless asked for one).
+    on_frames: called with each batch's FrameAllocations, in order, after they were written.
+    """
 
     name = "sink"
 
-    def __init__(self, writer: Any, status: RunStatus, overlay: Any = None) -> None:
-        self.writer, self.status, self.overlay = writer, status, overlay
+    def __init__(self, writer: Any, status: RunStatus, overlay: Any = None,
+                 on_frames: Callable[[list[FrameAllocation]], None] | None = None) -> None:
+        self.writer, self.status, self.overlay, self.on_frames = writer, status, overlay, on_frames
         self.frames_written = 0
         self.answers: list[AnswerItem] = []
         self._closed = False
@@ -429,24 +458,29 @@ class SinkStage(Stage):
     def process(self, item: Any) -> Iterable[Any]:
         if isinstance(item, (AnswerItem, AnswerItems)):
             answers = item.items if isinstance(item, AnswerItems) else [item]
-            self.writer.add_answers([a.row() for a in answers])
+            if self.writer is not None:
+                self.writer.add_answers([a.row() for a in answers])
             self.answers += answers
             return ()
         allocation = item.wait()
         frames = item.batch.frames
+        pts = np.array([f.pts_s for f in frames], dtype=np.float64)
+        frame_index = np.array([f.index for f in frames], dtype=np.int64)
         tokens = allocation.tokens.numpy()
         relevance = allocation.relevance.float().numpy()
-        self.writer.append(
-            pts=np.array([f.pts_s for f in frames], dtype=np.float64),
-            frame_index=np.array([f.index for f in frames], dtype=np.int64),
-            relevance=relevance,
-            tokens=tokens,
-            scene_change=allocation.scene_change.numpy(),
-            motion=allocation.motion.float().numpy(),
-        )
+        scene_change = allocation.scene_change.numpy()
+        motion = allocation.motion.float().numpy()
+        if self.writer is not None:
+            self.writer.append(pts=pts, frame_index=frame_index, relevance=relevance, tokens=tokens,
+                               scene_change=scene_change, motion=motion)
         if self.overlay is not None:
             for f, tok, rel in zip(frames, tokens, relevance):
                 self.overlay.write(f.rgb, tok, rel)
+        if self.on_frames is not None:
+            sid = item.batch.stream_id
+            self.on_frames([FrameAllocation(sid, float(pts[k]), int(frame_index[k]), relevance[k].copy(),
+                                            tokens[k].copy(), bool(scene_change[k]), float(motion[k]))
+                            for k in range(len(frames))])
         self.frames_written += len(frames)
         return ()
 
@@ -467,7 +501,8 @@ class SinkStage(Stage):
             if self.overlay is not None:
                 self.overlay.close()
         finally:
-            self.writer.close(complete=complete)
+            if self.writer is not None:
+                self.writer.close(complete=complete)
 
 
 def _record_stream(texture: Texture, stream: torch.cuda.Stream) -> None:

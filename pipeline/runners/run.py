@@ -126,10 +126,59 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
 _END = object()
 
 
+class _Handoff:
+    """What the run's thread and the iterator share. The thread holds only this, not the
+    AllocationStream, so an abandoned stream is collected and its __del__ can stop the run."""
+
+    def __init__(self, capacity: int) -> None:
+        # bounded: a slow consumer holds the graph back (backpressure), as a slow sink does
+        self.queue: queue.Queue = queue.Queue(maxsize=capacity)
+        self.status = RunStatus()
+        self.closed = threading.Event()
+        self.composed = threading.Event()
+        self.graph: Graph | None = None
+        self.error: BaseException | None = None
+        self.result: RunResult | None = None
+
+    def run(self, path: str | Path, question: str, out: str | Path | None, cfg: PipelineConfig,
+            vlm_factory: Callable[[torch.device], Any] | None) -> None:
+        try:
+            self.result = run_video(path, question, out, cfg, progress=False, vlm_factory=vlm_factory,
+                                    status=self.status, on_graph=self.on_graph, on_frames=self.put)
+        except BaseException as e:  # raised in the consumer's thread
+            self.error = e
+        finally:
+            self.composed.set()
+            self.put([_END])
+
+    def on_graph(self, graph: Graph) -> None:
+        self.graph = graph
+        self.composed.set()
+
+    def put(self, items: list[Any]) -> None:
+        for item in items:
+            while not self.closed.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def stop(self) -> None:
+        """Stop the graph's source; what it produced drains to the sink, which closes the store
+        with complete=false. Frames no one takes any more are dropped here."""
+        if not self.closed.is_set():
+            self.closed.set()
+            with self.status.lock:
+                self.status.stopped = True
+            self.graph.stop()
+
+
 class AllocationStream:
     """A video's per-frame allocations as the run graph makes them: run_video in a thread, its sink
     handing each frame over (no store unless `out`). Iterate it; stop early with close() (or by
-    leaving a `with` block): the graph stops, and a store is closed with complete=false.
+    leaving a `with` block, or dropping it): the graph stops, and a store is closed with
+    complete=false.
 
     Setup errors (a missing video, a bad config) are raised here, before the first frame; a stage's
     failure is raised by the iteration, after the frames processed before it.
@@ -137,68 +186,39 @@ class AllocationStream:
 
     def __init__(self, path: str | Path, question: str, cfg: PipelineConfig, *, out: str | Path | None = None,
                  vlm_factory: Callable[[torch.device], Any] | None = None) -> None:
-        # bounded: a slow consumer holds the graph back (backpressure), as a slow sink does
-        self._queue: queue.Queue = queue.Queue(maxsize=2 * cfg.runtime.batch_size)
-        self._status = RunStatus()
-        self._closed = threading.Event()
-        self._composed = threading.Event()
-        self._graph: Graph | None = None
-        self._error: BaseException | None = None
-        self.result: RunResult | None = None      # the run's summary, once it ended
-        self._thread = threading.Thread(target=self._run, args=(path, question, out, cfg, vlm_factory),
+        self._handoff = handoff = _Handoff(2 * cfg.runtime.batch_size)
+        self._thread = threading.Thread(target=handoff.run, args=(path, question, out, cfg, vlm_factory),
                                         name="allocations", daemon=True)
         self._thread.start()
-        self._composed.wait()
-        if self._graph is None:  # setup failed
+        handoff.composed.wait()
+        if handoff.graph is None:  # setup failed
             self._thread.join()
-            raise self._error
+            raise handoff.error
 
-    def _run(self, path: str | Path, question: str, out: str | Path | None, cfg: PipelineConfig,
-             vlm_factory: Callable[[torch.device], Any] | None) -> None:
-        try:
-            self.result = run_video(path, question, out, cfg, progress=False, vlm_factory=vlm_factory,
-                                    status=self._status, on_graph=self._on_graph, on_frames=self._put)
-        except BaseException as e:  # raised in the consumer's thread
-            self._error = e
-        finally:
-            self._composed.set()
-            self._put([_END])
-
-    def _on_graph(self, graph: Graph) -> None:
-        self._graph = graph
-        self._composed.set()
-
-    def _put(self, items: list[Any]) -> None:
-        for item in items:
-            while not self._closed.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+    @property
+    def result(self) -> RunResult | None:
+        """The run's summary, once it ended."""
+        return self._handoff.result
 
     def __iter__(self) -> Iterator[FrameAllocation]:
         return self
 
     def __next__(self) -> FrameAllocation:
-        if self._closed.is_set():
+        handoff = self._handoff
+        if handoff.closed.is_set():
             raise StopIteration
-        item = self._queue.get()
+        item = handoff.queue.get()
         if item is _END:
-            self._closed.set()
+            handoff.closed.set()
             self._thread.join()
-            if self._error is not None:
-                raise self._error
+            if handoff.error is not None:
+                raise handoff.error
             raise StopIteration
         return item
 
     def close(self) -> None:
         """Stop the run (if it still runs) and wait for its thread; the frames decoded so far drain."""
-        if not self._closed.is_set():
-            self._closed.set()
-            with self._status.lock:
-                self._status.stopped = True
-            self._graph.stop()
+        self._handoff.stop()
         self._thread.join()
 
     def __enter__(self) -> "AllocationStream":
@@ -207,9 +227,10 @@ class AllocationStream:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:  # an abandoned iterator must not leave the graph waiting for it
-        if getattr(self, "_graph", None) is not None:
-            self.close()
+    def __del__(self) -> None:  # an abandoned iterator must not leave its graph waiting for it
+        handoff = getattr(self, "_handoff", None)
+        if handoff is not None and handoff.graph is not None:
+            handoff.stop()
 
 
 def _progress_bar(source: Any, progress: bool | None):

@@ -140,6 +140,24 @@ class TestAllocations:
         assert data["attrs"]["complete"] is False and stream.result.stopped
         assert 1 <= len(data["pts"]) < 300                    # the consumer held the decoder back
 
+    def test_an_abandoned_iterator_stops_its_run(self, tmp_path):
+        import gc
+        import threading
+        import time
+
+        long = render_clip([Shot("moving_object", 300, speed=1.0)], height=96, width=128, seed=7)
+        path = write_video(tmp_path / "long.mp4", long.frames, fps=25)
+        pipe = Pipeline(device="cpu", overrides={"runtime.batch_size": 2, "runtime.queue_capacity": 1})
+        for frame in pipe.allocations(path, QUESTION, out=tmp_path / "dropped.zarr"):
+            break                                             # the iterator is dropped here
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while any(t.name == "allocations" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(t.name == "allocations" for t in threading.enumerate())
+        data = read_stream(tmp_path / "dropped.zarr", "long")
+        assert data["attrs"]["complete"] is False and len(data["pts"]) < 300
+
     def test_setup_errors_are_raised_by_the_call(self, allocating, tmp_path):
         with pytest.raises(SourceError, match="nope.mp4"):
             allocating.allocations(tmp_path / "nope.mp4", QUESTION)

@@ -5,8 +5,8 @@ A grid cell is one merged VLM token. Each frame gets an exact budget K_b of toke
   topk mode:     K_b = min(top_k, n_b)
 where n_b counts the cells that may receive tokens (`available`; the temporal realizer removes
 cells the VLM already saw unchanged). Tokens are spent at two levels of detail:
-  lod 1: one full token on a cell,
-  lod 2: one pooled token for a 2x2 block of cells holding no full token (it covers the block's
+  lod 1 (FULL): one full token on a cell,
+  lod 2 (POOLED): one pooled token for a 2x2 block of cells holding no full token (it covers the block's
          available cells and is counted on the block's most relevant one),
 so that the most relevant cells are seen in full and a wider surround coarsely.
 
@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from arr_coc._validate import check_choice, check_int, check_range
+from arr_coc.lod import DROPPED, FULL, POOLED
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class TokenAllocator(nn.Module):
 
         detail = full | top_up  # (B, N)
         tokens = (detail | pooled_token).to(torch.int32)  # (B, N)
-        lod = torch.where(detail, 1, torch.where(covered, 2, 0)).to(torch.int8)  # (B, N)
+        lod = torch.where(detail, FULL, torch.where(covered, POOLED, DROPPED)).to(torch.int8)  # (B, N)
         return tokens, lod
 
     def _soft(self, demand, avail, rank, budget):

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     arch = "tiny-qwen2_5_vl" if args.tiny else args.arch
     vlm = build_vlm(arch, device, dtype, VLMConfig(dtype=str(dtype)[6:], graph_prefill_max_tokens=0,
                                                      fast_lm=not args.hf_lm))
-    D = vlm._lm.embed_tokens.embedding_dim
+    D = vlm.lm.embed_tokens.embedding_dim
     for L in args.lengths:
         embeds = torch.randn(1, L, D, device=device, dtype=dtype) * 0.02
         positions = torch.arange(L, device=device).expand(3, 1, L)

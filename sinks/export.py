@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from sinks.schema import ANSWERS
 from sinks.zarr_store import SinkError, ZarrStore
 
 ExportFormat = Literal["jsonl", "csv"]
 EXPORT_FORMATS = ("jsonl", "csv")
 SCENE_CHANGE_COLUMNS = ("pts", "frame_index")
-ANSWER_COLUMNS = ("t_start", "t_end", "question", "text", "tokens_kept", "tokens_full", "latency_s")
-EXPORT_COLUMNS = ("kind", "stream", *SCENE_CHANGE_COLUMNS, *ANSWER_COLUMNS)
+EXPORT_COLUMNS = ("kind", "stream", *SCENE_CHANGE_COLUMNS, *ANSWERS.names)
 
 
 def export_rows(store: str | os.PathLike, stream_id: str | None = None) -> list[dict[str, Any]]:
@@ -38,15 +38,20 @@ def export_rows(store: str | os.PathLike, stream_id: str | None = None) -> list[
                                                       "frame_index": int(data["frame_index"][k])}))
         answers = data["answers"]
         for k in range(len(answers["text"])):
-            row = {"kind": "answer", "stream": sid, "t_start": float(answers["t_start"][k]),
-                   "t_end": float(answers["t_end"][k]), "question": str(answers["question"][k]),
-                   "text": str(answers["text"][k]), "tokens_kept": int(answers["tokens_kept"][k]),
-                   "tokens_full": int(answers["tokens_full"][k]),
-                   # float32 in the store: rounded, not its float64 expansion (0.1234000027179718)
-                   "latency_s": round(float(answers["latency_s"][k]), 6)}
+            row = {"kind": "answer", "stream": sid}
+            row.update((f.name, _plain(f.dtype, answers[f.name][k])) for f in ANSWERS.fields)
             events.append((row["t_end"], 1, row))
         rows += [row for _, _, row in sorted(events, key=lambda e: e[:2])]
     return rows
+
+
+def _plain(dtype: str, value: Any) -> Any:
+    """A stored value as JSON / CSV writes it."""
+    if dtype == "str":
+        return str(value)
+    if dtype == "float32":  # rounded, not its float64 expansion (0.1234 -> 0.1234000027179718)
+        return round(float(value), 6)
+    return value.item()
 
 
 def write_rows(rows: list[dict[str, Any]], out: TextIO, format: ExportFormat) -> None:

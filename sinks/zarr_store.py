@@ -1,16 +1,12 @@
-"""The zarr v3 output store (public schema: "Output schema" in DESIGN.md / the README).
+"""The zarr v3 output store. Its schema (`arr-coc/1`: every array's name, dtype, dims and meaning,
+every attribute) is declared in sinks/schema.py; this module writes, reads and validates it.
 
-    OUT.zarr/                attrs: format "arr-coc/1", config {...}
-      streams/<stream_id>/   attrs: source, query, fps, width, height, grid, vlm, complete,
-                                    frames (T committed), answer_count (A committed)
-        pts float64 [T], frame_index int64 [T], relevance float16 [T, gh, gw],
-        tokens uint16 [T, gh, gw], scene_change bool [T], motion float16 [T]
-        answers/ t_start float64 [A], t_end float64 [A], question str [A], text str [A],
-                 tokens_kept int32 [A], tokens_full int32 [A], latency_s float32 [A]
-        gaps/    (added array group; attr gap_count = G committed, absent = 0) where a live stream was cut off:
-                 start_pts float64 [G] pts of the last frame before, end_pts float64 [G] of the first
-                 frame after, start_wall / end_wall float64 [G] their arrival times (Unix s),
-                 reason str [G]; empty for files. Stores written before it existed have no `gaps/`.
+    OUT.zarr/                attrs: ROOT_ATTRS (format, the first run's config)
+      streams/<stream_id>/   attrs: STREAM_ATTRS (source, ..., this stream's own config)
+        FRAMES arrays, answers/ ANSWERS arrays, gaps/ GAPS arrays (stores written before gaps
+        existed have no `gaps/`, before passes / tokens_spent no such answers: read() fills
+        them in). Every array names its dims (zarr v3 dimension_names), so
+        xarray.open_zarr(OUT, group="streams/<id>") and group="streams/<id>/answers" are Datasets.
 
 Writing. zarr creates each stream group's empty layout once per grid and chunking (a template);
 a writer then appends by writing the chunk files and metadata itself, as zarr would write them
@@ -29,6 +25,14 @@ or chunk file is either old or new, never torn. On top of that:
 Writers of different streams touch disjoint groups, so threads / processes / Ray actors can share
 one store; the only shared writes are creating the root and `streams/` (both idempotent).
 
+Ownership. A writer owns its stream from ZarrStore.stream() to close(): in a local store it holds
+an exclusive flock on `.locks/<stream_id>.lock`, a file naming the owner (pid, host, since). A
+second writer of the same stream, in this process or another, gets a SinkError naming the stream
+and the owner instead of interleaving its rows with the first's. The kernel drops the flock when
+its process dies (kill -9 included), so a dead writer's lock file is simply taken over; on a
+filesystem without flock the file's pid decides (a pid that no longer runs on this host is dead).
+Object stores have no locks: there a stream must have one writer by arrangement (batch does so).
+
 Stores at fsspec URLs (s3://, gs://, memory://, ...; `file://` is a local path) are read through
 zarr's FsspecStore and written with one put per file. Object stores have no atomic rename, so
 there a stream group is written in place, its own zarr.json last (a listing never shows a group
@@ -37,13 +41,17 @@ without its arrays), after the incomplete group it replaces is deleted; the comm
 """
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
 import os
 import shutil
+import socket
 import tempfile
+import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
@@ -56,8 +64,16 @@ from zarr.codecs import BytesCodec, VLenUTF8Codec, ZstdCodec
 from zarr.errors import ContainsGroupError
 from zarr.storage import LocalStore
 
-FORMAT = "arr-coc/1"
+from sinks.schema import (ANSWERS, FORMAT, FRAMES, GAPS, ROOT_ATTRS, STREAM_ATTRS, TABLES, Field, Table, answer_row,
+                          gap_row)
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: ownership falls back to the lock file's pid
+    fcntl = None
+
 STAGING = ".staging"  # inside the store, beside `streams/`: same filesystem, so a rename is atomic
+LOCKS = ".locks"      # beside `streams/`: one lock file per stream being written (local stores)
 DEFAULT_CHUNK_FRAMES = 64
 ANSWER_CHUNK = 64
 
@@ -66,51 +82,6 @@ StoreMode = Literal["r", "a", "w"]
 
 class SinkError(Exception):
     """The output cannot be written or read as asked. The message is one line naming the path/value."""
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    name: str
-    dtype: Any          # numpy dtype, or str for zarr's variable-length UTF-8 strings
-    per_cell: bool = False  # shape (T, gh, gw) instead of (T,)
-
-    @property
-    def fill(self) -> Any:
-        return "" if self.dtype is str else np.zeros((), self.dtype).item()
-
-    def matches(self, dtype: np.dtype) -> bool:
-        # zarr 3 reads its "string" data type back as numpy's StringDType (kind "T")
-        return dtype.kind == "T" if self.dtype is str else dtype == np.dtype(self.dtype)
-
-    @property
-    def dtype_name(self) -> str:
-        return "str" if self.dtype is str else np.dtype(self.dtype).name
-
-
-FRAME_ARRAYS = (
-    ArraySpec("pts", np.float64),
-    ArraySpec("frame_index", np.int64),
-    ArraySpec("relevance", np.float16, per_cell=True),
-    ArraySpec("tokens", np.uint16, per_cell=True),
-    ArraySpec("scene_change", np.bool_),
-    ArraySpec("motion", np.float16),
-)
-ANSWER_ARRAYS = (
-    ArraySpec("t_start", np.float64),
-    ArraySpec("t_end", np.float64),
-    ArraySpec("question", str),
-    ArraySpec("text", str),
-    ArraySpec("tokens_kept", np.int32),
-    ArraySpec("tokens_full", np.int32),
-    ArraySpec("latency_s", np.float32),
-)
-GAP_ARRAYS = (
-    ArraySpec("start_pts", np.float64),
-    ArraySpec("end_pts", np.float64),
-    ArraySpec("start_wall", np.float64),
-    ArraySpec("end_wall", np.float64),
-    ArraySpec("reason", str),
-)
 
 
 def validate_stream_id(stream_id: Any) -> str:
@@ -315,37 +286,63 @@ class ZarrStore:
             return False
 
     def stream(self, stream_id: str, *, source: str, query: str, fps: float, width: int, height: int,
-               grid: tuple[int, int], vlm: str, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
-               overwrite: bool = False) -> "StreamWriter":
-        """Create `streams/<stream_id>` (empty arrays, complete=False) and return its writer.
+               grid: tuple[int, int], vlm: str, config: Mapping[str, Any] | None = None,
+               chunk_frames: int = DEFAULT_CHUNK_FRAMES, overwrite: bool = False) -> "StreamWriter":
+        """Create `streams/<stream_id>` (empty arrays, complete=False) and return its writer, which
+        owns the stream until it is closed (see Ownership in the module doc).
 
+        config: the config of the run writing this stream, stored as its attr `config` (the root's
+        stays the first run's), so that any stream of a store can be reproduced.
         An existing incomplete stream is replaced (a resumed batch redoes it); an existing
-        complete one only with overwrite=True.
+        complete one only with overwrite=True. The writer's `replaced` says what was there.
+        Raises SinkError when another writer owns the stream.
         """
         if self.read_only:
             raise SinkError(f"{self.path} was opened read-only (mode='r'); cannot write stream {stream_id!r}")
         validate_stream_id(stream_id)
         attrs = _stream_attrs(source=source, query=query, fps=fps, width=width, height=height, grid=grid, vlm=vlm)
+        if config is not None:
+            attrs["config"] = _json_config(config)
         if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
             raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
-        if self.is_complete(stream_id) and not overwrite:
-            raise SinkError(f"stream {stream_id!r} is already complete in {self.path}; "
-                            f"pass overwrite=True to replace it")
-        files = _stream_files(attrs, tuple(attrs["grid"]), chunk_frames)   # the group's zarr.json last
+        lock = _StreamLock.acquire(self.path, stream_id) if self._loc.fs is None else None
         try:
-            if self._loc.fs is None:
-                self._stage_stream(stream_id, files)
-            else:
-                # object stores have no atomic rename: the old stream goes first, then the new one is
-                # written with its group's zarr.json last, so a listing never shows a half-made group
-                # (and an interrupted one is incomplete: a resumed batch redoes it)
-                self._loc.remove(f"streams/{stream_id}")
-                for rel, data in files.items():
-                    self._loc.write(f"streams/{stream_id}/{rel}", data)
-        except OSError as e:
-            raise SinkError(f"cannot write stream {stream_id!r} into {self._loc}: {e.strerror or e}") from e
+            replaced = self._existing(stream_id)
+            if replaced is not None and replaced.complete and not overwrite:
+                raise SinkError(f"stream {stream_id!r} is already complete in {self.path}; "
+                                f"pass overwrite=True to replace it")
+            files = _stream_files(attrs, tuple(attrs["grid"]), chunk_frames)   # the group's zarr.json last
+            try:
+                if self._loc.fs is None:
+                    self._stage_stream(stream_id, files)
+                else:
+                    # object stores have no atomic rename: the old stream goes first, then the new one is
+                    # written with its group's zarr.json last, so a listing never shows a half-made group
+                    # (and an interrupted one is incomplete: a resumed batch redoes it)
+                    self._loc.remove(f"streams/{stream_id}")
+                    for rel, data in files.items():
+                        self._loc.write(f"streams/{stream_id}/{rel}", data)
+            except OSError as e:
+                raise SinkError(f"cannot write stream {stream_id!r} into {self._loc}: {e.strerror or e}") from e
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         return StreamWriter(self._loc, f"streams/{stream_id}", files, stream_id=stream_id, store_path=self.path,
-                            chunk_frames=chunk_frames)
+                            chunk_frames=chunk_frames, lock=lock, replaced=replaced)
+
+    def _existing(self, stream_id: str) -> "ReplacedStream | None":
+        """What is at streams/<stream_id> now (None: nothing)."""
+        meta = self._loc.read(f"streams/{stream_id}/zarr.json")
+        if meta is None:
+            return None
+        try:
+            attrs = json.loads(meta)["attributes"]
+            source, frames = attrs.get("source"), attrs.get("frames", 0)
+            return ReplacedStream(stream_id, source if isinstance(source, str) else None,
+                                  attrs.get("complete") is True, frames if isinstance(frames, int) else 0)
+        except (ValueError, KeyError, TypeError, AttributeError):   # not a readable group: not complete
+            return ReplacedStream(stream_id, None, False, 0)
 
     def _stage_stream(self, stream_id: str, files: Mapping[str, bytes]) -> None:
         """A local store's new stream: built in the staging directory, renamed into place."""
@@ -367,30 +364,174 @@ class ZarrStore:
 
     def read(self, stream_id: str, frame_arrays: Sequence[str] | None = None) -> dict[str, Any]:
         """One stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
-        "answers": {<answer array>: ndarray (A,)}}; strings come back as numpy StringDType arrays.
-        frame_arrays: read only these frame arrays (default: all; the per-cell ones are the bulk).
-        Reads from this open store: a caller reading many streams opens it once."""
-        names = [spec.name for spec in FRAME_ARRAYS]
-        unknown = sorted(set(frame_arrays or ()) - set(names))
+        "answers": {<answer field>: ndarray (A,)}, "gaps": {...} where the stream has gaps/}; strings
+        come back as numpy StringDType arrays. Fields added to the format after a store was written
+        (answers' passes, tokens_spent) read as their defaults there. frame_arrays: read only these
+        frame arrays (default: all; the per-cell ones are the bulk). Reads from this open store: a
+        caller reading many streams opens it once."""
+        unknown = sorted(set(frame_arrays or ()) - set(FRAMES.names))
         if unknown:
-            raise ValueError(f"Invalid frame array ({unknown[0]!r}). Supported values are {', '.join(names)}.")
+            raise ValueError(f"Invalid frame array ({unknown[0]!r}). Supported values are {', '.join(FRAMES.names)}.")
         if not self._loc.is_file(f"streams/{validate_stream_id(stream_id)}/zarr.json"):
             raise SinkError(f"stream {stream_id!r} not found in {self._loc}; "
                             f"streams: {', '.join(self.stream_ids()) or 'none'}")
         group = _open_group(self._loc, f"streams/{stream_id}", read_only=True)
         attrs = group.attrs.asdict()
-        t, a = int(attrs["frames"]), int(attrs["answer_count"])
         out: dict[str, Any] = {"attrs": attrs}
-        for name in names if frame_arrays is None else [n for n in names if n in frame_arrays]:
-            out[name] = group[name][:t]
-        out["answers"] = {spec.name: group[f"answers/{spec.name}"][:a] for spec in ANSWER_ARRAYS}
-        if "gaps" in group:
-            g = int(attrs.get("gap_count", 0))
-            out["gaps"] = {spec.name: group[f"gaps/{spec.name}"][:g] for spec in GAP_ARRAYS}
+        for table in TABLES:
+            if table.optional and table.group not in group:
+                continue
+            n = int(attrs.get(table.count_attr, 0))
+            columns: dict[str, np.ndarray] = {}
+            for f in table.fields:
+                if table is FRAMES and frame_arrays is not None and f.name not in frame_arrays:
+                    continue
+                key = table.prefix + f.name
+                # a field added to the format after this store was written: its defaults
+                columns[f.name] = f.default_column(columns, n) if f.added and key not in group else group[key][:n]
+            if table.group:
+                out[table.group] = columns
+            else:
+                out.update(columns)
         return out
 
     def __repr__(self) -> str:
         return f"ZarrStore({str(self.path)!r}, read_only={self.read_only})"
+
+
+@dataclass(frozen=True)
+class ReplacedStream:
+    """The stream a new one replaced (StreamWriter.replaced): its source (None where its metadata
+    was unreadable), whether it was complete, its committed frames. str(): one line for the user."""
+
+    stream_id: str
+    source: str | None
+    complete: bool
+    frames: int
+
+    def __str__(self) -> str:
+        if self.source is None:
+            return f"replacing stream {self.stream_id!r} (was unreadable)"
+        state = "complete" if self.complete else "incomplete"
+        return f"replacing stream {self.stream_id!r} (was {self.source}, {state}, {self.frames} frames)"
+
+
+class _StreamLock:
+    """A writer's ownership of one stream of a local store (Ownership in the module doc): an
+    exclusive flock on `.locks/<stream_id>.lock`, held until release(), and in the file the owner
+    (pid, host, since) for the message another writer gets."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+        self._pid = os.getpid()  # a forked child's copy must not unlink its parent's lock
+
+    @classmethod
+    def acquire(cls, store: Path, stream_id: str) -> "_StreamLock":
+        path = store / LOCKS / f"{stream_id}.lock"
+        for _ in range(20):
+            try:
+                _make_dir(path.parent)
+                try:
+                    fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+                except FileExistsError:
+                    fd, created = os.open(path, os.O_RDWR), False
+            except FileNotFoundError:                    # released (unlinked) meanwhile: try again
+                continue
+            except OSError as e:
+                raise SinkError(f"cannot lock stream {stream_id!r} of {store} ({path}): {e.strerror or e}") from e
+            try:
+                if cls._claim(fd, created, path, stream_id, store):
+                    return cls(path, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise SinkError(f"cannot lock stream {stream_id!r} of {store}: its lock file {path} keeps changing")
+
+    @staticmethod
+    def _claim(fd: int, created: bool, path: Path, stream_id: str, store: Path) -> bool:
+        """Take the opened lock file: True when it is ours (its owner record written), False when
+        it was released meanwhile (open it again); SinkError when a live writer holds it."""
+        held = _flock(fd)
+        if held is None:      # no flock on this filesystem: whoever created the file, or its pid is dead
+            held = created or not _owner_alive(_read_owner(fd))
+        if not held:
+            raise SinkError(f"stream {stream_id!r} in {store} is being written by another writer "
+                            f"({_describe(_read_owner(fd))}); wait for it to finish or write to another output")
+        try:
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                return False  # its owner released it between our open and our flock: a new file is there
+        except FileNotFoundError:
+            return False
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, json.dumps(record).encode())
+        return True
+
+    def release(self) -> None:
+        """Give the stream up: the file goes first (while still held, so nobody takes a file that is
+        about to vanish), then the lock; the empty `.locks` directory last."""
+        if self._fd is None:
+            return
+        try:
+            if os.getpid() == self._pid:
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            self.path.parent.rmdir()  # keep the store tidy; another writer's lock may still be there
+        except OSError:
+            pass
+
+
+def _flock(fd: int) -> bool | None:
+    """Try to lock fd exclusively: True when locked, False when someone else holds it, None when the
+    filesystem (or the platform) has no flock."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return None
+        raise
+
+
+def _read_owner(fd: int) -> dict[str, Any] | None:
+    """The owner record of a lock file, None while it is empty or unreadable."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        record = json.loads(os.read(fd, 4096))
+        return record if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _owner_alive(owner: dict[str, Any] | None) -> bool:
+    """Whether a lock file's owner may still run: unknown owners and other hosts' count as alive."""
+    if (owner is None or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int)
+            or os.name != "posix"):                                     # os.kill(pid, 0) is no probe elsewhere
+        return True
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # it runs, as another user
+        return True
+    return True
+
+
+def _describe(owner: dict[str, Any] | None) -> str:
+    if owner is None:
+        return "owner unknown"
+    since = owner.get("since")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
+    return f"pid {owner.get('pid')} on {owner.get('host')}{when}"
 
 
 def _stream_attrs(*, source: str, query: str, fps: float, width: int, height: int,
@@ -467,20 +608,24 @@ def _stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, byte
             root.mkdir()
             group = zarr.create_group(LocalStore(root), attributes={}, zarr_format=3)
 
-            def create(where: zarr.Group, spec: ArraySpec, shape: tuple[int, ...], chunks: tuple[int, ...]) -> None:
-                where.create_array(spec.name, shape=shape, chunks=chunks, dtype=spec.dtype, fill_value=spec.fill,
-                                   serializer=VLenUTF8Codec() if spec.dtype is str else BytesCodec(endian="little"),
-                                   compressors=ZstdCodec(level=0, checksum=False))
-
-            for spec in FRAME_ARRAYS:
-                cell = grid if spec.per_cell else ()
-                create(group, spec, (0, *cell), (chunk_frames, *cell))
-            for sub, specs in (("answers", ANSWER_ARRAYS), ("gaps", GAP_ARRAYS)):
-                child = group.create_group(sub)
-                for spec in specs:
-                    create(child, spec, (0,), (ANSWER_CHUNK,))
+            for table in TABLES:
+                where = group.create_group(table.group) if table.group else group
+                rows = chunk_frames if table is FRAMES else ANSWER_CHUNK
+                for f in table.fields:
+                    cells = _cell_shape(f, grid)
+                    strings = f.dtype == "str"
+                    where.create_array(f.name, shape=(0, *cells), chunks=(rows, *cells),
+                                       dtype=str if strings else f.dtype, fill_value=f.fill, dimension_names=f.dims,
+                                       serializer=VLenUTF8Codec() if strings else BytesCodec(endian="little"),
+                                       compressors=ZstdCodec(level=0, checksum=False))
             _TEMPLATES[key] = _files_under(root)
     return _TEMPLATES[key]
+
+
+def _cell_shape(f: Field, grid: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one row of f: () or (gh, gw) for a field of dims (frame, y, x)."""
+    sizes = {"y": grid[0], "x": grid[1]} if len(grid) == 2 else {}
+    return tuple(sizes[d] for d in f.dims[1:])
 
 
 def _files_under(root: Path) -> dict[str, bytes]:
@@ -499,8 +644,8 @@ class _ArrayFiles:
     partial chunk are kept, so a later append rewrites that chunk whole (chunks are the bytes zarr
     writes: tests compare them)."""
 
-    def __init__(self, loc: _Location, rel: str, meta: bytes, spec: ArraySpec) -> None:
-        self._loc, self._rel, self._spec = loc, rel, spec
+    def __init__(self, loc: _Location, rel: str, meta: bytes, field: Field) -> None:
+        self._loc, self._rel, self._field = loc, rel, field
         self._meta = dict(_parsed(meta))                                     # "shape" is replaced, never mutated
         names = [c["name"] for c in self._meta["codecs"]]
         key = self._meta["chunk_key_encoding"]
@@ -511,7 +656,7 @@ class _ArrayFiles:
             raise ValueError(f"{rel}: no direct writer for big-endian chunks")
         self._zstd = numcodecs.Zstd(**self._meta["codecs"][-1]["configuration"])
         self._chunk = tuple(self._meta["chunk_grid"]["configuration"]["chunk_shape"])
-        self._strings = spec.dtype is str
+        self._strings = field.dtype == "str"
         self.length = int(self._meta["shape"][0])
         if self.length:
             raise ValueError(f"{rel}: a direct writer starts from an empty array")
@@ -520,14 +665,14 @@ class _ArrayFiles:
     def _empty(self) -> np.ndarray:
         if self._strings:
             return np.empty(0, dtype=object)
-        return np.empty((0, *self._chunk[1:]), dtype=self._spec.dtype)
+        return np.empty((0, *self._chunk[1:]), dtype=self._field.dtype)
 
     def append(self, values: np.ndarray) -> None:
         """Rows [length, length + len(values)): the chunks they touch, then the shape."""
         n = len(values)
         if n == 0:
             return
-        values = np.asarray(values, dtype=object if self._strings else self._spec.dtype)
+        values = np.asarray(values, dtype=self._field.numpy_dtype)
         rows = self._chunk[0]
         first = self.length // rows                                          # chunk of the tail's first row
         data = np.concatenate([self._tail, values])
@@ -540,7 +685,7 @@ class _ArrayFiles:
         self._loc.write(f"{self._rel}/zarr.json", _json_bytes(self._meta))
 
     def _write_chunk(self, index: int, block: np.ndarray) -> None:
-        fill = self._spec.fill
+        fill = self._field.fill
         if self._strings:
             if all(v == fill for v in block):
                 return
@@ -550,7 +695,7 @@ class _ArrayFiles:
         else:
             if not block.any():                                              # only the fill (0, False; -0.0 == 0 too)
                 return
-            full = np.zeros(self._chunk, dtype=np.dtype(self._spec.dtype).newbyteorder("<"))
+            full = np.zeros(self._chunk, dtype=np.dtype(self._field.dtype).newbyteorder("<"))
             full[:len(block)] = block
             raw = full.tobytes()
         key = "/".join(["c", str(index)] + ["0"] * (len(self._chunk) - 1))
@@ -573,23 +718,32 @@ def _json_bytes(meta: Mapping[str, Any]) -> bytes:
 
 
 class StreamWriter:
-    """Appends one stream's per-frame arrays and answers. One writer per stream, one thread at a time."""
+    """Appends one stream's per-frame arrays and answers; made by ZarrStore.stream. It owns its
+    stream (in a local store) until close(), or until it is garbage-collected unclosed. One thread
+    at a time.
+
+    replaced: the stream this one replaced (ReplacedStream; str() is a line for the user), or None.
+    """
 
     def __init__(self, loc: _Location, rel: str, files: Mapping[str, bytes], *, stream_id: str,
-                 store_path: Path | str, chunk_frames: int) -> None:
+                 store_path: Path | str, chunk_frames: int, lock: _StreamLock | None = None,
+                 replaced: ReplacedStream | None = None) -> None:
         self.stream_id = stream_id
+        self.replaced = replaced
+        # the lock goes with the writer: at close(), or when an unclosed writer is collected
+        self._release = weakref.finalize(self, lock.release) if lock is not None else None
         self.chunk_frames = chunk_frames
         self._where = f"stream {stream_id!r} in {store_path}"
         self._loc, self._rel = loc, rel
         self._meta = json.loads(files["zarr.json"])                          # the group's, attributes included
 
-        def arrays(prefix: str, specs: tuple[ArraySpec, ...]) -> dict[str, _ArrayFiles]:
-            return {spec.name: _ArrayFiles(loc, f"{rel}/{prefix}{spec.name}", files[f"{prefix}{spec.name}/zarr.json"],
-                                           spec) for spec in specs}
+        def arrays(table: Table) -> dict[str, _ArrayFiles]:
+            return {f.name: _ArrayFiles(loc, f"{rel}/{table.prefix}{f.name}",
+                                        files[f"{table.prefix}{f.name}/zarr.json"], f) for f in table.fields}
 
-        self._frames = arrays("", FRAME_ARRAYS)
-        self._answers = arrays("answers/", ANSWER_ARRAYS)
-        self._gaps = arrays("gaps/", GAP_ARRAYS)
+        self._frames = arrays(FRAMES)
+        self._answers = arrays(ANSWERS)
+        self._gaps = arrays(GAPS)
         self.grid = tuple(self._meta["attributes"]["grid"])
         self.frames = 0   # committed: rows on disk and recorded in the `frames` attr
         self.answers = 0  # committed answers (`answer_count` attr)
@@ -621,46 +775,29 @@ class StreamWriter:
         self._write(full_chunks_only=False)
 
     def add_answer(self, t_start: float, t_end: float, question: str, text: str, tokens_kept: int,
-                   tokens_full: int, latency_s: float) -> None:
-        """Write one answer immediately (answers are rare and must survive a crash)."""
-        self.add_answers([dict(t_start=t_start, t_end=t_end, question=question, text=text,
-                               tokens_kept=tokens_kept, tokens_full=tokens_full, latency_s=latency_s)])
+                   tokens_full: int, latency_s: float, *, passes: int | None = None,
+                   tokens_spent: int | None = None) -> None:
+        """Write one answer immediately (answers are rare and must survive a crash). passes and
+        tokens_spent default to 1 and tokens_kept (sinks.schema.ANSWERS)."""
+        self.add_answers([dict(t_start=t_start, t_end=t_end, question=question, text=text, tokens_kept=tokens_kept,
+                               tokens_full=tokens_full, latency_s=latency_s, passes=passes,
+                               tokens_spent=tokens_spent)])
 
     def add_answers(self, rows: list[Mapping[str, Any]]) -> None:
-        """Write several answers (dicts of add_answer's arguments) immediately, in one commit: each
-        array is resized and written once (a batch video's questions, ~1 ms instead of ~17 each)."""
+        """Write several answers (dicts by field name, sinks.schema.answer_row) immediately, in one
+        commit: each array is resized and written once (a batch video's questions, ~1 ms instead
+        of ~17 each). One bad row refuses them all, before anything is written."""
         self._check_open()
-        checked = []
-        for row in rows:
-            for name in ("t_start", "t_end", "latency_s"):
-                value = row[name]
-                if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-                    raise ValueError(f"{name} must be a finite number, got {value!r}")
-            for name in ("question", "text"):
-                if not isinstance(row[name], str):
-                    raise ValueError(f"{name} must be a string, got {type(row[name]).__name__}")
-            for name in ("tokens_kept", "tokens_full"):
-                value = row[name]
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**31:
-                    raise ValueError(f"{name} must be an int in [0, 2**31), got {value!r}")
-            checked.append({spec.name: row[spec.name] for spec in ANSWER_ARRAYS})
-        self.answers = self._append_rows(self._answers, self.answers, checked, "answer_count", "an answer")
+        checked = [answer_row(row) for row in rows]
+        self.answers = self._append_rows(self._answers, self.answers, checked, ANSWERS.count_attr, "an answer")
 
     def add_gap(self, start_pts: float, end_pts: float, start_wall: float, end_wall: float,
                 reason: str) -> None:
-        """Record immediately that a live stream was cut off between two frames (see module doc)."""
+        """Record immediately that a live stream was cut off between two frames (sinks.schema.GAPS)."""
         self._check_open()
-        row = {"start_pts": start_pts, "end_pts": end_pts, "start_wall": start_wall, "end_wall": end_wall}
-        for name, value in row.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if end_pts < start_pts or end_wall < start_wall:
-            raise ValueError(f"a gap must end after it starts, got pts {start_pts}..{end_pts}, "
-                             f"wall {start_wall}..{end_wall}")
-        if not isinstance(reason, str):
-            raise ValueError(f"reason must be a string, got {type(reason).__name__}")
-        row["reason"] = reason
-        self.gaps = self._append_rows(self._gaps, self.gaps, [row], "gap_count", "a gap")
+        row = gap_row(dict(start_pts=start_pts, end_pts=end_pts, start_wall=start_wall, end_wall=end_wall,
+                           reason=reason))
+        self.gaps = self._append_rows(self._gaps, self.gaps, [row], GAPS.count_attr, "a gap")
 
     def _append_rows(self, arrays: dict[str, Any], n: int, rows: list[dict[str, Any]], count_attr: str,
                      what: str) -> int:
@@ -678,14 +815,19 @@ class StreamWriter:
         return n + k
 
     def close(self, complete: bool) -> None:
-        """Flush, then record `complete` (True only when the stream was processed to its end)."""
+        """Flush, then record `complete` (True only when the stream was processed to its end), and
+        give the stream up (also when that fails: the writer is closed either way)."""
         self._check_open()
-        self._write(full_chunks_only=False)
         try:
-            self._set_attrs({"complete": bool(complete), "frames": self.frames})
-        except OSError as e:
-            raise SinkError(f"cannot finish {self._where}: {e.strerror or e}") from e
-        self.closed = True
+            self._write(full_chunks_only=False)
+            try:
+                self._set_attrs({"complete": bool(complete), "frames": self.frames})
+            except OSError as e:
+                raise SinkError(f"cannot finish {self._where}: {e.strerror or e}") from e
+        finally:
+            self.closed = True
+            if self._release is not None:
+                self._release()
 
     def __enter__(self) -> "StreamWriter":
         return self
@@ -705,27 +847,17 @@ class StreamWriter:
             raise SinkError(f"{self._where} is already closed")
 
     def _convert(self, **columns: Any) -> dict[str, np.ndarray]:
-        gh, gw = self.grid
-        out: dict[str, np.ndarray] = {}
-        for spec in FRAME_ARRAYS:
-            value = np.asarray(columns[spec.name])
-            want = ("n", gh, gw) if spec.per_cell else ("n",)
-            if value.ndim != len(want) or (spec.per_cell and value.shape[1:] != (gh, gw)):
-                raise ValueError(f"{spec.name} must have shape {want}, got {value.shape}")
-            if value.dtype.kind in "fc" and not np.isfinite(value).all():
-                raise ValueError(f"{spec.name} contains NaN or inf")
-            out[spec.name] = value
-        counts = {name: len(v) for name, v in out.items()}
+        shapes: dict[str, np.ndarray] = {}
+        for f in FRAMES.fields:
+            value = np.asarray(columns[f.name])
+            want = ("n", *_cell_shape(f, self.grid))
+            if value.ndim != len(want) or value.shape[1:] != want[1:]:
+                raise ValueError(f"{f.name} must have shape {want}, got {value.shape}")
+            shapes[f.name] = value
+        counts = {name: len(v) for name, v in shapes.items()}
         if len(set(counts.values())) != 1:
             raise ValueError(f"append needs the same number of frames in every column, got {counts}")
-        tokens = out["tokens"]
-        if tokens.size and (tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() > 65535):
-            raise ValueError(f"tokens must be integers in [0, 65535], got dtype {tokens.dtype}"
-                             f" range [{tokens.min()}, {tokens.max()}]")
-        if out["frame_index"].dtype.kind not in "iu":
-            raise ValueError(f"frame_index must be integers, got dtype {out['frame_index'].dtype}")
-        out["relevance"] = np.clip(out["relevance"], 0.0, 1.0)
-        return {spec.name: out[spec.name].astype(spec.dtype) for spec in FRAME_ARRAYS}
+        return {f.name: f.check_column(shapes[f.name]) for f in FRAMES.fields}
 
     def _write(self, *, full_chunks_only: bool) -> None:
         start = self.frames
@@ -783,9 +915,8 @@ def validate_store(path: str | os.PathLike) -> list[str]:
         store = ZarrStore.open(path, mode="r")
     except SinkError as e:
         return [str(e)]
-    problems = []
-    if not isinstance(store._root.attrs.get("config"), dict):
-        problems.append(f"root attr 'config' must be a dict, got {store._root.attrs.get('config')!r}")
+    root_attrs = store._root.attrs.asdict()
+    problems = [p for attr in ROOT_ATTRS if (p := attr.problem(root_attrs.get(attr.name))) is not None]
     for stream_id in store.stream_ids():
         try:
             group = _open_group(store._loc, f"streams/{stream_id}", read_only=True)
@@ -796,55 +927,55 @@ def validate_store(path: str | os.PathLike) -> list[str]:
     return problems
 
 
-_ATTR_TYPES = {"source": str, "query": str, "fps": (int, float), "width": int, "height": int,
-               "grid": list, "vlm": str, "complete": bool, "frames": int, "answer_count": int}
-
-
 def _stream_problems(group: zarr.Group) -> list[str]:
     attrs = group.attrs.asdict()
     problems = []
-    for name, kind in _ATTR_TYPES.items():
-        value = attrs.get(name)
-        # bool is an int in Python; only `complete` may be one
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            problems.append(f"attr {name!r} must be {getattr(kind, '__name__', 'a number')}, got {value!r}")
+    for attr in STREAM_ATTRS:
+        if attr.name not in attrs:
+            if not attr.optional:
+                problems.append(f"missing attr {attr.name!r}")
+        elif (problem := attr.problem(attrs[attr.name])) is not None:
+            problems.append(problem)
     if problems:
         return problems
     grid = attrs["grid"]
-    if len(grid) != 2 or not all(isinstance(g, int) and g >= 1 for g in grid):
+    if len(grid) != 2 or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in grid):
         return [f"attr 'grid' must be [gh, gw] with ints >= 1, got {grid!r}"]
-    complete = attrs["complete"]
-    problems += _array_problems(group, "", FRAME_ARRAYS, attrs["frames"], tuple(grid), complete)
-    problems += _array_problems(group, "answers/", ANSWER_ARRAYS, attrs["answer_count"], (), complete)
-    if "gaps" in group:  # optional: stores written before gaps were recorded have none
-        gap_count = attrs.get("gap_count", 0)
-        if isinstance(gap_count, bool) or not isinstance(gap_count, int) or gap_count < 0:
-            problems.append(f"attr 'gap_count' must be an int >= 0 when gaps/ exists, got {gap_count!r}")
-        else:
-            problems += _array_problems(group, "gaps/", GAP_ARRAYS, gap_count, (), complete)
+    for table in TABLES:
+        if table.optional and table.group not in group:  # stores written before the table existed
+            continue
+        committed = attrs.get(table.count_attr, 0)
+        if committed < 0:
+            problems.append(f"attr {table.count_attr!r} must be >= 0, got {committed}")
+            continue
+        problems += _array_problems(group, table, committed, tuple(grid), attrs["complete"])
     return problems
 
 
-def _array_problems(group: zarr.Group, prefix: str, specs: tuple[ArraySpec, ...], committed: int,
-                    grid: tuple[int, ...], complete: bool) -> list[str]:
+def _array_problems(group: zarr.Group, table: Table, committed: int, grid: tuple[int, int],
+                    complete: bool) -> list[str]:
     problems = []
-    for spec in specs:
-        name = prefix + spec.name
+    for f in table.fields:
+        name = table.prefix + f.name
         try:
             array = group[name]
         except KeyError:
-            problems.append(f"missing array {name!r}")
+            if not f.added:  # an added field is absent from stores written before it
+                problems.append(f"missing array {name!r}")
             continue
         if not isinstance(array, zarr.Array):
             problems.append(f"{name!r} is a group, expected an array")
             continue
-        if not spec.matches(array.dtype):
-            problems.append(f"{name!r} has dtype {array.dtype}, expected {spec.dtype_name}")
-        want_cells = grid if spec.per_cell else ()
-        if array.ndim != 1 + len(want_cells) or tuple(array.shape[1:]) != want_cells:
-            problems.append(f"{name!r} has shape {array.shape}, expected (T, {', '.join(map(str, want_cells))})"
-                            if want_cells else f"{name!r} has shape {array.shape}, expected (N,)")
+        if not f.matches(array.dtype):
+            problems.append(f"{name!r} has dtype {array.dtype}, expected {f.dtype}")
+        cells = _cell_shape(f, grid)
+        if array.ndim != 1 + len(cells) or tuple(array.shape[1:]) != cells:
+            problems.append(f"{name!r} has shape {array.shape}, expected ({table.dim}, {', '.join(map(str, cells))})"
+                            if cells else f"{name!r} has shape {array.shape}, expected ({table.dim},)")
             continue
+        dims = array.metadata.dimension_names
+        if dims is not None and tuple(dims) != f.dims:  # stores written before dims were named have none
+            problems.append(f"{name!r} has dimension names {tuple(dims)}, expected {f.dims}")
         if array.shape[0] < committed or (complete and array.shape[0] != committed):
             problems.append(f"{name!r} has {array.shape[0]} rows but {committed} are committed"
                             f"{' (stream complete)' if complete else ''}")

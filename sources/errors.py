@@ -11,3 +11,7 @@ class SourceError(Exception):
 
 class VideoTruncatedWarning(UserWarning):
     """Decoding hit damage (a truncated or corrupt file) and stopped early; earlier frames are valid."""
+
+
+class StreamInterruptedWarning(UserWarning):
+    """A live stream stopped delivering frames (stalled, dropped) or came back; the outage is a Gap."""

@@ -14,20 +14,28 @@ stream's own timestamps, and each (re)connection starts at its arrival time sinc
 began (or just after the last frame, if the stream's clock ran ahead). So pts never go backwards
 across a reconnect; the exact outage is in the Gap's wall-clock times.
 
-When a stream stalls (no frame for read_timeout_s) or drops, the thread reconnects with capped
-exponential backoff and jitter, forever unless `max_reconnects` attempts in a row fail. The first
-frames after a reconnect come with a `Gap` (last frame before, first frame after), which is never
-dropped: it moves to the next surviving frame. Failing to open a source at start is a SourceError.
+When a stream stalls (no frame for more than read_timeout_s, measured from the last frame, so a
+stall just over the timeout counts too) or drops, the thread reconnects with capped exponential
+backoff and jitter, forever unless `max_reconnects` attempts in a row fail. Every such outage is a
+`Gap` with a reason a person can read ("no frames for 8.0 s (read timeout 5 s)", "server closed the
+connection; reconnect failed: connection refused (4 attempts)"); a StreamInterruptedWarning says
+when it begins and ends. The first frames after a reconnect carry the Gap (last frame before,
+first frame after), which is never dropped: it moves to the next surviving frame. An outage still
+open when the capture ends (closed, or gave up) is a Gap that ends then: `take()` returns it with
+no frames once the frames before it are taken. stats() counts the gaps and the seconds without
+frames. Failing to open a source at start is a SourceError.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
+import os
 import random
 import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
@@ -37,7 +45,7 @@ import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-from sources.errors import SourceError
+from sources.errors import SourceError, StreamInterruptedWarning
 from sources.frame import Frame
 
 SourceKind = Literal["camera", "network", "file"]
@@ -121,6 +129,54 @@ class SourceStats:
     dropped: int        # of those, dropped because the consumer was slower
     reconnects: int     # successful reconnections
     fps_in: float       # delivery rate over the last few seconds
+    gaps: int = 0       # outages so far (stalls, drops), the current one included
+    outage_s: float = 0.0   # seconds without frames in those outages, up to now for a current one
+    connected: bool = True  # False during an outage and once the capture ended
+
+
+class _OpenError(SourceError):
+    """A source could not be (re)opened. `cause` is the why without the source's name, for a Gap's reason."""
+
+    def __init__(self, name: str, message: str, cause: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.cause = cause
+
+
+class _Stalled(Exception):
+    """No frame for longer than the read timeout (FFmpeg's interrupt, or frames that stopped coming)."""
+
+    def __init__(self, waited_s: float) -> None:
+        self.waited_s = waited_s
+
+
+class _Lost(Exception):
+    """The connection ended; `cause` says how (for a Gap's reason)."""
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+
+
+@dataclass
+class _Outage:
+    """A live stream without frames since (start_pts, start_wall): its Gap once it ends."""
+
+    cause: str                  # how it began; a stall's reason states the whole outage's length
+    stalled: bool
+    read_timeout_s: float
+    start_pts: float
+    start_wall: float
+    failures: int = 0           # reconnect attempts that failed
+    last_failure: str = ""
+
+    def reason(self, end_wall: float, ending: str | None = None) -> str:
+        parts = [f"no frames for {end_wall - self.start_wall:.1f} s (read timeout {self.read_timeout_s:g} s)"
+                 if self.stalled else self.cause]
+        if self.failures:
+            attempts = f" ({self.failures} attempts)" if self.failures > 1 else ""
+            parts.append(f"reconnect failed: {self.last_failure}{attempts}")
+        if ending:
+            parts.append(ending)
+        return "; ".join(parts)
 
 
 def redact(url: str) -> str:
@@ -188,12 +244,12 @@ class _NetworkConnection(_Connection):
         except (av.FFmpegError, OSError) as e:
             waited = time.monotonic() - started
             if waited >= 0.9 * cfg.open_timeout_s:
-                raise SourceError(f"{spec.name}: no answer from the server within the {cfg.open_timeout_s:g} s "
-                                  f"open timeout") from e
-            raise SourceError(f"{spec.name}: cannot open the stream ({_reason(e)})") from e
+                raise _OpenError(spec.name, f"no answer from the server within the {cfg.open_timeout_s:g} s open timeout",
+                                 f"no answer within the {cfg.open_timeout_s:g} s open timeout") from e
+            raise _OpenError(spec.name, f"cannot open the stream ({_reason(e)})", _lower(_reason(e))) from e
         if not self.container.streams.video:
             self.container.close()
-            raise SourceError(f"{spec.name}: the stream has no video track")
+            raise _OpenError(spec.name, "the stream has no video track", "the stream has no video track")
         self.stream = self.container.streams.video[0]
         self.stream.thread_type = "AUTO"
         rate = self.stream.average_rate or self.stream.guessed_rate
@@ -201,28 +257,61 @@ class _NetworkConnection(_Connection):
         ctx = self.stream.codec_context
         if not ctx.width or not ctx.height:
             self.container.close()
-            raise SourceError(f"{spec.name}: no video size found in the first {cfg.probe_s:g} s of the stream "
-                              f"(raise live.probe_s)")
+            raise _OpenError(spec.name, f"no video size found in the first {cfg.probe_s:g} s of the stream "
+                             f"(raise live.probe_s)", "no video size found in the stream")
         # a stream that comes back at another size is scaled to the size it started with (the
         # allocation grid of a stream is fixed)
         self.width, self.height = size or (ctx.width, ctx.height)
         self._reformatter = VideoReformatter()
+        self._read_timeout_s = cfg.read_timeout_s
 
     def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
-        for packet in self.container.demux(self.stream):
-            for frame in packet.decode():
-                if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
-                    continue
-                rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
-                                                 format="rgb24").to_ndarray()     # (H, W, 3)
-                yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb
+        """Frames until the server closes the connection (returns) or nothing comes for longer
+        than the read timeout (_Stalled). PyAV's read timeout alone misses stalls up to twice the
+        timeout: when it interrupts a read, FFmpeg flushes its parser and returns the held-back
+        packet instead of the error, and the next read gets a fresh timeout. So the time is
+        measured from the last frame, at every packet, too. Until a connection's first frame, the
+        last packet counts: a camera with keyframes further apart than the timeout is waited for."""
+        last, framed = time.monotonic(), False
+        try:
+            for packet in self.container.demux(self.stream):
+                now = time.monotonic()
+                if now - last > self._read_timeout_s:
+                    raise _Stalled(now - last)
+                if not framed:
+                    last = now
+                for frame in packet.decode():
+                    if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
+                        continue
+                    rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
+                                                     format="rgb24").to_ndarray()     # (H, W, 3)
+                    yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb
+                    last, framed = time.monotonic(), True
+        except av.ExitError:   # "Immediate exit requested": PyAV's read timeout interrupted FFmpeg
+            raise _Stalled(time.monotonic() - last) from None
+        except (ConnectionResetError, BrokenPipeError):
+            raise _Lost("server closed the connection (connection reset)") from None
+        except (av.FFmpegError, OSError) as e:
+            raise _Lost(f"stream error: {_lower(_reason(e))}") from None
+        raise _Lost("server closed the connection")
 
     def close(self) -> None:
         self.container.close()
 
 
+def _quiet_opencv() -> None:
+    """OpenCV logs every capture backend it tries and fails (V4L2, its FFmpeg, Orbbec: ~10 lines for
+    a missing camera) before we can say one line ourselves. Its logger goes silent (process-wide,
+    as PyAV's FFmpeg log is); its FFmpeg reads OPENCV_FFMPEG_LOGLEVEL when that backend first starts."""
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")   # AV_LOG_QUIET
+    import cv2
+
+    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+
+
 class _CameraConnection(_Connection):
     def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        _quiet_opencv()
         import cv2
 
         params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(cfg.open_timeout_s * 1000),
@@ -230,15 +319,17 @@ class _CameraConnection(_Connection):
         self.cap = cv2.VideoCapture(spec.target, cv2.CAP_ANY, params)
         if not self.cap.isOpened():
             self.cap.release()
-            raise SourceError(f"{spec.name}: cannot open the camera (no such device, busy, or no permission)")
+            raise _OpenError(spec.name, "cannot open the camera (no such device, busy, or no permission)",
+                             "cannot open the camera")
         ok, bgr = self.cap.read()
         if not ok:
             self.cap.release()
-            raise SourceError(f"{spec.name}: the camera opened but delivers no frames")
+            raise _OpenError(spec.name, "the camera opened but delivers no frames", "the camera delivers no frames")
         self._first = bgr
         fps = self.cap.get(cv2.CAP_PROP_FPS)
         self.fps = float(fps) if 0 < fps <= 1000 else _FALLBACK_FPS
         self.width, self.height = size or (bgr.shape[1], bgr.shape[0])
+        self._read_timeout_s = cfg.read_timeout_s
 
     def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
         import cv2
@@ -246,9 +337,13 @@ class _CameraConnection(_Connection):
         bgr, self._first = self._first, None
         while True:
             if bgr is None:
+                started = time.monotonic()
                 ok, bgr = self.cap.read()
-                if not ok:
-                    return  # unplugged or stalled past the backend's read timeout
+                if not ok:   # stalled past the backend's read timeout, or unplugged
+                    waited = time.monotonic() - started
+                    if waited >= 0.9 * self._read_timeout_s:
+                        raise _Stalled(waited)
+                    raise _Lost("the camera stopped delivering frames (unplugged?)")
             if bgr.shape[:2] != (self.height, self.width):
                 bgr = cv2.resize(bgr, (self.width, self.height), interpolation=cv2.INTER_AREA)
             msec = self.cap.get(cv2.CAP_PROP_POS_MSEC)
@@ -277,6 +372,7 @@ class _FileConnection(_Connection):
             if delay > 0:
                 time.sleep(delay)
             yield frame.pts_s, frame.rgb
+        raise _Lost("end of file")
 
     def close(self) -> None:
         self.video.close()
@@ -298,6 +394,7 @@ class LatestFrames:
         self._cond = threading.Condition()
         self.dropped = 0
         self.closed = False
+        self._last_gap: Gap | None = None   # an outage no frame followed (the capture ended in it)
 
     def put(self, frame: Frame, gap: Gap | None = None) -> None:
         with self._cond:
@@ -314,19 +411,26 @@ class LatestFrames:
             nxt, own = self._items[0]
             self._items[0] = (nxt, own or dataclasses.replace(carried, end_pts=nxt.pts_s, end_wall=nxt.arrival_s))
 
-    def close(self) -> None:
-        """No more frames will come: wake the consumer."""
+    def close(self, last_gap: Gap | None = None) -> None:
+        """No more frames will come: wake the consumer. `last_gap`: the stream was down from then
+        until now; `take` returns it, with no frames, after every frame before it."""
         with self._cond:
+            if not self.closed:
+                self._last_gap = last_gap
             self.closed = True
             self._cond.notify_all()
 
     def take(self, max_frames: int, timeout_s: float) -> tuple[list[Frame], Gap | None]:
         """The newest buffered frames, at most max_frames, oldest first (waiting up to timeout_s for
         one). Frames older than those are dropped: a consumer that fell behind catches up at once.
-        A batch never spans a gap: the gap, if any, comes before the first returned frame."""
+        A batch never spans a gap: the gap, if any, comes before the first returned frame; a gap
+        that no frame followed comes last, alone: ([], gap)."""
         with self._cond:
             if not self._items and not self.closed:
                 self._cond.wait(timeout_s)
+            if not self._items and self._last_gap is not None:
+                gap, self._last_gap = self._last_gap, None
+                return [], gap
             while len(self._items) > max_frames:
                 self._drop_oldest()
             frames: list[Frame] = []
@@ -342,6 +446,11 @@ class LatestFrames:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def drained(self) -> bool:
+        """Closed, and every frame and gap was taken."""
+        return self.closed and not self._items and self._last_gap is None
 
 
 class LiveSource:
@@ -361,6 +470,12 @@ class LiveSource:
         self._conn: _Connection | None = None
         self._t0 = 0.0
         self._last: tuple[float, float] | None = None   # (pts, arrival) of the last frame
+        self._outage: _Outage | None = None             # the stream is down since then
+        self._outages = 0
+        self._outage_s = 0.0                            # seconds of the outages that ended
+        self._lock = threading.Lock()                   # ends an open outage once (thread or close())
+        self._ended = False
+        self._closed_at: float | None = None
 
     def start(self) -> "LiveSource":
         """Open the source (SourceError if it cannot be opened) and start capturing."""
@@ -373,8 +488,8 @@ class LiveSource:
 
     @property
     def finished(self) -> bool:
-        """The capture ended (file at its end, gave up, or closed) and every frame was taken."""
-        return self.buffer.closed and len(self.buffer) == 0
+        """The capture ended (file at its end, gave up, or closed) and every frame and gap was taken."""
+        return self.buffer.drained
 
     def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
         return self.buffer.take(max_frames, timeout_s)
@@ -384,13 +499,19 @@ class LiveSource:
         arrivals = [a for a in list(self._arrivals) if a >= now - _RATE_WINDOW_S]
         span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
         fps = (len(arrivals) - 1) / span if span > 0 else 0.0
-        return SourceStats(self.frames_in, self.buffer.dropped, self.reconnects, fps)
+        outage = self._outage
+        current = max(0.0, now - outage.start_wall) if outage is not None else 0.0
+        return SourceStats(self.frames_in, self.buffer.dropped, self.reconnects, fps, self._outages,
+                           self._outage_s + current, outage is None and not self._ended)
 
     def close(self) -> None:
+        """Stop capturing. An outage still open is recorded as a Gap ending now (see `take`)."""
+        if self._closed_at is None:
+            self._closed_at = time.time()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.read_timeout_s + self.config.open_timeout_s + 1.0)
-        self.buffer.close()
+        self._end_capture(self._closed_at, "still down when the source closed")
 
     def __enter__(self) -> "LiveSource":
         return self
@@ -403,26 +524,29 @@ class LiveSource:
 
     def _capture(self) -> None:
         conn: _Connection | None = self._conn
-        gap_reason: str | None = None
         try:
             while conn is not None and not self._stop.is_set():
-                reason = self._pump(conn, gap_reason)
+                lost = self._pump(conn)
                 conn.close()
                 if self._stop.is_set() or self.spec.kind == "file":
                     break
-                gap_reason, conn = reason, self._reconnect(reason)
+                self._lose(lost)
+                conn = self._reconnect()
         except BaseException as e:  # a bug here must not hang the consumer: it surfaces as error
             self.error = SourceError(f"{self.name}: capture failed ({type(e).__name__}: {e})")
         finally:
-            self.buffer.close()
+            if self._closed_at is not None:
+                self._end_capture(self._closed_at, "still down when the source closed")
+            else:
+                self._end_capture(time.time(), "gave up" if self.error is not None else None)
 
-    def _pump(self, conn: _Connection, gap_reason: str | None) -> str:
-        """Deliver frames from one connection until it drops; return why it ended."""
+    def _pump(self, conn: _Connection) -> _Lost | _Stalled | None:
+        """Deliver frames from one connection until it drops; return why (None: stopped)."""
         segment: tuple[float, float] | None = None   # (session pts, stream pts) of the first timed frame
         try:
             for stream_pts, rgb in conn.frames():
                 if self._stop.is_set():
-                    return "stopped"
+                    return None
                 arrival = time.time()
                 if segment is None and stream_pts is not None:
                     # a segment's clock may run ahead of arrival (frames buffered while the stream
@@ -432,26 +556,73 @@ class LiveSource:
                 pts = segment[0] + (stream_pts - segment[1]) if segment and stream_pts is not None else arrival - self._t0
                 if self._last is not None:
                     pts = max(pts, self._last[0] + 1e-6)   # never backwards, also across reconnects
-                gap = None
-                if gap_reason is not None and self._last is not None:
-                    gap = Gap(self.stream_id, self._last[0], pts, self._last[1], arrival, gap_reason)
-                    gap_reason = None
+                gap = self._recover(pts, arrival)
                 self.buffer.put(Frame(self.stream_id, self.frames_in, pts, np.ascontiguousarray(rgb), arrival), gap)
                 self.frames_in += 1
                 self._last = (pts, arrival)
                 self._arrivals.append(arrival)
-        except (av.FFmpegError, OSError) as e:
-            return f"stream error: {_reason(e)}"
-        return "end of file" if self.spec.kind == "file" else "the stream ended (server closed or stalled)"
+        except (_Lost, _Stalled) as e:
+            return e
+        return None
 
-    def _reconnect(self, reason: str) -> _Connection | None:
+    def _lose(self, lost: _Lost | _Stalled | None) -> None:
+        """The stream just went down: an outage starts. A reconnection that delivered no frame
+        before it dropped again is one more failed attempt of the outage already open."""
+        if lost is None:
+            return
+        if self._outage is not None:
+            self._outage.failures += 1
+            self._outage.last_failure = (f"no frames within the {self.config.read_timeout_s:g} s read timeout"
+                                         if isinstance(lost, _Stalled) else lost.cause)
+            return
+        start_pts, start_wall = self._last if self._last is not None else (0.0, self._t0)
+        stalled = isinstance(lost, _Stalled)
+        cause = f"no frames for {lost.waited_s:.1f} s" if stalled else lost.cause
+        self._outage = _Outage(cause, stalled, self.config.read_timeout_s, start_pts, start_wall)
+        self._outages += 1
+        since = f"at {start_pts:.1f} s" if self._last is not None else "before its first frame"
+        warnings.warn(f"{self.name}: stream lost {since} ({cause}"
+                      f"{f', read timeout {self.config.read_timeout_s:g} s' if stalled else ''}); reconnecting",
+                      StreamInterruptedWarning, stacklevel=2)
+
+    def _recover(self, pts: float, arrival: float) -> Gap | None:
+        """A frame arrived: the Gap of the outage it ends, if one was open."""
+        with self._lock:
+            outage, self._outage = self._outage, None
+            if outage is None:
+                return None
+            self._outage_s += arrival - outage.start_wall
+        warnings.warn(f"{self.name}: stream back after {arrival - outage.start_wall:.1f} s without frames",
+                      StreamInterruptedWarning, stacklevel=2)
+        return Gap(self.stream_id, outage.start_pts, pts, outage.start_wall, arrival, outage.reason(arrival))
+
+    def _end_capture(self, now: float, ending: str | None) -> None:
+        """Close the buffer; an outage still open becomes its last Gap, ending `now`."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            outage, self._outage = self._outage, None
+            if outage is not None:
+                self._outage_s += max(0.0, now - outage.start_wall)
+        last_gap = None
+        if outage is not None:
+            # no frame ends it: it lasts as long on the session timeline as on the wall clock
+            length = max(now - outage.start_wall, 1e-6)
+            last_gap = Gap(self.stream_id, outage.start_pts, outage.start_pts + length, outage.start_wall,
+                           outage.start_wall + length, outage.reason(now, ending or "still down when the capture ended"))
+        self.buffer.close(last_gap)
+
+    def _reconnect(self) -> _Connection | None:
         """Reconnect with capped exponential backoff and jitter; None when stopped or giving up."""
         attempt = 0
         size = (self.width, self.height)
+        outage = self._outage
         while not self._stop.is_set():
             if self.config.max_reconnects is not None and attempt >= self.config.max_reconnects:
+                last = outage.reason(time.time()) if outage is not None else "the stream was lost"
                 self.error = SourceError(f"{self.name}: gave up after {attempt} failed reconnect attempts "
-                                         f"(--max-reconnects {self.config.max_reconnects}); last: {reason}")
+                                         f"(--max-reconnects {self.config.max_reconnects}); last: {last}")
                 return None
             if self._stop.wait(self.config.backoff_s(attempt, self._rng)):
                 return None
@@ -459,7 +630,9 @@ class LiveSource:
             try:
                 conn = _CONNECTIONS[self.spec.kind](self.spec, self.config, size)
             except SourceError as e:
-                reason = str(e)
+                if outage is not None:
+                    outage.failures += 1
+                    outage.last_failure = e.cause if isinstance(e, _OpenError) else _lower(str(e))
                 continue
             self.reconnects += 1
             return conn
@@ -478,6 +651,11 @@ def open_live(spec: str, *, config: LiveConfig | None = None, stream_id: str | N
 def _reason(e: BaseException) -> str:
     text = getattr(e, "strerror", None) or str(e) or type(e).__name__
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def _lower(text: str) -> str:
+    """FFmpeg's "Connection refused" inside a sentence: "connection refused" (acronyms stay)."""
+    return text[:1].lower() + text[1:] if text[1:2].islower() else text
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -9,12 +9,15 @@ Layouts (ROOT is what the user passes as --root):
                       {videos: [{video_id, split, ...}], sentences: [{video_id, caption, sen_id}]}
 Videos are found under the first of VIDEO_DIRS that exists (or an explicit videos directory).
 
-Every error names the file and says what is wrong with it (SourceError, one line).
+Every error names the file and says what is wrong with it (SourceError, one line). A question
+whose text is not a string (JSON null, a number) is skipped with one warning naming the file and
+the question ids, so it is never asked as the text "None".
 """
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +68,7 @@ class Dataset:
     annotation: Path        # the question file (zero-shot: test_q.json; captions: videodatainfo)
     videos_dir: Path
     questions: tuple[Question, ...]
+    skipped: tuple[str, ...] = ()  # ids of the questions left out: their text was not a string
 
     def videos(self) -> list[VideoWork]:
         """Questions grouped by video, in video-number order (stable across runs and workers)."""
@@ -154,46 +158,63 @@ def load_msrvtt_qa(root: str | Path, split: str = "test", *, videos_dir: str | P
     check_split(split)
     layout, annotation = detect_layout(root, split)
     if layout == "msrvtt-qa":
-        questions = _read_release(annotation)
+        questions, skipped = _read_release(annotation)
     else:
-        questions = _read_zero_shot(annotation, root / f"{split}_a.json")
+        questions, skipped = _read_zero_shot(annotation, root / f"{split}_a.json")
     ids = [q.question_id for q in questions]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise SourceError(f"{annotation}: question id {dup} appears more than once")
-    return Dataset(root, split, layout, annotation, resolve_videos_dir(root, videos_dir), tuple(questions))
+    return Dataset(root, split, layout, annotation, resolve_videos_dir(root, videos_dir), tuple(questions),
+                   tuple(skipped))
 
 
-def _read_release(path: Path) -> list[Question]:
-    out = []
+def _warn_skipped(path: Path, skipped: list[tuple[str, Any]]) -> list[str]:
+    """One warning for every question of `path` left out because its text is not a string."""
+    if skipped:
+        shown = ", ".join(f"{qid} ({'null' if text is None else type(text).__name__})" for qid, text in skipped[:10])
+        more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+        warnings.warn(f"{path}: skipped {len(skipped)} question(s) whose text is not a string: "
+                      f"id {shown}{more}", stacklevel=4)
+    return [qid for qid, _ in skipped]
+
+
+def _read_release(path: Path) -> tuple[list[Question], list[str]]:
+    out, skipped = [], []
     for i, r in enumerate(_records(path, load_json(path), ("answer", "category_id", "id", "question", "video_id"))):
+        if not isinstance(r["question"], str):
+            skipped.append((str(r["id"]), r["question"]))
+            continue
         try:
-            out.append(Question(str(r["id"]), stream_id_of(r["video_id"]), str(r["question"]), str(r["answer"]),
+            out.append(Question(str(r["id"]), stream_id_of(r["video_id"]), r["question"], str(r["answer"]),
                                 _category(r["category_id"])))
         except ValueError as e:
             raise SourceError(f"{path}: record {i}: {e}") from None
-    return out
+    return out, _warn_skipped(path, skipped)
 
 
-def _read_zero_shot(q_path: Path, a_path: Path) -> list[Question]:
+def _read_zero_shot(q_path: Path, a_path: Path) -> tuple[list[Question], list[str]]:
     questions = _records(q_path, load_json(q_path), ("video_name", "question_id", "question"))
     answers = _records(a_path, load_json(a_path), ("answer", "question_id"))
     by_id = {str(a["question_id"]): a for a in answers}
     if len(questions) != len(answers):
         raise SourceError(f"{q_path.name} has {len(questions)} questions but {a_path.name} has {len(answers)} "
                           f"answers (in {q_path.parent})")
-    out = []
+    out, skipped = [], []
     for i, r in enumerate(questions):
         qid = str(r["question_id"])
         a = by_id.get(qid)
         if a is None:
             raise SourceError(f"{a_path}: no answer for question_id {qid} of {q_path.name}")
+        if not isinstance(r["question"], str):
+            skipped.append((qid, r["question"]))
+            continue
         try:
-            out.append(Question(qid, stream_id_of(r["video_name"]), str(r["question"]), str(a["answer"]),
+            out.append(Question(qid, stream_id_of(r["video_name"]), r["question"], str(a["answer"]),
                                 _category(a.get("type", "unknown"))))
         except ValueError as e:
             raise SourceError(f"{q_path}: record {i}: {e}") from None
-    return out
+    return out, _warn_skipped(q_path, skipped)
 
 
 def resolve_videos_dir(root: Path, videos_dir: str | Path | None) -> Path:

@@ -48,6 +48,9 @@ _POLL_S = 0.5
 # being copied out, the worker holds 3; one ahead is enough, copying a chunk takes a fraction of its decoding).
 _FRAMES_AHEAD = 8
 _CHUNKS_AHEAD = 1
+# The slots' memory (in /dev/shm) is sized from the frame size, within this many bytes by default:
+# 6 slots of 16 frames of 1080p RGB take 0.6 GB, of 8000x8000 frames they took 18.4 GB.
+DEFAULT_SHARED_BYTES = 1 << 30
 _SPAWN_LOCK = threading.Lock()
 
 
@@ -119,26 +122,33 @@ class ProcessSource:
     8-bit 4:2:0, BT.601/709, even size); `yuv` is then the layout, else None.
     worker: a DecodeWorker to decode in (it stays open after close(), for the next video; it must
     not serve another source until this one is closed); None: a worker of its own, closed with it.
+    shared_bytes: memory for the slots. When `slots` batches of `batch_size` frames of this video
+    would take more, fewer slots (down to 2) and then fewer frames per batch (down to 1) are used:
+    `slots` and `batch_size` are what this source uses. Two frames are the least, whatever the budget
+    (open_video's max_pixels bounds a frame; it is passed on with the other keywords).
     """
 
     def __init__(self, path: str | Path, *, batch_size: int, slots: int = 4, device_color: bool = False,
-                 worker: DecodeWorker | None = None, **open_kwargs: Any) -> None:
-        if batch_size < 1 or slots < 2:
-            raise ValueError(f"batch_size must be >= 1 and slots >= 2, got {batch_size} and {slots}")
+                 worker: DecodeWorker | None = None, shared_bytes: int = DEFAULT_SHARED_BYTES,
+                 **open_kwargs: Any) -> None:
+        if batch_size < 1 or slots < 2 or shared_bytes < 1:
+            raise ValueError(f"batch_size must be >= 1, slots >= 2 and shared_bytes >= 1, "
+                             f"got {batch_size}, {slots} and {shared_bytes}")
         # errors (missing, corrupt, ...) surface here. The probe decodes its first frame on one thread:
         # FFmpeg's frame threads (up to 16) would each take a packet before the first frame came out
         with open_video(path, **{**open_kwargs, "threads": 1}) as probe:
             self.stream_id, self.fps, self.source_fps = probe.stream_id, probe.fps, probe.source_fps
             self.width, self.height, self.frame_count = probe.width, probe.height, probe.frame_count
             info = probe.info
-        self.path, self.batch_size, self.slots = Path(path), batch_size, slots
+        self.path = Path(path)
         self.truncated = False
         self.yuv: YuvLayout | None = None
         if device_color and open_kwargs.get("decoder", "pyav") == "pyav":
             coded = (self.width, self.height) if info.rotation % 180 else (self.height, self.width)
             self.yuv = yuv_layout(info.pixel_format, info.colorspace, info.color_range, *coded, info.rotation)
         frame_shape = (self.yuv.frame_bytes,) if self.yuv is not None else (self.height, self.width, 3)
-        shape = (slots, batch_size) + frame_shape
+        self.slots, self.batch_size = slot_layout(slots, batch_size, int(np.prod(frame_shape)), shared_bytes)
+        shape = (self.slots, self.batch_size) + frame_shape
         self._shm = SharedMemory(create=True, size=int(np.prod(shape)))
         self._buffers = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
         self._own = worker is None
@@ -197,7 +207,7 @@ class ProcessSource:
             except queue.Empty:
                 if not self._worker.proc.is_alive():
                     raise SourceError(f"{self.path}: the decoder process died "
-                                      f"(exit code {self._worker.proc.exitcode})") from None
+                                      f"({_exit_status(self._worker.proc.exitcode)})") from None
                 continue
             if job == self._job:
                 if message[0] in ("end", "error"):
@@ -223,6 +233,18 @@ class ProcessSource:
         self.close()
 
 
+def slot_layout(slots: int, batch_size: int, frame_bytes: int, budget: int) -> tuple[int, int]:
+    """(slots, frames per slot) within `budget` bytes: as asked when it fits; else fewer slots while
+    each still holds a whole batch (two are enough to overlap decoding and the consumer's copy out),
+    else two slots of as many frames as fit (at least one each)."""
+    if slots * batch_size * frame_bytes <= budget:
+        return slots, batch_size
+    fitting = budget // (batch_size * frame_bytes)
+    if fitting >= 2:
+        return int(fitting), batch_size
+    return 2, int(max(1, min(batch_size, budget // (2 * frame_bytes))))
+
+
 @contextlib.contextmanager
 def _main_not_reimported() -> Iterator[None]:
     """Spawn re-runs the caller's main script in the child unless __main__ has no __file__; the
@@ -238,6 +260,17 @@ def _main_not_reimported() -> Iterator[None]:
         yield
     finally:
         main.__file__ = path
+
+
+def _exit_status(code: int | None) -> str:
+    """A process's exit code in words: a signal by name (the kernel's OOM killer sends SIGKILL)."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (", out of memory?" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
 
 
 def _next_slot(free: Any, parent: int, job: int) -> int | None:
@@ -301,11 +334,11 @@ def _worker(job: int, path: str, kwargs: dict, shm_name: str, shape: tuple, yuv:
                 buffers.reshape(-1)[::mmap.PAGESIZE] = 0
                 filled.put(("ready",))
                 if yuv is not None:
-                    runs, depth = _planes(source, yuv, path), _FRAMES_AHEAD
+                    runs, depth = _planes(source, yuv, path), min(_FRAMES_AHEAD, batch)
                 elif source.decoder == "decord":
                     runs, depth = _decord_chunks(source, shape[2:], path), _CHUNKS_AHEAD
                 else:
-                    runs, depth = _rgb(source, shape[2:], path), _FRAMES_AHEAD
+                    runs, depth = _rgb(source, shape[2:], path), min(_FRAMES_AHEAD, batch)
                 runs = stack.enter_context(_Prefetched(runs, depth))
                 run, done = None, 0  # the run being copied out, and how many of its frames are
                 while True:

@@ -45,6 +45,9 @@ _DECORD_CHUNK_BYTES = 64 << 20
 _DECORD_MAX_CHUNK = 32
 _DECORD_NOPTS_S = 1e9
 _TS_PACKET_SIZES = (188, 192, 204)  # plain, M2TS (timecode prefix), with Reed-Solomon bytes
+# Larger frames are refused: DCI 8K (8192x4320). One RGB frame of that is 106 MB; a frame of
+# 8000x8000 (192 MB) made every buffer of the pipeline, sized in frames, run to gigabytes.
+DEFAULT_MAX_PIXELS = 8192 * 4320
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def probe(path: str | Path) -> VideoInfo:
 
 def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None = None,
                start_s: float = 0.0, end_s: float | None = None, max_frames: int | None = None,
-               stream_id: str | None = None, threads: int = 0) -> VideoSource:
+               stream_id: str | None = None, threads: int = 0,
+               max_pixels: int | None = DEFAULT_MAX_PIXELS) -> VideoSource:
     """Open a video file for reading as Frames; see the module docstring for the semantics.
 
     decoder:    "pyav" (threaded FFmpeg decode, default) or "decord".
@@ -86,15 +90,17 @@ def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None
     threads:    decoding threads; 0 (default): the decoder's own choice (FFmpeg: up to 16 for
                 frame + slice threading; decord: its default). Several decoders on one host (a
                 batch's videos in flight, Ray actors) may want fewer each.
+    max_pixels: refuse videos whose frames have more pixels (width x height) than this (default:
+                DCI 8K, 8192x4320); None: no limit.
     Raises SourceError (one line naming the path) for bad arguments and unreadable files.
     """
     path = Path(path)
-    _check_args(path, decoder, fps, start_s, end_s, max_frames, stream_id, threads)
+    _check_args(path, decoder, fps, start_s, end_s, max_frames, stream_id, threads, max_pixels)
     _check_file(path)
     cls = _PyAVSource if decoder == "pyav" else _DecordSource
     return cls(path, fps=None if fps is None else float(fps), start_s=float(start_s),
                end_s=None if end_s is None else float(end_s), max_frames=max_frames,
-               stream_id=stream_id or path.stem, threads=int(threads))
+               stream_id=stream_id or path.stem, threads=int(threads), max_pixels=max_pixels)
 
 
 class VideoSource:
@@ -108,8 +114,9 @@ class VideoSource:
     decoder: str
 
     def __init__(self, path: Path, *, fps: float | None, start_s: float, end_s: float | None,
-                 max_frames: int | None, stream_id: str, threads: int = 0) -> None:
-        self.path, self.stream_id, self.threads = path, stream_id, threads
+                 max_frames: int | None, stream_id: str, threads: int = 0,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS) -> None:
+        self.path, self.stream_id, self.threads, self.max_pixels = path, stream_id, threads, max_pixels
         self.start_s, self.end_s, self.max_frames = start_s, end_s, max_frames
         self.truncated = False
         self._target_fps = fps
@@ -127,6 +134,12 @@ class VideoSource:
 
     def _open(self) -> VideoInfo:
         raise NotImplementedError
+
+    def _check_size(self, width: int, height: int) -> None:
+        """Refuse frames above max_pixels before decoding any (sizes from the stream header)."""
+        if self.max_pixels is not None and width * height > self.max_pixels:
+            raise SourceError(f"{self.path}: frames of {width}x{height} ({width * height / 1e6:.1f} megapixels) are "
+                              f"above the limit of {self.max_pixels / 1e6:.1f} megapixels (max_pixels={self.max_pixels})")
 
     def _frames(self) -> Iterator[Frame]:
         raise NotImplementedError
@@ -193,6 +206,7 @@ class _PyAVSource(VideoSource):
     def _open(self) -> VideoInfo:
         self._container, stream = _open_container(self.path)
         self._stream = stream
+        self._check_size(stream.codec_context.width, stream.codec_context.height)
         stream.thread_type = "AUTO"  # frame + slice threads: several times faster on multi-core CPUs
         if self.threads:
             stream.thread_count = self.threads
@@ -211,6 +225,7 @@ class _PyAVSource(VideoSource):
         self._first: av.VideoFrame | None = next(self._decoded, None)
         if self._first is None:
             raise SourceError(f"{self.path}: not a readable video ({self._damage or 'no frame could be decoded'})")
+        self._check_size(self._first.width, self._first.height)
         return _video_info(self._container, stream, self._first)
 
     def close(self) -> None:
@@ -342,10 +357,16 @@ class _DecordSource(VideoSource):
             raise SourceError(f"{self.path}: decoder='decord' needs the decord package "
                               f"(pip install decord); or use decoder='pyav'") from e
         self._error_types = (decord.DECORDError, RuntimeError)
+        # decord's own FFmpeg logs straight to fd 2 (43 "[h264 @ 0x...]" lines on one damaged file);
+        # damage is reported once, as a VideoTruncatedWarning, like PyAV's (whose log is off)
+        decord.logging.set_level(decord.logging.QUIET)
         # decord exposes neither rotation nor the declared duration: PyAV reads the header
         container, stream = _open_container(self.path)
         with container:
-            info = _video_info(container, stream, _first_frame(self.path, container, stream))
+            self._check_size(stream.codec_context.width, stream.codec_context.height)
+            first = _first_frame(self.path, container, stream)
+            self._check_size(first.width, first.height)
+            info = _video_info(container, stream, first)
             container_format = container.format.name
         _check_start(self.path, self.start_s, info.duration_s)
         # decord 0.6 returns frames shifted against their timestamps in MPEG-TS (or fails on them)
@@ -471,7 +492,8 @@ class _Sampler:
 
 
 def _check_args(path: Path, decoder: object, fps: object, start_s: object, end_s: object,
-                max_frames: object, stream_id: object, threads: object = 0) -> None:
+                max_frames: object, stream_id: object, threads: object = 0,
+                max_pixels: object = DEFAULT_MAX_PIXELS) -> None:
     def bad(problem: str) -> SourceError:
         return SourceError(f"{path}: {problem}")
 
@@ -490,6 +512,9 @@ def _check_args(path: Path, decoder: object, fps: object, start_s: object, end_s
         raise bad(f"stream_id={stream_id!r} must be a non-empty string, or None for the file stem")
     if not (isinstance(threads, (int, np.integer)) and not isinstance(threads, bool) and 0 <= threads <= 256):
         raise bad(f"threads={threads!r} is out of range; allowed: integers in [0, 256], 0 for the decoder's choice")
+    if max_pixels is not None and not (isinstance(max_pixels, (int, np.integer)) and not isinstance(max_pixels, bool)
+                                       and max_pixels >= 1):
+        raise bad(f"max_pixels={max_pixels!r} is out of range; allowed: integers >= 1, or None for no limit")
 
 
 def _is_number(value: object) -> bool:
@@ -591,7 +616,16 @@ def _reason(error: BaseException) -> str:
     """One line from an FFmpeg / decord error (decord's carry a C++ backtrace)."""
     text = getattr(error, "strerror", None) or str(error) or type(error).__name__
     line = text.strip().splitlines()[0]
-    return re.sub(r"^(\[[\d:]+\] \S+:\d+: )+", "", line)[:200]  # decord's "[time] file.cc:line: " prefix
+    line = re.sub(r"^(\[[\d:]+\] \S+:\d+: )+", "", line)  # decord's "[time] file.cc:line: " prefix
+    # decord's failed FFmpeg call, "Check failed: avcodec_send_packet(...) >= 0 (-1094995529 vs. 0) ...":
+    # FFmpeg's own words for the code
+    failed = re.match(r"Check failed: (\w+)\(.*\) >= 0 \((-\d+) vs\. 0\)", line)
+    if failed:
+        try:
+            av.error.err_check(int(failed[2]))
+        except av.FFmpegError as e:
+            line = f"{e.strerror} ({failed[1]})"
+    return line[:200]
 
 
 class _DecordMemory:

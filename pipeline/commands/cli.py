@@ -174,6 +174,10 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a training config field, e.g. --set stages=[] (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/last.safetensors")
+    export = p.add_mutually_exclusive_group()
+    export.add_argument("--export", metavar="FILE.safetensors", help="also copy the final weights here")
+    export.add_argument("--export-shipped", action="store_true",
+                        help="also replace the shipped default checkpoint (arr_coc/weights/default.safetensors)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=_lazy("train", "cmd_train"))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from arr_coc._validate import check_range
+from arr_coc.lod import token_frames
 from sources.frame import Frame
 from sources.live import Gap, LiveSource
 
@@ -131,7 +132,7 @@ def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: Pipelin
     captured when they first occur)."""
     g = vlm.geometry
     frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
-    pairs = -(-frames // g.temporal_patch_size)
+    pairs = token_frames(frames, g.temporal_patch_size)
     retention = cfg.model.attending.retention
     lengths = set()
     for height, width in sizes:

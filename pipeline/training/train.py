@@ -79,8 +79,7 @@ class TrainConfig:
     seed: int = 0
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     vlm: str = "none"             # "none": MiniLM queries; else a VLM spec (its embeddings + answer loss)
-    out_dir: str = "runs/train"
-    export: str | None = None     # also copy the final weights here (the shipped default checkpoint)
+    out_dir: str = "runs/train"   # everything training writes goes under here
     model: ARRCOCConfig = field(default_factory=ARRCOCConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stages: tuple[StageConfig, ...] = (
@@ -289,8 +288,11 @@ def _order(n: int, seed: int, stage: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = None, log=print) -> dict:
-    """Run the curriculum; returns {"weights": path, "history": [per-epoch rows]}."""
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = None, log=print,
+          export: str | Path | None = None) -> dict:
+    """Run the curriculum; returns {"weights": path, "history": [per-epoch rows]}. Writes only
+    under cfg.out_dir, and a copy of the final weights to `export` when given (the shipped
+    checkpoint is replaced only on request: `train --export-shipped`)."""
     from tqdm import tqdm
 
     from arr_coc.checkpoint import load_weights, read_weights, save_weights
@@ -377,9 +379,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             "query_encoder": "all-MiniLM-L6-v2" if vlm is None else cfg.vlm,
             "train_config": json.dumps(_plain(cfg)), "history": json.dumps(history)}
     final = save_weights(model, out / "model.safetensors", meta)
-    if cfg.export:
-        save_weights(model, cfg.export, meta)
-        log(f"exported {cfg.export}")
+    if export is not None:
+        save_weights(model, export, meta)
+        log(f"exported {export}")
     log(f"done in {time.perf_counter() - t0:.1f}s: {final}")
     return {"weights": final, "history": history}
 

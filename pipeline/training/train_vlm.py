@@ -13,28 +13,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from arr_coc.lod import pair_soft
 from arr_coc.model import ARRCOC
-
-_ROWS = ("top", "middle", "bottom")
-_COLS = ("left", "center", "right")
-
-
-def where_answer(box: tuple[int, int, int, int], size: tuple[int, int]) -> str:
-    """Ground-truth answer to "where is X?": the 3x3 region of the box centre, e.g. "top left"."""
-    cy, cx = (box[0] + box[2]) / 2 / size[0], (box[1] + box[3]) / 2 / size[1]
-    row, col = _ROWS[min(2, int(cy * 3))], _COLS[min(2, int(cx * 3))]
-    return "center" if (row, col) == ("middle", "center") else f"{row} {col}"
-
-
-def soft_keep(soft: torch.Tensor, temporal_patch: int) -> torch.Tensor:
-    """(T, gh, gw) soft budget -> (T', gh, gw) keep weight in [0, 1] per merged VLM token."""
-    T = soft.shape[0]
-    pad = (-T) % temporal_patch
-    if pad:  # the VLM repeats the last frame to fill a temporal patch
-        soft = torch.cat([soft, soft[-1:].expand(pad, *soft.shape[1:])])
-    pairs = soft.view(-1, temporal_patch, *soft.shape[1:]).mean(1)        # (T', gh, gw)
-    return pairs.clamp(max=1.0)
-
+from sources.synth_qa import where_answer
 
 def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: str,
                 query: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -53,7 +34,7 @@ def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: s
         texture = model.extract(x, None, grid)
         merged = vlm._merged_tokens([frames])[0]                           # (T', gh, gw, D)
     allocation, _, _ = model.realize(texture, query)
-    keep = soft_keep(allocation.soft, vlm.geometry.temporal_patch_size)    # (T', gh, gw)
+    keep = pair_soft(allocation.soft, vlm.geometry.temporal_patch_size)    # (T', gh, gw)
     if tuple(keep.shape) != tuple(merged.shape[:3]):
         raise ValueError(f"soft keep {tuple(keep.shape)} does not match the VLM's merged tokens {tuple(merged.shape[:3])}")
     visual = (merged.float() * keep.unsqueeze(-1)).flatten(0, 2)           # (N, D)
@@ -65,13 +46,13 @@ def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: s
     target = torch.tensor(vlm.tokenizer(answer + "<|im_end|>").input_ids, device=device)  # (A,)
     v0 = int((ids == vlm.video_token_id).nonzero()[0])
     with torch.no_grad():
-        text = vlm._lm.embed_tokens(torch.cat([ids, target[:-1]])).float()  # (L_full + A - 1, D)
+        text = vlm.lm.embed_tokens(torch.cat([ids, target[:-1]])).float()  # (L_full + A - 1, D)
     L = ids.shape[0]
     embeds = torch.cat([text[:v0], visual, text[v0 + n_full:]]).to(vlm.dtype)  # (L_full + A - 1, D)
     next_pos = int(positions.max()) + 1
     answer_pos = (next_pos + torch.arange(target.numel() - 1, device=device)).expand(3, -1)
     pos = torch.cat([positions, answer_pos], 1)[:, None]                   # (3, 1, L + A - 1)
-    hidden = vlm._lm_step(embeds[None], None, pos, None)[0, L - 1:]        # (A, D) predicts each answer token
+    hidden = vlm.lm_step(embeds[None], None, pos, None)[0, L - 1:]        # (A, D) predicts each answer token
     logits = vlm.model.lm_head(hidden).float()                             # (A, V)
     return F.cross_entropy(logits, target), allocation.tensions
 

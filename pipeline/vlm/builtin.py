@@ -18,6 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                           Qwen2VLConfig, Qwen2VLForConditionalGeneration)
 
+from pipeline.vlm import hf
+
 Family = Literal["qwen2_vl", "qwen2_5_vl"]
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
 MODEL_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
@@ -100,7 +102,7 @@ def _config(family: Family, text: dict, vision: dict, ids: dict):
     top = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     cls = Qwen2VLConfig if family == "qwen2_vl" else Qwen2_5_VLConfig
     cfg = cls(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"], **top)
-    cfg._attn_implementation = "sdpa"
+    hf.set_attention_implementation(cfg, "sdpa")
     return cfg
 
 

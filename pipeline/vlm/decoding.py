@@ -8,14 +8,34 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pipeline.core.cuda import capture, to_device
+from pipeline.vlm import hf
 
-if TYPE_CHECKING:
-    from pipeline.vlm.model import VLM
+
+
+class DecoderHost(Protocol):
+    """What StaticDecoder and PrefillGraph need of the model they decode for (VLM provides it)."""
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module          # the HF model: its lm_head
+    lm: torch.nn.Module             # the text decoder: embed_tokens, layers (the cache's shapes)
+    attn_impl: str                  # the LM's attention implementation ("eager" takes additive masks)
+    pad_token_id: int
+    counters: dict[str, int]        # "decode_graphs", "prefill_graphs" captured
+
+    def lm_step(self, embeds: torch.Tensor, attention_mask: dict | None, positions: torch.Tensor,
+                cache) -> torch.Tensor:
+        """The LM's layers: (B, L, D) embeddings -> (B, L, D) final hidden states, writing `cache`."""
+
+    def attention_masks(self, allowed: torch.Tensor | None) -> dict:
+        """(B, 1, Q, K) bool, True = may attend -> the mask mapping lm_step takes."""
+
+    def make_room(self, nbytes: int, keep: StaticDecoder | None = None) -> None:
+        """Free cached decoders (not `keep`) until nbytes more fit the KV-cache budget."""
 
 MAX_PREFILL_GRAPHS = 8    # prefill graphs (one per padded prefix length) kept per decoder: with one
                           # max_new_tokens at most CACHE_BUCKET / PREFILL_BUCKET = 4 lengths share a decoder
@@ -27,12 +47,10 @@ def sdpa_packed_gqa(module, query, key, value, attention_mask, **kwargs):
     KV heads: there each KV head attends with its group of query heads side by side, where HF's
     sdpa (before transformers 5.2x) copies every cached key and value once per query head
     (repeat_kv), which for a long cache costs more memory traffic than the layer's weights."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     B, H, q_len, d = query.shape
     if q_len != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or module.training:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     packed = query.reshape(B, H // groups, groups, d)                          # (B, H_kv, groups, d)
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
                                                            scale=kwargs.get("scaling"))
@@ -40,11 +58,7 @@ def sdpa_packed_gqa(module, query, key, value, attention_mask, **kwargs):
 
 
 def register_packed_sdpa() -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(PACKED_SDPA, sdpa_packed_gqa)
-    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)                  # masks exactly as for sdpa
+    hf.register_attention(PACKED_SDPA, sdpa_packed_gqa)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -113,11 +127,11 @@ class StaticDecoder:
     (prefill_shared) are [window, window padding, question padding, question], the hole in the middle.
     """
 
-    def __init__(self, vlm: VLM, rows: int, length: int) -> None:
+    def __init__(self, vlm: DecoderHost, rows: int, length: int) -> None:
         self.vlm, self.rows, self.length = vlm, rows, length
         self.batch = rows                                                    # real rows of this call (start())
         device = vlm.device
-        self.cache = StaticKVCache(vlm._lm, rows, length, vlm.dtype, device)
+        self.cache = StaticKVCache(vlm.lm, rows, length, vlm.dtype, device)
         self.token = torch.full((rows,), vlm.pad_token_id, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)        # where the fed token goes
         self.rope_offset = torch.zeros(rows, dtype=torch.long, device=device)  # M-RoPE position - slot
@@ -144,7 +158,7 @@ class StaticDecoder:
         vlm, (B, L) = self.vlm, embeds.shape[:2]
         if pool is None:
             # unpadded under sdpa: no mask, so its causal kernel
-            pad = self._longs(pads) if any(pads) or vlm._attn_impl == "eager" else None
+            pad = self._longs(pads) if any(pads) or vlm.attn_impl == "eager" else None
             return self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
         self._check_rows(B)
         slots = torch.arange(L, device=vlm.device)
@@ -191,7 +205,7 @@ class StaticDecoder:
         row window_of[r]'s slots (window_of (R,) over all the decoder's rows)."""
         vlm, (K, L) = self.vlm, embeds.shape[:2]
         # eager attention takes no causal default: a mask with no padding
-        pad = torch.zeros(K, dtype=torch.long, device=vlm.device) if vlm._attn_impl == "eager" else None
+        pad = torch.zeros(K, dtype=torch.long, device=vlm.device) if vlm.attn_impl == "eager" else None
         logits = self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
         for t in self.cache.keys + self.cache.values:                        # (R, H_kv, Lmax, hd)
             t[:window_of.shape[0], :, :L] = t[:, :, :L].index_select(0, window_of)
@@ -210,7 +224,7 @@ class StaticDecoder:
         if graph is None:
             if len(self.prefill_graphs) >= MAX_PREFILL_GRAPHS:
                 self.prefill_graphs.popitem(last=False)
-            vlm._make_room(PrefillGraph.buffer_bytes(example, vlm.model.lm_head.out_features), keep=self)
+            vlm.make_room(PrefillGraph.buffer_bytes(example, vlm.model.lm_head.out_features), keep=self)
             graph = PrefillGraph(self, fn, example, pool)
         self.prefill_graphs[key] = graph                                     # most recently used last
         return graph
@@ -237,7 +251,7 @@ class StaticDecoder:
             # a padded query row would have nothing to attend to, and a fully masked softmax row is
             # NaN, which the attention weights 0 * NaN would carry into every real row
             allowed = (allowed | (keys == slots[:, None]))[:, None]
-        hidden = vlm._lm_step(embeds, vlm._masks(allowed), positions, cache)  # (B, L, D)
+        hidden = vlm.lm_step(embeds, vlm.attention_masks(allowed), positions, cache)  # (B, L, D)
         return vlm.model.lm_head(hidden[:, -1]).float()                     # (B, V)
 
     def start(self, next_position: torch.Tensor, holes: list[tuple[int, int]], prefix_len: int) -> None:
@@ -264,11 +278,11 @@ class StaticDecoder:
 
     def _forward(self) -> torch.Tensor:
         vlm = self.vlm
-        embeds = vlm._lm.embed_tokens(self.token)[:, None]                   # (R, 1, D)
+        embeds = vlm.lm.embed_tokens(self.token)[:, None]                   # (R, 1, D)
         real = (self.key_slots < self.hole_lo[:, None]) | (self.key_slots >= self.hole_hi[:, None])
         allowed = real & (self.key_slots <= self.slot)                       # (R, Lmax)
         positions = (self.rope_offset + self.slot).view(1, -1, 1).expand(3, -1, 1)     # (3, R, 1)
-        hidden = vlm._lm_step(embeds, vlm._masks(allowed[:, None, None]), positions, self.cache)
+        hidden = vlm.lm_step(embeds, vlm.attention_masks(allowed[:, None, None]), positions, self.cache)
         logits = vlm.model.lm_head(hidden[:, -1]).float()                    # (R, V)
         self.slot.add_(1)
         return logits

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import socket
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -16,6 +19,9 @@ from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPrep
 TINY_SPECS = {"tiny-random": "qwen2_vl", "tiny-random-qwen2_5_vl": "qwen2_5_vl"}
 TINY_WARNING = "tiny-random is a built-in random model for smoke tests: its answers are meaningless"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# How long to wait for the Hub before deciding it cannot be reached: Hugging Face's own client
+# retries a refused connection 5 times over ~25 s, logging each retry.
+HUB_TIMEOUT_S = 3.0
 
 
 class VLMLoadError(RuntimeError):
@@ -52,6 +58,8 @@ def _load_pretrained(spec: str, device, dtype, config: VLMConfig, local_files_on
     is_path = _looks_like_path(spec)
     if is_path:
         _check_snapshot_dir(spec)
+    elif not local_files_only:
+        local_files_only = _hub_or_cache(spec)
     try:
         model_config = AutoConfig.from_pretrained(spec, local_files_only=local_files_only)
     except Exception as e:  # hub/network/parse errors of every kind become one line
@@ -75,6 +83,45 @@ def _load_pretrained(spec: str, device, dtype, config: VLMConfig, local_files_on
         if path is not None:
             processor_cfg = {**json.loads(Path(path).read_text()), **processor_cfg}
     return _wrap(model, tokenizer, family, spec, config, processor_cfg, None)
+
+
+def _hub_or_cache(spec: str) -> bool:
+    """Whether Hub id `spec` must come from the local cache alone (the Hub cannot be reached now).
+    Decided in seconds, before Hugging Face's client would retry for half a minute: a model that
+    is neither cached nor reachable is one VLMLoadError at once."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    unreachable = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _unreachable(constants.ENDPOINT)
+    if unreachable is None:
+        return False
+    try:
+        cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
+    except ValueError:  # not a valid repo id: the normal path names the problem
+        cached = False
+    if not cached:
+        raise VLMLoadError(f"VLM {spec!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                           f"the hub ({constants.ENDPOINT}) cannot be reached: {unreachable}; connect to the "
+                           f"network or pass a local snapshot directory")
+    return True
+
+
+def _unreachable(endpoint: str) -> str | None:
+    """Why the Hub at `endpoint` cannot be reached within HUB_TIMEOUT_S, or None when it answers
+    (any HTTP status counts: the server is there). Honours the same proxy variables as the Hub client."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            return f"no answer within {HUB_TIMEOUT_S:g} s"
+        return (getattr(reason, "strerror", None) or str(reason)).lower()
+    except (socket.timeout, TimeoutError):
+        return f"no answer within {HUB_TIMEOUT_S:g} s"
+    except (OSError, ValueError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
 
 
 def _check_snapshot_dir(spec: str) -> None:

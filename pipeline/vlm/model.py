@@ -7,7 +7,7 @@ our own KV-cached decoding loop, batched over requests with left padding.
 """
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from pipeline.core.cuda import to_device
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph, StaticDecoder,  # noqa: F401
                                    StaticKVCache, register_packed_sdpa, sample_next, sdpa_packed_gqa)
+from pipeline.vlm import hf
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
@@ -172,26 +173,32 @@ class VLM:
         self.name = name
         self.config = config
         self.preprocessor = preprocessor
-        self.warning = warning              # set for tiny-random: its answers are meaningless
+        # set for tiny-random (its answers are meaningless) and outside transformers' tested range
+        version_warning = hf.check_version()
+        self.warning = "; ".join(w for w in (warning, version_warning) if w) or None
+        if version_warning is not None:  # HF's own forward: the fast paths are tested on TESTED_RANGE only
+            config = dataclasses.replace(config, fast_lm=False, fast_vision=False)
+            self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._lm = model.model.language_model
-        self._visual = model.model.visual
-        patch_vision_attention(self._visual)
+        self.lm = hf.language_model(model)
+        self._visual = hf.vision_tower(model)
+        if version_warning is None:
+            patch_vision_attention(self._visual)
         if config.fast_vision:
             patch_vision_blocks(self._visual)
-        self._cache_kw = "cache" if "cache" in inspect.signature(self._lm.forward).parameters else "past_key_values"
-        self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
-        self._attn_impl = self._lm.config._attn_implementation
-        if self._attn_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"Invalid LM attention implementation ({self._attn_impl!r}). "
+        self._cache_kw = hf.cache_keyword(self.lm)
+        self.attn_impl = hf.attention_implementation(self.lm.config)
+        if self.attn_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"Invalid LM attention implementation ({self.attn_impl!r}). "
                              f"Supported values are {', '.join(ATTENTION_IMPLS)}.")
-        if self._attn_impl == "sdpa":       # the LM's config only: the vision tower keeps its own
+        if self.attn_impl == "sdpa" and version_warning is None:  # the LM's config only: the vision tower keeps its own
             register_packed_sdpa()
-            self._lm.config._attn_implementation = self._attn_impl = PACKED_SDPA
+            hf.set_attention_implementation(self.lm.config, PACKED_SDPA)
+            self.attn_impl = PACKED_SDPA
         # our forward of the LM's layers (same results, fewer kernels), where the model allows it
-        self._fast_lm = FastTextModel(self._lm, self._attn_impl) if config.fast_lm and unsupported(self._lm) is None else None
-        layer_types = set(getattr(self._lm.config, "layer_types", None) or ["full_attention"])
+        self._fast_lm = FastTextModel(self.lm, self.attn_impl) if config.fast_lm and unsupported(self.lm) is None else None
+        layer_types = set(getattr(self.lm.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise ValueError(f"Invalid LM layer types ({sorted(layer_types)}): only full attention is "
                              f"supported (a sliding window needs its own mask)")
@@ -202,11 +209,11 @@ class VLM:
         # exact batch, as with cuda_graphs off, where no capture is amortised
         self.bucket_batches = config.cuda_graphs
         # the most tokens (rows x padded length) a prefill with padding rows may compute: PREFILL_LAUNCH_FLOPS
-        layer_params = sum(p.numel() for p in self._lm.layers.parameters())
+        layer_params = sum(p.numel() for p in self.lm.layers.parameters())
         self.row_padded_prefill_tokens = int(PREFILL_LAUNCH_FLOPS // (2 * layer_params))
-        attn = self._lm.layers[0].self_attn
+        attn = self.lm.layers[0].self_attn
         # bytes of one cache slot of one row: K and V of every layer
-        self._slot_bytes = 2 * len(self._lm.layers) * attn.k_proj.out_features * self.dtype.itemsize
+        self._slot_bytes = 2 * len(self.lm.layers) * attn.k_proj.out_features * self.dtype.itemsize
         self.counters = {"decoders": 0, "evicted": 0, "decode_graphs": 0, "prefill_graphs": 0}
         self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill, vision)
         self._vision_graphs = (VisionGraphs(self._visual, self.dtype, self._pool)
@@ -227,7 +234,7 @@ class VLM:
     @torch.no_grad()
     def text_embeddings(self, question: str) -> torch.Tensor:
         ids = to_device(self.tokenizer(question).input_ids, self.device, torch.long)
-        return self._lm.embed_tokens(ids)                                   # (L, D)
+        return self.lm.embed_tokens(ids)                                   # (L, D)
 
     @torch.no_grad()
     def visual_tokens(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -277,12 +284,10 @@ class VLM:
 
     def rope_positions(self, input_ids: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """(L,) unpruned ids, grid (3,) -> (3, L) M-RoPE positions from the model's own get_rope_index."""
-        kwargs = dict(input_ids=input_ids[None], video_grid_thw=grid_thw[None].to(self.device))
-        if self._rope_takes_types:
-            kwargs["mm_token_type_ids"] = (input_ids[None] == self.video_token_id).int() * 2
-        if self.family == "qwen2_5_vl":
-            kwargs["second_per_grid_ts"] = torch.tensor([self.geometry.temporal_patch_size / self.config.fps])
-        positions, _ = self.model.model.get_rope_index(**kwargs)
+        seconds = (torch.tensor([self.geometry.temporal_patch_size / self.config.fps])
+                   if self.family == "qwen2_5_vl" else None)
+        positions = hf.rope_index(self.model, input_ids[None], grid_thw[None].to(self.device), self.video_token_id,
+                                  seconds)                                   # (3, 1, L)
         return positions[:, 0]                                               # (3, L)
 
     @torch.no_grad()
@@ -328,7 +333,7 @@ class VLM:
     def question_prefixes(self, window: WindowPrefix, questions: list[str]) -> list[Prefix]:
         """question_prefix of each question, their text embedded in one lookup (one host copy)."""
         afters = [self.prompt_ids(q, 0)[1] for q in questions]
-        texts = self._lm.embed_tokens(to_device([i for a in afters for i in a], self.device, torch.long))
+        texts = self.lm.embed_tokens(to_device([i for a in afters for i in a], self.device, torch.long))
         prefixes = []
         for after, text in zip(afters, texts.split([len(a) for a in afters])):  # (n, D) each
             n = len(after)
@@ -364,11 +369,11 @@ class VLM:
             raise RuntimeError(f"get_rope_index of this transformers version does not place the text after "
                                f"the video at consecutive positions ({text_pos.tolist()}): questions cannot "
                                f"share a window's positions")
-        return _Layout(self._lm.embed_tokens(torch.tensor(before, device=self.device)), full_pos[:, :end],
+        return _Layout(self.lm.embed_tokens(torch.tensor(before, device=self.device)), full_pos[:, :end],
                        text_start, int(full_pos[:, :end].max()))
 
     # ---- language model: prefill + cached decoding ----
-    def _lm_step(self, embeds, attention_mask, positions, cache):
+    def lm_step(self, embeds, attention_mask, positions, cache):
         """The LM's layers: embeds (B, L, D), _masks()'s mapping (None: causal), positions (3, B, L),
         a cache with update() or None -> (B, L, D) final hidden states; through FastTextModel when on."""
         if self._fast_lm is not None:
@@ -377,8 +382,8 @@ class VLM:
         return self._hf_lm_step(embeds, attention_mask, positions, cache)
 
     def _hf_lm_step(self, embeds, attention_mask, positions, cache):
-        """_lm_step through HF's own text model forward (which takes any mask form it knows)."""
-        out = self._lm(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+        """lm_step through HF's own text model forward (which takes any mask form it knows)."""
+        out = self.lm(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                        use_cache=cache is not None, **{self._cache_kw: cache})
         return out.last_hidden_state                                         # (B, L, D)
 
@@ -411,13 +416,13 @@ class VLM:
         """(D,) embedding of the pad token, made once (a tensor made from host values waits for the GPU)."""
         if self._pad_embed is None:
             with torch.no_grad():
-                self._pad_embed = self._lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
+                self._pad_embed = self.lm.embed_tokens(torch.tensor(self.pad_token_id, device=self.device))
         return self._pad_embed
 
-    def _masks(self, allowed: torch.Tensor | None) -> dict:
+    def attention_masks(self, allowed: torch.Tensor | None) -> dict:
         """(B, 1, Q, K) bool, True = may attend -> the per-layer-type mask mapping the HF text model
         takes as given (so it builds none of its own, with its host-side checks). None: plain causal."""
-        if allowed is not None and self._attn_impl == "eager":             # eager adds the mask to the scores
+        if allowed is not None and self.attn_impl == "eager":             # eager adds the mask to the scores
             allowed = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~allowed, torch.finfo(self.dtype).min)
         return {"full_attention": allowed}
@@ -470,7 +475,7 @@ class VLM:
         key = (rows, length)
         decoder = self._decoders.pop(key, None)
         if decoder is None:
-            self._make_room(self._slot_bytes * rows * length)
+            self.make_room(self._slot_bytes * rows * length)
             decoder = StaticDecoder(self, rows, length)
             self.counters["decoders"] += 1
         self._decoders[key] = decoder                                        # most recently used last
@@ -478,7 +483,7 @@ class VLM:
             decoder.capture(self._pool())
         return decoder
 
-    def _make_room(self, nbytes: int, keep: StaticDecoder | None = None) -> None:
+    def make_room(self, nbytes: int, keep: StaticDecoder | None = None) -> None:
         """Drop least recently used decoders (with their caches and graphs), except `keep`, until
         nbytes more fit kv_cache_budget (what does not fit even then is allocated all the same)."""
         held = sum(d.nbytes for d in self._decoders.values())
@@ -631,11 +636,11 @@ class VLM:
     def logits_without_cache(self, prefix: Prefix, continuation: torch.Tensor) -> torch.Tensor:
         """Reference for the cached loop: one uncached forward over prefix + continuation (N,) ids
         -> (N + 1, V) float32 logits predicting each next token."""
-        cont = self._lm.embed_tokens(continuation.to(self.device))            # (N, D)
+        cont = self.lm.embed_tokens(continuation.to(self.device))            # (N, D)
         embeds = torch.cat([prefix.embeds, cont])[None]                      # (1, L + N, D)
         pos_cont = prefix.next_position + torch.arange(continuation.numel(), device=self.device)
         positions = torch.cat([prefix.positions, pos_cont.expand(3, -1)], 1)[:, None]  # (3, 1, L + N)
-        hidden = self._lm_step(embeds, None, positions, None)[0, prefix.embeds.shape[0] - 1:]
+        hidden = self.lm_step(embeds, None, positions, None)[0, prefix.embeds.shape[0] - 1:]
         return self.model.lm_head(hidden).float()
 
     def decode(self, tokens: torch.Tensor, length: int) -> str:

@@ -1,9 +1,7 @@
 """Which merged visual tokens reach the language model, and where they sit in M-RoPE space.
 
-Temporal rule: a video token covers ``temporal_patch_size`` (2) consecutive frames. The LOD of a
-token is the most detailed LOD either frame of its pair asks for at that cell (1 full > 2 pooled >
-0 dropped), so a token is kept if either frame keeps the cell. An odd frame count repeats the last
-frame, as HF's processor does, so the last pair is that frame twice.
+Temporal rule: arr_coc/lod.py (pair_lod, re-exported here): a video token's LOD is the most
+detailed LOD either frame of its pair asks for.
 
 Pooling rule (lod 2): the lod-2 cells of each aligned 2x2 block (rows 2i..2i+1, cols 2j..2j+1) are
 averaged into one token placed at the block's anchor, its first lod-2 cell in raster order (the
@@ -14,24 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from arr_coc.lod import FULL, POOLED, pair_lod
 
-def pair_lod(keep: torch.Tensor, temporal_patch_size: int = 2) -> torch.Tensor:
-    """keep (T, gh, gw) int LOD per frame -> (ceil(T/tp), gh, gw) int8 LOD per video token."""
-    if pad := -keep.shape[0] % temporal_patch_size:
-        keep = torch.cat([keep, keep[-1:].expand(pad, -1, -1)])
-    T, gh, gw = keep.shape
-    keep = keep.view(T // temporal_patch_size, temporal_patch_size, gh, gw)  # (T', tp, gh, gw)
-    full = (keep == 1).any(1)
-    pooled = (keep == 2).any(1)
-    return torch.where(full, 1, torch.where(pooled, 2, 0)).to(torch.int8)  # (T', gh, gw)
+__all__ = ["pair_lod", "select_tokens"]
 
 
 def select_tokens(merged: torch.Tensor, lod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """merged (T', gh, gw, D) visual tokens, lod (T', gh, gw) -> kept tokens (K, D) and the flat
     cell index (K,) of each in the (T', gh, gw) raster, in raster order (the model's token order)."""
     Tp, gh, gw, D = merged.shape
-    full = lod == 1
-    pooled = lod == 2
+    full = lod == FULL
+    pooled = lod == POOLED
     ph, pw = gh % 2, gw % 2                      # odd grids: the edge blocks are 2x1 / 1x2 / 1x1
     m = F.pad(pooled, (0, pw, 0, ph))            # (T', gh2, gw2) bool
     x = F.pad(merged * pooled[..., None], (0, 0, 0, pw, 0, ph))  # (T', gh2, gw2, D)

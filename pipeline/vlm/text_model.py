@@ -25,13 +25,12 @@ this took a 512-token prefill from 16.0 to 13.0 ms and the 4130-token stock one 
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.vlm import rope_kernel
+from pipeline.vlm import hf, rope_kernel
 from pipeline.vlm.decoding import PACKED_SDPA
 
 
@@ -131,7 +130,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class FastTextModel:
-    """The forward of a Qwen2-VL-family text model (VLM._lm_step): (B, L, D) embeddings, a mask (or
+    """The forward of a Qwen2-VL-family text model (VLM.lm_step): (B, L, D) embeddings, a mask (or
     None: causal), M-RoPE positions (3, B, L) and an optional cache with HF's update() -> (B, L, D)
     hidden states after the final norm."""
 
@@ -147,12 +146,7 @@ class FastTextModel:
         self.attn_impl = attn_impl
         self.sdpa = attn_impl in ("sdpa", PACKED_SDPA)                       # prefill attention through torch's sdpa
         self.mrope_section = _mrope_section(lm)
-        module = sys.modules[type(lm.layers[0].self_attn).__module__]
-        if attn_impl == "eager":
-            self.attention = module.eager_attention_forward
-        else:
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-            self.attention = ALL_ATTENTION_FUNCTIONS[attn_impl]
+        self.attention = hf.attention_function(lm, attn_impl)
         self.final_eps = _eps(lm.norm)
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,6 @@ windows) padded to the longest and the padding masked as keys. Calls outside it 
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from typing import Any, Iterator
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.vlm import hf
 from pipeline.vlm.vision_blocks import rotate_qk
 
 _local = threading.local()
@@ -49,12 +49,9 @@ def patch_vision_attention(visual: nn.Module) -> int:
     """Give each vision attention module of `visual` the batched forward (used inside
     batched_attention); returns how many were patched."""
     count = 0
-    for module in visual.modules():
-        if type(module).__name__.endswith("VisionAttention") and hasattr(module, "qkv") and hasattr(module, "proj"):
-            rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb_vision", None)
-            if rotary is not None:
-                module.forward = _batched_forward(module, module.forward, rotary)
-                count += 1
+    for module, rotary in hf.vision_attention_modules(visual):
+        module.forward = _batched_forward(module, module.forward, rotary)
+        count += 1
     return count
 
 

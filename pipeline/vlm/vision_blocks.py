@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.vlm import rope_kernel
+from pipeline.vlm import hf, rope_kernel
 from pipeline.vlm.text_model import _eps, rms_norm
 
 QUICK_GELU = 1.702    # QuickGELU(x) = x * sigmoid(1.702 x)
@@ -86,7 +86,7 @@ def _norm(module: nn.Module):
     if type(module) is nn.LayerNorm:
         return module                                            # already one fused kernel
     weight, eps = getattr(module, "weight", None), _eps(module)
-    if type(module).__name__.endswith("RMSNorm") and weight is not None and eps is not None:
+    if hf.is_rms_norm(module) and weight is not None and eps is not None:
         return lambda x: rms_norm(x, weight, eps)
     return None
 
@@ -111,7 +111,7 @@ def _parts(block: nn.Module):
 
 def _fc_mlp(mlp: nn.Module):
     fc1, fc2, act = mlp.fc1, mlp.fc2, mlp.act
-    if type(act).__name__ != "QuickGELUActivation" or fc1.bias is None or fc2.bias is None:
+    if not hf.is_quick_gelu(act) or fc1.bias is None or fc2.bias is None:
         return lambda x: fc2(act(fc1(x)))
     with torch.no_grad():
         bias1 = fc1.bias * QUICK_GELU                            # alpha scales the product, not the bias

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pipeline.core.cuda import capture
+from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention
 
 T_BUCKET = 2          # temporal patches (frame pairs) a graph's length is a multiple of (H100, 2B arch,
@@ -40,9 +41,8 @@ MAX_GRAPHS = 8        # graphs kept per VLM, least recently used dropped first
 def grid_inputs(visual: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any] | None:
     """The keyword arguments that let HF's Qwen2-VL / Qwen2.5-VL vision forward skip computing its
     grid-derived inputs (and the host reads that takes); None where this transformers lacks them."""
-    try:
-        from transformers import vision_utils as vu
-    except ImportError:
+    vu = hf.vision_utils()
+    if vu is None:
         return None
     merge = visual.spatial_merge_size
     inputs: dict[str, Any] = {"position_ids": vu.get_vision_position_ids(grid_thw, merge)}
@@ -124,8 +124,4 @@ class VisionGraphs:
 
 
 def _has_vision_utils() -> bool:
-    try:
-        from transformers import vision_utils  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return hf.vision_utils() is not None

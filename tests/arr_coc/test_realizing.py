@@ -7,7 +7,8 @@ import torch
 
 from arr_coc._validate import ConfigError
 from arr_coc.model import ARRCOC, Allocation
-from arr_coc.realizing import RealizingConfig, StreamState
+from arr_coc.realizing import RealizingConfig, StreamState, TemporalRelevanceRealizer
+from arr_coc.texture import CHANNELS, Texture
 from sources.synthetic import Shot, render_clip
 
 GRID = (6, 8)  # 144x192 frames -> 24 px cells
@@ -62,6 +63,34 @@ class TestSceneChange:
         for name in ("scene_change", "tokens", "lod"):
             assert torch.equal(cat(a, name), cat(b, name)), name
         torch.testing.assert_close(cat(a, "relevance"), cat(b, "relevance"))
+
+
+class TestCutRule:
+    """detect_cuts on hand-set residuals: a cut needs the absolute floor *and* the jump over the
+    recent level; either alone is a still shot's noise or a busy shot's usual change."""
+
+    @staticmethod
+    def flat_texture(score: float, grid=(3, 4)) -> Texture:
+        gh, gw = grid
+        return Texture(data=torch.zeros(1, len(CHANNELS), gh, gw), flow=torch.zeros(1, 2, gh, gw),
+                       motion=torch.full((1, gh, gw), score), residual=torch.full((1, gh, gw), score),
+                       cell_rgb=torch.zeros(1, 3, gh, gw), has_prev=torch.ones(1, dtype=torch.bool))
+
+    @pytest.mark.parametrize("level, score, cut", [
+        (0.005, 0.035, False),  # 7x a still shot's level, but under the absolute floor
+        (0.10, 0.12, False),    # over the floor, but a busy shot's usual level: no jump
+        (0.005, 0.30, True),    # both
+    ])
+    def test_a_cut_needs_the_floor_and_the_jump(self, level, score, cut):
+        cfg = RealizingConfig()
+        above_floor, jumped = score > cfg.cut_threshold, score > cfg.cut_ratio * level
+        assert (above_floor or jumped) and (above_floor and jumped) == cut   # each case tests one side
+        realizer = TemporalRelevanceRealizer(cfg)
+        state = StreamState(scores=torch.full((cfg.cut_window,), level))
+        scene_change, cut_score, history = realizer.detect_cuts(self.flat_texture(score), state)
+        torch.testing.assert_close(cut_score, torch.tensor([score]))
+        assert scene_change.tolist() == [cut]
+        torch.testing.assert_close(history, torch.tensor([level] * (cfg.cut_window - 1) + [score]))
 
 
 class TestFollowsContent:

@@ -268,8 +268,10 @@ class TestSequence:
     @pytest.mark.parametrize("blank", [False, True])
     def test_first_frame_standing_in_for_last_equals_none(self, b, blank):
         """A stream's start as a CUDA graph runs it: last = frames[0] marked not real (last_real
-        False) gives exactly the texture of last=None, blank frames included (flow of a flat
-        image), and B = 1, where last=None computes no motion at all."""
+        False) gives the texture of last=None, blank frames included (flow of a flat image), and
+        B = 1, where last=None computes no motion at all. The floats agree within rounding, not
+        bit for bit: last is resized alone, frames[0] within the batch, and the CPU kernels may
+        sum in another order for another batch size (AVX-512 Xeons differ by ~1e-6)."""
         from sources.synthetic import Shot, render_clip
         clip = render_clip([Shot("moving_object", b, speed=3.0)], height=100, width=130, seed=4)
         frames = torch.from_numpy(clip.frames).permute(0, 3, 1, 2)
@@ -278,8 +280,9 @@ class TestSequence:
         extractor = TextureExtractor()
         want = extractor.sequence(frames, None, (4, 5))
         got = extractor.sequence(frames, frames[0], (4, 5), torch.tensor(False))
-        for name in ("data", "flow", "motion", "residual", "cell_rgb", "has_prev"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for name in ("data", "flow", "motion", "residual", "cell_rgb"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=0, msg=name)
+        assert torch.equal(got.has_prev, want.has_prev)
         real = extractor.sequence(frames, frames[0], (4, 5), torch.tensor(True))
         assert bool(real.has_prev.all())                                   # True: a real last frame
 

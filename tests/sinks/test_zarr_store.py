@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,8 +18,8 @@ import numpy as np
 import pytest
 import zarr
 
-from sinks.zarr_store import (ANSWER_ARRAYS, FORMAT, FRAME_ARRAYS, SinkError, ZarrStore, read_stream,
-                              validate_store)
+from sinks.schema import ANSWERS, FORMAT, FRAMES, GAPS
+from sinks.zarr_store import SinkError, ZarrStore, read_stream, validate_store
 
 REPO = Path(__file__).resolve().parents[2]
 GRID = (3, 4)
@@ -45,6 +47,19 @@ def write_frames(writer, n: int, batch: int = 10) -> None:
         writer.append(**columns(start, min(batch, n - start), writer.grid))
 
 
+def spawn(tmp_path: Path, body: str, stdin: bool = False) -> subprocess.Popen:
+    """A Python process that opens the store tmp_path/out.zarr and runs body (META, columns imported)."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from sinks.zarr_store import SinkError, ZarrStore
+        from test_zarr_store import META, columns
+        store = ZarrStore.open({str(tmp_path / "out.zarr")!r}, config={{}})
+    """) + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            stdin=subprocess.PIPE if stdin else None)
+
+
 @pytest.fixture
 def store(tmp_path):
     return ZarrStore.open(tmp_path / "out.zarr", config={"vlm": {"id": "none"}, "budget": 64})
@@ -67,14 +82,46 @@ class TestSchema:
             assert (group[name].dtype, group[name].shape) == (np.dtype(dtype), shape), name
         assert group["relevance"].chunks == (16, 3, 4) and group["pts"].chunks == (16,)
         answers = {"t_start": "float64", "t_end": "float64", "tokens_kept": "int32", "tokens_full": "int32",
-                   "latency_s": "float32"}
+                   "latency_s": "float32", "passes": "uint8", "tokens_spent": "int32"}
         for name, dtype in answers.items():
             assert (group[f"answers/{name}"].dtype, group[f"answers/{name}"].shape) == (np.dtype(dtype), (0,))
         for name in ("question", "text"):  # zarr v3 variable-length UTF-8
             meta = json.loads((store.path / "streams/video7/answers" / name / "zarr.json").read_text())
             assert meta["data_type"] == "string" and group[f"answers/{name}"].shape == (0,)
-        assert {s.name for s in FRAME_ARRAYS} == set(want)
-        assert {s.name for s in ANSWER_ARRAYS} == set(answers) | {"question", "text"}
+        assert {s.name for s in FRAMES.fields} == set(want)
+        assert {s.name for s in ANSWERS.fields} == set(answers) | {"question", "text"}
+        dims = {"relevance": ["frame", "y", "x"], "tokens": ["frame", "y", "x"], "pts": ["frame"],
+                "answers/text": ["answer"], "gaps/reason": ["gap"]}
+        for name, want_dims in dims.items():
+            meta = json.loads((store.path / "streams/video7" / name / "zarr.json").read_text())
+            assert meta["dimension_names"] == want_dims, name
+
+    def test_xarray_opens_a_stream_its_answers_and_gaps_as_datasets(self, store):
+        xr = pytest.importorskip("xarray")
+        writer = store.stream("video7", **META, chunk_frames=16)
+        write_frames(writer, 40)
+        writer.add_answers([dict(t_start=0.0, t_end=1.6, question="where?", text="left", tokens_kept=5,
+                                 tokens_full=12, latency_s=0.2),
+                            dict(t_start=1.6, t_end=3.2, question="where?", text="right", tokens_kept=4,
+                                 tokens_full=12, latency_s=0.3, passes=2, tokens_spent=9)])
+        writer.add_gap(0.8, 1.2, 100.0, 100.5, "rtsp drop-out")
+        writer.close(complete=True)
+
+        frames = xr.open_zarr(store.path, group="streams/video7", consolidated=False)
+        assert dict(frames.sizes) == {"frame": 40, "y": GRID[0], "x": GRID[1]}
+        for f in FRAMES.fields:
+            assert frames[f.name].dims == f.dims and frames[f.name].dtype == np.dtype(f.dtype), f.name
+        np.testing.assert_array_equal(frames["frame_index"].values, np.arange(40) * 2)
+        np.testing.assert_array_equal(frames["tokens"].values, expected(40)["tokens"])   # zeros stay zeros, not NaN
+        assert frames.attrs["source"] == META["source"] and frames.attrs["complete"] is True
+
+        answers = xr.open_zarr(store.path, group="streams/video7/answers", consolidated=False)
+        assert dict(answers.sizes) == {"answer": 2} and set(answers.data_vars) == set(ANSWERS.names)
+        assert answers["text"].values.tolist() == ["left", "right"]
+        np.testing.assert_array_equal(answers["passes"].values, [1, 2])
+        np.testing.assert_array_equal(answers["tokens_spent"].values, [5, 9])
+        gaps = xr.open_zarr(store.path, group="streams/video7/gaps", consolidated=False)
+        assert dict(gaps.sizes) == {"gap": 1} and gaps["reason"].values.tolist() == ["rtsp drop-out"]
 
     def test_validate_store_reports_schema_breaks(self, store):
         writer = store.stream("a", **META)
@@ -93,10 +140,50 @@ class TestSchema:
         group.attrs["grid"] = [3, 5]
         assert any("'relevance' has shape (20, 3, 4)" in p for p in validate_store(store.path))
 
+    def test_validate_store_reports_wrong_dimension_names(self, store):
+        store.stream("a", **META).close(complete=True)
+        meta_file = store.path / "streams/a/relevance/zarr.json"
+        meta = json.loads(meta_file.read_text())
+        meta["dimension_names"] = ["frame", "x", "y"]
+        meta_file.write_text(json.dumps(meta))
+        assert validate_store(store.path) == ["streams/a: 'relevance' has dimension names ('frame', 'x', 'y'), "
+                                              "expected ('frame', 'y', 'x')"]
+
     def test_validate_store_on_foreign_or_missing_store(self, tmp_path):
         assert "not a zarr store" in validate_store(tmp_path / "nothing.zarr")[0]
         zarr.open_group(tmp_path / "other.zarr", mode="w", attributes={"format": "other/2"})
         assert "'other/2'" in validate_store(tmp_path / "other.zarr")[0]
+
+
+class TestOlderStores:
+    def test_a_store_without_dimension_names_new_fields_or_stream_config_reads_and_validates(self, store):
+        writer = store.stream("v", **META)
+        write_frames(writer, 12)
+        writer.add_answer(0.0, 1.0, "q", "a", 7, 30, 0.1, passes=2, tokens_spent=9)
+        writer.add_answer(1.0, 2.0, "q", "b", 3, 30, 0.1)
+        writer.close(complete=True)
+        # make it what the writer of an earlier version left: no passes / tokens_spent arrays, no
+        # dimension_names, no stream config, no gaps/
+        group = store.path / "streams/v"
+        for name in ("answers/passes", "answers/tokens_spent", "gaps"):
+            shutil.rmtree(group / name)
+        for meta_file in group.rglob("zarr.json"):
+            meta = json.loads(meta_file.read_text())
+            meta.pop("dimension_names", None)
+            meta_file.write_text(json.dumps(meta))
+        meta = json.loads((group / "zarr.json").read_text())
+        meta["attributes"].pop("gap_count", None)
+        meta_file = group / "zarr.json"
+        meta_file.write_text(json.dumps(meta))
+        assert "config" not in meta["attributes"]
+
+        assert validate_store(store.path) == []
+        data = read_stream(store.path, "v")
+        assert "gaps" not in data and data["answers"]["text"].tolist() == ["a", "b"]
+        np.testing.assert_array_equal(data["answers"]["passes"], np.uint8([1, 1]))        # one pass each
+        np.testing.assert_array_equal(data["answers"]["tokens_spent"], np.int32([7, 3]))  # = tokens_kept
+        assert data["answers"]["passes"].dtype == np.uint8 and data["answers"]["tokens_spent"].dtype == np.int32
+        np.testing.assert_array_equal(data["frame_index"], np.arange(12) * 2)
 
 
 class TestAppend:
@@ -192,6 +279,31 @@ class TestAnswers:
         np.testing.assert_array_equal(answers["latency_s"], np.float32([0.1, 0.5, 1.5, 2.5, 3.5, 4.5]))
         assert validate_store(store.path) == []
 
+    def test_passes_and_tokens_spent_default_to_one_pass(self, store):
+        writer = store.stream("v", **META)
+        writer.add_answer(0.0, 1.0, "q", "one pass", 7, 30, 0.1)
+        writer.add_answer(1.0, 2.0, "q", "three passes", 7, 30, 0.1, passes=3, tokens_spent=20)
+        writer.add_answers([dict(t_start=2.0, t_end=3.0, question="q", text="none given", tokens_kept=4,
+                                 tokens_full=30, latency_s=0.1, passes=None, tokens_spent=None)])
+        writer.close(complete=True)
+        answers = read_stream(store.path, "v")["answers"]
+        assert answers["passes"].dtype == np.uint8 and answers["tokens_spent"].dtype == np.int32
+        np.testing.assert_array_equal(answers["passes"], [1, 3, 1])
+        np.testing.assert_array_equal(answers["tokens_spent"], [7, 20, 4])
+
+    @pytest.mark.parametrize("extra, message", [
+        (dict(passes=0), r"passes must be an int in \[1, 255\], got 0"),
+        (dict(passes=256), r"passes must be an int in \[1, 255\]"),
+        (dict(tokens_spent=6), r"tokens_spent \(6\) .* less than tokens_kept \(7\)"),
+        (dict(tokens_used=9), r"unknown answer field\(s\) 'tokens_used'; fields: t_start, .*, tokens_spent"),
+    ])
+    def test_bad_new_fields_are_refused(self, store, extra, message):
+        writer = store.stream("v", **META)
+        good = dict(t_start=0.0, t_end=1.0, question="q", text="a", tokens_kept=7, tokens_full=10, latency_s=0.1)
+        with pytest.raises(ValueError, match=message):
+            writer.add_answers([{**good, **extra}])
+        assert writer.answers == 0
+
     def test_one_bad_row_refuses_the_whole_group(self, store):
         writer = store.stream("v", **META)
         good = dict(t_start=0.0, t_end=1.0, question="q", text="a", tokens_kept=1, tokens_full=10, latency_s=0.1)
@@ -221,7 +333,7 @@ class TestDirectWrites:
     must be the ones zarr writes for the same data."""
 
     def test_chunks_and_metadata_equal_zarrs_own(self, store, tmp_path):
-        from sinks.zarr_store import GAP_ARRAYS, _files_under, _stream_files, _write_file
+        from sinks.zarr_store import _files_under, _stream_files, _write_file
 
         writer = store.stream("v", **META, chunk_frames=16)
         write_frames(writer, 20)
@@ -244,11 +356,11 @@ class TestDirectWrites:
         for rel, blob in _stream_files(attrs, GRID, 16).items():
             _write_file(ref / rel, blob)
         group = zarr.open_group(ref, mode="r+")
-        for spec in FRAME_ARRAYS:
+        for spec in FRAMES.fields:
             group[spec.name].resize(data[spec.name].shape)
             group[spec.name][:] = data[spec.name]
-        for prefix, specs, values in (("answers/", ANSWER_ARRAYS, data["answers"]), ("gaps/", GAP_ARRAYS, data["gaps"])):
-            for spec in specs:
+        for prefix, table, values in (("answers/", ANSWERS, data["answers"]), ("gaps/", GAPS, data["gaps"])):
+            for spec in table.fields:
                 group[prefix + spec.name].resize(values[spec.name].shape)
                 group[prefix + spec.name][:] = values[spec.name]
 
@@ -364,7 +476,7 @@ class TestCrashSafety:
         store = ZarrStore.open(path, mode="r")
         assert store.stream_ids() == ["v"] and not store.is_complete("v")
         data = read_stream(path, "v")
-        lengths = {s.name: len(data[s.name]) for s in FRAME_ARRAYS}
+        lengths = {s.name: len(data[s.name]) for s in FRAMES.fields}
         assert len(set(lengths.values())) == 1, lengths
         t = data["attrs"]["frames"]
         assert t == lengths["pts"] >= committed_at_least
@@ -378,7 +490,7 @@ class TestCrashSafety:
         del writer
         assert self._assert_consistent_incomplete(store.path, 128) == 128
         group = zarr.open_group(store.path / "streams/v", mode="r")
-        assert all(group[s.name].shape[0] == 128 for s in FRAME_ARRAYS)
+        assert all(group[s.name].shape[0] == 128 for s in FRAMES.fields)
         assert read_stream(store.path, "v")["answers"]["text"].tolist() == ["a"]
 
     def test_store_without_streams_group_is_valid_and_reopens(self, tmp_path):
@@ -390,18 +502,8 @@ class TestCrashSafety:
         store.stream("v", **META).close(complete=True)
         assert store.stream_ids() == ["v"] and validate_store(store.path) == []
 
-    def _spawn(self, tmp_path: Path, body: str) -> subprocess.Popen:
-        script = textwrap.dedent(f"""
-            import sys, time
-            sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
-            from sinks.zarr_store import ZarrStore
-            from test_zarr_store import META, columns
-            store = ZarrStore.open({str(tmp_path / "out.zarr")!r}, config={{}})
-        """) + textwrap.dedent(body)
-        return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-
     def test_sigkill_after_writes(self, tmp_path):
-        proc = self._spawn(tmp_path, """
+        proc = spawn(tmp_path, """
             w = store.stream("v", **META, chunk_frames=64)
             for s in range(0, 150, 10):
                 w.append(**columns(s, 10))
@@ -418,11 +520,11 @@ class TestCrashSafety:
         path = tmp_path / "out.zarr"
         assert self._assert_consistent_incomplete(path, 128) == 128
         group = zarr.open_group(path / "streams/v", mode="r")
-        assert {group[s.name].shape[0] for s in FRAME_ARRAYS} == {128}
+        assert {group[s.name].shape[0] for s in FRAMES.fields} == {128}
         assert read_stream(path, "v")["answers"]["text"].tolist() == ["before the crash"]
 
     def test_sigkill_at_a_random_point_of_writing(self, tmp_path):
-        proc = self._spawn(tmp_path, """
+        proc = spawn(tmp_path, """
             w = store.stream("v", **META, chunk_frames=8)
             print("ready", flush=True)
             s = 0
@@ -448,6 +550,171 @@ class TestCrashSafety:
         assert validate_store(tmp_path / "out.zarr") == []
 
 
+class TestOwnership:
+    """A writer owns its stream until it closes: a second writer of the same stream is refused
+    with one line naming the stream and the owner; a dead writer's lock is taken over."""
+
+    def test_second_process_is_refused_while_the_first_writes_on(self, tmp_path):
+        first = spawn(tmp_path, """
+            w = store.stream("v", **META, chunk_frames=8)
+            for s in range(0, 20, 5):
+                w.append(**columns(s, 5))
+            print("ready", flush=True)
+            sys.stdin.readline()
+            for s in range(20, 40, 5):
+                w.append(**columns(s, 5))
+            w.close(complete=True)
+            print("done", flush=True)
+        """, stdin=True)
+        try:
+            assert first.stdout.readline().strip() == "ready"
+            assert (tmp_path / "out.zarr/.locks/v.lock").is_file()
+            second = spawn(tmp_path, """
+                try:
+                    store.stream("v", **{**META, "source": "clip.mkv"}, overwrite=True)   # what `run` asks
+                except SinkError as e:
+                    print(e, flush=True)
+                    sys.exit(2)
+            """)
+            out, _ = second.communicate(timeout=60)
+            assert second.returncode == 2, out
+            line = out.strip()
+            assert "\n" not in line and line.startswith(f"stream 'v' in {tmp_path / 'out.zarr'} is being written "
+                                                     f"by another writer (pid {first.pid} on {socket.gethostname()}")
+            first.stdin.write("go\n")
+            first.stdin.flush()
+            assert first.stdout.readline().strip() == "done"
+        finally:
+            first.kill()
+            first.wait()
+            first.stdin.close()
+            first.stdout.close()
+        assert validate_store(tmp_path / "out.zarr") == []
+        data = read_stream(tmp_path / "out.zarr", "v")
+        assert data["attrs"]["complete"] is True and data["attrs"]["source"] == META["source"]
+        np.testing.assert_array_equal(data["frame_index"], np.arange(40) * 2)    # the first writer's rows only
+        assert not (tmp_path / "out.zarr/.locks").exists()
+
+    def test_a_killed_writers_lock_is_taken_over(self, tmp_path):
+        proc = spawn(tmp_path, """
+            w = store.stream("v", **META, chunk_frames=8)
+            w.append(**columns(0, 20))
+            print("ready", flush=True)
+            time.sleep(60)
+        """)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+        lock = tmp_path / "out.zarr/.locks/v.lock"
+        assert json.loads(lock.read_text())["pid"] == proc.pid                  # left behind by kill -9
+        store = ZarrStore.open(tmp_path / "out.zarr")
+        writer = store.stream("v", **META)
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert writer.replaced is not None and not writer.replaced.complete and writer.replaced.frames == 16
+        write_frames(writer, 30)
+        writer.close(complete=True)
+        assert validate_store(store.path) == [] and read_stream(store.path, "v")["attrs"]["frames"] == 30
+        assert not lock.parent.exists()
+
+    def test_in_one_process_the_stream_is_free_again_after_close_or_drop(self, store):
+        writer = store.stream("v", **META)
+        with pytest.raises(SinkError, match=f"stream 'v' in .* being written by another writer \\(pid {os.getpid()} "):
+            store.stream("v", **META)
+        other = store.stream("w", **META)                                    # another stream is not affected
+        writer.close(complete=False)
+        again = store.stream("v", **META)
+        del again                                                            # dropped unclosed: released too
+        store.stream("v", **META).close(complete=True)
+        other.close(complete=True)
+        assert validate_store(store.path) == [] and not (store.path / ".locks").exists()
+
+    def test_a_lock_released_between_open_and_flock_is_not_claimed(self, store, monkeypatch):
+        """The owner unlinks its lock file, then drops the flock: a writer that opened the file just
+        before would get the flock of a file no longer at the path, and with it a third writer
+        creating a new file there: two owners. It must open the path again instead."""
+        import sinks.zarr_store as zarr_store
+
+        first = store.stream("v", **META)
+        real_flock, calls = zarr_store._flock, []
+
+        def flock_after_the_owner_released(fd):
+            if not calls:
+                first.close(complete=False)                                 # right between our open and flock
+            calls.append(fd)
+            return real_flock(fd)
+
+        monkeypatch.setattr(zarr_store, "_flock", flock_after_the_owner_released)
+        second = store.stream("v", **META)
+        assert len(calls) == 2                                               # the released file, then the new one
+        monkeypatch.undo()
+        with pytest.raises(SinkError, match="being written by another writer"):
+            store.stream("v", **META)
+        second.close(complete=True)
+
+    def test_a_failed_close_still_gives_the_stream_up(self, store, monkeypatch):
+        writer = store.stream("v", **META)
+        write_frames(writer, 5)
+        monkeypatch.setattr(writer, "_set_attrs", lambda values: (_ for _ in ()).throw(OSError(28, "No space left")))
+        with pytest.raises(SinkError, match="stream 'v' in .*: No space left"):
+            writer.close(complete=True)
+        monkeypatch.undo()
+        assert writer.closed
+        store.stream("v", **META).close(complete=True)
+
+    def test_without_flock_the_lock_files_pid_decides(self, store, monkeypatch):
+        import sinks.zarr_store as zarr_store
+
+        monkeypatch.setattr(zarr_store, "fcntl", None)
+        writer = store.stream("v", **META)
+        with pytest.raises(SinkError, match=f"pid {os.getpid()}"):
+            store.stream("v", **META)                                         # this process is alive
+        writer.close(complete=False)
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        lock = store.path / ".locks/v.lock"
+        lock.parent.mkdir()
+        lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "since": time.time()}))
+        taken = store.stream("v", **META)                                    # a dead pid on this host
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        taken.close(complete=True)
+        lock.parent.mkdir()
+        lock.write_text(json.dumps({"pid": dead.pid, "host": "another-host", "since": time.time()}))
+        with pytest.raises(SinkError, match="pid .* on another-host since"):   # another host's pid: cannot tell
+            store.stream("v", **META, overwrite=True)
+
+
+class TestStreamConfig:
+    def test_each_stream_records_its_own_config_and_the_root_keeps_the_first(self, store):
+        store.stream("a", **META, config={"model": {"retention": 0.3}}).close(complete=True)
+        again = ZarrStore.open(store.path, config={"model": {"retention": 0.5}})
+        again.stream("b", **META, config={"model": {"retention": 0.5}}).close(complete=True)
+        assert read_stream(store.path, "a")["attrs"]["config"] == {"model": {"retention": 0.3}}
+        assert read_stream(store.path, "b")["attrs"]["config"] == {"model": {"retention": 0.5}}
+        assert again.config == {"vlm": {"id": "none"}, "budget": 64}
+        assert validate_store(store.path) == []
+        with pytest.raises(SinkError, match="config cannot be stored as JSON"):
+            store.stream("c", **META, config={"f": object()})
+        assert "c" not in store.stream_ids() and not (store.path / ".locks").exists()
+
+    def test_a_replaced_stream_is_reported(self, store):
+        first = store.stream("v", **META)
+        assert first.replaced is None
+        write_frames(first, 10)
+        first.close(complete=True)
+        second = store.stream("v", **{**META, "source": "clip.mkv"}, overwrite=True)
+        assert second.replaced is not None and second.replaced.source == "clip.mp4"
+        assert str(second.replaced) == "replacing stream 'v' (was clip.mp4, complete, 10 frames)"
+        second.close(complete=False)
+        resumed = store.stream("v", **META)                                  # a resumed batch redoes it
+        assert str(resumed.replaced) == "replacing stream 'v' (was clip.mkv, incomplete, 0 frames)"
+        resumed.close(complete=False)
+        (store.path / "streams/v/zarr.json").write_text("{torn")
+        assert str(store.stream("v", **META).replaced) == "replacing stream 'v' (was unreadable)"
+
+
 class TestConcurrency:
     def test_two_threads_write_two_streams_while_reading(self, store):
         errors: list[BaseException] = []
@@ -467,7 +734,7 @@ class TestConcurrency:
         while any(t.is_alive() for t in threads):
             for sid in ZarrStore.open(store.path, mode="r").stream_ids():
                 data = read_stream(store.path, sid)
-                assert len({len(data[s.name]) for s in FRAME_ARRAYS}) == 1
+                assert len({len(data[s.name]) for s in FRAMES.fields}) == 1
                 reads += 1
         for t in threads:
             t.join()

@@ -2,16 +2,21 @@
 (frames, reconnect after the server dies and returns, timeouts, giving up)."""
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
+import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from arr_coc._validate import ConfigError
-from sources import SourceError
+from sources import SourceError, StreamInterruptedWarning
 from sources.frame import Frame
 from sources.live import Gap, LatestFrames, LiveConfig, open_live, parse_source, redact
 from sources.synthetic import render_clip, Shot, write_video
@@ -120,6 +125,18 @@ class TestLatestFrames:
         got, _ = buf.take(2, 0.0)
         assert [f.index for f in got] == [4, 5] and buf.dropped == 4
 
+    def test_a_gap_no_frame_followed_comes_last_and_alone(self):
+        buf = LatestFrames(4)
+        for i in range(3):
+            buf.put(frame(i))
+        g = Gap("s", 0.2, 5.0, 10.0, 15.0, "server closed the connection; still down when the source closed")
+        buf.close(g)
+        assert not buf.drained
+        got, gap = buf.take(2, 0.0)
+        assert [f.index for f in got] == [1, 2] and gap is None    # frames before the gap first
+        assert buf.take(2, 0.0) == ([], g) and buf.drained
+        assert buf.take(2, 0.0) == ([], None)                      # once
+
     def test_take_waits_then_returns_empty(self):
         buf = LatestFrames(2)
         t = time.monotonic()
@@ -134,6 +151,21 @@ class TestOpenErrors:
             open_live("/dev/video97", config=FAST)
         assert "/dev/video97" in str(e.value) and "cannot open the camera" in str(e.value)
         assert "\n" not in str(e.value) and time.monotonic() - t < 5
+
+    @pytest.mark.parametrize("spec", ["97", "/dev/video97"])
+    def test_missing_camera_prints_nothing_but_our_line(self, spec):
+        """OpenCV's own warnings for each backend it tries (and its FFmpeg's) stay off."""
+        script = ("import sys\n"
+                  "from sources import SourceError\n"
+                  "from sources.live import open_live\n"
+                  "try:\n"
+                  "    open_live(sys.argv[1])\n"
+                  "except SourceError as e:\n"
+                  "    print(e, file=sys.stderr)\n")
+        done = subprocess.run([sys.executable, "-c", script, spec], capture_output=True, text=True, timeout=30,
+                              cwd=Path(__file__).parents[2])
+        assert done.returncode == 0 and done.stderr.splitlines() == [
+            f"{parse_source(spec).name}: cannot open the camera (no such device, busy, or no permission)"], done.stderr
 
     def test_refused_url(self):
         url = f"rtsp://127.0.0.1:{free_port()}/cam"
@@ -166,6 +198,7 @@ class TestRealtimeFile:
         assert np.all(np.diff(arrivals) > 0.02)                    # paced, not read as fast as possible
 
 
+@pytest.mark.filterwarnings("ignore::sources.StreamInterruptedWarning")   # TestOutages checks them
 class TestRTSP:
     def test_frames_arrive(self):
         with rtsp_or_skip(fps=20) as server, open_live(server.url(), config=FAST) as src:
@@ -206,6 +239,10 @@ class TestRTSP:
         indices = [f.index for f in before + more + after]
         assert indices == list(range(indices[0], indices[0] + len(indices)))
         assert stats.dropped == 0 and stats.reconnects == 1
+        assert re.fullmatch(r"server closed the connection; reconnect failed: connection refused \(\d+ attempts\)",
+                            gap.reason), gap.reason
+        assert stats.gaps == 1 and stats.connected
+        assert stats.outage_s == pytest.approx(gap.end_wall - gap.start_wall, abs=1e-6)
 
     def test_gives_up_after_max_reconnects(self):
         server = rtsp_or_skip(fps=20)
@@ -218,3 +255,88 @@ class TestRTSP:
             assert src.finished
         assert src.error is not None and "gave up after 2 failed reconnect attempts" in str(src.error)
         assert "\n" not in str(src.error)
+        assert "last: server closed the connection; reconnect failed: connection refused" in str(src.error)
+
+
+class TestOutages:
+    """Every interruption longer than the read timeout is a Gap with a reason a person reads, and
+    counted in stats(): a stall a little over the timeout (the server frozen with SIGSTOP), a long
+    one, and an outage that never ends (the server killed, the source closed while it is down)."""
+
+    CFG = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+    @pytest.mark.parametrize("frozen_s", [1.6, 2.8])
+    def test_frozen_server_is_one_gap(self, frozen_s):
+        # 1.6 s: under twice the timeout, PyAV's own read timeout misses it (FFmpeg answers the
+        # interrupt with a packet its parser held back, then the next read starts a fresh timeout);
+        # 2.8 s: the interrupt surfaces as FFmpeg's "Immediate exit requested"
+        server = rtsp_or_skip(fps=20)
+        try:
+            with open_live(server.url(), config=self.CFG) as src, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                before, _ = drain(src, 1.0)
+                os.kill(server.proc.pid, signal.SIGSTOP)
+                frozen = time.time()
+                try:
+                    during, gaps = drain(src, frozen_s)
+                    stats_down = src.stats()
+                finally:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                after, gaps_after = drain(src, 6.0, until=lambda fs: len(fs) >= 10)
+                stats = src.stats()
+        finally:
+            server.stop()
+        gaps += gaps_after
+        assert len(before) >= 10 and len(after) >= 10 and len(gaps) == 1
+        gap = gaps[0][1]
+        length = gap.end_wall - gap.start_wall
+        assert length >= frozen_s - 0.3 and gap.start_wall <= frozen + 0.1
+        said = re.match(r"no frames for (\d+\.\d) s \(read timeout 1 s\)", gap.reason)
+        assert said and float(said[1]) == pytest.approx(length, abs=0.15), gap.reason
+        assert "Immediate exit" not in gap.reason
+        assert not stats_down.connected and stats_down.gaps == 1 and stats_down.outage_s >= 0.9
+        assert stats.connected and stats.gaps == 1 and stats.reconnects >= 1
+        assert stats.outage_s == pytest.approx(length, abs=1e-6)
+        messages = [str(w.message) for w in caught if w.category is StreamInterruptedWarning]
+        assert len(messages) == 2 and "stream lost at" in messages[0] and "read timeout 1 s" in messages[0]
+        assert re.search(r"stream back after \d+\.\d s without frames$", messages[1])
+
+    def test_outage_that_never_ends_is_a_gap_when_the_source_closes(self):
+        server = rtsp_or_skip(fps=20)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                src = open_live(server.url(), config=self.CFG)
+                drain(src, 1.0)
+                server.kill()      # and never back
+                killed = time.time()
+                time.sleep(2.0)
+                down = src.stats()
+                closing = time.time()
+                src.close()
+                frames, gaps = drain(src, 2.0)
+        finally:
+            server.stop()
+        assert src.finished and len(gaps) == 1
+        gap = gaps[0][1]
+        assert killed - 0.5 <= gap.start_wall <= killed + 0.1 and closing <= gap.end_wall <= time.time()
+        assert gap.end_pts - gap.start_pts == pytest.approx(gap.end_wall - gap.start_wall, abs=1e-3)
+        assert re.fullmatch(r"server closed the connection; reconnect failed: connection refused \(\d+ attempts\); "
+                            r"still down when the source closed", gap.reason), gap.reason
+        assert not down.connected and down.gaps == 1 and 1.5 <= down.outage_s <= 2.5
+        assert src.stats().outage_s == pytest.approx(gap.end_wall - gap.start_wall, abs=1e-6)
+        assert [str(w.message).split(" (")[0] for w in caught if w.category is StreamInterruptedWarning] == [
+            f"{src.name}: stream lost at {gap.start_pts:.1f} s"]
+
+    def test_giving_up_ends_the_gap_then(self):
+        server = rtsp_or_skip(fps=20)
+        cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.1,
+                         max_reconnects=2)
+        with open_live(server.url(), config=cfg) as src, warnings.catch_warnings():
+            warnings.simplefilter("ignore", StreamInterruptedWarning)
+            drain(src, 0.5)
+            server.kill()
+            _, gaps = drain(src, 5.0)
+            assert src.finished
+        assert len(gaps) == 1 and gaps[0][1].reason == (
+            "server closed the connection; reconnect failed: connection refused (2 attempts); gave up")

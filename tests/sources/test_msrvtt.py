@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,28 @@ class TestBadInput:
         (tmp_path / "test_qa.json").write_text(json.dumps([rec, rec]))
         with pytest.raises(SourceError, match="question id 5 appears more than once"):
             load_msrvtt(tmp_path)
+
+    @pytest.mark.parametrize("layout", ["msrvtt-qa", "zero-shot"])
+    def test_question_that_is_not_text_is_skipped_with_one_warning(self, tmp_path, layout):
+        written = write_fixture(tmp_path, layout=layout, videos=2, questions_per_video=2, height=32, width=48,
+                                seconds=0.4)
+        path = tmp_path / ("test_qa.json" if layout == "msrvtt-qa" else "test_q.json")
+        records = json.loads(path.read_text())
+        records[1]["question"], records[3]["question"] = None, 42
+        path.write_text(json.dumps(records))
+        id_key = "id" if layout == "msrvtt-qa" else "question_id"
+        bad = [str(records[1][id_key]), str(records[3][id_key])]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds = load_msrvtt(tmp_path)
+        assert len(caught) == 1
+        message = str(caught[0].message)
+        assert str(path) in message and "skipped 2 question(s)" in message
+        assert f"{bad[0]} (null)" in message and f"{bad[1]} (int)" in message
+        assert list(ds.skipped) == bad
+        assert sorted(q.question_id for q in ds.questions) == sorted(q.question_id for q in written
+                                                                     if q.question_id not in bad)
+        assert all(q.question not in ("None", "42") for q in ds.questions)
 
     def test_missing_root_and_unknown_task(self, tmp_path):
         with pytest.raises(SourceError, match="is not a directory"):

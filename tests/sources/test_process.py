@@ -6,11 +6,12 @@ import signal
 import time
 import warnings
 
+import av
 import numpy as np
 import pytest
 
-from sources import SourceError, VideoTruncatedWarning, open_video
-from sources.process import DecodeWorker, ProcessSource
+from sources import DECODERS, SourceError, VideoTruncatedWarning, open_video
+from sources.process import DEFAULT_SHARED_BYTES, DecodeWorker, ProcessSource, slot_layout
 from sources.synthetic import Shot, render_clip, write_video
 
 from process_helpers import collect
@@ -59,7 +60,7 @@ def test_dead_worker_is_a_clear_error(clip_path):
         batches = src.batches()
         next(batches)                        # the worker now waits for a free slot
         os.kill(src._worker.proc.pid, signal.SIGKILL)
-        with pytest.raises(SourceError, match="decoder process died"):
+        with pytest.raises(SourceError, match=r"decoder process died \(killed by SIGKILL, out of memory\?\)"):
             for _ in range(100):
                 next(batches)
 
@@ -186,3 +187,60 @@ class TestSharedWorker:
         worker.close()
         with pytest.raises(ValueError, match="closed or has died"):
             ProcessSource(clips[0], batch_size=4, worker=worker)
+
+
+class TestFrameMemory:
+    """The shared slots are sized from the frame size and a byte budget, not from the batch alone;
+    frames above max_pixels are refused before any is decoded."""
+
+    @pytest.mark.parametrize("slots, batch, frame_bytes, budget, want", [
+        (6, 16, 100, 6 * 16 * 100, (6, 16)),      # fits: as asked
+        (6, 16, 100, 3 * 16 * 100 + 99, (3, 16)),  # fewer slots, each a whole batch
+        (6, 16, 100, 2 * 16 * 100 - 1, (2, 15)),   # two slots of as many frames as fit
+        (6, 16, 10**6, 1, (2, 1)),                  # never less than two frames
+    ])
+    def test_slot_layout(self, slots, batch, frame_bytes, budget, want):
+        assert slot_layout(slots, batch, frame_bytes, budget) == want
+
+    def test_slots_fit_the_budget_and_every_frame_still_arrives(self, clip_path):
+        frame_bytes = 72 * 96 * 3
+        budget = 5 * frame_bytes   # 6 slots x 16 frames would take 96 frames
+        with ProcessSource(clip_path, batch_size=16, slots=6, shared_bytes=budget) as src:
+            assert (src.slots, src.batch_size) == (2, 2) and src.buffer.nbytes <= budget
+            indices, pts, rgb = collect(src)
+        with open_video(clip_path) as video:
+            ref = list(video)
+        assert indices == [f.index for f in ref] and pts == pytest.approx([f.pts_s for f in ref])
+        assert np.array_equal(rgb, np.stack([f.rgb for f in ref]))
+
+    def test_default_budget_is_a_gibibyte(self, clip_path):
+        assert DEFAULT_SHARED_BYTES == 1 << 30
+        with ProcessSource(clip_path, batch_size=16, slots=6) as src:   # 96 small frames fit: as asked
+            assert (src.slots, src.batch_size) == (6, 16)
+
+    @pytest.mark.parametrize("decoder", DECODERS)
+    def test_frames_above_max_pixels_are_one_line(self, clip_path, decoder):
+        for opener in (lambda: open_video(clip_path, decoder=decoder, max_pixels=96 * 72 - 1),
+                       lambda: ProcessSource(clip_path, batch_size=4, decoder=decoder, max_pixels=96 * 72 - 1)):
+            with pytest.raises(SourceError) as err:
+                opener()
+            assert str(err.value) == (f"{clip_path}: frames of 96x72 (0.0 megapixels) are above the limit of "
+                                      f"0.0 megapixels (max_pixels={96 * 72 - 1})")
+        with open_video(clip_path, decoder=decoder, max_pixels=96 * 72) as video:   # at the limit: fine
+            assert video.width * video.height == 96 * 72
+
+    def test_an_8000x8000_frame_is_refused_by_default(self, tmp_path):
+        """The fault-injection case (18.4 GB of slots for one frame): refused from the header, in
+        the caller, before a slot is allocated. PNG in MOV: a 64-megapixel frame encodes in ~0.3 s."""
+        path = tmp_path / "huge.mov"
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("png", rate=1)
+            stream.width, stream.height, stream.pix_fmt = 8000, 8000, "gray"
+            frame = av.VideoFrame(8000, 8000, "gray")
+            frame.planes[0].update(bytes(frame.planes[0].buffer_size))
+            for packet in [*stream.encode(frame), *stream.encode()]:
+                container.mux(packet)
+        for decoder in DECODERS:
+            with pytest.raises(SourceError, match=r"frames of 8000x8000 \(64\.0 megapixels\) are above the limit "
+                                                  r"of 35\.4 megapixels \(max_pixels=35389440\)"):
+                ProcessSource(path, batch_size=16, slots=6, decoder=decoder)

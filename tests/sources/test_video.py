@@ -5,6 +5,7 @@ Videos are small (64x48, 60 frames) and encoded once per session into a temp dir
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -353,6 +354,7 @@ class TestErrors:
         ({"stream_id": ""}, "stream_id='' must be a non-empty string"),
         ({"threads": -1}, "threads=-1 is out of range"),
         ({"threads": True}, "threads=True is out of range"),
+        ({"max_pixels": 0}, "max_pixels=0 is out of range; allowed: integers >= 1, or None for no limit"),
         ({"start_s": 5.0}, "start_s=5.0 is past the end of the video"),
     ])
     def test_bad_arguments(self, cfr_video: Video, kwargs: dict, problem: str):
@@ -433,6 +435,29 @@ class TestDamagedFiles:
         decoded, _ = self.read_damaged(damaged["corrupt"], decoder)
         if decoder == "pyav":  # decord has no corrupt-frame flag: its last frame may be concealed garbage
             assert frame_errors(decoded, frames).max() < 3.0
+
+    @pytest.mark.parametrize("decoder", DECODERS)
+    def test_damage_is_one_warning_line_on_stderr(self, damaged: dict, decoder: str):
+        """FFmpeg's own log (decord's FFmpeg writes to fd 2 from C) stays off: the damage is one
+        warning, in this process and in a decode worker's."""
+        script = (
+            "import sys, warnings\n"
+            "warnings.formatwarning = lambda m, *a, **k: f'warning: {m}\\n'\n"
+            "from sources import open_video\n"
+            "from sources.process import ProcessSource\n"
+            "with open_video(sys.argv[1], decoder=sys.argv[2]) as video:\n"
+            "    frames = sum(1 for _ in video)\n"
+            "with ProcessSource(sys.argv[1], batch_size=8, decoder=sys.argv[2]) as src:\n"
+            "    for batch in src.batches():\n"
+            "        src.release(batch)\n"
+            "print(frames)\n")
+        done = subprocess.run([sys.executable, "-c", script, str(damaged["corrupt"]), decoder],
+                              capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
+        assert done.returncode == 0, done.stderr
+        lines = done.stderr.splitlines()
+        assert len(lines) == 2 and all("truncated or damaged" in line for line in lines), done.stderr
+        assert "Check failed" not in done.stderr   # decord's failed FFmpeg call in FFmpeg's words
+        assert 0 < int(done.stdout) < N_FRAMES
 
     @pytest.mark.parametrize("decoder", DECODERS)
     @pytest.mark.parametrize("kind", ["mkv", "ts", "fragmented", "faststart"])

@@ -12,8 +12,7 @@ from pipeline.configio import load_config
 from pipeline.training.train import TrainConfig, train
 from arr_coc.checkpoint import DEFAULT_WEIGHTS, load_weights
 
-TINY = ["data.scenes=12", "data.hard_scenes=4", "data.clips=1", "data.clip_shots=2", "data.size=112", "data.val_scenes=4",
-        "export=null"]
+TINY = ["data.scenes=12", "data.hard_scenes=4", "data.clips=1", "data.clip_shots=2", "data.size=112", "data.val_scenes=4"]
 
 
 def tiny_cfg(tmp_path, stages: str, *extra: str) -> TrainConfig:
@@ -73,7 +72,8 @@ def test_build_model_uses_the_shipped_weights():
 
 class TestVLMFineTune:
     def test_one_step_reaches_arr_coc_and_not_the_vlm(self):
-        from pipeline.training.train_vlm import answer_loss, where_answer
+        from pipeline.training.train_vlm import answer_loss
+        from sources.synth_qa import where_answer
         from pipeline.vlm.loading import build_tiny_vlm
         from sources.scenes import make_scene
 
@@ -102,11 +102,49 @@ class TestVLMFineTune:
         assert all(torch.equal(vlm_before[k], v) for k, v in vlm.model.state_dict().items())
 
     def test_where_answer(self):
-        from pipeline.training.train_vlm import soft_keep, where_answer
+        from arr_coc.lod import pair_soft as soft_keep
+        from sources.synth_qa import where_answer
         assert where_answer((0, 0, 10, 10), (90, 90)) == "top left"
         assert where_answer((40, 40, 50, 50), (90, 90)) == "center"
         keep = soft_keep(torch.tensor([[[0.2]], [[0.6]], [[3.0]]]), 2)
         assert keep.flatten().tolist() == pytest.approx([0.4, 1.0])
+
+
+class TestReproducibility:
+    """README: bit for bit on the same CPU kind and torch build; elsewhere, where float reductions
+    may run in another order, every tensor within REPRO_TOLERANCE of the shipped one."""
+    REPRO_TOLERANCE = 0.01
+    STAGES = "[{name: grounding, epochs: 2, lr: 0.01, batch_size: 8}, {name: static, epochs: 1, batch_size: 8}]"
+
+    def _weights(self, out, threads: int) -> dict[str, torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            result = train(tiny_cfg(out, self.STAGES), log=lambda s: None)
+        finally:
+            torch.set_num_threads(before)
+        model = ARRCOC(query_dim=384)
+        load_weights(model, result["weights"])
+        return model.state_dict()
+
+    def test_same_machine_is_bit_for_bit_and_another_order_within_tolerance(self, tmp_path):
+        a, b = self._weights(tmp_path / "a", 2), self._weights(tmp_path / "b", 2)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        # one thread instead of two: another order of the CPU's float reductions
+        c = self._weights(tmp_path / "c", 1)
+        worst = max(float((a[k].float() - c[k].float()).abs().max()) for k in a)
+        assert worst <= self.REPRO_TOLERANCE, worst
+
+
+def test_train_writes_only_under_out_dir(tmp_path, capsys):
+    from pipeline.commands.cli import main
+    shipped = DEFAULT_WEIGHTS.read_bytes()
+    rc = main(["train", "--config", "configs/train_default.yaml", "--no-progress", *sum((["--set", s] for s in TINY), []),
+               "--set", f"out_dir={tmp_path / 'run'}", "--set", "stages=[{name: grounding, epochs: 1, batch_size: 16}]",
+               "--export", str(tmp_path / "copy.safetensors")])
+    assert rc == 0
+    assert DEFAULT_WEIGHTS.read_bytes() == shipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.safetensors", "run"]
 
 
 def test_train_cli_writes_weights(tmp_path, capsys):

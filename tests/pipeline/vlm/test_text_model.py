@@ -18,7 +18,7 @@ from pipeline.vlm.text_model import FastTextModel, concat_weights, unsupported
 
 def inputs(vlm, B=2, L=23, seed=0):
     g = torch.Generator().manual_seed(seed)
-    D = vlm._lm.embed_tokens.embedding_dim
+    D = vlm.lm.embed_tokens.embedding_dim
     embeds = torch.randn(B, L, D, generator=g)
     positions = torch.randint(0, 3 * L, (3, B, L), generator=g)             # M-RoPE: t, h, w differ
     return embeds, positions
@@ -28,11 +28,11 @@ def inputs(vlm, B=2, L=23, seed=0):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_forward_equals_hf_forward(family, attn):
     vlm = build_tiny_vlm(family)
-    vlm._lm.config._attn_implementation = attn
-    fast = FastTextModel(vlm._lm, attn)
+    vlm.lm.config._attn_implementation = attn
+    fast = FastTextModel(vlm.lm, attn)
     embeds, positions = inputs(vlm)
     with torch.no_grad():
-        expected = vlm._lm(inputs_embeds=embeds, position_ids=positions).last_hidden_state
+        expected = vlm.lm(inputs_embeds=embeds, position_ids=positions).last_hidden_state
         got = fast(embeds, None, positions, None)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -46,8 +46,8 @@ def test_masked_prefill_then_steps_into_a_cache_equal_hf(family):
     B, L, steps = 2, 11, 3
     embeds, positions = inputs(vlm, B, L, seed=1)
     pads = torch.tensor([0, 4])
-    caches = [StaticKVCache(vlm._lm, B, L + steps, vlm.dtype, vlm.device) for _ in range(2)]
-    steppers = [vlm._fast_lm, lambda e, m, p, c: vlm._hf_lm_step(e, vlm._masks(m), p, c)]
+    caches = [StaticKVCache(vlm.lm, B, L + steps, vlm.dtype, vlm.device) for _ in range(2)]
+    steppers = [vlm._fast_lm, lambda e, m, p, c: vlm._hf_lm_step(e, vlm.attention_masks(m), p, c)]
     outs = [[], []]
     with torch.no_grad():
         for i, (cache, fn) in enumerate(zip(caches, steppers)):
@@ -82,20 +82,20 @@ def test_rope_equals_rotate_half_form():
 def test_weights_become_views_and_state_dict_is_unchanged():
     vlm = build_tiny_vlm("qwen2_5_vl", config=VLMConfig(fast_lm=False))
     before = copy.deepcopy(vlm.model.state_dict())
-    fast = FastTextModel(vlm._lm, vlm._attn_impl)
+    fast = FastTextModel(vlm.lm, vlm.attn_impl)
     after = vlm.model.state_dict()
     assert list(after) == list(before)
     for name, value in before.items():
         assert torch.equal(after[name], value), name
-    attn, layer = vlm._lm.layers[0].self_attn, fast.layers[0]
+    attn, layer = vlm.lm.layers[0].self_attn, fast.layers[0]
     assert attn.q_proj.weight.data_ptr() == layer.qkv_weight.data_ptr()      # one copy: views of the fused weight
     assert attn.v_proj.weight.data_ptr() == layer.qkv_weight[-attn.v_proj.out_features:].data_ptr()
-    mlp = vlm._lm.layers[0].mlp
+    mlp = vlm.lm.layers[0].mlp
     assert mlp.gate_proj.weight.data_ptr() == layer.gate_up_weight.data_ptr()
     assert mlp.up_proj.weight.data_ptr() == layer.gate_up_weight[layer.inter:].data_ptr()
     assert layer.gate_up_weight.shape == (2 * mlp.gate_proj.out_features, mlp.gate_proj.in_features)
     # a second VLM over the same model (rewrap) reuses the fused weights
-    again = FastTextModel(vlm._lm, vlm._attn_impl)
+    again = FastTextModel(vlm.lm, vlm.attn_impl)
     assert again.layers[0].qkv_weight is layer.qkv_weight and again.layers[0].qkv_bias is layer.qkv_bias
     assert again.layers[0].gate_up_weight is layer.gate_up_weight
 
@@ -115,19 +115,19 @@ def test_models_it_cannot_run_fall_back_to_hf():
     class Adapted(nn.Linear):                                                # e.g. a LoRA or quantized layer
         pass
 
-    old = vlm._lm.layers[1].mlp.up_proj
+    old = vlm.lm.layers[1].mlp.up_proj
     new = Adapted(old.in_features, old.out_features, bias=False)
     new.load_state_dict(old.state_dict())
-    vlm._lm.layers[1].mlp.up_proj = new
-    assert "plain nn.Linear" in unsupported(vlm._lm)
+    vlm.lm.layers[1].mlp.up_proj = new
+    assert "plain nn.Linear" in unsupported(vlm.lm)
     with pytest.raises(ValueError, match="cannot run this model"):
-        FastTextModel(vlm._lm, vlm._attn_impl)
+        FastTextModel(vlm.lm, vlm.attn_impl)
     wrapped = rewrap(vlm)
     assert wrapped._fast_lm is None
     embeds, positions = inputs(wrapped)
     with torch.no_grad():
-        torch.testing.assert_close(wrapped._lm_step(embeds, None, positions, None),
-                                   wrapped._lm(inputs_embeds=embeds, position_ids=positions).last_hidden_state)
+        torch.testing.assert_close(wrapped.lm_step(embeds, None, positions, None),
+                                   wrapped.lm(inputs_embeds=embeds, position_ids=positions).last_hidden_state)
 
 
 def test_config_flag():
@@ -141,7 +141,7 @@ def test_rotary_of_older_transformers_is_recomposed():
     the interleaving by mrope_section to the attention layer: recomposed here, they give what
     transformers 5.x's (B, L, hd) give."""
     vlm = build_tiny_vlm("qwen2_5_vl")
-    fast, rotary = vlm._fast_lm, vlm._lm.rotary_emb
+    fast, rotary = vlm._fast_lm, vlm.lm.rotary_emb
     embeds, positions = inputs(vlm)
     new = fast.rotary(embeds, positions)
 
@@ -156,5 +156,5 @@ def test_rotary_of_older_transformers_is_recomposed():
     finally:
         del rotary.forward
     for a, b in zip(old, new):
-        assert a.shape == b.shape == (2, 23, 1, vlm._lm.layers[0].self_attn.head_dim)
+        assert a.shape == b.shape == (2, 23, 1, vlm.lm.layers[0].self_attn.head_dim)
         torch.testing.assert_close(a, b)

@@ -230,7 +230,7 @@ def reference_prefix(vlm, frames, keep, question, merged) -> Prefix:
     m = vlm.geometry.merge_size
     full_pos = vlm.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))
     v0 = int((ids == vlm.video_token_id).nonzero()[0])
-    text = vlm._lm.embed_tokens(ids)
+    text = vlm.lm.embed_tokens(ids)
     embeds = torch.cat([text[:v0], tokens.to(text.dtype), text[v0 + n_full:]])
     positions = torch.cat([full_pos[:, :v0], full_pos[:, v0 + index], full_pos[:, v0 + n_full:]], 1)
     return Prefix(embeds, positions, int(full_pos.max()) + 1, int(index.numel()), n_full)

@@ -23,7 +23,7 @@ def with_eager_attention(family):
 def random_prefix(vlm, n, seed):
     """A plain LM input of n tokens (text-like positions), for lengths the tiny prompts do not reach."""
     gen = torch.Generator().manual_seed(seed)
-    D = vlm._lm.config.hidden_size
+    D = vlm.lm.config.hidden_size
     embeds = (torch.randn(n, D, generator=gen) * 0.5).to(vlm.device)
     positions = torch.arange(n, device=vlm.device).expand(3, n)
     return Prefix(embeds, positions, n, 0, 0)
@@ -76,7 +76,7 @@ class TestBucketedPrefill:
     @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
     def test_eager_attention(self, family):
         vlm = with_eager_attention(family)
-        assert vlm._attn_impl == "eager"
+        assert vlm.attn_impl == "eager"
         check_bucketed_equals_unbucketed(vlm, mixed_prefixes(vlm), max_new=5)
 
     @torch.no_grad()                                    # as VLM._prefill

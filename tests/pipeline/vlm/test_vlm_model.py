@@ -22,7 +22,7 @@ class TestStockEquivalence:
             prefix = vlm.prepare([request(frames, keep, question)])[0]
             assert prefix.tokens_kept == prefix.tokens_full == inputs["pixel_values_videos"].shape[0] // 4
             # every position of the prefill, not only the last
-            hidden = vlm._lm_step(prefix.embeds[None], None, prefix.positions[:, None], None)
+            hidden = vlm.lm_step(prefix.embeds[None], None, prefix.positions[:, None], None)
             ours_all = vlm.model.lm_head(hidden[0]).float()
             torch.testing.assert_close(ours_all, stock_logits, atol=1e-5, rtol=1e-5)
             out = vlm.generate([prefix], max_new_tokens=8, return_logits=True)
@@ -66,7 +66,7 @@ class TestPruned:
         def capture(module, args, kwargs):
             captured["pos"] = kwargs["position_ids"]
 
-        hook = vlm._lm.register_forward_pre_hook(capture, with_kwargs=True)
+        hook = vlm.lm.register_forward_pre_hook(capture, with_kwargs=True)
         try:
             with torch.no_grad():
                 vlm.model(**inputs)

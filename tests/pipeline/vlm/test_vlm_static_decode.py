@@ -22,7 +22,7 @@ def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0
     embeds, positions, pads = vlm._left_pad(prefixes)
     B, L = embeds.shape[:2]
     mask = (torch.arange(L) >= torch.tensor(pads)[:, None]).long()         # (B, L)
-    cache = DynamicCache(config=vlm._lm.config)
+    cache = DynamicCache(config=vlm.lm.config)
     hidden = vlm._hf_lm_step(embeds, mask, positions, cache)[:, -1]
     next_pos = torch.tensor([p.next_position for p in prefixes])
     gen = torch.Generator().manual_seed(seed)
@@ -38,7 +38,7 @@ def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
         pos = (next_pos + step).view(1, B, 1).expand(3, B, 1)
-        hidden = vlm._hf_lm_step(vlm._lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
+        hidden = vlm._hf_lm_step(vlm.lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
     return torch.stack(tokens, 1), logits_all
 
 
@@ -118,7 +118,7 @@ class TestStaticCache:
         prefixes = mixed_prefixes(vlm)
         decoder, logits = vlm._prefill(prefixes, 4)
         token = logits.argmax(-1)
-        attn = vlm._lm.layers[0].self_attn
+        attn = vlm.lm.layers[0].self_attn
         per_query_head = (decoder.rows, attn.num_heads, decoder.length, attn.head_dim)  # what repeat_kv would make
         shapes = []
         for _ in range(3):
@@ -160,7 +160,7 @@ class TestStaticCache:
         vlm.model.set_attn_implementation("eager")
         vlm = type(vlm)(vlm.model, vlm.tokenizer, family=vlm.family, name=vlm.name, config=vlm.config,
                         preprocessor=vlm.preprocessor)
-        assert vlm._attn_impl == "eager"
+        assert vlm.attn_impl == "eager"
         prefixes = mixed_prefixes(vlm)
         out = vlm.generate(prefixes, max_new_tokens=5, return_logits=True)
         for b, prefix in enumerate(prefixes):
@@ -170,7 +170,7 @@ class TestStaticCache:
 
 class TestPackedAttention:
     def test_lm_uses_it_and_the_vision_tower_does_not(self, vlm):
-        assert vlm._lm.config._attn_implementation == PACKED_SDPA
+        assert vlm.lm.config._attn_implementation == PACKED_SDPA
         assert vlm.model.config.vision_config._attn_implementation == "sdpa"
 
     @pytest.mark.parametrize("q_len", [1, 3])

@@ -9,6 +9,7 @@ both for training and tests.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -92,6 +93,28 @@ class ARRCOC(nn.Module):
         self.allocator = TokenAllocator(cfg.attending)
         self.register_buffer("_knowing_index",
                              torch.tensor([CHANNELS.index(c) for c in KNOWING_CHANNELS]), persistent=False)
+
+    @classmethod
+    def from_pretrained(cls, weights: str | os.PathLike = "default", config: ARRCOCConfig | None = None,
+                        query_dim: int = 384) -> "ARRCOC":
+        """A model in eval mode with trained weights: "default" (the checkpoint shipped in the
+        package, trained for 384-d MiniLM queries), "none" (the initial values) or a .safetensors
+        path, which must fit the model exactly. The default checkpoint also loads into another
+        config or query width: what does not fit keeps its initial values, with a warning.
+
+            model = ARRCOC.from_pretrained()                      # the shipped checkpoint
+            model = ARRCOC.from_pretrained("run/model.safetensors", query_dim=1536)
+        """
+        from ._validate import check_int, check_range
+        from .checkpoint import load_pretrained
+
+        if config is not None and not isinstance(config, ARRCOCConfig):
+            raise TypeError(f"config must be an ARRCOCConfig or None, got {type(config).__name__}")
+        check_int("query_dim", query_dim)
+        check_range("query_dim", query_dim, 1, None)
+        model = cls(config, query_dim=query_dim)
+        load_pretrained(model, weights)
+        return model.eval()
 
     def extract(self, frames: torch.Tensor, last_frame: torch.Tensor | None, grid: tuple[int, int],
                 last_real: torch.Tensor | None = None) -> Texture:

@@ -120,21 +120,33 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
-        parts = key.strip().split(".")
-        node = data
-        for p in parts[:-1]:
-            child = node.get(p)
-            if child is None:
-                child = node[p] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {key}: {p} is not a section")
-            node = child
-        node[parts[-1]] = value
+        set_value(data, key.strip(), value, f"--set {key.strip()}")
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Defaults of ``cls`` <- YAML file <- overrides, validated."""
+def set_value(data: dict[str, Any], key: str, value: Any, where: str | None = None) -> dict[str, Any]:
+    """Set the dotted `key` (e.g. model.attending.retention) of nested plain data to `value`;
+    `where` names the setting in errors (default: the key)."""
+    where = key if where is None else where
+    if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"config keys are dotted names such as model.attending.retention, got {key!r}")
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{where}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
+                values: Mapping[str, Any] | None = None) -> T:
+    """Defaults of ``cls`` <- YAML file <- ``--set`` strings <- ``values`` ({dotted key: value},
+    the Python API's overrides: values are taken as they are, not parsed), validated."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -149,4 +161,6 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
     apply_overrides(data, overrides or [])
+    for key, value in (values or {}).items():
+        set_value(data, key, value)
     return from_mapping(cls, data)

@@ -1,9 +1,11 @@
-"""Output sinks: the zarr store (its public schema declared in sinks.schema) and the homunculus
-overlay video / contact sheet."""
-from sinks.overlay import OverlayWriter, contact_sheet, render_homunculus
+"""Output sinks: the zarr store (its public schema declared in sinks.schema), the homunculus
+overlay video / contact sheet, and flat exports of a store's answers and scene changes."""
+from sinks.export import EXPORT_FORMATS, export_store
+from sinks.overlay import FrameLabel, OverlayWriter, contact_sheet, render_homunculus
 from sinks.schema import FORMAT
 from sinks.zarr_store import (ReplacedStream, SinkError, StreamWriter, ZarrStore, read_stream, store_location,
                               validate_store, validate_stream_id)
 
 __all__ = ["FORMAT", "SinkError", "ZarrStore", "StreamWriter", "ReplacedStream", "read_stream", "store_location",
-           "validate_store", "validate_stream_id", "OverlayWriter", "contact_sheet", "render_homunculus"]
+           "validate_store", "validate_stream_id", "OverlayWriter", "FrameLabel", "contact_sheet",
+           "render_homunculus", "EXPORT_FORMATS", "export_store"]

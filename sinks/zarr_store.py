@@ -54,7 +54,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import zarr
@@ -362,12 +362,16 @@ class ZarrStore:
         except OSError:
             pass
 
-    def read(self, stream_id: str) -> dict[str, Any]:
+    def read(self, stream_id: str, frame_arrays: Sequence[str] | None = None) -> dict[str, Any]:
         """One stream's committed data: {"attrs": {...}, <frame array>: ndarray (T, ...), ...,
         "answers": {<answer field>: ndarray (A,)}, "gaps": {...} where the stream has gaps/}; strings
         come back as numpy StringDType arrays. Fields added to the format after a store was written
-        (answers' passes, tokens_spent) read as their defaults there. Reads from this open store: a
+        (answers' passes, tokens_spent) read as their defaults there. frame_arrays: read only these
+        frame arrays (default: all; the per-cell ones are the bulk). Reads from this open store: a
         caller reading many streams opens it once."""
+        unknown = sorted(set(frame_arrays or ()) - set(FRAMES.names))
+        if unknown:
+            raise ValueError(f"Invalid frame array ({unknown[0]!r}). Supported values are {', '.join(FRAMES.names)}.")
         if not self._loc.is_file(f"streams/{validate_stream_id(stream_id)}/zarr.json"):
             raise SinkError(f"stream {stream_id!r} not found in {self._loc}; "
                             f"streams: {', '.join(self.stream_ids()) or 'none'}")
@@ -380,6 +384,8 @@ class ZarrStore:
             n = int(attrs.get(table.count_attr, 0))
             columns: dict[str, np.ndarray] = {}
             for f in table.fields:
+                if table is FRAMES and frame_arrays is not None and f.name not in frame_arrays:
+                    continue
                 key = table.prefix + f.name
                 # a field added to the format after this store was written: its defaults
                 columns[f.name] = f.default_column(columns, n) if f.added and key not in group else group[key][:n]

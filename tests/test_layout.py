@@ -127,7 +127,7 @@ def test_dependencies_point_one_way(package, forbidden):
 def test_the_walker_sees_imports():
     """The checks above are only as good as the import walk: it must see lazy and relative imports."""
     assert "pipeline.core.setup" in GRAPH["pipeline.runners.run"]
-    assert "pipeline.runners.ray_batch" in GRAPH["pipeline.commands.batch"]      # a lazy import
+    assert "pipeline.runners.ray_batch" in GRAPH["pipeline.api"]      # a lazy import
     assert "pipeline.core.cuda" in GRAPH["pipeline.vlm.decoding"]
     GRAPH["pipeline.core.graph"].add("pipeline.runners.run")   # a planted cycle is found
     try:

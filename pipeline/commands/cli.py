@@ -1,4 +1,5 @@
-"""Command line: `python -m pipeline {run,demo,live,batch,eval,train,evaluate-relevance} ...`.
+"""Command line: `python -m pipeline {run,demo,live,batch,eval,export,render,train,evaluate-relevance} ...`,
+also installed as the console script `arrcoc`.
 
 This module owns every parser; each command's function lives in its own module of this package
 and is imported only when that command runs.
@@ -15,6 +16,7 @@ import signal
 import sys
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from arr_coc._validate import ConfigError
@@ -43,8 +45,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="per-stage metrics; tracebacks on errors")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m pipeline", description="ARR-COC streaming video understanding")
+def build_parser(prog: str = "python -m pipeline") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="ARR-COC streaming video understanding")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="process one video file")
     run.add_argument("video", help="video file")
@@ -57,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_lazy("demo", "cmd_demo"))
     _add_batch(sub)
     _add_eval(sub)
+    _add_export(sub)
+    _add_render(sub)
     _add_live(sub)
     _add_train(sub)
     _add_evaluate_relevance(sub)
@@ -107,6 +111,37 @@ def _add_eval(sub: Any) -> None:
                                                                "GPT-judge format")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
     p.set_defaults(func=_lazy("eval", "cmd_eval"))
+
+
+def _add_export(sub: Any) -> None:
+    from sinks.export import EXPORT_FORMATS
+
+    p = sub.add_parser("export", help="a store's answers and scene changes as JSON lines or CSV (one row each)")
+    p.add_argument("store", help="the zarr store (a path or an fsspec URL)")
+    p.add_argument("--stream", metavar="ID", help="only this stream (default: every stream of the store)")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="jsonl or csv")
+    p.add_argument("--out", metavar="FILE", help="write here (default: stdout)")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
+    p.set_defaults(func=_lazy("export", "cmd_export"))
+
+
+def _add_render(sub: Any) -> None:
+    from sinks.overlay import COLOUR_BY
+
+    p = sub.add_parser("render", help="a store's token maps over its video: an overlay video or a contact sheet, "
+                                      "labelled, with a legend")
+    p.add_argument("store", help="the zarr store (a path or an fsspec URL)")
+    p.add_argument("--stream", required=True, metavar="ID", help="the stream to render (a video's file stem)")
+    p.add_argument("--video", required=True, help="the video the stream was made from")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", metavar="OVERLAY.mp4", help="an overlay video of every stored frame (.mp4, .mkv, .mov)")
+    what.add_argument("--contact-sheet", metavar="SHEET.png", help="a PNG grid of frames spread over the stream")
+    p.add_argument("--color", choices=COLOUR_BY, default="tokens",
+                   help="what the colours show on kept cells: tokens per cell or their relevance (default: %(default)s)")
+    p.add_argument("--tiles", type=int, default=8, metavar="N", help="contact sheet: frames on it (default: %(default)s)")
+    p.add_argument("--columns", type=int, default=4, metavar="N", help="contact sheet: tiles per row (default: %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
+    p.set_defaults(func=_lazy("render", "cmd_render"))
 
 
 def _add_live(sub: Any) -> None:
@@ -190,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_ffmpeg()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(_prog()).parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
         # the graph waited for its threads and closed the store (core/graph.py: Graph.run); a
@@ -214,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             first = f"{type(e).__name__}: {first}"
         print(f"error: {first}", file=sys.stderr)
         return EXIT_USAGE if user else EXIT_FAILED
+
+
+def _prog() -> str:
+    """How the user called us, for usage lines: the console script or the module."""
+    return "arrcoc" if Path(sys.argv[0]).name == "arrcoc" else "python -m pipeline"
 
 
 def _quiet_ffmpeg() -> None:

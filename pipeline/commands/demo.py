@@ -11,9 +11,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from sinks import contact_sheet, read_stream
     from sources.synthetic import default_demo_clip, write_video
 
-    from ..runners.run import print_summary, run_video
+    from ..api import Pipeline
+    from ..runners.run import print_summary
 
-    cfg = load_run_config(args)
+    pipe = Pipeline(config=load_run_config(args))
     out = Path(args.out) if args.out else Path("out/demo.zarr")
     out.parent.mkdir(parents=True, exist_ok=True)
     video = out.parent / "sample.mp4"
@@ -22,7 +23,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         write_video(video, clip.frames, fps=25)
         print(f"generated sample video {video} ({len(clip.frames)} frames, cuts at {clip.cuts})", file=sys.stderr)
     overlay = args.overlay or str(out.parent / "demo_overlay.mp4")
-    result = run_video(video, args.query, out, cfg, overlay_path=overlay, progress=args.progress)
+    result = pipe.run(video, args.query, out=out, overlay=overlay, progress=args.progress)
     data = read_stream(out, result.stream_id)
     from sources import open_video
     with open_video(video) as src:

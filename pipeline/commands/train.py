@@ -7,8 +7,9 @@ import sys
 
 import torch
 
+from arr_coc.checkpoint import DEFAULT_WEIGHTS
+
 from ..configio import load_config
-from ..core.weights import DEFAULT_WEIGHTS
 from ..training.train import TrainConfig, train
 from .common import EXIT_OK
 

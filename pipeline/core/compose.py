@@ -10,7 +10,7 @@ is visible here.
 from __future__ import annotations
 
 import threading
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
@@ -22,7 +22,7 @@ from ..config import PipelineConfig
 from .frontend_graphs import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
 from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters
-from .stages import DecodeStage, Outcome, RealizeStage, RunStatus, SinkStage, TextureStage
+from .stages import DecodeStage, FrameAllocation, Outcome, RealizeStage, RunStatus, SinkStage, TextureStage
 
 
 def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, cfg: PipelineConfig,
@@ -36,9 +36,11 @@ def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, c
 def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: tuple[int, int],
             cfg: PipelineConfig, device: torch.device, status: RunStatus,
             overlay: Any = None, vlm_stage: Stage | None = None, *, query_mask: torch.Tensor | None = None,
-            graphs: FrontendGraphs | None = None) -> Graph:
+            graphs: FrontendGraphs | None = None,
+            on_frames: Callable[[list[FrameAllocation]], None] | None = None) -> Graph:
     """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink. graphs: the front end's
-    CUDA graphs from an earlier run to reuse (default: new ones, where frontend_graphs makes any)."""
+    CUDA graphs from an earlier run to reuse (default: new ones, where frontend_graphs makes any).
+    writer None: no store; on_frames: the sink hands each batch's allocations to it."""
     capacity = cfg.runtime.queue_capacity
     # frames go straight to the device unless something reads them on the host (VLM, overlay)
     host_frames = vlm_stage is not None or overlay is not None
@@ -57,7 +59,8 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
             if status.stopped:
                 return "incomplete"
             return "damaged" if status.truncated else "complete"   # truncated: decoded up to the damage
-    sink = SinkStage({source.stream_id: writer}, outcome=outcome, overlay=overlay)
+    sink = SinkStage({source.stream_id: writer}, outcome=outcome, overlay=overlay,
+                     on_frames=on_frames)
     graph = Graph()
     graph.add_flow(decode, texture, Channel(capacity, Policy.BLOCK))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))

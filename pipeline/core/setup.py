@@ -18,9 +18,10 @@ __all__ = ["build_model", "encode_query", "load_answerer", "resolve_device"]
 
 def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> ARRCOC:
     """ARR-COC for queries of width query_dim, with the weights runtime.model_weights names."""
-    from .weights import load_default
+    from arr_coc.checkpoint import load_pretrained
+
     model = ARRCOC(cfg.model, query_dim=query_dim)
-    load_default(model, cfg.runtime.model_weights)
+    load_pretrained(model, cfg.runtime.model_weights, "runtime.model_weights")
     return model.to(device).eval()
 
 

@@ -117,6 +117,30 @@ class AnswerItem:
                     tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s)
 
 
+@dataclass(frozen=True)
+class FrameAllocation:
+    """One frame's allocation: a row of the store's frame arrays (streams/<stream_id>/), as the
+    sink writes it (the store holds relevance as float16 and tokens as uint16)."""
+
+    stream_id: str
+    pts: float                # presentation time (s)
+    frame_index: int          # index in the decoded stream
+    relevance: np.ndarray     # (gh, gw) float32, realized relevance in [0, 1]
+    tokens: np.ndarray        # (gh, gw) int32, the homunculus: VLM tokens spent on each cell
+    scene_change: bool        # the first frame of a new shot / fixation
+    motion: float             # mean motion magnitude of the frame
+
+    @property
+    def tokens_kept(self) -> int:
+        """Visual tokens spent on this frame."""
+        return int(self.tokens.sum())
+
+    @property
+    def tokens_full(self) -> int:
+        """Visual tokens a stock VLM spends on it: one per cell."""
+        return int(self.tokens.size)
+
+
 @dataclass
 class AnswerItems:
     """Several answers of one stream (a batch video's questions), committed to the store at once."""
@@ -449,13 +473,18 @@ class SinkStage(Stage):
     end), "damaged" (processed to where damage stopped decoding: done, not complete; core/damage.py)
     or "incomplete" (run: stopped; live: the source gave up). After a failure, an abort or an
     interrupt every stream is incomplete. Counters (live) are updated per stream when given.
+
+    A stream whose writer is None is not stored (the Python API's answers and allocations unless
+    asked for a store). on_frames: called with each batch's FrameAllocations, in order, after they
+    were written.
     """
 
     name = "sink"
 
     def __init__(self, writers: dict[str, Any], *, outcome: Callable[[str], Outcome] = lambda stream_id: "complete",
-                 overlay: Any = None, counters: dict[str, Any] | None = None, answers_out: TextIO | None = None) -> None:
-        self.writers, self.outcome, self.overlay = writers, outcome, overlay
+                 overlay: Any = None, counters: dict[str, Any] | None = None, answers_out: TextIO | None = None,
+                 on_frames: Callable[[list[FrameAllocation]], None] | None = None) -> None:
+        self.writers, self.outcome, self.overlay, self.on_frames = writers, outcome, overlay, on_frames
         self.counters, self.answers_out = counters, answers_out
         self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
         self.frames_written = 0
@@ -471,16 +500,22 @@ class SinkStage(Stage):
         sid = item.batch.stream_id
         writer = self.writers[sid]
         gap = getattr(item.batch, "gap", None)
-        if gap is not None:
+        if gap is not None and writer is not None:
             writer.add_gap(start_pts=gap.start_pts, end_pts=gap.end_pts, start_wall=gap.start_wall,
                            end_wall=gap.end_wall, reason=gap.reason)
         allocation = item.wait()
         frames = item.batch.frames
         rows = frame_rows(frames, allocation)
-        writer.append(**rows)
+        if writer is not None:
+            writer.append(**rows)
         if self.overlay is not None:
             for f, tok, rel in zip(frames, rows["tokens"], rows["relevance"]):
                 self.overlay.write(f.rgb, tok, rel)
+        if self.on_frames is not None:
+            self.on_frames([FrameAllocation(sid, float(rows["pts"][k]), int(rows["frame_index"][k]),
+                                            rows["relevance"][k].copy(), rows["tokens"][k].copy(),
+                                            bool(rows["scene_change"][k]), float(rows["motion"][k]))
+                            for k in range(len(frames))])
         self.frames_written += len(frames)
         self.last_pts[sid] = frames[-1].pts_s
         if self.counters is not None:
@@ -493,7 +528,8 @@ class SinkStage(Stage):
 
     def _answers(self, answers: list[AnswerItem]) -> None:
         sid = answers[0].stream_id
-        self.writers[sid].add_answers([a.row() for a in answers])   # one commit: all or none
+        if self.writers.get(sid) is not None:
+            self.writers[sid].add_answers([a.row() for a in answers])   # one commit: all or none
         self.answers += answers
         if self.counters is not None:
             self.counters[sid].answers += len(answers)
@@ -524,6 +560,8 @@ class SinkStage(Stage):
         except Exception as e:
             errors.append(e)
         for sid, writer in self.writers.items():
+            if writer is None:
+                continue
             outcome = "incomplete" if failed or self.interrupted else self.outcome(sid)
             try:
                 close_stream(writer, complete=outcome == "complete", damaged=outcome == "damaged",

@@ -1,13 +1,16 @@
 """One video file through decode -> texture -> realize -> [vlm] -> sink (graph: core/compose.py).
-Offline input blocks (backpressure): no frame is ever dropped.
+Offline input blocks (backpressure): no frame is ever dropped. `run_video` writes a store (or
+not); `AllocationStream` runs the same graph and hands its per-frame allocations to an iterator.
 """
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -20,14 +23,14 @@ from ..configio import to_dict
 from ..core.compose import compose
 from ..core.graph import Graph
 from ..core.setup import build_model, encode_query, load_answerer, resolve_device
-from ..core.stages import RunStatus, VLMStage
+from ..core.stages import AnswerItem, FrameAllocation, RunStatus, VLMStage
 from ..vlm.geometry import VLMGeometry
 
 
 @dataclass
 class RunResult:
     stream_id: str
-    out: Path | str      # a local path or an fsspec URL
+    out: Path | str | None  # a local path or an fsspec URL; None: no store was written
     frames: int
     complete: bool
     truncated: bool
@@ -35,7 +38,7 @@ class RunResult:
     wall_s: float
     grid: tuple[int, int]
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    answers: list[Any] = field(default_factory=list)
+    answers: list[AnswerItem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -43,13 +46,21 @@ class RunResult:
         return self.frames / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineConfig, *,
+def run_video(path: str | Path, question: str, out: str | Path | None, cfg: PipelineConfig, *,
               overlay_path: str | Path | None = None, progress: bool | None = None,
               on_graph: Callable[[Graph], None] | None = None,
-              query_embedding: torch.Tensor | None = None) -> RunResult:
+              query_embedding: torch.Tensor | None = None,
+              vlm_factory: Callable[[torch.device], Any] | None = None, status: RunStatus | None = None,
+              on_frames: Callable[[list[FrameAllocation]], None] | None = None) -> RunResult:
     """Process one video file end to end. Raises SourceError / SinkError / StageError on failure.
 
-    query_embedding: (Dq,) use this instead of encoding `question` (callers with their own encoder).
+    out:             the store; None writes none (the answers and on_frames are the output)
+    query_embedding: (Dq,) use this instead of encoding `question` (callers with their own encoder)
+    vlm_factory:     device -> the VLM (or None), instead of loading cfg.runtime.vlm (the Python API
+                     keeps one loaded VLM for all its calls)
+    status:          the run's status, for a caller that stops it from another thread (see
+                     AllocationStream.close)
+    on_frames:       called by the sink with each batch's allocations, in order
     """
     from sinks import OverlayWriter
 
@@ -62,15 +73,17 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
     source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
                             device_color=device_color, **kwargs)
               if d.process else open_video(path, **kwargs))
+    writer = None
     try:
-        vlm = load_answerer(cfg, device)
+        vlm = load_answerer(cfg, device) if vlm_factory is None else vlm_factory(device)
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
         grid = geometry.grid(source.height, source.width)
-        store = ZarrStore.open(out, config=to_dict(cfg))
-        writer = store.stream(source.stream_id, source=str(path), query=question, fps=float(source.fps),
-                              width=source.width, height=source.height, grid=grid, vlm=cfg.runtime.vlm,
-                              chunk_frames=cfg.output.chunk_frames, overwrite=True)
+        if out is not None:
+            store = ZarrStore.open(out, config=to_dict(cfg))
+            writer = store.stream(source.stream_id, source=str(path), query=question, fps=float(source.fps),
+                                  width=source.width, height=source.height, grid=grid, vlm=cfg.runtime.vlm,
+                                  chunk_frames=cfg.output.chunk_frames, overwrite=True)
     except BaseException:
         source.close()
         raise
@@ -81,14 +94,15 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
             source.wait_ready()  # its start overlapped the setup above; decoding starts with the clock
         except BaseException:
             source.close()
-            writer.close(complete=False)
+            if writer is not None:
+                writer.close(complete=False)
             raise
-    status = RunStatus()
+    status = RunStatus() if status is None else status
     overlay = None
     if overlay_path is not None:
         overlay = OverlayWriter(overlay_path, fps=float(source.fps), width=source.width, height=source.height)
     vlm_stage = None if vlm is None else VLMStage(vlm, question, cfg.runtime.every_s)
-    graph = compose(source, writer, model, query, grid, cfg, device, status, overlay, vlm_stage)
+    graph = compose(source, writer, model, query, grid, cfg, device, status, overlay, vlm_stage, on_frames=on_frames)
     if on_graph is not None:
         on_graph(graph)
     bar = _progress_bar(source, progress)
@@ -102,10 +116,121 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
             bar.close()
     wall = time.perf_counter() - start
     sink = graph.stages[-1]
-    return RunResult(stream_id=source.stream_id, out=store_location(out), frames=sink.frames_written,
-                     complete=not (status.truncated or status.stopped), truncated=status.truncated,
-                     stopped=status.stopped, wall_s=wall, grid=grid, metrics=graph.report(),
-                     answers=list(sink.answers), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
+    return RunResult(stream_id=source.stream_id, out=None if out is None else store_location(out),
+                     frames=sink.frames_written, complete=not (status.truncated or status.stopped),
+                     truncated=status.truncated, stopped=status.stopped, wall_s=wall, grid=grid,
+                     metrics=graph.report(), answers=list(sink.answers),
+                     notes=[vlm.warning] if vlm is not None and vlm.warning else [])
+
+
+_END = object()
+
+
+class _Handoff:
+    """What the run's thread and the iterator share. The thread holds only this, not the
+    AllocationStream, so an abandoned stream is collected and its __del__ can stop the run."""
+
+    def __init__(self, capacity: int) -> None:
+        # bounded: a slow consumer holds the graph back (backpressure), as a slow sink does
+        self.queue: queue.Queue = queue.Queue(maxsize=capacity)
+        self.status = RunStatus()
+        self.closed = threading.Event()
+        self.composed = threading.Event()
+        self.graph: Graph | None = None
+        self.error: BaseException | None = None
+        self.result: RunResult | None = None
+
+    def run(self, path: str | Path, question: str, out: str | Path | None, cfg: PipelineConfig,
+            vlm_factory: Callable[[torch.device], Any] | None) -> None:
+        try:
+            self.result = run_video(path, question, out, cfg, progress=False, vlm_factory=vlm_factory,
+                                    status=self.status, on_graph=self.on_graph, on_frames=self.put)
+        except BaseException as e:  # raised in the consumer's thread
+            self.error = e
+        finally:
+            self.composed.set()
+            self.put([_END])
+
+    def on_graph(self, graph: Graph) -> None:
+        self.graph = graph
+        self.composed.set()
+
+    def put(self, items: list[Any]) -> None:
+        for item in items:
+            while not self.closed.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def stop(self) -> None:
+        """Stop the graph's source; what it produced drains to the sink, which closes the store
+        with complete=false. Frames no one takes any more are dropped here."""
+        if not self.closed.is_set():
+            self.closed.set()
+            with self.status.lock:
+                self.status.stopped = True
+            self.graph.stop()
+
+
+class AllocationStream:
+    """A video's per-frame allocations as the run graph makes them: run_video in a thread, its sink
+    handing each frame over (no store unless `out`). Iterate it; stop early with close() (or by
+    leaving a `with` block, or dropping it): the graph stops, and a store is closed with
+    complete=false.
+
+    Setup errors (a missing video, a bad config) are raised here, before the first frame; a stage's
+    failure is raised by the iteration, after the frames processed before it.
+    """
+
+    def __init__(self, path: str | Path, question: str, cfg: PipelineConfig, *, out: str | Path | None = None,
+                 vlm_factory: Callable[[torch.device], Any] | None = None) -> None:
+        self._handoff = handoff = _Handoff(2 * cfg.runtime.batch_size)
+        self._thread = threading.Thread(target=handoff.run, args=(path, question, out, cfg, vlm_factory),
+                                        name="allocations", daemon=True)
+        self._thread.start()
+        handoff.composed.wait()
+        if handoff.graph is None:  # setup failed
+            self._thread.join()
+            raise handoff.error
+
+    @property
+    def result(self) -> RunResult | None:
+        """The run's summary, once it ended."""
+        return self._handoff.result
+
+    def __iter__(self) -> Iterator[FrameAllocation]:
+        return self
+
+    def __next__(self) -> FrameAllocation:
+        handoff = self._handoff
+        if handoff.closed.is_set():
+            raise StopIteration
+        item = handoff.queue.get()
+        if item is _END:
+            handoff.closed.set()
+            self._thread.join()
+            if handoff.error is not None:
+                raise handoff.error
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stop the run (if it still runs) and wait for its thread; the frames decoded so far drain."""
+        self._handoff.stop()
+        self._thread.join()
+
+    def __enter__(self) -> "AllocationStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # an abandoned iterator must not leave its graph waiting for it
+        handoff = getattr(self, "_handoff", None)
+        if handoff is not None and handoff.graph is not None:
+            handoff.stop()
 
 
 def _progress_bar(source: Any, progress: bool | None):

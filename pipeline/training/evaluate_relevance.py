@@ -57,7 +57,7 @@ class EvalConfig:
 
 
 def build_models(cfg: EvalConfig, query_dim: int, device: torch.device) -> dict[str, ARRCOC]:
-    from ..core.weights import load_weights, resolve_weights
+    from arr_coc.checkpoint import load_weights, resolve_weights
 
     mcfg = ARRCOCConfig()
     mcfg = replace(mcfg, attending=replace(mcfg.attending, retention=cfg.retention),

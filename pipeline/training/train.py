@@ -295,9 +295,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     checkpoint is replaced only on request: `train --export-shipped`)."""
     from tqdm import tqdm
 
+    from arr_coc.checkpoint import load_weights, read_weights, save_weights
     from ..core.cuda import resolve_device
     from ..vlm.geometry import VLMGeometry
-    from ..core.weights import load_weights, read_weights, save_weights
     from sources.scenes import make_clips, make_scenes
 
     torch.manual_seed(cfg.seed)

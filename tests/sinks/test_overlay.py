@@ -1,4 +1,4 @@
-"""Homunculus overlay: rendering, H.264 mp4 via PyAV, PNG contact sheet."""
+"""Homunculus overlay: rendering, labels and legend, H.264 mp4 via PyAV, PNG contact sheet."""
 from __future__ import annotations
 
 import av
@@ -6,7 +6,8 @@ import cv2
 import numpy as np
 import pytest
 
-from sinks.overlay import DROP_DIM, OUTLINE, OverlayWriter, colormap, contact_sheet, render_homunculus
+from sinks.overlay import (ALPHA, CUT_COLOUR, DROP_DIM, OUTLINE, FrameLabel, OverlayWriter, colormap, contact_sheet,
+                           label_frame, legend_strip, render_homunculus)
 from sinks.zarr_store import SinkError
 
 GRAY = 128
@@ -115,3 +116,73 @@ class TestContactSheet:
             contact_sheet(frames, tokens, tmp_path / "sheet.jpg")
         with pytest.raises(SinkError, match="cannot write the contact sheet"):
             contact_sheet(frames, tokens, tmp_path / "missing_dir" / "sheet.png")
+
+
+class TestLabelsAndLegend:
+    def test_label_darkens_its_box_and_writes_in_it(self):
+        image = gray_frame(96, 128)
+        label_frame(image, FrameLabel(pts_s=1.25, frame_index=31, tokens_kept=12, tokens_full=35))
+        box = image[:20, :50]
+        assert box.min() < GRAY * 0.4 and box.max() > 200     # darkened, with white text
+        assert np.all(image[40:, :] == GRAY)                  # nothing drawn outside the corner
+        assert np.all(image[:, -30:] == GRAY)                 # no scene-change tag
+        assert FrameLabel(1.25, 31, 12, 35).lines() == ("1.25 s  #31", "12/35 tokens")
+
+    def test_scene_change_gets_a_border_and_a_tag(self):
+        image = label_frame(gray_frame(96, 128), FrameLabel(0.0, 0, 1, 35, scene_change=True))
+        cut = np.array(CUT_COLOUR, np.uint8)
+        assert np.all(image[-1] == cut) and np.all(image[:, 0] == cut) and np.all(image[:, -1] == cut)
+        assert np.all(image[3, -12] == cut)                   # the tag's box, top right
+        assert np.all(image[60, 64] == GRAY)
+
+    @pytest.mark.parametrize("colour_by, token_scale", [("tokens", 1.0), ("tokens", 3.0), ("tokens", 40.0),
+                                                        ("relevance", 1.0)])
+    def test_legend_shows_the_colours_the_render_uses(self, colour_by, token_scale):
+        strip = legend_strip(320, colour_by=colour_by, token_scale=token_scale)
+        assert strip.shape[1] == 320 and strip.dtype == np.uint8 and 20 <= strip.shape[0] <= 80
+        colours = {tuple(c) for c in strip.reshape(-1, 3)}
+        top = tuple(colormap(np.array(1.0)))                  # the colour of the most tokens / relevance 1
+        assert top in colours
+        assert (int(DROP_DIM * 128),) * 3 in colours          # the dropped-cell swatch
+        if colour_by == "tokens" and token_scale == 3.0:      # one swatch per count
+            for k in (1, 2):
+                assert tuple(colormap(np.array(k / 3.0))) in colours
+
+    def test_legend_rejects_an_unknown_colouring(self):
+        with pytest.raises(ValueError, match=r"Invalid colour_by \('hue'\). Supported values are relevance, tokens."):
+            legend_strip(100, colour_by="hue")
+
+
+class TestWriterOptions:
+    def test_legend_makes_the_video_taller_and_colours_by_tokens(self, tmp_path):
+        path = tmp_path / "legend.mp4"
+        strip = legend_strip(72, colour_by="tokens", token_scale=2.0, scale=0.3)
+        with OverlayWriter(path, fps=10, width=72, height=48, colour_by="tokens", token_scale=2.0,
+                           legend=True) as overlay:
+            overlay.write(gray_frame(48, 72), half_kept(), np.zeros((4, 6)), label=FrameLabel(0.0, 0, 12, 24))
+        frame = decode(path)[0]
+        height = 48 + len(strip)
+        assert frame.shape == (height + height % 2, 72, 3)
+        assert np.abs(frame[48:48 + len(strip)].astype(float) - strip).mean() < 6
+        # tokens 1 of scale 2: the middle of the colour map, not relevance 0's black
+        kept = frame[30:34, 14:22].reshape(-1, 3).mean(0)
+        expected = (1 - ALPHA) * GRAY + ALPHA * colormap(np.array(0.5)).astype(float)
+        assert np.abs(kept - expected).max() < 12
+
+    @pytest.mark.parametrize("kwargs, message", [
+        (dict(colour_by="hue"), r"Invalid colour_by \('hue'\)"),
+        (dict(token_scale=0), "token_scale must be a number > 0 or None, got 0"),
+        (dict(colour_by="tokens", legend=True), "a legend for colour_by='tokens' needs a fixed token_scale"),
+    ])
+    def test_bad_options(self, tmp_path, kwargs, message):
+        with pytest.raises(ValueError, match=message):
+            OverlayWriter(tmp_path / "o.mp4", fps=10, width=32, height=16, **kwargs)
+
+    def test_unknown_container_is_a_sink_error(self, tmp_path):
+        with pytest.raises(SinkError, match="cannot write the overlay video .*o.nope"):
+            OverlayWriter(tmp_path / "o.nope", fps=10, width=32, height=16)
+
+    def test_contact_sheet_labels_must_match_the_frames(self, tmp_path):
+        frames, tokens = np.zeros((2, 8, 8, 3), np.uint8), np.ones((2, 2, 2))
+        with pytest.raises(ValueError, match=r"labels must hold one FrameLabel per frame \(2\), got 1"):
+            contact_sheet(frames, tokens, tmp_path / "s.png", labels=[FrameLabel(0.0, 0, 4, 4)])

@@ -203,6 +203,15 @@ class TestAppend:
         np.testing.assert_array_equal(data["relevance"], np.clip(want["relevance"], 0, 1).astype(np.float16))
         assert data["relevance"].min() == 0.0 and data["relevance"].max() == 1.0  # clipping happened
 
+    def test_read_only_some_frame_arrays(self, store):
+        with store.stream("v", **META) as writer:
+            write_frames(writer, 20)
+        data = store.read("v", frame_arrays=("pts", "scene_change"))
+        assert set(data) - {"gaps"} == {"attrs", "pts", "scene_change", "answers"}
+        np.testing.assert_array_equal(data["pts"], expected(20)["pts"])
+        with pytest.raises(ValueError, match=r"Invalid frame array \('nope'\). Supported values are pts, "):
+            store.read("v", frame_arrays=("pts", "nope"))
+
     def test_flush_writes_partial_chunk_and_writing_continues(self, store):
         writer = store.stream("v", **META, chunk_frames=16)
         write_frames(writer, 21, batch=7)

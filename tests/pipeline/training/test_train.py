@@ -1,17 +1,16 @@
-"""Training: the loss goes down, checkpoints round-trip and resume exactly, the VLM answer loss
-reaches ARR-COC and nothing else, and the default weights load (or refuse) as documented."""
+"""Training: the loss goes down, checkpoints resume exactly, the VLM answer loss reaches ARR-COC and
+nothing else, and the pipeline builds its model from the shipped weights (the checkpoint format
+itself: tests/arr_coc/test_checkpoint.py)."""
 import json
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from arr_coc._validate import ConfigError
 from arr_coc.model import ARRCOC
 from pipeline.configio import load_config
 from pipeline.training.train import TrainConfig, train
-from pipeline.core.weights import DEFAULT_WEIGHTS, load_default, load_weights, save_weights
+from arr_coc.checkpoint import DEFAULT_WEIGHTS, load_weights
 
 TINY = ["data.scenes=12", "data.hard_scenes=4", "data.clips=1", "data.clip_shots=2", "data.size=112", "data.val_scenes=4"]
 
@@ -60,62 +59,15 @@ class TestTraining:
         assert history[2]["decay"] != 0.5 or history[2]["motion_boost"] != pytest.approx(0.3, abs=1e-6)
 
 
-class TestCheckpoint:
-    def test_round_trip(self, tmp_path):
-        torch.manual_seed(1)
-        a = ARRCOC(query_dim=16)
-        with torch.no_grad():
-            for p in a.parameters():
-                p.add_(torch.randn_like(p))
-        path = save_weights(a, tmp_path / "w.safetensors", {"note": "x"})
-        b = ARRCOC(query_dim=16)
-        assert load_weights(b, path) == []
-        for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
-            assert torch.equal(va, vb), k
-
-    def test_shape_mismatch_is_a_clear_error(self, tmp_path):
-        path = save_weights(ARRCOC(query_dim=16), tmp_path / "w.safetensors")
-        with pytest.raises(ConfigError, match=r"shape mismatches \(first: balancer.policy.0.weight is \(64, 25\) in the file, \(64, 41\) in the model\)"):
-            load_weights(ARRCOC(query_dim=32), path)
-
-    def test_partial_keeps_only_misfits_at_init(self, tmp_path):
-        src = ARRCOC(query_dim=16)
-        with torch.no_grad():
-            src.realizer.decay_logit.fill_(2.0)
-        path = save_weights(src, tmp_path / "w.safetensors")
-        dst = ARRCOC(query_dim=32)
-        skipped = load_weights(dst, path, partial=True)
-        assert skipped and all(k.startswith(("knowing.participatory.project", "balancer.")) for k in skipped)
-        assert dst.realizer.decay_logit.item() == 2.0
-
-    def test_bad_path(self, tmp_path):
-        with pytest.raises(ConfigError, match="no such file"):
-            load_default(ARRCOC(query_dim=384), str(tmp_path / "missing.safetensors"))
-
-
 @pytest.mark.skipif(not DEFAULT_WEIGHTS.is_file(), reason="the shipped checkpoint is not built yet")
-class TestShippedDefault:
-    def test_default_is_trained_and_loads_strictly_for_minilm(self):
-        m = ARRCOC(query_dim=384)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert load_default(m, "default") == []
-        assert not torch.equal(m.state_dict()["knowing.participatory.log_scale"],
-                               ARRCOC(query_dim=384).state_dict()["knowing.participatory.log_scale"])
-
-    def test_other_query_width_warns(self):
-        with pytest.warns(UserWarning, match="keep their untrained initial values"):
-            skipped = load_default(ARRCOC(query_dim=64), "default")
-        assert skipped
-
-    def test_build_model_uses_it(self):
-        from pipeline.config import PipelineConfig
-        from pipeline.core.setup import build_model
-        trained = build_model(PipelineConfig(), 384, torch.device("cpu"))
-        none = load_config(PipelineConfig, None, ["runtime.model_weights=none"])
-        untrained = build_model(none, 384, torch.device("cpu"))
-        assert float(trained.realizer.decay) != pytest.approx(float(untrained.realizer.decay), abs=1e-6) or \
-            not torch.equal(trained.balancer.mix_logits, untrained.balancer.mix_logits)
+def test_build_model_uses_the_shipped_weights():
+    from pipeline.config import PipelineConfig
+    from pipeline.core.setup import build_model
+    trained = build_model(PipelineConfig(), 384, torch.device("cpu"))
+    none = load_config(PipelineConfig, None, ["runtime.model_weights=none"])
+    untrained = build_model(none, 384, torch.device("cpu"))
+    assert float(trained.realizer.decay) != pytest.approx(float(untrained.realizer.decay), abs=1e-6) or \
+        not torch.equal(trained.balancer.mix_logits, untrained.balancer.mix_logits)
 
 
 class TestVLMFineTune:

@@ -1,32 +1,39 @@
 """ARR-COC weights as safetensors: the trained checkpoint shipped in the package, and any other.
 
-`runtime.model_weights` picks them: "default" (arr_coc/weights/default.safetensors, trained by
+A weights spec is "default" (arr_coc/weights/default.safetensors, trained by
 `python -m pipeline train --config configs/train_default.yaml`), "none" (the documented initial
 values, untrained) or a path. A path must match the model exactly (every key, every shape). The
 default checkpoint was trained with 384-d MiniLM queries; with a VLM whose embeddings have another
 width the query-facing layers cannot take it, so they keep their initial values and the caller
-gets a note naming them.
+gets a warning naming them.
+
+The one place this package reads or writes files: `ARRCOC.from_pretrained` and training need it,
+and the pipeline's `runtime.model_weights` means the same specs.
 """
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-import arr_coc
-from arr_coc._validate import ConfigError
+from ._validate import ConfigError
 
-DEFAULT_WEIGHTS = Path(arr_coc.__file__).resolve().parent / "weights" / "default.safetensors"
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "default.safetensors"
 
 
-def resolve_weights(spec: str) -> Path | None:
-    """"default" | "none" | a path -> the file to load, or None for the initial values."""
-    if spec == "none":
+def resolve_weights(spec: str | os.PathLike, name: str = "weights") -> Path | None:
+    """"default" | "none" | a path -> the file to load, or None for the initial values.
+    name: what the caller calls the spec in its errors (e.g. runtime.model_weights)."""
+    if isinstance(spec, str) and spec == "none":
         return None
-    path = DEFAULT_WEIGHTS if spec == "default" else Path(spec)
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be 'default', 'none' or a .safetensors path, got {spec!r}")
+    path = DEFAULT_WEIGHTS if isinstance(spec, str) and spec == "default" else Path(spec)
     if not path.is_file():
-        raise ConfigError(f"runtime.model_weights={spec!r}: no such file {path}; "
+        raise ConfigError(f"{name}={str(spec)!r}: no such file {path}; "
                           "allowed: default, none or a .safetensors path")
     return path
 
@@ -87,24 +94,20 @@ def load_weights(model: nn.Module, path: str | Path, *, partial: bool = False) -
     return missing + mismatched
 
 
-
-
-def load_default(model: nn.Module, spec: str) -> list[str]:
-    """Apply runtime.model_weights to a freshly built model; returns the keys left at their initial values.
+def load_pretrained(model: nn.Module, spec: str | os.PathLike, name: str = "weights") -> list[str]:
+    """Apply a weights spec to a freshly built model; returns the keys left at their initial values.
 
     An explicit path must fit exactly. The shipped default fits the default architecture with
-    384-d MiniLM queries; where the run differs (a VLM's embedding width, another balancer kind),
+    384-d MiniLM queries; where the model differs (a VLM's embedding width, another balancer kind),
     the parts that fit are loaded and a one-line warning names how many tensors kept their
     initial values, since an allocation from an untrained query projection is not the trained one.
     """
-    import warnings
-
-    path = resolve_weights(spec)
+    path = resolve_weights(spec, name)
     if path is None:
         return []
-    skipped = load_weights(model, path, partial=spec == "default")
+    skipped = load_weights(model, path, partial=isinstance(spec, str) and spec == "default")
     if skipped:
         warnings.warn(f"the default ARR-COC checkpoint was trained for 384-d MiniLM queries and the default "
                       f"architecture; {len(skipped)} tensors that do not fit this model keep their untrained "
-                      f"initial values (first: {skipped[0]})", stacklevel=2)
+                      f"initial values (first: {skipped[0]})", stacklevel=3)
     return skipped

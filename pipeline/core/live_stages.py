@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 import torch
@@ -236,6 +236,9 @@ class LiveSinkStage(Stage):
         self.writers, self.counters, self.answers_out = writers, counters, answers_out
         self.sources: dict[str, LiveSource] = {}   # set by run_live: a source that gave up is not complete
         self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
+        # set by run_live: told of each answer / gap once the store has it (the server's events)
+        self.on_answer: Callable[[AnswerItem], None] | None = None
+        self.on_gap: Callable[[str, Gap], None] | None = None
         self.answers: list[AnswerItem] = []
         self._closed = False
 
@@ -250,6 +253,8 @@ class LiveSinkStage(Stage):
             writer.add_gap(start_pts=gap.start_pts, end_pts=gap.end_pts, start_wall=gap.start_wall,
                            end_wall=gap.end_wall, reason=gap.reason)
             counters.gaps += 1
+            if self.on_gap is not None:
+                self.on_gap(sid, gap)
         allocation = item.wait()
         frames = item.batch.frames
         writer.append(pts=np.array([f.pts_s for f in frames], dtype=np.float64),
@@ -268,6 +273,8 @@ class LiveSinkStage(Stage):
         counters.answers += 1
         counters.answer_latency.append(item.latency_s)
         self.answers.append(item)
+        if self.on_answer is not None:
+            self.on_answer(item)
         if self.answers_out is not None:
             self.answers_out.write(json.dumps({
                 "stream": item.stream_id, "t_start": round(item.t_start, 3), "t_end": round(item.t_end, 3),

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from arr_coc.model import ARRCOC
 from sinks import ZarrStore, store_location
 from sources import open_video
 from sources.process import ProcessSource
@@ -46,24 +47,29 @@ class RunResult:
 def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineConfig, *,
               overlay_path: str | Path | None = None, progress: bool | None = None,
               on_graph: Callable[[Graph], None] | None = None,
-              query_embedding: torch.Tensor | None = None) -> RunResult:
+              query_embedding: torch.Tensor | None = None, vlm: Any = None, model: ARRCOC | None = None,
+              stream_id: str | None = None) -> RunResult:
     """Process one video file end to end. Raises SourceError / SinkError / StageError on failure.
 
     query_embedding: (Dq,) use this instead of encoding `question` (callers with their own encoder).
+    vlm, model: an already loaded VLM (or an object with its interface: geometry, text_embeddings,
+        answer, warning) and ARR-COC model for its queries, instead of loading cfg's (the server
+        shares one of each between its requests).
+    stream_id: the stream's name in the store (default: the file stem).
     """
     from sinks import OverlayWriter
 
     device = resolve_device(cfg.runtime.device)
     d = cfg.decode
     kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
-                  threads=d.threads)
+                  threads=d.threads, stream_id=stream_id)
     # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV
     device_color = device.type == "cuda" and cfg.runtime.vlm == "none" and overlay_path is None
     source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
                             device_color=device_color, **kwargs)
               if d.process else open_video(path, **kwargs))
     try:
-        vlm = load_answerer(cfg, device)
+        vlm = load_answerer(cfg, device) if vlm is None else vlm
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
         grid = geometry.grid(source.height, source.width)
@@ -75,7 +81,7 @@ def run_video(path: str | Path, question: str, out: str | Path, cfg: PipelineCon
         source.close()
         raise
     query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device, vlm)
-    model = build_model(cfg, query.shape[-1], device)
+    model = build_model(cfg, query.shape[-1], device) if model is None else model
     if isinstance(source, ProcessSource):
         try:
             source.wait_ready()  # its start overlapped the setup above; decoding starts with the clock

@@ -93,6 +93,7 @@ def create_app(engine: Engine) -> FastAPI:
         limit = engine.options.max_upload_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit + 64 * 1024:
+            await _drain(request.stream(), limit)
             raise too_large("the upload", int(declared), limit, "--max-upload-mb")
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise ApiError(400, "upload with multipart/form-data: a `file` field (and optionally `purpose`)",
@@ -247,8 +248,19 @@ async def _limited(stream, limit: int):
     async for piece in stream:
         size += len(piece)
         if size > limit:
+            await _drain(stream, limit)
             raise too_large("the upload", None, limit, "--max-upload-mb")
         yield piece
+
+
+async def _drain(stream, limit: int) -> None:
+    """Read and drop the rest of a refused body (up to a few times the limit), so that a client still
+    sending it reads the 413 instead of a broken pipe; beyond that the connection is just closed."""
+    dropped = 0
+    async for piece in stream:
+        dropped += len(piece)
+        if dropped > max(4 * limit, 16 << 20):
+            break
 
 
 def _classify(e: BaseException) -> tuple[int, str]:

@@ -39,7 +39,7 @@ def create_server(app: Any, host: str, port: int) -> Any:
 
 
 def serve_forever(cfg: PipelineConfig, options: ServeOptions) -> None:
-    """Serve until Ctrl-C / SIGTERM."""
+    """Serve until Ctrl-C / SIGTERM (a normal stop: open live streams end, the store stays valid)."""
     from .app import create_app
 
     engine = build_engine(cfg, options)
@@ -49,7 +49,11 @@ def serve_forever(cfg: PipelineConfig, options: ServeOptions) -> None:
     print(f"serving {engine.model_id} on http://{options.host}:{options.port}/ (store {options.store}; "
           f"file:// inside {', '.join(map(str, options.allow_dirs)) or 'nothing'}; "
           f"API key {'required' if options.api_key else 'off'})", file=sys.stderr, flush=True)
-    server.run()
+    try:
+        server.run()      # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then re-raises the signal
+    except KeyboardInterrupt:
+        pass
+    print("server stopped", file=sys.stderr)
 
 
 class BackgroundServer:

@@ -19,6 +19,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            uploads=Path(args.uploads) if args.uploads else None, max_upload_mb=args.max_upload_mb,
                            max_fetch_mb=args.max_fetch_mb, live_window_s=args.live_window,
                            max_concurrent=args.max_concurrent, max_streams=args.max_streams)
+    if args.config is None and not any(o.startswith("decode.process=") for o in args.overrides):
+        # many short clips at once: a decode process per request (spawn, shared memory) costs more
+        # than it saves; each request's decoder is a thread of the server instead
+        args.overrides = ["decode.process=false", *args.overrides]
     cfg = load_run_config(args)
     if args.ray:
         from ..serve.ray_app import parse_replicas, serve_on_ray

@@ -50,9 +50,6 @@ class LocalVLM:
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.vlm.prefix_length(question, visual_tokens)
 
-    def warm_up(self, *args: Any, **kwargs: Any) -> Any:
-        return self.vlm.warm_up(*args, **kwargs)
-
     def close(self) -> None:
         self.batcher.close()
 
@@ -81,8 +78,11 @@ class RequestVLM:
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.service.prefix_length(question, visual_tokens)
 
-    def warm_up(self, *args: Any, **kwargs: Any) -> Any:
-        return self.service.warm_up(*args, **kwargs)
+    def warm_up(self, *args: Any, **kwargs: Any) -> list:
+        # a live stream's setup would capture CUDA graphs from this request's thread while the
+        # shared VLM answers other requests in the batcher's: the VLM captures each shape itself,
+        # in its one thread, the first time it meets it
+        return []
 
 
 def answer_row(t_start: float, t_end: float, text: str, tokens_kept: int, tokens_full: int,

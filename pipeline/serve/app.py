@@ -235,21 +235,27 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
 
 
 async def json_body(request: Request) -> Any:
-    raw = await request.body()
+    """The body as JSON; 413 past the upload limit (a data: URL is the largest thing a body carries)."""
+    limit = request.app.state.engine.options.max_upload_bytes * 4 // 3 + (1 << 20)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(request.stream(), limit)
+        raise too_large("the request body", int(declared), limit, "--max-upload-mb")
+    raw = b"".join([piece async for piece in _limited(request.stream(), limit, "the request body")])
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
 
 
-async def _limited(stream, limit: int):
+async def _limited(stream, limit: int, what: str = "the upload"):
     """The request body, refused (413) past `limit` bytes: an upload is never spooled beyond it."""
     size = 0
     async for piece in stream:
         size += len(piece)
         if size > limit:
             await _drain(stream, limit)
-            raise too_large("the upload", None, limit, "--max-upload-mb")
+            raise too_large(what, None, limit, "--max-upload-mb")
         yield piece
 
 

@@ -117,9 +117,6 @@ class RemoteVLM:
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.handle.prefix_length.remote(question, visual_tokens).result()
 
-    def warm_up(self, *args: Any, **kwargs: Any) -> list:
-        return []          # each VLM replica captures its graphs as it first meets a shape
-
     def close(self) -> None:
         self._waiters.shutdown(wait=False)
 

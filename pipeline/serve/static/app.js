@@ -305,7 +305,10 @@ async function startLive(event) {
 
 async function loadStreams() {
   const streams = (await (await api("/v1/streams")).json()).data;
-  for (const stream of streams) if (!document.getElementById(`card-${stream.id}`)) follow(stream);
+  for (const stream of streams) {       // the streams running now (ended ones stay in GET /v1/streams)
+    const running = stream.status === "starting" || stream.status === "running";
+    if (running && !document.getElementById(`card-${stream.id}`)) follow(stream);
+  }
 }
 
 function streamCard(stream) {

@@ -89,9 +89,10 @@ def test_the_live_view_shows_answers_arriving(page, videos):
     page.fill("#live-question", "what is happening now?")
     page.fill("#live-every", "1")
     page.click("#live-start")
-    page.wait_for_selector(".stream .events li.answer", timeout=60_000)
-    assert page.inner_text(".stream .source") == videos.demo.as_uri()
-    assert "tokens" in page.locator(".stream .events li.answer").first.inner_text()
-    page.click(".stream .stop")
-    page.wait_for_selector(".stream .events li.end", timeout=30_000)
-    assert page.inner_text(".stream .state") == "stopped"
+    card = page.locator(".stream", has_text="what is happening now?")     # other tests' streams may run too
+    card.locator(".events li.answer").first.wait_for(timeout=60_000)
+    assert card.locator(".source").inner_text() == videos.demo.as_uri()
+    assert "tokens" in card.locator(".events li.answer").first.inner_text()
+    card.locator(".stop").click()
+    card.locator(".events li.end").wait_for(timeout=30_000)
+    assert card.locator(".state").inner_text() == "stopped"

@@ -94,6 +94,8 @@ class TestBadRequests:
     def test_a_data_url_over_the_limit_and_a_bad_one(self, server):
         big = "data:video/mp4;base64," + base64.b64encode(os.urandom(600 * 1024)).decode()
         assert_error(*call(server, "POST", "/v1/chat/completions", chat_body(big)), 413, "over the server's limit")
+        huge = "data:video/mp4;base64," + base64.b64encode(os.urandom(2 << 20)).decode()   # refused unread
+        assert_error(*call(server, "POST", "/v1/chat/completions", chat_body(huge)), 413, "the request body")
         assert_error(*call(server, "POST", "/v1/chat/completions", chat_body("data:text/plain,hi")), 400, "data:video")
 
     @pytest.mark.parametrize("key, words", [(None, "missing API key"), ("wrong-key", "wrong API key")])

@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import json
 import logging
+import mimetypes
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -125,7 +126,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> FileResponse:
         upload = engine.media.upload(file_id)
-        return FileResponse(engine.media.upload_path(file_id), media_type="video/mp4", filename=upload.filename)
+        return FileResponse(engine.media.upload_path(file_id), media_type=_video_type(upload.filename),
+                            filename=upload.filename)
 
     @app.delete("/v1/files/{file_id}")
     async def file_delete(file_id: str) -> dict[str, Any]:
@@ -138,7 +140,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/v1/videos/content")
     async def video_content(url: str) -> FileResponse:
-        return FileResponse(engine.media.allowed_path(url), media_type="video/mp4")
+        path = engine.media.allowed_path(url)
+        return FileResponse(path, media_type=_video_type(path.name))
 
     @app.get("/v1/homunculus/{stream_id}")
     async def homunculus(stream_id: str) -> dict[str, Any]:
@@ -232,6 +235,10 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
     if chat.include_usage:
         yield chunk(request_id, model, created, None, usage=completion.usage())
     yield DONE
+
+
+def _video_type(name: str) -> str:
+    return mimetypes.guess_type(name)[0] or "application/octet-stream"
 
 
 async def json_body(request: Request) -> Any:

@@ -13,6 +13,7 @@ VLM-less ingress restart can reach again (a local path on one machine, or an fss
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
 import time
@@ -174,6 +175,8 @@ def start(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas:
 def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int]) -> None:
     """Deploy and keep serving until Ctrl-C / SIGTERM, then take the app down."""
     start(cfg, options, address=address, replicas=replicas)
+    for signum in (signal.SIGINT, signal.SIGTERM):   # ray.init installed its own, which abort the process
+        signal.signal(signum, _stop)
     print(f"serving {cfg.runtime.vlm} on Ray Serve at http://{options.host}:{options.port}/ "
           f"(VLM replicas {replicas[0]}..{replicas[1]}; store {options.store})", file=sys.stderr, flush=True)
     try:
@@ -184,3 +187,7 @@ def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, re
     finally:
         serve.delete(APP_NAME)
     print("server stopped", file=sys.stderr)
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -59,6 +60,9 @@ class Completion:
 
 
 class Engine:
+    """Everything a request needs, built once: the VLM service, the ARR-COC model, the store, the
+    media rules, the live streams and the metrics. `answer` runs one request (blocking)."""
+
     def __init__(self, cfg: PipelineConfig, options: ServeOptions, service: Any) -> None:
         from .streams import LiveStreams
 
@@ -167,7 +171,8 @@ def homunculus_json(stream_id: str, data: dict[str, Any]) -> dict[str, Any]:
     answers = data["answers"]
     gaps = data.get("gaps", {})
     return {
-        "id": stream_id, "object": "homunculus", "source": attrs["source"], "question": attrs["query"],
+        # a file's name only: the server's own directories are not the client's business
+        "id": stream_id, "object": "homunculus", "source": shown_source(attrs["source"]), "question": attrs["query"],
         "fps": attrs["fps"], "width": attrs["width"], "height": attrs["height"], "grid": [gh, gw],
         "vlm": attrs["vlm"], "complete": bool(attrs["complete"]), "frames": int(len(tokens)),
         "pts": [round(float(p), 4) for p in data["pts"]],
@@ -182,6 +187,10 @@ def homunculus_json(stream_id: str, data: dict[str, Any]) -> dict[str, Any]:
         "gaps": [{"start_pts": float(s), "end_pts": float(e), "reason": str(r)}
                  for s, e, r in zip(gaps.get("start_pts", []), gaps.get("end_pts", []), gaps.get("reason", []))],
     }
+
+
+def shown_source(source: str) -> str:
+    return source if "://" in source else Path(source).name
 
 
 class Discard:

@@ -50,6 +50,7 @@ class TestChat:
 
         status, h = call(server, "GET", extension["homunculus"])
         assert status == 200 and h["id"] == reply.id and h["complete"] and h["question"] == "what moves?"
+        assert h["source"] == "small.mp4"                  # the file's name, not the server's directories
         gh, gw = h["grid"]
         tokens = np.array(h["tokens"])
         assert tokens.shape == (24, gh * gw) and h["frames"] == 24
@@ -91,6 +92,7 @@ class TestChat:
                                                  {"type": "text", "text": "and now?"}]}]
         assert client(server).chat.completions.create(model="tiny-random", messages=messages).choices
         status, h = call(server, "GET", f"/v1/homunculus/{reply.id}")
+        assert h["source"] == upload.id
         cuts = h["scene_changes"][1:]
         assert np.allclose(cuts, videos.demo_cuts_s, atol=0.05), cuts
 

@@ -29,10 +29,14 @@ def call(server: Any, method: str, path: str, body: Any = None, *, key: str | No
         return status, payload.decode()
 
 
-def sse(server: Any, path: str, *, key: str | None = API_KEY, headers: dict[str, str] | None = None,
+def sse(server: Any, path: str, body: Any = None, *, key: str | None = API_KEY, headers: dict[str, str] | None = None,
         timeout: float = 60.0) -> Iterator[tuple[str, Any, str | None]]:
-    """(event, data, id) of a server-sent event stream, until the server closes it."""
-    request = urllib.request.Request(server.url + path, headers=dict(headers or {}))
+    """(event, data, id) of a server-sent event stream (GET, or POST of a JSON body), until the
+    server closes it."""
+    request = urllib.request.Request(server.url + path, headers=dict(headers or {}),
+                                     data=None if body is None else json.dumps(body).encode())
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
     if key is not None:
         request.add_header("Authorization", f"Bearer {key}")
     with urllib.request.urlopen(request, timeout=timeout) as response:

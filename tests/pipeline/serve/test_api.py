@@ -79,6 +79,13 @@ class TestChat:
         assert usage.tokens_kept == sum(a["tokens_kept"] for a in answers)
         assert usage.tokens_full == sum(a["tokens_full"] for a in answers)
 
+    def test_the_raw_event_stream_ends_with_done(self, server, videos):
+        events = list(sse(server, "/v1/chat/completions", chat_body(videos.small.as_uri(), stream=True)))
+        assert [e[0] for e in events] == ["message"] * len(events) and events[-1][1] == "[DONE]"
+        chunks = [e[1] for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-1]  # not asked for
+
     def test_an_uploaded_video(self, server, videos):
         api = client(server)
         with open(videos.demo, "rb") as f:

@@ -562,15 +562,18 @@ def _stream_files(attrs: dict[str, Any], grid: tuple[int, int], chunk_frames: in
     return files
 
 
-def _make_dir(directory: Path, tries: int = 5) -> None:
-    """mkdir -p that survives another writer removing an empty parent meanwhile (each writer removes
+def _make_dir(directory: Path, tries: int = 50) -> None:
+    """mkdir -p that survives other writers removing an empty parent meanwhile (each writer removes
     the shared, empty staging directory after its rename: between mkdir -p creating it and creating
-    our directory inside it, another writer's rmdir may take it away)."""
+    our directory inside it, another writer's rmdir may take it away: FileNotFoundError; or the
+    parent is recreated by one writer and removed by another between pathlib's mkdir of it and its
+    check that it exists: FileExistsError for a directory that is not there). Many writers at once
+    (a server creating a stream per request) make several such losses in a row possible."""
     for _ in range(tries - 1):
         try:
             directory.mkdir(parents=True, exist_ok=True)
             return
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):
             continue
     directory.mkdir(parents=True, exist_ok=True)
 

@@ -1,4 +1,5 @@
-"""Command line: `python -m pipeline {run,demo,live,batch,eval,export,render,train,evaluate-relevance} ...`,
+"""Command line: `python -m pipeline {run,demo,live,batch,eval,export,render,serve,
+train,evaluate-relevance} ...`,
 also installed as the console script `arrcoc`.
 
 This module owns every parser; each command's function lives in its own module of this package
@@ -62,6 +63,7 @@ def build_parser(prog: str = "python -m pipeline") -> argparse.ArgumentParser:
     _add_export(sub)
     _add_render(sub)
     _add_live(sub)
+    _add_serve(sub)
     _add_train(sub)
     _add_evaluate_relevance(sub)
     return parser
@@ -166,6 +168,37 @@ def _add_live(sub: Any) -> None:
     p.add_argument("--metrics-every", type=float, default=5.0, metavar="SECONDS",
                    help="period of the JSON metrics on stderr when it is not a terminal (default: 5)")
     p.set_defaults(func=_lazy("live", "cmd_live"))
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (video questions, live streams) and a web viewer",
+                       description="Serve /v1/chat/completions with video, live streams and the viewer at /. "
+                                   "--out names the server's store: every request's homunculus, under the "
+                                   "request's id (default: serve.zarr).")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: %(default)s; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--allow-dir", dest="allow_dirs", action="append", default=[], metavar="DIR",
+                   help="serve file:// videos from inside this directory (repeatable; default: none)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 route "
+                                     "(default: the ARRCOC_API_KEY environment variable)")
+    p.add_argument("--uploads", metavar="DIR", help="where uploaded videos are kept (default: <store>.uploads)")
+    p.add_argument("--max-upload-mb", type=float, default=512.0, metavar="MB",
+                   help="largest upload or data: URL (default: %(default)g)")
+    p.add_argument("--max-fetch-mb", type=float, default=512.0, metavar="MB",
+                   help="largest http(s):// video fetched for a request (default: %(default)g)")
+    p.add_argument("--live-window", type=float, default=4.0, metavar="SECONDS",
+                   help="an rtsp:// video in a chat request is answered over this much live video (default: %(default)g)")
+    p.add_argument("--max-concurrent", type=int, default=8, metavar="N",
+                   help="requests whose front ends run at once; the rest queue (default: %(default)s)")
+    p.add_argument("--max-streams", type=int, default=8, metavar="N",
+                   help="live streams over HTTP at once (default: %(default)s)")
+    p.add_argument("--ray", metavar="ADDRESS", help="deploy on Ray Serve instead: 'local' (start Ray here), 'auto' "
+                                                    "(a running cluster) or a cluster address")
+    p.add_argument("--replicas", default="1", metavar="MIN[:MAX]",
+                   help="Ray Serve: autoscaling bounds of the VLM deployment's replicas (default: %(default)s)")
+    _common(p)
+    p.set_defaults(func=_lazy("serve", "cmd_serve"))
 
 
 def _add_train(sub: Any) -> None:

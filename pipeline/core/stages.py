@@ -487,6 +487,9 @@ class SinkStage(Stage):
         self.writers, self.outcome, self.overlay, self.on_frames = writers, outcome, overlay, on_frames
         self.counters, self.answers_out = counters, answers_out
         self.interrupted = False                   # Ctrl-C / SIGTERM: no stream is complete
+        # told of each answer / gap once the store has it (the server's events; set by run_live)
+        self.on_answer: Callable[[AnswerItem], None] | None = None
+        self.on_gap: Callable[[str, Any], None] | None = None
         self.frames_written = 0
         self.last_pts: dict[str, float] = {}      # per stream: its last stored frame's pts
         self.answers: list[AnswerItem] = []
@@ -503,6 +506,8 @@ class SinkStage(Stage):
         if gap is not None and writer is not None:
             writer.add_gap(start_pts=gap.start_pts, end_pts=gap.end_pts, start_wall=gap.start_wall,
                            end_wall=gap.end_wall, reason=gap.reason)
+        if gap is not None and self.on_gap is not None:
+            self.on_gap(sid, gap)
         allocation = item.wait()
         frames = item.batch.frames
         rows = frame_rows(frames, allocation)
@@ -531,6 +536,9 @@ class SinkStage(Stage):
         if self.writers.get(sid) is not None:
             self.writers[sid].add_answers([a.row() for a in answers])   # one commit: all or none
         self.answers += answers
+        if self.on_answer is not None:
+            for a in answers:
+                self.on_answer(a)
         if self.counters is not None:
             self.counters[sid].answers += len(answers)
             self.counters[sid].answer_latency.extend(a.latency_s for a in answers)

@@ -10,10 +10,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 from sinks import ZarrStore, store_location
-from sources.live import LiveConfig, LiveSource, open_live
+from sources.live import Gap, LiveConfig, LiveSource, open_live
 
 from ..config import PipelineConfig
 from ..configio import to_dict
@@ -40,18 +40,25 @@ class LiveResult:
     notes: list[str] = field(default_factory=list)
 
 
-def open_sources(specs: list[str], config: LiveConfig) -> list[LiveSource]:
+def open_sources(specs: list[str], config: LiveConfig, stream_ids: list[str] | None = None) -> list[LiveSource]:
     """Open every source (one SourceError if any fails; the ones opened are closed again).
-    Two sources with the same name get distinct stream ids (name, name_2, ...)."""
+    Two sources with the same name get distinct stream ids (name, name_2, ...), unless `stream_ids`
+    names each one."""
     from sources.live import parse_source
 
+    if stream_ids is not None and len(stream_ids) != len(specs):
+        raise ValueError(f"stream_ids names {len(stream_ids)} streams for {len(specs)} sources")
     seen: dict[str, int] = {}
     opened: list[LiveSource] = []
     try:
-        for spec in specs:
+        for k, spec in enumerate(specs):
             sid = parse_source(spec, realtime=config.realtime).stream_id
             seen[sid] = seen.get(sid, 0) + 1
-            opened.append(open_live(spec, config=config, stream_id=sid if seen[sid] == 1 else f"{sid}_{seen[sid]}"))
+            if stream_ids is not None:
+                sid = stream_ids[k]
+            elif seen[sid] > 1:
+                sid = f"{sid}_{seen[sid]}"
+            opened.append(open_live(spec, config=config, stream_id=sid))
     except BaseException:
         for source in opened:
             source.close()
@@ -63,13 +70,19 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
              live: LiveConfig | None = None, options: LiveOptions | None = None,
              answers_out: TextIO | None = None, status_out: TextIO | None = None, status_tty: bool | None = None,
              stop: threading.Event | None = None, on_graph: Any = None, slow_stage_s: float = 0.0,
-             vlm: Any = None) -> LiveResult:
+             vlm: Any = None, model: Any = None, stream_ids: list[str] | None = None,
+             on_answer: Callable[[AnswerItem], None] | None = None,
+             on_gap: Callable[[str, Gap], None] | None = None) -> LiveResult:
     """Watch the live sources and answer `question` until the duration ends, the sources end
     (realtime files), `stop` is set, or Ctrl-C / SIGTERM (KeyboardInterrupt, re-raised after the
     store is closed). Raises SourceError when a source cannot be opened at start.
 
     slow_stage_s: extra seconds the texture stage spends per batch (overload tests and benchmarks).
     vlm: an already loaded VLM to use instead of loading cfg.runtime.vlm (benchmarks reuse one).
+    model: an already built ARR-COC model for the VLM's queries (the server shares one).
+    stream_ids: the streams' names in the store, one per source (default: from the sources).
+    on_answer, on_gap: called from the sink's thread with each answer / each reconnect gap (a
+        stream id and its Gap), after the store has it (the server's event streams).
     """
     from ..core.live_status import StatusReporter, snapshot
     from ..core.setup import build_model, encode_query, load_answerer, resolve_device
@@ -77,7 +90,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     live, options = live or LiveConfig(), options or LiveOptions()
     stop = stop or threading.Event()
     device = resolve_device(cfg.runtime.device)
-    sources = open_sources(specs, live)
+    sources = open_sources(specs, live, stream_ids)
     try:
         vlm = load_answerer(cfg, device) if vlm is None else vlm
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
@@ -89,7 +102,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
                                              vlm=cfg.runtime.vlm, chunk_frames=cfg.output.chunk_frames, overwrite=True)
                    for s in sources}
         query = encode_query(question, device, vlm)
-        model = build_model(cfg, query.shape[-1], device)
+        model = build_model(cfg, query.shape[-1], device) if model is None else model
     except BaseException:
         for source in sources:
             source.close()
@@ -104,6 +117,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
                          vlm_stage=vlm_stage, answers_out=answers_out)
     sink: SinkStage = graph.stages[-1]
+    sink.on_answer, sink.on_gap = on_answer, on_gap
     if slow_stage_s > 0:
         _slow_down(graph.stages[1], slow_stage_s)
     if on_graph is not None:

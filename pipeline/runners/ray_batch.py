@@ -57,7 +57,7 @@ class AnswerActor:
         return {k: [o[k] for o in outcomes] for k in outcomes[0]} if outcomes else {}
 
 
-def _connect(address: str) -> None:
+def connect(address: str) -> None:
     import ray
 
     if ray.is_initialized():
@@ -107,7 +107,7 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     check_in_flight(in_flight)
     per_task = in_flight if videos_per_task is None else videos_per_task
     check_count("--videos-per-task", per_task)
-    _connect(address)
+    connect(address)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and gpus > 0)
     if cfg.runtime.device == "cuda" and gpus == 0:

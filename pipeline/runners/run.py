@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from arr_coc.model import ARRCOC
 from sinks import ZarrStore, store_location
 from sources import open_video
 from sources.process import ProcessSource
@@ -49,15 +50,19 @@ class RunResult:
 def run_video(path: str | Path, question: str, out: str | Path | None, cfg: PipelineConfig, *,
               overlay_path: str | Path | None = None, progress: bool | None = None,
               on_graph: Callable[[Graph], None] | None = None,
-              query_embedding: torch.Tensor | None = None,
-              vlm_factory: Callable[[torch.device], Any] | None = None, status: RunStatus | None = None,
+              query_embedding: torch.Tensor | None = None, vlm: Any = None, model: ARRCOC | None = None,
+              stream_id: str | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
+              status: RunStatus | None = None,
               on_frames: Callable[[list[FrameAllocation]], None] | None = None) -> RunResult:
     """Process one video file end to end. Raises SourceError / SinkError / StageError on failure.
 
     out:             the store; None writes none (the answers and on_frames are the output)
     query_embedding: (Dq,) use this instead of encoding `question` (callers with their own encoder)
-    vlm_factory:     device -> the VLM (or None), instead of loading cfg.runtime.vlm (the Python API
-                     keeps one loaded VLM for all its calls)
+    vlm, model:      an already loaded VLM (or an object with its interface: geometry, text_embeddings,
+                     answer, warning) and ARR-COC model, instead of loading cfg's (the server shares
+                     one of each between its requests)
+    vlm_factory:     device -> the VLM (or None), loaded on first use (the Python API keeps one)
+    stream_id:       the stream's name in the store (default: the file stem)
     status:          the run's status, for a caller that stops it from another thread (see
                      AllocationStream.close)
     on_frames:       called by the sink with each batch's allocations, in order
@@ -67,7 +72,7 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     device = resolve_device(cfg.runtime.device)
     d = cfg.decode
     kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
-                  threads=d.threads)
+                  threads=d.threads, stream_id=stream_id)
     # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV
     device_color = device.type == "cuda" and cfg.runtime.vlm == "none" and overlay_path is None
     source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
@@ -75,7 +80,8 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
               if d.process else open_video(path, **kwargs))
     writer = None
     try:
-        vlm = load_answerer(cfg, device) if vlm_factory is None else vlm_factory(device)
+        if vlm is None:
+            vlm = load_answerer(cfg, device) if vlm_factory is None else vlm_factory(device)
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
         grid = geometry.grid(source.height, source.width)
@@ -88,7 +94,7 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
         source.close()
         raise
     query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device, vlm)
-    model = build_model(cfg, query.shape[-1], device)
+    model = build_model(cfg, query.shape[-1], device) if model is None else model
     if isinstance(source, ProcessSource):
         try:
             source.wait_ready()  # its start overlapped the setup above; decoding starts with the clock

@@ -443,6 +443,25 @@ class TestLifecycle:
         writer.close(complete=True)
         assert validate_store(store.path) == []
 
+    def test_staging_recreated_and_removed_again_mid_mkdir(self, store, monkeypatch):
+        """Three writers at once: our `mkdir -p` finds `.staging` gone, another writer recreates it
+        (our mkdir of it fails: it exists) and a third removes it before pathlib looks again, so
+        pathlib raises FileExistsError for a directory that is not there. Try again, as for the above."""
+        from pathlib import Path
+
+        real_mkdir, raced = Path.mkdir, []
+
+        def mkdir(self, mode=0o777, parents=False, exist_ok=False):
+            if self.parent.name == ".staging" and not raced:
+                raced.append(self)
+                raise FileExistsError(17, "File exists", str(self.parent))
+            return real_mkdir(self, mode, parents, exist_ok)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        writer = store.stream("v", **META)
+        assert raced and store.stream_ids() == ["v"]
+        writer.close(complete=True)
+
     def test_complete_stream_needs_overwrite(self, store):
         writer = store.stream("v", **META)
         write_frames(writer, 10)
@@ -743,6 +762,25 @@ class TestConcurrency:
         for sid, n in (("left", 120), ("right", 90)):
             assert store.is_complete(sid)
             np.testing.assert_array_equal(read_stream(store.path, sid)["pts"], expected(n, batch=5)["pts"])
+
+
+    def test_many_threads_create_streams_at_once(self, store):
+        """A server creates a stream per request, many at once: the shared staging directory comes
+        and goes under every writer, and no creation may fail for it."""
+        errors: list[BaseException] = []
+
+        def create(k: int) -> None:
+            try:
+                for i in range(12):
+                    store.stream(f"s{k}_{i}", **META).close(complete=True)
+            except BaseException as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(e)
+        threads = [threading.Thread(target=create, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and len(store.stream_ids()) == 96 and validate_store(store.path) == []
 
 
 class TestErrors:

@@ -98,10 +98,10 @@ def test_a_listening_head_node_passes_the_reachability_check():
 
 
 def test_auto_checks_the_ray_address_variable(monkeypatch):
-    from pipeline.runners.ray_batch import _connect
+    from pipeline.runners.ray_batch import connect
 
     port = free_port()                                      # nothing listens there
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(ConfigError, match=rf"at --ray auto \(127\.0\.0\.1:{port}, from RAY_ADDRESS\): Connection refused"):
-        _connect("auto")
+        connect("auto")

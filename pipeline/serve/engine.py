@@ -1,0 +1,208 @@
+"""What the server runs: one loaded VLM (behind one batcher) and one ARR-COC model, shared by every
+request. A request's front end is `runners.run.run_video` (files) or `runners.live.run_live` (live
+sources), each writing its homunculus into the server's store under the request id; only its
+answers leave the graph, through `RequestVLM`, into the shared batcher, so answers of requests
+from many clients are decoded together.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from sinks import SinkError, ZarrStore
+from sources.live import LiveConfig
+
+from ..config import PipelineConfig
+from ..configio import to_dict
+from ..core.live_stages import LiveOptions
+from ..core.setup import build_model, resolve_device
+from ..core.stages import AnswerItem
+from ..runners.live import run_live
+from ..runners.run import run_video
+from .answering import RequestVLM, answer_row, item_row
+from .errors import ApiError
+from .media import Media, VideoRef
+from .metrics import Metrics
+from .options import ServeOptions
+
+OnAnswer = Callable[[dict[str, Any]], None]
+STREAM_ID = r"(chatcmpl|live)-[0-9a-f]{24}"
+
+
+@dataclass
+class Completion:
+    """One answered request: its answers (one per window), token counts, and the stored homunculus."""
+
+    request_id: str
+    answers: list[dict[str, Any]]
+    frames: int
+    prompt_tokens: int
+    completion_tokens: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_kept(self) -> int:
+        return sum(a["tokens_kept"] for a in self.answers)
+
+    @property
+    def tokens_full(self) -> int:
+        return sum(a["tokens_full"] for a in self.answers)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "tokens_kept": self.tokens_kept, "tokens_full": self.tokens_full}
+
+
+class Engine:
+    """Everything a request needs, built once: the VLM service, the ARR-COC model, the store, the
+    media rules, the live streams and the metrics. `answer` runs one request (blocking)."""
+
+    def __init__(self, cfg: PipelineConfig, options: ServeOptions, service: Any) -> None:
+        from .streams import LiveStreams
+
+        self.cfg, self.options, self.service = cfg, options, service
+        self.device = resolve_device(cfg.runtime.device)
+        self.model_id = options.model_id or cfg.runtime.vlm   # what --vlm named
+        query_dim = service.text_embeddings("video").shape[-1]
+        self.model = build_model(cfg, query_dim, self.device)
+        ZarrStore.open(options.store, config=to_dict(cfg))    # created (or refused) now, not on a request
+        self.media = Media(options)
+        self.metrics = Metrics()
+        self.streams = LiveStreams(self)
+        self.metrics.vlm_pending = service.pending
+        self.metrics.batch_sizes = service.batch_sizes
+        self.metrics.live_streams = self.streams.running
+        self._slots = threading.BoundedSemaphore(options.max_concurrent)
+
+    def close(self) -> None:
+        self.streams.stop_all()
+        self.service.close()
+
+    def answer(self, ref: VideoRef, question: str, request_id: str, *, every_s: float | None = None,
+               on_answer: OnAnswer | None = None) -> Completion:
+        """Run one request's front end and return its answers (blocking: call it from a worker thread).
+        At most max_concurrent run at once; the rest wait here (the queue depth the metrics show)."""
+        self.metrics.queued(1)
+        try:
+            self._slots.acquire()
+        finally:
+            self.metrics.queued(-1)
+        self.metrics.started(1)
+        try:
+            if ref.kind == "live":
+                completion = self._answer_live(ref, question, request_id, on_answer)
+            else:
+                completion = self._answer_file(ref, question, request_id, every_s, on_answer)
+        finally:
+            self.metrics.started(-1)
+            self._slots.release()
+            ref.discard()
+        self.metrics.tokens(completion.tokens_kept, completion.tokens_full)
+        return completion
+
+    def _answer_file(self, ref: VideoRef, question: str, request_id: str, every_s: float | None,
+                     on_answer: OnAnswer | None) -> Completion:
+        cfg = self.cfg if every_s is None else replace(self.cfg, runtime=replace(self.cfg.runtime, every_s=every_s))
+
+        def answered(request: Any, result: Any) -> None:
+            if on_answer is not None:
+                on_answer(answer_row(request.t_start, request.t_end, result.text, result.tokens_kept,
+                                     result.tokens_full, result.latency_s))
+        result = run_video(ref.target, question, self.options.store, cfg, progress=False,
+                           vlm=RequestVLM(self.service, answered), model=self.model, stream_id=request_id)
+        answers = [answer_row(a.t_start, a.t_end, a.text, a.tokens_kept, a.tokens_full, a.latency_s)
+                   for a in result.answers]
+        return self._completion(request_id, question, answers, result.frames, result.notes)
+
+    def _answer_live(self, ref: VideoRef, question: str, request_id: str, on_answer: OnAnswer | None) -> Completion:
+        """A live URL in a chat request: watch it for one answer window (live_window_s), answer, stop."""
+        window = self.options.live_window_s
+        stop = threading.Event()
+
+        def answered(item: AnswerItem) -> None:
+            if on_answer is not None:
+                on_answer(item_row(item))
+            stop.set()
+        live = LiveConfig(open_timeout_s=min(10.0, self.options.fetch_timeout_s), max_reconnects=2)
+        options = LiveOptions(every_s=window, duration_s=window + 2 * self.options.fetch_timeout_s)
+        result = run_live([ref.target], question, self.options.store, self.cfg, live=live, options=options,
+                          status_out=Discard(), stop=stop, vlm=RequestVLM(self.service), model=self.model,
+                          stream_ids=[request_id], on_answer=answered)
+        if not result.answers:
+            why = f": {result.errors[0]}" if result.errors else ""
+            raise ApiError(504, f"no answer from the live source {ref.source!r} within "
+                                f"{options.duration_s:g} s{why}", code="live_timeout")
+        answers = [item_row(result.answers[0])]
+        frames = sum(s.get("frames_out", 0) for s in result.streams.values()) if result.streams else 0
+        return self._completion(request_id, question, answers, frames, result.notes)
+
+    def _completion(self, request_id: str, question: str, answers: list[dict[str, Any]], frames: int,
+                    notes: list[str]) -> Completion:
+        # prompt: the chat template, the question and the visual tokens kept, per window asked;
+        # completion: the answer's tokens, counted by the VLM's own tokenizer
+        prompt = sum(self.service.prefix_length(question, a["tokens_kept"]) for a in answers)
+        completion = sum(self.service.count_tokens(a["text"]) for a in answers)
+        return Completion(request_id, answers, frames, prompt, completion, notes)
+
+    def homunculus(self, stream_id: str) -> dict[str, Any]:
+        """A request's (or live stream's) stored homunculus as the viewer draws it."""
+        if not re.fullmatch(STREAM_ID, stream_id):
+            raise ApiError(404, f"no homunculus {stream_id!r}: ids are the `id` of a chat completion or a "
+                                f"live stream", code="not_found")
+        try:
+            data = ZarrStore.open(self.options.store, mode="r").read(stream_id)
+        except SinkError:
+            raise ApiError(404, f"no homunculus {stream_id!r} in the server's store", code="not_found") from None
+        return homunculus_json(stream_id, data)
+
+
+def homunculus_json(stream_id: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Per frame: pts, the token map (row-major gh x gw), tokens kept and full; scene changes;
+    answers with their windows; gaps of a live stream."""
+    attrs = data["attrs"]
+    gh, gw = attrs["grid"]
+    tokens = data["tokens"].reshape(len(data["tokens"]), gh * gw).astype(np.int64)     # (T, gh*gw)
+    answers = data["answers"]
+    gaps = data.get("gaps", {})
+    return {
+        # a file's name only: the server's own directories are not the client's business
+        "id": stream_id, "object": "homunculus", "source": shown_source(attrs["source"]), "question": attrs["query"],
+        "fps": attrs["fps"], "width": attrs["width"], "height": attrs["height"], "grid": [gh, gw],
+        "vlm": attrs["vlm"], "complete": bool(attrs["complete"]), "frames": int(len(tokens)),
+        "pts": [round(float(p), 4) for p in data["pts"]],
+        "frame_index": [int(i) for i in data["frame_index"]],
+        "tokens": tokens.tolist(),
+        "tokens_kept": tokens.sum(1).tolist(),
+        "tokens_full": gh * gw,
+        "scene_changes": [round(float(p), 4) for p in data["pts"][data["scene_change"]]],
+        "answers": [answer_row(s, e, str(t), k, f, lat) for s, e, t, k, f, lat in
+                    zip(answers["t_start"], answers["t_end"], answers["text"], answers["tokens_kept"],
+                        answers["tokens_full"], answers["latency_s"])],
+        "gaps": [{"start_pts": float(s), "end_pts": float(e), "reason": str(r)}
+                 for s, e, r in zip(gaps.get("start_pts", []), gaps.get("end_pts", []), gaps.get("reason", []))],
+    }
+
+
+def shown_source(source: str) -> str:
+    return source if "://" in source else Path(source).name
+
+
+class Discard:
+    """A text stream that keeps nothing: live status lines of the server's streams (the metrics and
+    GET /v1/streams/{id} report them instead)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+

@@ -1,0 +1,277 @@
+"""Where a request's video comes from, and what the server refuses.
+
+    file:///abs/path.mp4   only inside an --allow-dir directory, compared after os.path.realpath
+                           (so `..` and symlinks that lead out are refused whatever the file is)
+    file-<24 hex>          a video uploaded with POST /v1/files (multipart field `file`)
+    http(s)://...          fetched to a temporary file (at most max_fetch_mb), deleted after the request
+    data:video/...;base64  inline, at most max_upload_mb
+    rtsp(s)://...          a live stream: answered over a short live window (chat) or followed (streams)
+
+Every refusal is an ApiError naming the input and why; a file that is not a readable video is
+refused before any model runs.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+from urllib.parse import unquote, urlsplit
+
+from sources import SourceError, open_video
+from sources.live import redact
+
+from .errors import ApiError
+from .options import MB, ServeOptions
+
+LIVE_SCHEMES = ("rtsp", "rtsps")
+UPLOAD_ID = re.compile(r"file-[0-9a-f]{24}")
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mkv", ".mov", ".avi", ".webm", ".ts", ".mpg", ".mpeg")
+_COPY_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A request's video, resolved: a local file to process, or a live URL to watch."""
+
+    kind: Literal["file", "live"]
+    target: str                 # a local path (file) or the URL (live)
+    source: str                 # what the store records: the reference, any password removed
+    temporary: bool = False     # a fetched copy, deleted once the request is done
+
+    def discard(self) -> None:
+        if self.temporary:
+            Path(self.target).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Upload:
+    id: str
+    filename: str
+    bytes: int
+    created_at: int
+    purpose: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's file object."""
+        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed"}
+
+
+class Media:
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.allow_dirs = tuple(Path(os.path.realpath(d)) for d in options.allow_dirs)
+        self.uploads = options.upload_dir
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        self.scratch = self.uploads / "tmp"      # fetched videos while a request uses them
+        self.scratch.mkdir(exist_ok=True)
+
+    # ---- chat requests ----
+    def resolve(self, ref: str) -> VideoRef:
+        """The video a content part names (may download: call it off the event loop)."""
+        if not isinstance(ref, str) or not ref.strip():
+            raise ApiError(400, "video_url.url must be a non-empty string", param="messages")
+        if UPLOAD_ID.fullmatch(ref):
+            return VideoRef("file", str(self.upload_path(ref)), ref)
+        scheme = urlsplit(ref).scheme.lower()
+        if scheme == "file":
+            path = self.allowed_path(ref)
+            return VideoRef("file", str(self.probe(path, ref)), ref)
+        if scheme in ("http", "https"):
+            path = self.fetch(ref)
+            try:
+                self.probe(path, redact(ref))
+            except ApiError:
+                path.unlink(missing_ok=True)
+                raise
+            return VideoRef("file", str(path), redact(ref), temporary=True)
+        if scheme == "data":
+            path = self.inline(ref)
+            try:
+                self.probe(path, "the data: URL")
+            except ApiError:
+                path.unlink(missing_ok=True)
+                raise
+            return VideoRef("file", str(path), "data:", temporary=True)
+        if scheme in LIVE_SCHEMES:
+            return VideoRef("live", ref, redact(ref))
+        raise unsupported(ref)
+
+    def live_source(self, ref: str) -> tuple[str, bool, str]:
+        """A live stream's source -> (spec for run_live, realtime file?, what the store records).
+        Network streams as they are; files (allowed or uploaded) are played at their frame rate."""
+        if not isinstance(ref, str) or not ref.strip():
+            raise ApiError(400, "source must be a non-empty string", param="source")
+        if UPLOAD_ID.fullmatch(ref):
+            return str(self.upload_path(ref)), True, ref
+        scheme = urlsplit(ref).scheme.lower()
+        if scheme in LIVE_SCHEMES or scheme in ("http", "https"):
+            return ref, False, redact(ref)
+        if scheme == "file":
+            return str(self.probe(self.allowed_path(ref), ref)), True, ref
+        if scheme == "" and (ref.isdigit() or ref.startswith("/dev/")):
+            raise ApiError(400, f"source {ref!r}: the server's cameras are not served over HTTP; "
+                                f"stream them as rtsp:// or use `python -m pipeline live`", param="source")
+        raise ApiError(400, f"unsupported source {redact(ref)!r}; supported: rtsp(s)://, http(s):// streams, "
+                            f"file:// (inside --allow-dir, played in real time) or file-<id> uploads",
+                       param="source")
+
+    def allowed_path(self, url: str) -> Path:
+        """file:// URL -> its real path, only if that lies inside an --allow-dir directory."""
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ApiError(400, f"{url!r}: file:// URLs must name a local path (file:///abs/path)", param="messages")
+        if not self.allow_dirs:
+            raise ApiError(403, f"{url!r}: file:// inputs are off; the server was started without --allow-dir",
+                           code="path_not_allowed", param="messages")
+        raw = unquote(parts.path)
+        if not os.path.isabs(raw):
+            raise ApiError(400, f"{url!r}: file:// URLs need an absolute path", param="messages")
+        real = Path(os.path.realpath(raw))
+        if not any(real == d or d in real.parents for d in self.allow_dirs):
+            raise ApiError(403, f"{url!r} is outside the allowed directories (--allow-dir); "
+                                f"`..` and symlinks are resolved first", code="path_not_allowed", param="messages")
+        if not real.is_file():
+            raise ApiError(404, f"{url!r}: no such file", code="file_not_found", param="messages")
+        return real
+
+    def fetch(self, url: str) -> Path:
+        """Download an http(s) video to a scratch file, refusing more than max_fetch_mb."""
+        limit, shown = self.options.max_fetch_bytes, redact(url)
+        try:
+            response = urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "arr-coc-serve"}),
+                                              timeout=self.options.fetch_timeout_s)
+        except urllib.error.HTTPError as e:
+            raise ApiError(400, f"cannot fetch {shown!r}: HTTP {e.code} {e.reason}", param="messages") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise ApiError(400, f"cannot fetch {shown!r}: {reason}", param="messages") from None
+        with response:
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise too_large(f"the video at {shown!r}", int(declared), limit, "--max-fetch-mb")
+            path = self.scratch / f"fetch-{uuid.uuid4().hex}"
+            try:
+                copy_limited(response, path, limit, f"the video at {shown!r}", "--max-fetch-mb")
+            except (OSError, TimeoutError) as e:
+                path.unlink(missing_ok=True)
+                raise ApiError(400, f"cannot fetch {shown!r}: {e}", param="messages") from None
+        return path
+
+    def inline(self, url: str) -> Path:
+        """data:video/<type>;base64,<data> -> a scratch file."""
+        head, sep, data = url.partition(",")
+        if not sep or not head.lower().startswith("data:video/") or not head.lower().endswith(";base64"):
+            raise ApiError(400, "data: URLs must be data:video/<type>;base64,<data>", param="messages")
+        limit = self.options.max_upload_bytes
+        if len(data) * 3 // 4 > limit:
+            raise too_large("the data: URL's video", len(data) * 3 // 4, limit, "--max-upload-mb")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ApiError(400, "the data: URL is not valid base64", param="messages") from None
+        path = self.scratch / f"inline-{uuid.uuid4().hex}"
+        path.write_bytes(raw)
+        return path
+
+    @staticmethod
+    def probe(path: Path, shown: str) -> Path:
+        """The path, if it opens as a video with at least one frame; else a 400 naming it."""
+        try:
+            with open_video(path, threads=1) as video:
+                next(iter(video))
+        except (SourceError, StopIteration) as e:
+            why = str(e).splitlines()[0] if str(e) else "not a readable video (no frames)"
+            why = why.removeprefix(f"{path}: ").replace(str(path), shown)   # the server's paths stay private
+            raise ApiError(400, f"{shown}: {why}", code="invalid_video", param="file") from None
+        return path
+
+    # ---- uploads (POST /v1/files) ----
+    def save_upload(self, filename: str, data: BinaryIO, purpose: str) -> Upload:
+        """Copy an uploaded file in, refusing more than max_upload_mb and anything that is not a video."""
+        file_id = f"file-{uuid.uuid4().hex[:24]}"
+        path = self.uploads / file_id
+        size = copy_limited(data, path, self.options.max_upload_bytes, f"upload {filename!r}", "--max-upload-mb")
+        try:
+            self.probe(path, f"upload {filename!r}")
+        except ApiError:
+            path.unlink(missing_ok=True)
+            raise
+        upload = Upload(file_id, Path(filename).name or "video", size, int(time.time()), purpose)
+        (self.uploads / f"{file_id}.json").write_text(json.dumps(upload.to_dict()))
+        return upload
+
+    def upload(self, file_id: str) -> Upload:
+        meta = self.uploads / f"{file_id}.json"
+        if not UPLOAD_ID.fullmatch(file_id) or not meta.is_file():
+            raise ApiError(404, f"no uploaded file {file_id!r}; upload one with POST /v1/files",
+                           code="file_not_found", param="file_id")
+        d = json.loads(meta.read_text())
+        return Upload(d["id"], d["filename"], d["bytes"], d["created_at"], d["purpose"])
+
+    def upload_path(self, file_id: str) -> Path:
+        self.upload(file_id)
+        return self.uploads / file_id
+
+    def uploads_list(self) -> list[Upload]:
+        metas = sorted(self.uploads.glob("file-*.json"), key=lambda p: p.stat().st_mtime)
+        return [self.upload(p.stem) for p in metas]
+
+    def delete_upload(self, file_id: str) -> None:
+        self.upload(file_id)
+        (self.uploads / file_id).unlink(missing_ok=True)
+        (self.uploads / f"{file_id}.json").unlink(missing_ok=True)
+
+    def videos(self, limit: int = 200) -> list[dict[str, Any]]:
+        """Video files under the allowed directories (the page's chooser), as file:// URLs."""
+        found: list[dict[str, Any]] = []
+        for root in self.allow_dirs:
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                for name in sorted(filenames):
+                    path = Path(dirpath) / name
+                    if path.suffix.lower() in VIDEO_SUFFIXES and path.is_file():
+                        found.append({"url": path.as_uri(), "name": str(path.relative_to(root)),
+                                      "bytes": path.stat().st_size})
+                        if len(found) >= limit:
+                            return found
+        return found
+
+
+def copy_limited(src: BinaryIO, dst: Path, limit: int, what: str, flag: str) -> int:
+    """Copy src into dst; past `limit` bytes dst is removed and a 413 raised. -> bytes copied."""
+    size = 0
+    try:
+        with open(dst, "wb") as out:
+            while chunk := src.read(_COPY_CHUNK):
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(what, None, limit, flag)
+                out.write(chunk)
+    except BaseException:
+        dst.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def too_large(what: str, size: int | None, limit: int, flag: str) -> ApiError:
+    have = f" ({size / MB:.1f} MB)" if size is not None else ""
+    return ApiError(413, f"{what}{have} is over the server's limit of {limit / MB:g} MB ({flag})",
+                    code="file_too_large")
+
+
+def unsupported(ref: str) -> ApiError:
+    scheme = urlsplit(ref).scheme.lower()
+    shown = f"scheme {scheme + '://'!r}" if scheme else f"reference {redact(ref)[:80]!r}"
+    return ApiError(400, f"unsupported video {shown}; supported: file:// (inside --allow-dir), http(s)://, "
+                         f"rtsp(s)://, data:video/...;base64, or file-<id> from POST /v1/files",
+                    code="unsupported_url", param="messages")
+

@@ -1,0 +1,193 @@
+"""The same app on Ray Serve (`python -m pipeline serve --ray local|auto|ADDRESS --replicas MIN:MAX`):
+
+    HTTP ──▶ Ingress (1 replica)                     ──▶ VLMDeployment (MIN..MAX replicas, autoscaled)
+             the FastAPI app of app.py, the front ends    one loaded VLM each (a GPU each where the cluster
+             (runners.run / runners.live), live streams,  has them); `answer` is a @serve.batch method:
+             uploads and the store                        requests from every client decoded together
+
+The ingress is the app of a single-process server with RemoteVLM in place of LocalVLM: the answers
+leave each request's graph the same way, and Ray Serve's router and batcher take them from there.
+One ingress replica keeps live streams and uploads in one place; the store must be a path every
+VLM-less ingress restart can reach again (a local path on one machine, or an fsspec URL).
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ray import serve
+
+from arr_coc._validate import ConfigError
+
+from ..config import PipelineConfig
+from ..core.setup import load_answerer, resolve_device
+from .options import ServeOptions
+
+APP_NAME = "arrcoc"
+
+
+def parse_replicas(text: str) -> tuple[int, int]:
+    """'N' or 'MIN:MAX' (1 <= MIN <= MAX) -> (MIN, MAX)."""
+    try:
+        low, _, high = text.partition(":")
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise ConfigError(f"--replicas must be N or MIN:MAX with integers 1 <= MIN <= MAX, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"--replicas must be N or MIN:MAX with integers 1 <= MIN <= MAX, got {text!r}")
+    return bounds
+
+
+@serve.deployment
+class VLMDeployment:
+    """One loaded VLM per replica; `answer` batches the requests of every ingress call."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.vlm = load_answerer(cfg, resolve_device(cfg.runtime.device))
+        self.answer.set_max_batch_size(cfg.vlm.max_batch)
+        self.answer.set_batch_wait_timeout_s(cfg.vlm.max_wait_s)
+        self._lock = threading.Lock()      # the VLM's caches are not shared between threads
+
+    def info(self) -> dict[str, Any]:
+        v = self.vlm
+        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning}
+
+    def text_embeddings(self, question: str) -> np.ndarray:
+        with self._lock:
+            return self.vlm.text_embeddings(question).float().cpu().numpy()           # (L, D)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.vlm.tokenizer(text).input_ids)
+
+    def prefix_length(self, question: str, visual_tokens: int) -> int:
+        return self.vlm.prefix_length(question, visual_tokens)
+
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.05)
+    async def answer(self, requests: list[Any]) -> list[Any]:
+        def run() -> list[Any]:
+            with self._lock:
+                return self.vlm.answer(requests)
+        return await asyncio.get_running_loop().run_in_executor(None, run)
+
+
+class RemoteVLM:
+    """LocalVLM's interface over a handle to the VLM deployment (used from the ingress' threads)."""
+
+    def __init__(self, handle: Any, max_in_flight: int = 64) -> None:
+        self.handle = handle
+        info = handle.info.remote().result()
+        self.name, self.geometry, self.config, self.warning = info["name"], info["geometry"], info["config"], info["warning"]
+        self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def text_embeddings(self, question: str) -> torch.Tensor:
+        return torch.from_numpy(self.handle.text_embeddings.remote(question).result())
+
+    def submit(self, request: Any) -> Future:
+        with self._lock:
+            self._pending += 1
+        response = self.handle.answer.remote(request)
+
+        def wait() -> Any:
+            try:
+                return response.result()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+        return self._waiters.submit(wait)
+
+    def pending(self) -> int:
+        return self._pending
+
+    def batch_sizes(self) -> list[int]:
+        return []          # batches form in the VLM replicas: Ray Serve's own metrics show them
+
+    def count_tokens(self, text: str) -> int:
+        return self.handle.count_tokens.remote(text).result()
+
+    def prefix_length(self, question: str, visual_tokens: int) -> int:
+        return self.handle.prefix_length.remote(question, visual_tokens).result()
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False)
+
+
+@serve.deployment
+@serve.ingress()
+class Ingress:
+    """The HTTP app (app.create_app) over an Engine whose VLM is the VLM deployment."""
+
+    async def __init__(self, vlm: Any, cfg: PipelineConfig, options: ServeOptions) -> None:
+        from .engine import Engine
+
+        # built off the replica's event loop: handle calls block there (.result()), as in request threads
+        self.engine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: Engine(cfg, options, RemoteVLM(vlm)))
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from .app import create_app
+
+        return create_app(self.engine)
+
+
+def build_app(cfg: PipelineConfig, options: ServeOptions, replicas: tuple[int, int], gpus: float) -> Any:
+    """The bound application: autoscaled VLM replicas (a GPU each when `gpus`) behind one ingress."""
+    low, high = replicas
+    batch = cfg.vlm.max_batch
+    vlm = VLMDeployment.options(
+        ray_actor_options={"num_gpus": gpus, "num_cpus": 1},
+        max_ongoing_requests=4 * batch,
+        autoscaling_config={"min_replicas": low, "initial_replicas": low, "max_replicas": high,
+                            "target_ongoing_requests": batch},
+    ).bind(cfg)
+    return Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 1}).bind(vlm, cfg, options)
+
+
+def start(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int]) -> None:
+    """Connect to Ray, start Serve's HTTP proxy on options.host:port and deploy the app (returns
+    once every replica is up)."""
+    import ray
+
+    from ..runners.ray_batch import connect
+
+    if cfg.runtime.vlm == "none":
+        raise ConfigError("serve answers questions: name a VLM with --vlm")
+    # the replicas do not share this process' working directory
+    local = "://" not in options.store
+    options = replace(options, store=str(Path(options.store).resolve()) if local else options.store,
+                      uploads=options.upload_dir.resolve(), allow_dirs=tuple(Path(d).resolve() for d in options.allow_dirs))
+    connect(address)
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0 and cfg.runtime.device != "cpu"
+    serve.start(http_options={"host": options.host, "port": options.port})
+    serve.run(build_app(cfg, options, replicas, 1.0 if has_gpus else 0.0), name=APP_NAME, route_prefix="/")
+
+
+def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int]) -> None:
+    """Deploy and keep serving until Ctrl-C / SIGTERM, then take the app down."""
+    start(cfg, options, address=address, replicas=replicas)
+    for signum in (signal.SIGINT, signal.SIGTERM):   # ray.init installed its own, which abort the process
+        signal.signal(signum, _stop)
+    print(f"serving {cfg.runtime.vlm} on Ray Serve at http://{options.host}:{options.port}/ "
+          f"(VLM replicas {replicas[0]}..{replicas[1]}; store {options.store})", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)
+    print("server stopped", file=sys.stderr)
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,80 @@
+"""Start the server: load the VLM once, build the engine and the app, run uvicorn (in the foreground
+for `python -m pipeline serve`, or in a thread for tests and benchmarks)."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from arr_coc._validate import ConfigError
+
+from ..config import PipelineConfig
+from ..core.setup import load_answerer, resolve_device
+from .answering import LocalVLM
+from .engine import Engine
+from .options import ServeOptions
+
+
+def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
+    """The VLM named by runtime.vlm behind one batcher, the ARR-COC model, the store and the uploads."""
+    if cfg.runtime.vlm == "none":
+        raise ConfigError("serve answers questions: name a VLM with --vlm (a Hugging Face id, a local snapshot, "
+                          "or tiny-random for smoke tests)")
+    vlm = load_answerer(cfg, resolve_device(cfg.runtime.device))
+    service = LocalVLM(vlm)
+    try:
+        return Engine(cfg, options, service)
+    except BaseException:
+        service.close()
+        raise
+
+
+def create_server(app: Any, host: str, port: int) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def serve_forever(cfg: PipelineConfig, options: ServeOptions) -> None:
+    """Serve until Ctrl-C / SIGTERM (a normal stop: open live streams end, the store stays valid)."""
+    from .app import create_app
+
+    engine = build_engine(cfg, options)
+    if engine.service.warning:
+        print(f"warning: {engine.service.warning}", file=sys.stderr)
+    server = create_server(create_app(engine), options.host, options.port)
+    print(f"serving {engine.model_id} on http://{options.host}:{options.port}/ (store {options.store}; "
+          f"file:// inside {', '.join(map(str, options.allow_dirs)) or 'nothing'}; "
+          f"API key {'required' if options.api_key else 'off'})", file=sys.stderr, flush=True)
+    try:
+        server.run()      # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then re-raises the signal
+    except KeyboardInterrupt:
+        pass
+    print("server stopped", file=sys.stderr)
+
+
+class BackgroundServer:
+    """uvicorn in a thread on loopback (tests, benchmarks): `url` once started; stop() shuts it down."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.server = create_server(app, host, port)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.url = ""
+
+    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30.0)

@@ -1,0 +1,224 @@
+"""Live streams over HTTP: each one is `runners.live.run_live` in its own thread (its answers through
+the server's shared VLM batcher), its answers, reconnect gaps and end as numbered events that any
+number of followers read as server-sent events, from the start or from where they left off.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from sources import SourceError
+from sources.live import Gap, LiveConfig
+
+from ..core.graph import StageError
+from ..core.live_stages import LiveOptions
+from ..core.stages import AnswerItem
+from ..runners.live import run_live
+from .answering import RequestVLM, item_row
+from .errors import ApiError
+
+FINISHED_KEPT = 64          # ended streams whose events stay readable
+START_WAIT_S = 30.0         # POST /v1/streams waits this long for the source to open
+
+
+class EventLog:
+    """Numbered events, appended from any thread, followed from event loops. Keeps the newest
+    `capacity`; the `end` event is always the last one."""
+
+    def __init__(self, capacity: int) -> None:
+        self._events: collections.deque = collections.deque(maxlen=capacity)
+        self._next = 1
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.ended = False
+
+    def append(self, kind: str, data: dict[str, Any]) -> None:
+        with self._lock:
+            if self.ended:
+                return
+            self._events.append((self._next, kind, data))
+            self._next += 1
+            self.ended = kind == "end"
+            waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def since(self, after: int) -> list[tuple[int, str, dict[str, Any]]]:
+        with self._lock:
+            return [e for e in self._events if e[0] > after]
+
+    async def follow(self, after: int = 0) -> AsyncIterator[tuple[int, str, dict[str, Any]]]:
+        """Every event numbered above `after`, as they come, up to and including `end`."""
+        while True:
+            wake = asyncio.Event()
+            with self._lock:
+                pending = [e for e in self._events if e[0] > after]
+                if not pending and not self.ended:
+                    self._waiters.append((asyncio.get_running_loop(), wake))
+            for event in pending:
+                yield event
+                after = event[0]
+                if event[1] == "end":
+                    return
+            if not pending:
+                if self.ended:
+                    return
+                await wake.wait()
+
+
+class StatusKeeper:
+    """run_live's status stream: keeps the newest JSON metrics line (frames, drops, latency)."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] = {}
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            try:
+                self.latest = json.loads(line).get("metrics", self.latest)
+            except (ValueError, AttributeError):
+                pass
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+@dataclass
+class LiveStream:
+    id: str
+    source: str                 # as shown (no password)
+    question: str
+    every_s: float
+    on_scene_change: bool
+    created: int
+    events: EventLog
+    stop: threading.Event = field(default_factory=threading.Event)
+    started: threading.Event = field(default_factory=threading.Event)
+    status: str = "starting"    # starting, running, ended, stopped, failed
+    error: str | None = None
+    deleted: bool = False       # stopped by DELETE /v1/streams/{id} (not by its duration)
+    status_lines: StatusKeeper = field(default_factory=StatusKeeper)
+    thread: threading.Thread | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "live.stream", "created": self.created, "source": self.source,
+                "question": self.question, "every": self.every_s, "on_scene_change": self.on_scene_change,
+                "status": self.status, "error": self.error, "events": f"/v1/streams/{self.id}/events",
+                "homunculus": f"/v1/homunculus/{self.id}", "metrics": self.status_lines.latest}
+
+
+class LiveStreams:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._streams: dict[str, LiveStream] = {}
+        self._lock = threading.Lock()
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(s.status in ("starting", "running") for s in self._streams.values())
+
+    def get(self, stream_id: str) -> LiveStream:
+        with self._lock:
+            stream = self._streams.get(stream_id)
+        if stream is None:
+            raise ApiError(404, f"no live stream {stream_id!r}", code="not_found")
+        return stream
+
+    def list(self) -> list[LiveStream]:
+        with self._lock:
+            return list(self._streams.values())
+
+    def start(self, source: str, question: str, *, every_s: float, on_scene_change: bool,
+              duration_s: float | None) -> LiveStream:
+        """Open the source and start answering (blocks until it is open or has failed: call it off the
+        event loop). 400 for a bad source, 429 when --max-streams are running."""
+        spec, realtime, shown = self.engine.media.live_source(source)
+        try:
+            options = LiveOptions(every_s=every_s, on_scene_change=on_scene_change, duration_s=duration_s)
+        except ValueError as e:
+            raise ApiError(400, str(e).replace("--", ""), param="every") from None
+        if self.running() >= self.engine.options.max_streams:
+            raise ApiError(429, f"{self.engine.options.max_streams} live streams are running (--max-streams); "
+                                f"stop one with DELETE /v1/streams/{{id}}", code="too_many_streams")
+        stream = LiveStream(f"live-{uuid.uuid4().hex[:24]}", shown, question, every_s, on_scene_change,
+                            int(time.time()), EventLog(self.engine.options.stream_events))
+        live = LiveConfig(realtime=realtime)
+        stream.thread = threading.Thread(target=self._run, args=(stream, spec, live, options),
+                                         name=f"serve-{stream.id}", daemon=True)
+        with self._lock:
+            self._streams[stream.id] = stream
+            self._forget_finished()
+        stream.thread.start()
+        stream.started.wait(START_WAIT_S)
+        if stream.status == "failed":
+            raise ApiError(400, f"cannot open live source {shown!r}: {stream.error}", param="source",
+                           code="source_failed")
+        return stream
+
+    def delete(self, stream_id: str) -> LiveStream:
+        stream = self.get(stream_id)
+        stream.deleted = True
+        stream.stop.set()
+        if stream.thread is not None:
+            stream.thread.join(30.0)
+        return stream
+
+    def stop_all(self) -> None:
+        for stream in self.list():
+            stream.stop.set()
+        for stream in self.list():
+            if stream.thread is not None:
+                stream.thread.join(30.0)
+
+    def _run(self, stream: LiveStream, spec: str, live: LiveConfig, options: LiveOptions) -> None:
+        engine = self.engine
+
+        def on_graph(graph: Any) -> None:
+            stream.status = "running"
+            stream.started.set()
+
+        def on_answer(item: AnswerItem) -> None:
+            stream.events.append("answer", {"stream": stream.id, "question": item.question, **item_row(item)})
+            engine.metrics.tokens(item.tokens_kept, item.tokens_full)
+
+        def on_gap(_sid: str, gap: Gap) -> None:
+            stream.events.append("gap", {"stream": stream.id, "start_pts": round(gap.start_pts, 3),
+                                         "end_pts": round(gap.end_pts, 3),
+                                         "seconds": round(gap.end_wall - gap.start_wall, 3), "reason": gap.reason})
+        try:
+            result = run_live([spec], stream.question, engine.options.store, engine.cfg, live=live, options=options,
+                              status_out=stream.status_lines, stop=stream.stop, on_graph=on_graph,
+                              vlm=RequestVLM(engine.service), model=engine.model, stream_ids=[stream.id],
+                              on_answer=on_answer, on_gap=on_gap)
+        except BaseException as e:  # the stream's follower learns why; the server keeps serving
+            error = e.error if isinstance(e, StageError) else e
+            stream.status, stream.error = "failed", str(error).splitlines()[0] if str(error) else type(error).__name__
+            if not isinstance(error, (SourceError, ApiError)):
+                stream.error = f"{type(error).__name__}: {stream.error}"
+            stream.started.set()
+            stream.events.append("end", {"stream": stream.id, "reason": "failed", "error": stream.error})
+            return
+        if result.errors:
+            stream.status, stream.error, reason = "failed", result.errors[0], "source_failed"
+        elif stream.deleted:
+            stream.status = reason = "stopped"
+        else:   # the source ended (a realtime file) or the stream's duration did
+            stream.status, reason = "ended", "duration" if stream.stop.is_set() else "source_ended"
+        stream.started.set()
+        stream.events.append("end", {"stream": stream.id, "reason": reason, "error": stream.error,
+                                     "answers": len(result.answers), "wall_s": round(result.wall_s, 2)})
+
+    def _forget_finished(self) -> None:
+        finished = [k for k, s in self._streams.items() if s.status in ("ended", "stopped", "failed")]
+        for key in finished[:max(0, len(finished) - FINISHED_KEPT)]:
+            del self._streams[key]

@@ -43,6 +43,7 @@ from ..core.setup import build_model, encode_query, load_answerer, resolve_devic
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
+KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
 MODEL_SEED = 0
 # videos a worker has in flight at once: while one video's questions are answered on the GPU, the next
 # ones are decoded and allocated (decode is CPU-bound, in its own process), so the VLM rarely waits.
@@ -114,13 +115,15 @@ def make_plan(dataset: Dataset, *, limit: int | None = None, shard: tuple[int, i
 class QuestionsStage(VLMStage):
     """The VLM stage of a batch job: collects the VLM-sampled frames and keep maps of the whole video
     (as VLMStage does), then answers all the video's questions from one set of vision tokens.
-    `stock`: send every visual token (the baseline ARR-COC is measured against). `vlm_lock`: held
+    `stock`: send every visual token (the baseline ARR-COC is measured against). `keep_policy`:
+    (frames (T, H, W, 3), ARR-COC's LODs (T, gh, gw)) -> the keep map the VLM gets instead (the
+    accuracy benchmark's query-agnostic baselines, pipeline/vlm/baselines.py). `vlm_lock`: held
     while the VLM answers (the videos a worker has in flight share one VLM and its caches)."""
 
-    def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False,
+    def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False, keep_policy: KeepPolicy | None = None,
                  vlm_lock: threading.Lock | None = None, vlm_worker: Workers | None = None) -> None:
         super().__init__(vlm, query_text(work), every_s=None)
-        self.work, self.stock = work, stock
+        self.work, self.stock, self.keep_policy = work, stock, keep_policy
         self.vlm_lock = vlm_lock if vlm_lock is not None else threading.Lock()
         self.vlm_worker = vlm_worker  # the thread the VLM runs in (None: this stage's own)
 
@@ -129,11 +132,12 @@ class QuestionsStage(VLMStage):
             return ()
         keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
         questions = [q.question for q in self.work.questions]
-        frames = np.stack(self.rgb)
+        frames = np.stack(self.rgb)                                          # (T, H, W, 3)
 
         def answer() -> list:
-            with self.vlm_lock:
-                return self.vlm.answer_questions(frames, keep, questions)
+            with self.vlm_lock:                                              # a policy may run the VLM's tower
+                chosen = keep if self.keep_policy is None or keep is None else self.keep_policy(frames, keep)
+                return self.vlm.answer_questions(frames, chosen, questions)
         results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
         t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)
@@ -171,14 +175,14 @@ class VideoAnswerer:
     passes keep no state in the module; the VLM is used under a lock).
     """
 
-    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False,
+    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False, keep_policy: KeepPolicy | None = None,
                  vlm_factory: Callable[[torch.device], Any] | None = None) -> None:
         if cfg.runtime.vlm == "none":
             raise ConfigError("batch answers questions, so it needs a VLM: pass --vlm ID|PATH|tiny-random")
         if cfg.runtime.every_s is not None:
             raise ConfigError("batch answers each question once over the whole video; --every/runtime.every_s "
                               "does not apply (leave it unset)")
-        self.cfg, self.stock = cfg, stock
+        self.cfg, self.stock, self.keep_policy = cfg, stock, keep_policy
         self.device = resolve_device(cfg.runtime.device)
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
         self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
@@ -293,7 +297,8 @@ class VideoAnswerer:
         graphs = self._take_graphs(grid, query)
         try:
             graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
-                            vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, vlm_lock=self._vlm_lock,
+                            vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, keep_policy=self.keep_policy,
+                                                     vlm_lock=self._vlm_lock,
                                                      vlm_worker=self._vlm_worker),
                             query_mask=query_mask, graphs=graphs)
             with self._lock:
@@ -389,12 +394,13 @@ def mean_busy(outcomes: list[VideoOutcome]) -> dict[str, float]:
 
 
 def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
+              keep_policy: KeepPolicy | None = None,
               progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
               in_flight: int = IN_FLIGHT) -> BatchSummary:
     """The local path: this process answers the plan's videos, `in_flight` at a time."""
     check_in_flight(in_flight)  # before the models load
     start = time.perf_counter()
-    answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
+    answerer = VideoAnswerer(cfg, out, stock=stock, keep_policy=keep_policy, vlm_factory=vlm_factory)
     outcomes = []
     try:
         for outcome in _with_progress(answerer.answer_all(plan, in_flight), len(plan), progress):

@@ -135,6 +135,29 @@ class TestWholeFlow:
         a = read_stream(out, "video7010")["answers"]
         assert (a["tokens_kept"] == a["tokens_full"]).all() and a["tokens_full"][0] > 0
 
+    def test_a_keep_policy_replaces_arr_cocs_map(self, tmp_path):
+        """The accuracy benchmark's baselines: the VLM gets the policy's map, computed from the frames
+        and ARR-COC's LODs the VLM stage collected, on every clip."""
+        from pipeline.config import PipelineConfig
+        from pipeline.configio import load_config
+        from pipeline.runners.batch import make_plan, run_batch
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=2, seconds=0.6)
+        seen = []
+
+        def one_cell(frames, lod):
+            seen.append((frames.shape, lod.shape))
+            keep = np.zeros_like(lod)
+            keep[:, 0, 0] = 1                                            # one full token per frame pair
+            return keep
+        cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu", "decode.fps=4"])
+        run_batch(make_plan(load_msrvtt(root, "test")), out, cfg, keep_policy=one_cell, progress=False, in_flight=1)
+        assert len(seen) == 2 and all(f[0] == l[0] and f[3] == 3 for f, l in seen)
+        for video in ("video7010", "video7011"):
+            a = read_stream(out, video)["answers"]
+            frames = seen[0][0][0]
+            assert (a["tokens_kept"] == -(-frames // 2)).all() and (a["tokens_full"] > a["tokens_kept"]).all()
+
     def test_progress_bar_counts_videos_and_questions(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=2, questions=3, seconds=0.6)

@@ -110,6 +110,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
             return "incomplete"
         return "damaged" if source.truncated else "complete"   # a --realtime file cut short by damage
     sink = SinkStage(writers, outcome=outcome, counters=counters, answers_out=answers_out)
+    sink.late_gaps = lambda: capture.final_gaps
     graph = Graph()
     capture.outlet = graph.add_flow(capture, texture, Channel(1, Policy.DROP_OLDEST))
     graph.add_flow(texture, realize, Channel(capacity, Policy.BLOCK))

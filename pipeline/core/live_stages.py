@@ -77,6 +77,9 @@ class CaptureStage(Stage):
     def __init__(self, sources: list[LiveSource], batch_size: int, pin: bool, stop: threading.Event) -> None:
         self.sources, self.batch_size, self.pin, self.stop = sources, batch_size, pin, stop
         self.outlet: Channel | None = None   # set by compose_live: batches wait for room there
+        # (stream id, gap) of outages no frame ends: a source that gave up, or one still down when the
+        # run stops; the sink stores them as the graph finishes (it has no frames to carry them)
+        self.final_gaps: list[tuple[str, Gap]] = []
 
     def produce(self) -> Iterator[LiveBatch]:
         for source in self.sources:   # the graph takes frames from now on: files start playing
@@ -93,8 +96,21 @@ class CaptureStage(Stage):
                     turn = (turn + k + 1) % len(self.sources)
                     yield LiveBatch(source.stream_id, frames, stack_frames(frames, self.pin), gap=gap)
                     break
+                if gap is not None:                  # the source's last outage: no frame came after it
+                    self.final_gaps.append((source.stream_id, gap))
             else:
                 self.stop.wait(_POLL_S)
+        self._close_and_collect()
+
+    def _close_and_collect(self) -> None:
+        """Stop the sources; an outage still open becomes each one's last gap (taken here, frames
+        that arrived since the stop are not processed)."""
+        for source in self.sources:
+            source.close()
+            while not source.finished:
+                frames, gap = source.take(self.batch_size, timeout_s=0.05)
+                if gap is not None and not frames:
+                    self.final_gaps.append((source.stream_id, gap))
 
     def close(self) -> None:
         for source in self.sources:

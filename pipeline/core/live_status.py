@@ -28,6 +28,8 @@ def snapshot(sources: list[LiveSource], counters: dict[str, Any]) -> dict[str, A
             "fps_out": round(window_rate(list(c.out_times), now, since=source.began_at), 2),
             "frames_in": stats.frames_in, "frames_out": c.frames_out, "dropped": stats.dropped,
             "reconnects": stats.reconnects, "gaps": c.gaps, "answers": c.answers,
+            # the source's own count of outages (the current one included) and their seconds
+            "outages": stats.gaps, "outage_s": round(stats.outage_s, 2), "connected": stats.connected,
             "answer_latency_p50_s": _round(percentile(answer_lat, 50)),
             "answer_latency_p95_s": _round(percentile(answer_lat, 95)),
             "frame_latency_p50_s": _round(percentile(frame_lat, 50)),
@@ -43,8 +45,9 @@ def status_line(snap: dict[str, Any]) -> str:
         kind, p50, p95 = ("ans", s["answer_latency_p50_s"], s["answer_latency_p95_s"]) if s["answers"] else \
             ("frm", s["frame_latency_p50_s"], s["frame_latency_p95_s"])
         lat = "-" if p50 is None else f"{p50 * 1e3:.0f}/{p95 * 1e3:.0f}ms"
+        down = "" if s["connected"] else " DOWN"
         parts.append(f"{sid}: {s['fps_in']:.1f}>{s['fps_out']:.1f}fps drop {s['dropped']} "
-                     f"rc {s['reconnects']} {kind} {lat}")
+                     f"rc {s['reconnects']} out {s['outage_s']:.1f}s{down} {kind} {lat}")
     return " | ".join(parts)
 
 

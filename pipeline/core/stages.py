@@ -490,6 +490,7 @@ class SinkStage(Stage):
         # told of each answer / gap once the store has it (the server's events; set by run_live)
         self.on_answer: Callable[[AnswerItem], None] | None = None
         self.on_gap: Callable[[str, Any], None] | None = None
+        self.late_gaps: Callable[[], list[tuple[str, Any]]] = lambda: []   # live: outages no frame ended
         self.frames_written = 0
         self.last_pts: dict[str, float] = {}      # per stream: its last stored frame's pts
         self.answers: list[AnswerItem] = []
@@ -503,11 +504,8 @@ class SinkStage(Stage):
         sid = item.batch.stream_id
         writer = self.writers[sid]
         gap = getattr(item.batch, "gap", None)
-        if gap is not None and writer is not None:
-            writer.add_gap(start_pts=gap.start_pts, end_pts=gap.end_pts, start_wall=gap.start_wall,
-                           end_wall=gap.end_wall, reason=gap.reason)
-        if gap is not None and self.on_gap is not None:
-            self.on_gap(sid, gap)
+        if gap is not None:
+            self._gap(sid, gap)
         allocation = item.wait()
         frames = item.batch.frames
         rows = frame_rows(frames, allocation)
@@ -525,11 +523,20 @@ class SinkStage(Stage):
         self.last_pts[sid] = frames[-1].pts_s
         if self.counters is not None:
             counters, now = self.counters[sid], time.time()
-            counters.gaps += gap is not None
             counters.frames_out += len(frames)
             counters.out_times.extend([now] * len(frames))
             counters.frame_latency.extend(now - f.arrival_s for f in frames if f.arrival_s is not None)
         return ()
+
+    def _gap(self, sid: str, gap: Any) -> None:
+        writer = self.writers.get(sid)
+        if writer is not None:
+            writer.add_gap(start_pts=gap.start_pts, end_pts=gap.end_pts, start_wall=gap.start_wall,
+                           end_wall=gap.end_wall, reason=gap.reason)
+        if self.counters is not None:
+            self.counters[sid].gaps += 1
+        if self.on_gap is not None:
+            self.on_gap(sid, gap)
 
     def _answers(self, answers: list[AnswerItem]) -> None:
         sid = answers[0].stream_id
@@ -551,7 +558,11 @@ class SinkStage(Stage):
             self.answers_out.flush()
 
     def finish(self) -> Iterable[Any]:
-        self._close(failed=False)
+        try:
+            for sid, gap in self.late_gaps():
+                self._gap(sid, gap)
+        finally:
+            self._close(failed=False)
         return ()
 
     def close(self) -> None:

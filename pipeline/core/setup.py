@@ -13,7 +13,7 @@ from arr_coc.model import ARRCOC
 from ..config import PipelineConfig
 from .cuda import resolve_device
 
-__all__ = ["build_model", "encode_query", "load_answerer", "resolve_device"]
+__all__ = ["build_model", "encode_query", "load_answerer", "open_writer", "resolve_device"]
 
 
 def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> ARRCOC:
@@ -42,3 +42,18 @@ def load_answerer(cfg: PipelineConfig, device: torch.device):
     # bf16 matrix products are slow on CPUs; there the VLM runs in float32
     dtype = "float32" if device.type == "cpu" else cfg.vlm.dtype
     return load_vlm(cfg.runtime.vlm, device=device, dtype=dtype, config=cfg.vlm)
+
+
+def open_writer(store: Any, stream_id: str, config: dict[str, Any], *, resuming: bool = False, **attrs: Any):
+    """The stream's writer, recording the run's `config` (the store's root keeps the first run's).
+
+    A stream that replaces another says so on stderr (a warning): a re-run over a complete stream,
+    or another file with the same stem. `resuming` (batch): redoing an incomplete stream of the same
+    source is the point of a resume and goes unsaid."""
+    import warnings
+
+    writer = store.stream(stream_id, config=config, **attrs)
+    old = writer.replaced
+    if old is not None and not (resuming and not old.complete and old.source == attrs.get("source")):
+        warnings.warn(str(old), stacklevel=2)
+    return writer

@@ -39,7 +39,7 @@ from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
 from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
-from ..core.setup import build_model, encode_query, load_answerer, resolve_device
+from ..core.setup import build_model, encode_query, load_answerer, open_writer, resolve_device
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
@@ -183,6 +183,7 @@ class VideoAnswerer:
             raise ConfigError("batch answers each question once over the whole video; --every/runtime.every_s "
                               "does not apply (leave it unset)")
         self.cfg, self.stock, self.keep_policy = cfg, stock, keep_policy
+        self.config_dict = to_dict(cfg)
         self.device = resolve_device(cfg.runtime.device)
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
         self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
@@ -278,9 +279,10 @@ class VideoAnswerer:
                                 worker=worker, **kwargs) if worker is not None else open_video(work.path, **kwargs))
         try:
             grid = self.vlm.geometry.grid(source.height, source.width)
-            writer = self.store.stream(work.video_id, source=str(work.path), query=query_text(work),
-                                       fps=float(source.fps), width=source.width, height=source.height, grid=grid,
-                                       vlm=cfg.runtime.vlm, chunk_frames=cfg.output.chunk_frames)
+            writer = open_writer(self.store, work.video_id, self.config_dict, resuming=True, source=str(work.path),
+                                 query=query_text(work), fps=float(source.fps), width=source.width,
+                                 height=source.height, grid=grid, vlm=cfg.runtime.vlm,
+                                 chunk_frames=cfg.output.chunk_frames)
         except BaseException:
             source.close()
             raise

@@ -85,7 +85,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         stream id and its Gap), after the store has it (the server's event streams).
     """
     from ..core.live_status import StatusReporter, snapshot
-    from ..core.setup import build_model, encode_query, load_answerer, resolve_device
+    from ..core.setup import build_model, encode_query, load_answerer, open_writer, resolve_device
 
     live, options = live or LiveConfig(), options or LiveOptions()
     stop = stop or threading.Event()
@@ -96,10 +96,12 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
         grids = {s.stream_id: geometry.grid(s.height, s.width) for s in sources}
-        store = ZarrStore.open(out, config={**to_dict(cfg), "live": _live_dict(live, options)})
-        writers = {s.stream_id: store.stream(s.stream_id, source=s.name, query=question, fps=float(s.fps),
-                                             width=s.width, height=s.height, grid=grids[s.stream_id],
-                                             vlm=cfg.runtime.vlm, chunk_frames=cfg.output.chunk_frames, overwrite=True)
+        config = {**to_dict(cfg), "live": _live_dict(live, options)}
+        store = ZarrStore.open(out, config=config)
+        writers = {s.stream_id: open_writer(store, s.stream_id, config, source=s.name, query=question,
+                                            fps=float(s.fps), width=s.width, height=s.height,
+                                            grid=grids[s.stream_id], vlm=cfg.runtime.vlm,
+                                            chunk_frames=cfg.output.chunk_frames, overwrite=True)
                    for s in sources}
         query = encode_query(question, device, vlm)
         model = build_model(cfg, query.shape[-1], device) if model is None else model

@@ -23,7 +23,7 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose
 from ..core.graph import Graph
-from ..core.setup import build_model, encode_query, load_answerer, resolve_device
+from ..core.setup import build_model, encode_query, load_answerer, open_writer, resolve_device
 from ..core.stages import AnswerItem, FrameAllocation, RunStatus, VLMStage
 from ..vlm.geometry import VLMGeometry
 
@@ -87,9 +87,9 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
         grid = geometry.grid(source.height, source.width)
         if out is not None:
             store = ZarrStore.open(out, config=to_dict(cfg))
-            writer = store.stream(source.stream_id, source=str(path), query=question, fps=float(source.fps),
-                                  width=source.width, height=source.height, grid=grid, vlm=cfg.runtime.vlm,
-                                  chunk_frames=cfg.output.chunk_frames, overwrite=True)
+            writer = open_writer(store, source.stream_id, to_dict(cfg), source=str(path), query=question,
+                                 fps=float(source.fps), width=source.width, height=source.height, grid=grid,
+                                 vlm=cfg.runtime.vlm, chunk_frames=cfg.output.chunk_frames, overwrite=True)
     except BaseException:
         source.close()
         raise

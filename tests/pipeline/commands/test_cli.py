@@ -103,6 +103,19 @@ class TestRun:
         assert np.all(answers["tokens_kept"] > 0) and np.all(answers["latency_s"] > 0)
         assert set(answers["question"].tolist()) == {"what moves?"}
 
+    def test_each_stream_records_its_config_and_a_replacement_is_said(self, capsys, tmp_path, videos):
+        out = tmp_path / "o.zarr"
+        code, _, err = run_cli(capsys, "run", str(videos["clip"]), "--query", "q", "--out", str(out))
+        assert code == 0 and "replacing" not in err
+        with pytest.warns(UserWarning, match=r"replacing stream 'clip' \(was .*clip\.mp4, complete") as seen:
+            code, _, err = run_cli(capsys, "run", str(videos["mkv"]), "--query", "q", "--out", str(out),
+                                   "--set", "model.attending.retention=0.5")
+        assert code == 0, err
+        assert sum("replacing stream" in str(w.message) for w in seen) == 1
+        data = read_stream(out, "clip")
+        assert data["attrs"]["config"]["model"]["attending"]["retention"] == 0.5
+        assert data["attrs"]["source"].endswith("clip.mkv")
+
     def test_overlay_video(self, capsys, tmp_path, videos):
         import av
         overlay = tmp_path / "overlay.mp4"

@@ -9,6 +9,12 @@ class SourceError(Exception):
     """
 
 
+class DecoderCrashed(SourceError):
+    """The decoder process died (killed: out of memory, a signal) while reading an input that opened
+    fine. Not the input's fault as far as anyone can tell: the CLI reports a failed stage (exit 1),
+    not bad input; batch skips the video like an unreadable one and carries on."""
+
+
 class VideoTruncatedWarning(UserWarning):
     """Decoding hit damage (a truncated or corrupt file) and stopped early; earlier frames are valid."""
 

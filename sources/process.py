@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import SourceError, VideoTruncatedWarning
+from .errors import DecoderCrashed, SourceError, VideoTruncatedWarning
 from .video import open_video
 from .yuv import YuvLayout, matches, write_planes, yuv_layout
 
@@ -206,7 +206,7 @@ class ProcessSource:
                 job, *message = self._worker.filled.get(timeout=_POLL_S)
             except queue.Empty:
                 if not self._worker.proc.is_alive():
-                    raise SourceError(f"{self.path}: the decoder process died "
+                    raise DecoderCrashed(f"{self.path}: the decoder process died "
                                       f"({_exit_status(self._worker.proc.exitcode)})") from None
                 continue
             if job == self._job:

@@ -275,8 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if verbose:
             traceback.print_exc()
-        user = isinstance(e, _user_errors()) or (isinstance(e, StageError) and isinstance(e.error, _user_errors()))
-        message = str(e.error) if isinstance(e, StageError) and user else str(e)
+        from sources import DecoderCrashed
+
+        cause = e.error if isinstance(e, StageError) else e
+        # a decoder that died (out of memory?) is a failed stage, not bad input
+        user = isinstance(cause, _user_errors()) and not isinstance(cause, DecoderCrashed)
+        message = str(cause) if isinstance(e, StageError) and isinstance(cause, _user_errors()) else str(e)
         first = message.strip().splitlines()[0] if message.strip() else type(e).__name__
         if not user and not isinstance(e, StageError):
             first = f"{type(e).__name__}: {first}"

@@ -254,6 +254,20 @@ def _wait_for_frames(store: Path, stream: str, at_least: int, proc: subprocess.P
     raise AssertionError("the run never wrote enough frames")
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 class TestInterruptions:
     def _start(self, video: Path, out: Path, *extra: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -272,6 +286,21 @@ class TestInterruptions:
         assert data["attrs"]["complete"] is False
         assert 32 <= len(data["pts"]) < 600
         assert len(data["tokens"]) == len(data["pts"]) == len(data["scene_change"])
+
+    def test_a_killed_decoder_is_a_failed_stage_not_bad_input(self, tmp_path, videos):
+        """The kernel's OOM killer takes the decode worker: exit 1 naming the decoder, never exit 2."""
+        out = tmp_path / "oom.zarr"
+        proc = self._start(videos["long"], out, "--set", "decode.process=true")
+        _wait_for_frames(out, "long", 16, proc)
+        workers = [pid for pid in _children(proc.pid) if "spawn_main" in _cmdline(pid) and
+                   "resource_tracker" not in _cmdline(pid)]
+        assert workers, "no decode worker process found"
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err
+        assert "decoder process died (killed by SIGKILL, out of memory?)" in err and "Traceback" not in err
+        assert validate_store(out) == [] and read_stream(out, "long")["attrs"]["complete"] is False
 
     def test_ctrl_c_closes_the_store_cleanly(self, tmp_path, videos):
         out = tmp_path / "interrupted.zarr"

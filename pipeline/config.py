@@ -26,6 +26,12 @@ class DecodeConfig:
     # decoding threads per video (0: the decoder's choice, up to 16 with FFmpeg); several videos in
     # flight, or several Ray actors on one host, each run their own decoder
     threads: int = 0
+    # refuse videos whose frames have more pixels than this (DCI 8K; None: no limit): one line, not
+    # an out-of-memory kill
+    max_pixels: int | None = 8192 * 4320
+    # shared memory for the decode worker's frame slots (MiB): large frames get fewer slots and
+    # fewer frames per slot, not more memory
+    shared_mb: int = 1024
 
     def __post_init__(self) -> None:
         if self.fps is not None:
@@ -37,6 +43,11 @@ class DecodeConfig:
             check_range("decode.max_frames", self.max_frames, 1, None)
         check_int("decode.threads", self.threads)
         check_range("decode.threads", self.threads, 0, 256)
+        if self.max_pixels is not None:
+            check_int("decode.max_pixels", self.max_pixels)
+            check_range("decode.max_pixels", self.max_pixels, 1, None)
+        check_int("decode.shared_mb", self.shared_mb)
+        check_range("decode.shared_mb", self.shared_mb, 16, 1 << 20)
 
 
 @dataclass(frozen=True)

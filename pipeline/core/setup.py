@@ -13,7 +13,7 @@ from arr_coc.model import ARRCOC
 from ..config import PipelineConfig
 from .cuda import resolve_device
 
-__all__ = ["build_model", "encode_query", "load_answerer", "open_writer", "resolve_device"]
+__all__ = ["build_model", "encode_query", "load_answerer", "open_source", "open_writer", "resolve_device"]
 
 
 def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> ARRCOC:
@@ -57,3 +57,19 @@ def open_writer(store: Any, stream_id: str, config: dict[str, Any], *, resuming:
     if old is not None and not (resuming and not old.complete and old.source == attrs.get("source")):
         warnings.warn(str(old), stacklevel=2)
     return writer
+
+
+def open_source(path: Any, cfg: PipelineConfig, *, stream_id: str | None = None, worker: Any = None,
+                device_color: bool = False):
+    """The video file's frame source as decode.* configures it: in a decode worker process
+    (decode.process, or an existing `worker` handed over) or in this process."""
+    from sources import open_video
+    from sources.process import ProcessSource
+
+    d = cfg.decode
+    kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
+                  threads=d.threads, stream_id=stream_id, max_pixels=d.max_pixels)
+    if worker is None and not d.process:
+        return open_video(path, **kwargs)
+    return ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
+                         device_color=device_color, worker=worker, shared_bytes=d.shared_mb << 20, **kwargs)

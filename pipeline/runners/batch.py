@@ -30,8 +30,8 @@ import torch
 
 from arr_coc._validate import ConfigError
 from sinks import ZarrStore, store_location
-from sources import SourceError, open_video
-from sources.process import DecodeWorker, ProcessSource
+from sources import SourceError
+from sources.process import DecodeWorker
 from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
 
 from ..config import PipelineConfig
@@ -39,7 +39,7 @@ from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
 from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
-from ..core.setup import build_model, encode_query, load_answerer, open_writer, resolve_device
+from ..core.setup import build_model, encode_query, load_answerer, open_source, open_writer, resolve_device
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
@@ -272,11 +272,9 @@ class VideoAnswerer:
 
     def _run_video(self, work: VideoWork,
                    worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float], bool]:
-        cfg, d = self.cfg, self.cfg.decode
-        kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
-                      stream_id=work.video_id, threads=d.threads)
-        source = (ProcessSource(work.path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
-                                worker=worker, **kwargs) if worker is not None else open_video(work.path, **kwargs))
+        cfg = self.cfg
+        # a worker process is taken exactly when decode.process is on (_run_graph)
+        source = open_source(work.path, cfg, stream_id=work.video_id, worker=worker)
         try:
             grid = self.vlm.geometry.grid(source.height, source.width)
             writer = open_writer(self.store, work.video_id, self.config_dict, resuming=True, source=str(work.path),

@@ -16,14 +16,13 @@ import torch
 
 from arr_coc.model import ARRCOC
 from sinks import ZarrStore, store_location
-from sources import open_video
 from sources.process import ProcessSource
 
 from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose
 from ..core.graph import Graph
-from ..core.setup import build_model, encode_query, load_answerer, open_writer, resolve_device
+from ..core.setup import build_model, encode_query, load_answerer, open_source, open_writer, resolve_device
 from ..core.stages import AnswerItem, FrameAllocation, RunStatus, VLMStage
 from ..vlm.geometry import VLMGeometry
 
@@ -70,14 +69,9 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     from sinks import OverlayWriter
 
     device = resolve_device(cfg.runtime.device)
-    d = cfg.decode
-    kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
-                  threads=d.threads, stream_id=stream_id)
     # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV
     device_color = device.type == "cuda" and cfg.runtime.vlm == "none" and overlay_path is None
-    source = (ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,
-                            device_color=device_color, **kwargs)
-              if d.process else open_video(path, **kwargs))
+    source = open_source(path, cfg, stream_id=stream_id, device_color=device_color)
     writer = None
     try:
         if vlm is None:

@@ -116,6 +116,11 @@ class TestRun:
         assert data["attrs"]["config"]["model"]["attending"]["retention"] == 0.5
         assert data["attrs"]["source"].endswith("clip.mkv")
 
+    def test_frames_above_the_configured_pixel_count_are_refused(self, capsys, tmp_path, videos):
+        code, _, err = run_cli(capsys, "run", str(videos["clip"]), "--query", "q", "--out", str(tmp_path / "o.zarr"),
+                               "--set", "decode.max_pixels=10000")
+        assert code == 2 and err.count("\n") == 1 and "max_pixels=10000" in err, err
+
     def test_overlay_video(self, capsys, tmp_path, videos):
         import av
         overlay = tmp_path / "overlay.mp4"

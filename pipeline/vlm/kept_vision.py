@@ -135,8 +135,21 @@ class KeptEncoder:
         """encode() of several videos in one tower call. reuse: per video None or (stream key,
         scene_change): its unchanged cells come from the feature cache (emptied first on a scene
         change), and what it encodes goes there."""
-        reuse = reuse or [None] * len(videos)
-        jobs = [self._job(frames, cells, r) for frames, cells, r in zip(videos, cell_maps, reuse)]
+        for frames, cells in zip(videos, cell_maps):
+            expected = (frames.shape[0], *self.geometry.grid(*frames.shape[1:3]))
+            if cells is not None and tuple(cells.shape) != expected:
+                raise ValueError(f"keep map shape {tuple(cells.shape)} does not match the VLM grid {expected} "
+                                 f"for {frames.shape[2]}x{frames.shape[1]} frames")
+        pixels, grids = zip(*(self.preprocessor(frames, self.device) for frames in videos))
+        return self.encode_pixels(list(pixels), list(grids), cell_maps, reuse)
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: list[torch.Tensor], grids: list[torch.Tensor], cell_maps: list,
+                      reuse: list | None = None) -> list[KeptFeatures]:
+        """encode_many() of preprocessed videos: pixels (N, F) and patch grid (3,) each (as
+        VideoPreprocessor returns them), cell maps checked against the frames already."""
+        reuse = reuse or [None] * len(pixels)
+        jobs = [self._job(*args) for args in zip(pixels, grids, cell_maps, reuse)]
         fresh = self._tower(jobs)
         return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
 
@@ -145,20 +158,14 @@ class KeptEncoder:
         all), zeros elsewhere: what VLM.window_prefix selects from."""
         return [f.dense() for f in self.encode_many(videos, keeps, reuse)]
 
-    def _job(self, frames, cells, reuse) -> _Job:
-        pixels, grid_thw = self.preprocessor(frames, self.device)           # (N, F), patches (3,)
+    def _job(self, pixels, grid_thw, cells, reuse) -> _Job:
         m = self.geometry.merge_size
         Tp, gh, gw = grid_thw[0].item(), grid_thw[1].item() // m, grid_thw[2].item() // m
         blocks = pixels.to(self.dtype).view(Tp * gh * gw, m * m, -1)         # (T' gh gw, m^2, F)
         if cells is None:
             wanted = torch.ones(Tp, gh, gw, dtype=torch.bool, device=self.device)
         else:
-            cells = to_device(cells, self.device)
-            expected = (frames.shape[0], gh, gw)
-            if tuple(cells.shape) != expected:
-                raise ValueError(f"keep map shape {tuple(cells.shape)} does not match the VLM grid {expected} "
-                                 f"for {frames.shape[2]}x{frames.shape[1]} frames")
-            wanted = pair_cells(cells, self.geometry.temporal_patch_size)    # (T', gh, gw)
+            wanted = pair_cells(to_device(cells, self.device), self.geometry.temporal_patch_size)  # (T', gh, gw)
         todo = wanted.flatten()
         wanted_idx = todo.nonzero().squeeze(1)                               # (K,)
         job = _Job(blocks, (Tp, gh, gw), wanted_idx, wanted_idx)

@@ -6,10 +6,10 @@ window keeps; a cell whose pixels (both frames of its pair) are unchanged since 
 encoded it is not encoded again: its merged token comes from here.
 
 Unchanged: the mean absolute colour change per pixel of the cell (0..1 units, each frame of the
-pair apart) stays under `threshold`. That bounds the change of the cell's mean colour, so a cell
-reused here is one the temporal realizer's redundancy test (arr_coc/realizing.py: |change of the
-cell's mean colour| under realizing.redundancy_threshold) also calls unchanged; it is stricter
-where a texture moves inside a cell whose mean colour stays. Vision features do not depend on the
+pair apart) stays under `threshold`. That bounds the change of the cell's mean colour, so at the
+same threshold (both default to 0.04) a cell reused here is one the temporal realizer's redundancy
+test (arr_coc/realizing.py: |change of the cell's mean colour|) also calls unchanged; it is
+stricter where a texture moves inside a cell whose mean colour stays. Vision features do not depend on the
 frame's time (the tower's rotary is 2-D), so a cell's entry serves any later pair.
 
 What is reused is the token as it was encoded: the vision tower's attention mixes the patches

@@ -106,7 +106,8 @@ class _Job:
     blocks: torch.Tensor               # (T' gh gw, m^2, F) its patches, merge block by merge block
     grid: tuple[int, int, int]         # (T', gh, gw) merged grid
     wanted: torch.Tensor               # (K,) cells asked for, ascending
-    encoded: torch.Tensor              # (n,) cells through the tower, ascending (a superset, less reuse)
+    encoded: torch.Tensor              # (n,) cells through the tower, ascending: wanted less reused,
+                                       # Qwen2.5-VL: completed to whole windows
     key: str | None = None             # feature-cache stream
     cached: torch.Tensor | None = None  # (K, D) cached tokens of the wanted cells (valid where reused)
 

@@ -1,9 +1,10 @@
 """The VLM stage: pruned visual tokens in, answers out (Qwen2-VL / Qwen2.5-VL through HF transformers).
 
-Per request: preprocess on the device -> vision tower on ALL patches (its attention needs the full
-grid) -> merged tokens (T', gh, gw, D) -> keep/pool per the allocation -> LM prefix whose visual part
-holds only the kept tokens, each at the M-RoPE position the full (unpruned) sequence gives it ->
-our own KV-cached decoding loop, batched over requests with left padding.
+Per request: preprocess on the device -> vision tower on every patch (vlm.encode: all) or on the kept
+cells' patches only (kept: pipeline.vlm.kept_vision) -> merged tokens (T', gh, gw, D) -> keep/pool
+per the allocation -> LM prefix whose visual part holds only the kept tokens, each at the M-RoPE
+position the full (unpruned) sequence gives it -> our own KV-cached decoding loop, batched over
+requests with left padding.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import make_frames, random_keep, request, rewrap
+from conftest import make_frames, mixed_requests, random_keep, request, rewrap
 from transformers import vision_utils
 
 from arr_coc._validate import ConfigError
@@ -20,7 +20,12 @@ ATOL = 1e-5
 
 
 def kept(vlm, **config):
-    return rewrap(vlm, encode="kept", **config)
+    return rewrap(vlm, encode="kept", **{"max_new_tokens": 6, **config})
+
+
+def short(vlm):
+    """encode: all, answers as long as kept()'s."""
+    return rewrap(vlm, max_new_tokens=6)
 
 
 def stock_tokens(vlm, frames) -> torch.Tensor:
@@ -70,9 +75,19 @@ class TestEveryCellKept:
         keep = np.ones((4, *vlm.geometry.grid(84, 112)), dtype=np.int64)
         keep[:, 0, 0] = 2                                                    # a pooled cell: LOD 2 is kept too
         reqs = [request(frames), request(frames, keep, "what is left?")]
-        a, b = vlm.answer(reqs), kept(vlm).answer(reqs)
+        a, b = short(vlm).answer(reqs), kept(vlm).answer(reqs)
         assert [r.text for r in a] == [r.text for r in b]
         assert [r.tokens_kept for r in a] == [r.tokens_kept for r in b]
+
+    def test_a_batch_of_frame_sizes_is_one_tower_call(self, vlm):
+        """Videos of several sizes, stock and pruned, through one ragged call: the stock one is
+        encoded as by encode: all, every request keeps the tokens it keeps there."""
+        reqs = mixed_requests(vlm, seed=20)
+        a, b = short(vlm).answer(reqs), kept(vlm).answer(reqs)
+        assert [r.tokens_kept for r in a] == [r.tokens_kept for r in b]
+        assert a[0].text == b[0].text
+        fresh = kept(vlm).kept_encoder.encode_many([r.frames for r in reqs], [r.keep for r in reqs])
+        assert torch.allclose(fresh[0].dense(), stock_tokens(vlm, reqs[0].frames), atol=ATOL)
 
     def test_answer_questions_encodes_the_kept_cells(self, vlm):
         frames = make_frames(4, 84, 112, seed=4)

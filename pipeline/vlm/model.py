@@ -183,7 +183,7 @@ class VLM:
         # set for tiny-random (its answers are meaningless) and outside transformers' tested range
         version_warning = hf.check_version()
         self.warning = "; ".join(w for w in (warning, version_warning) if w) or None
-        if version_warning is not None:  # HF's own forward (every patch): the fast paths are tested on TESTED_RANGE only
+        if version_warning is not None:  # HF's own forward, every patch: the fast paths are tested on TESTED_RANGE only
             config = dataclasses.replace(config, fast_lm=False, fast_vision=False, encode="all")
             self.config = config
         self.device = next(model.parameters()).device

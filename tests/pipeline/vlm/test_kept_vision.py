@@ -98,6 +98,19 @@ class TestEveryCellKept:
         assert 0 < k.kept_encoder.counters["cells_encoded"] <= 2 * 3 * 4
 
 
+def test_on_cuda_every_cell_kept_equals_the_graphed_tower(cuda_pair):
+    """On CUDA `all` replays a vision graph; `kept` runs the tower eagerly on the gathered patches."""
+    graphed, _ = cuda_pair
+    frames = make_frames(6, 84, 112, seed=12)
+    want = graphed._merged_tokens([frames])[0]
+    assert graphed._vision_graphs.captured == 1
+    torch.testing.assert_close(graphed.encode_cells(frames, None).dense(), want, rtol=1e-4, atol=1e-4)
+    keep = random_keep(graphed, frames, seed=13)
+    got = graphed.encode_cells(frames, keep)
+    assert got.index.numel() == int(torch.from_numpy((keep.reshape(3, 2, 3, 4) != 0).any(1)).sum())
+    assert graphed._vision_graphs.captured == 1                              # kept: no graph
+
+
 class TestSelection:
     def test_only_the_kept_cells_go_through_the_tower(self):
         vlm = kept(build_tiny_vlm("qwen2_vl"))

@@ -177,7 +177,6 @@ class KeptEncoder:
             hit, job.cached = self.cache.lookup(job.key, (gh, gw), wanted_idx, blocks[wanted_idx])
             todo = todo.clone()
             todo[wanted_idx[hit]] = False
-            self.counters["cells_reused"] += int(hit.sum())
         todo = todo.view(Tp, gh, gw)
         if self.window is not None:
             todo = window_cells(todo, self.window)
@@ -198,6 +197,7 @@ class KeptEncoder:
         if job.key is not None and self.cache is not None:
             self.cache.store(job.key, job.grid[1:], job.encoded, job.blocks[job.encoded], fresh)
         self.counters["cells_encoded"] += job.encoded.numel()
+        self.counters["cells_reused"] += int((at < 0).sum())
         return KeptFeatures(tokens, job.wanted, job.grid)
 
     def _tower(self, jobs: list[_Job]) -> list[torch.Tensor]:

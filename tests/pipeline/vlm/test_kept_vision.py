@@ -233,6 +233,7 @@ class TestLiveReuse:
         k.kept_encoder.encode_many([changed], [keep], [("cam", False)])
         # two changed windows of 2x2 cells per pair (top-left, and the one holding cell (2, 2))
         assert k.kept_encoder.counters["cells_encoded"] == 48 + 2 * 2 * 4
+        assert k.kept_encoder.counters["cells_reused"] == 2 * 4 * 4          # the other four windows of each pair
 
     def test_a_scene_change_drops_the_streams_features(self, vlm):
         k = kept(vlm)

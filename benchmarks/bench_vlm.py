@@ -18,6 +18,10 @@ The LM runs through pipeline.vlm.text_model (VLMConfig.fast_lm) in every setting
 ARR-COC differ only in their tokens (prefill_x_stock: the speed-up from token selection alone); one
 more row, "stock, HF forward", runs every token through transformers' own forward on the same
 weights, the stock model as users run it without this pipeline (prefill_x_hf_stock).
+Each retention runs twice (--encode both, the default): "arr-coc N%" with `vlm.encode: all` (the
+vision tower on every patch, the kept tokens picked afterwards) and "arr-coc N%, kept" with
+`vlm.encode: kept` (the tower on the kept cells only; Qwen2.5-VL: the windows holding them);
+vision_cells counts the cells the tower encoded, ttft_x_stock the time-to-first-token speed-up.
 
     python benchmarks/bench_vlm.py                 # GPU: qwen2-vl-2b and qwen2.5-vl-7b, bf16
     python benchmarks/bench_vlm.py --tiny          # CPU smoke test with the tiny random models
@@ -25,6 +29,7 @@ weights, the stock model as users run it without this pipeline (prefill_x_hf_sto
     python benchmarks/bench_vlm.py --eager-prefill # GPU, graph-replayed decode steps, eager prefill
     python benchmarks/bench_vlm.py --graph-prefill-max-tokens 4608  # GPU, every setting's prefill a graph
     python benchmarks/bench_vlm.py --hf-lm         # GPU, the LM's layers through HF's forward instead of pipeline.vlm.text_model
+    python benchmarks/bench_vlm.py --encode kept   # GPU, the ARR-COC rows with vlm.encode: kept only
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +55,16 @@ from pipeline.vlm.loading import _wrap  # noqa: E402
 from pipeline.vlm.model import AnswerRequest  # noqa: E402
 QUESTION = "What is the person on the left doing with the red object?"
 HF_STOCK = "stock, HF forward"         # every token, the LM through transformers' own forward (fast_lm off)
+
+
+@contextlib.contextmanager
+def encoding(vlm, encode: str):
+    """While inside: the VLM's prepare() encodes `encode` ("all" | "kept") patches."""
+    previous, vlm.config = vlm.config, replace(vlm.config, encode=encode)
+    try:
+        yield
+    finally:
+        vlm.config = previous
 
 
 @contextlib.contextmanager
@@ -161,7 +177,22 @@ def keep_maps(relevance: torch.Tensor, retentions: list[float], tp: int = 2) -> 
 
 
 @torch.no_grad()  # as VLM.prepare: without it the vision tower's activations stay alive for autograd
-def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
+def bench_setting(vlm, frames, keep, new_tokens: int, reps: int, encode: str = "all") -> dict:
+    with encoding(vlm, encode):
+        return _bench_setting(vlm, frames, keep, new_tokens, reps)
+
+
+def _vision(vlm, pixels, grid, keep) -> tuple[torch.Tensor, int]:
+    """The vision tower as vlm.prepare() runs it -> merged tokens (T', gh, gw, D), cells encoded."""
+    if vlm.config.encode == "all":
+        merged = vlm._vision(pixels, grid)[0]
+        return merged, merged.shape[0] * merged.shape[1] * merged.shape[2]
+    before = vlm.kept_encoder.counters["cells_encoded"]
+    merged = vlm.kept_encoder.encode_pixels([pixels], [grid[0]], [keep])[0].dense()
+    return merged, vlm.kept_encoder.counters["cells_encoded"] - before
+
+
+def _bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
     device = vlm.device
     req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps)
     phases = {"preprocess": [], "vision": [], "selection": []}
@@ -170,7 +201,7 @@ def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
         pixels, grid = vlm._preprocess([frames])
         sync(device)
         marks.append(time.perf_counter())
-        merged = vlm._vision(pixels, grid)[0]
+        merged, vision_cells = _vision(vlm, pixels, grid, keep)
         sync(device)
         marks.append(time.perf_counter())
         prefix = vlm.build_prefix(req, merged)
@@ -195,7 +226,8 @@ def bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
     n = out.lengths[0]
     decode_tps = (n - 1) / out.decode_s
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    return dict(tokens_kept=prefix.tokens_kept, tokens_full=prefix.tokens_full,
+    return dict(encode=vlm.config.encode, vision_cells=vision_cells,
+                tokens_kept=prefix.tokens_kept, tokens_full=prefix.tokens_full,
                 retention_actual=prefix.tokens_kept / prefix.tokens_full, prefix_len=prefix.embeds.shape[0],
                 prefill_len=prefill_len, prefill_graph=prefill_graph,
                 preprocess_ms=pre_s * 1e3, vision_ms=vis_s * 1e3,
@@ -237,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="longest (padded) prefix prefilled by a CUDA graph (default %(default)s)")
     ap.add_argument("--hf-lm", action="store_true",
                     help="the LM's layers through HF's own forward (VLMConfig.fast_lm off)")
+    ap.add_argument("--encode", choices=("all", "kept", "both"), default="both",
+                    help="vlm.encode of the ARR-COC rows (default: both, one row each)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
     args = ap.parse_args(argv)
@@ -261,13 +295,15 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - t0
         relevance, source, arrcoc_ms, arrcoc_eager_ms = relevance_map(vlm, frames, reps)
         maps = keep_maps(relevance, args.retention, vlm.geometry.temporal_patch_size)
-        settings = [("stock", None)] + [(f"arr-coc {int(r * 100)}%", maps[r]) for r in args.retention]
+        modes = ["all", "kept"] if args.encode == "both" else [args.encode]
+        settings = [("stock", None, "all")] + [(f"arr-coc {int(r * 100)}%" + (", kept" if mode == "kept" else ""),
+                                                maps[r], mode) for r in args.retention for mode in modes]
         if vlm._fast_lm is not None:          # the real alternative: the stock model through HF's own forward
-            settings.insert(0, (HF_STOCK, None))
+            settings.insert(0, (HF_STOCK, None, "all"))
         arch_rows = []
-        for label, keep in settings:
+        for label, keep, mode in settings:
             with hf_forward(vlm, label == HF_STOCK):
-                r = bench_setting(vlm, frames, keep, new_tokens, reps)
+                r = bench_setting(vlm, frames, keep, new_tokens, reps, mode)
             # the VLM's time for the window: vision tower + prefill + the decoded tokens
             vlm_ms = r["vision_ms"] + r["prefill_ms"] + 1e3 * (r["decode_tokens"] - 1) / r["decode_tok_s"]
             r.update(arch=arch, setting=label, keep_source=None if keep is None else source, build_s=build_s,
@@ -278,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         by_label = {r["setting"]: r for r in arch_rows}
         for r in arch_rows:           # prefill speed-ups over the stock rows of the same run
             r["prefill_x_stock"] = by_label["stock"]["prefill_ms"] / r["prefill_ms"]
+            r["ttft_x_stock"] = by_label["stock"]["ttft_ms"] / r["ttft_ms"]
             hf = by_label.get(HF_STOCK)
             r["prefill_x_hf_stock"] = hf["prefill_ms"] / r["prefill_ms"] if hf else None
         results += arch_rows
@@ -304,10 +341,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [("arch", "{}"), ("setting", "{}"), ("tokens_kept", "{}"), ("tokens_full", "{}"),
+    cols = [("arch", "{}"), ("setting", "{}"), ("tokens_kept", "{}"), ("tokens_full", "{}"), ("vision_cells", "{}"),
             ("preprocess_ms", "{:.1f}"), ("vision_ms", "{:.1f}"), ("selection_ms", "{:.1f}"),
             ("front_end_ms", "{:.1f}"), ("prefill_len", "{}"), ("prefill_graph", "{}"),
             ("prefill_ms", "{:.1f}"), ("prefill_x_stock", "{:.2f}"), ("prefill_x_hf_stock", "{:.2f}"), ("ttft_ms", "{:.1f}"),
+            ("ttft_x_stock", "{:.2f}"),
             ("decode_tok_s", "{:.1f}"), ("peak_mem_gib", "{:.2f}"), ("arrcoc_ms", "{:.1f}"),
             ("arrcoc_share_of_vlm", "{:.2%}")]
     cells = [[c for c, _ in cols]] + [["-" if r[c] is None else fmt.format(r[c]) for c, fmt in cols] for r in rows]

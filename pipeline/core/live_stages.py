@@ -138,6 +138,7 @@ class _Window:
     pending: Future | None = None
     pending_meta: tuple[float, float] | None = None
     seen: bool = False     # a frame of this stream has been through; the first one is no scene change
+    cut: bool = True       # a scene change (or a gap) since the last request: the VLM drops its cached features
 
 
 def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: PipelineConfig,
@@ -167,7 +168,9 @@ class LiveVLMStage(Stage):
     """Per-stream answer windows over the latest `every_s` seconds, asked through one VLMBatcher.
 
     Requests are submitted, not awaited: a stream asks again only when its previous answer is back,
-    so a slow VLM makes answers rarer, never later or queued without bound.
+    so a slow VLM makes answers rarer, never later or queued without bound. Each names its stream
+    (reuse_key) and whether a scene change or a gap came since the stream's last one: with
+    `vlm.encode: kept` the VLM reuses the vision features of cells unchanged since, dropped at a cut.
     """
 
     name = "vlm"
@@ -184,9 +187,11 @@ class LiveVLMStage(Stage):
         if getattr(item.batch, "gap", None) is not None:
             win.rgb.clear()   # frames from before the outage do not describe what is in view now
             win.next_due = None
+            win.cut = True
         marks = item.vlm_frames or [True] * len(item.batch.frames)
         for frame, lod, take, cut in zip(item.batch.frames, allocation.lod.numpy(), marks,
                                          allocation.scene_change.numpy()):
+            win.cut |= bool(cut)
             if take or cut:
                 self._add(win, frame, lod)
             if self.options.on_scene_change:
@@ -233,8 +238,10 @@ class LiveVLMStage(Stage):
         arrival_mono = time.monotonic() - (time.time() - last_arrival)
         request = AnswerRequest(stream_id=sid, frames=np.stack([f[2] for f in frames]),
                                 keep=np.stack([f[3] for f in frames]), question=self.question,
-                                t_start=float(frames[0][0]), t_end=float(frames[-1][0]), arrival_s=arrival_mono)
+                                t_start=float(frames[0][0]), t_end=float(frames[-1][0]), arrival_s=arrival_mono,
+                                reuse_key=sid, scene_change=win.cut)   # cells unchanged since the last window: reused
         win.pending, win.pending_meta = self.batcher.submit(request), (request.t_start, request.t_end)
+        win.cut = False
 
     def _collect(self, sid: str, win: _Window) -> list[AnswerItem]:
         if win.pending is None or not win.pending.done():

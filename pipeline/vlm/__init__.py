@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _HOMES = {"VLMConfig": "config", "VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading",
-          "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model"}
+          "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model", "KeptFeatures": "kept_vision"}
 __all__ = list(_HOMES)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 
 DTYPES = ("bfloat16", "float16", "float32")
+ENCODE_MODES = ("all", "kept")
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,20 @@ class VLMConfig:
     # as one silu, MLP widths padded to GEMM-friendly multiples of 8, fused RMSNorm: same results,
     # less memory traffic); false: HF's own block forward. Applies to the model, not this VLM only
     fast_vision: bool = True
+    # which patches go through the vision tower: "all" (every patch, then the allocation's tokens
+    # are picked from the merged grid) or "kept" (only the patches of the cells the allocation
+    # keeps, Qwen2.5-VL: of the attention windows holding one; pipeline.vlm.kept_vision)
+    encode: str = "all"
+    # encode: kept, live streams: at most this many cells' vision features (and pixels, to tell
+    # a change) kept per stream, reused for a cell unchanged since it was encoded (0: no reuse)
+    reuse_cells: int = 1024
+    # mean |colour change| per pixel (0..1) of a cell under which its cached features are reused
+    reuse_threshold: float = 0.04
 
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
-        for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed", "graph_prefill_max_tokens"):
+        for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed", "graph_prefill_max_tokens",
+                     "reuse_cells"):
             check_int(f"vlm.{name}", getattr(self, name))
         check_range("vlm.max_new_tokens", self.max_new_tokens, 1, 8192)
         check_range("vlm.temperature", self.temperature, 0.0, 10.0)
@@ -47,6 +58,9 @@ class VLMConfig:
         check_range("vlm.min_pixels", self.min_pixels, 28 * 28, 16384 * 16384)
         check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
         check_choice("vlm.dtype", self.dtype, DTYPES)
+        check_choice("vlm.encode", self.encode, ENCODE_MODES)
+        check_range("vlm.reuse_cells", self.reuse_cells, 0, 1 << 20)
+        check_range("vlm.reuse_threshold", self.reuse_threshold, 0.0, 1.0)
         for name in ("cuda_graphs", "fast_lm", "fast_vision"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"vlm.{name} must be true or false, got {getattr(self, name)!r}")

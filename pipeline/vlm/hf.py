@@ -140,3 +140,29 @@ def vision_utils():
     except ImportError:
         return None
     return vu
+
+
+# ---- the vision tower over a subset of a video's patches (pipeline.vlm.kept_vision) ----
+def vision_window_cells(visual: nn.Module) -> int | None:
+    """Side, in merged cells, of the windows Qwen2.5-VL's windowed layers attend within (112 px /
+    28 px = 4 for the released models); None for a tower without windows (Qwen2-VL)."""
+    if not hasattr(visual, "fullatt_block_indexes"):
+        return None
+    return visual.window_size // visual.spatial_merge_size // visual.patch_size
+
+
+def vision_forward_on(visual: nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor, position_ids: torch.Tensor,
+                      cu_seqlens: torch.Tensor, window_index: torch.Tensor | None = None,
+                      cu_window_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's vision forward over any set of whole merge blocks (pixels (n, F), m^2 rows a block), its
+    grid-derived inputs given instead of derived from grid_thw: position_ids (n, 2) (row, column)
+    of each patch, cu_seqlens (S + 1,) int32 bounds of the full-attention blocks; Qwen2.5-VL:
+    window_index (n / m^2,) the blocks in window order, cu_window_seqlens (W + 1,) int32 window
+    bounds (in patches, window order) -> merged tokens (n / m^2, D) in the order of `pixels`.
+    Needs a forward that pops precomputed inputs (transformers.vision_utils: all of TESTED_RANGE)."""
+    inputs: dict[str, Any] = dict(position_ids=position_ids, cu_seqlens=cu_seqlens)
+    if window_index is not None:
+        inputs.update(window_index=window_index, cu_window_seqlens=cu_window_seqlens)
+    out = visual(pixels, grid_thw=grid_thw, **inputs)
+    return out.pooler_output if hasattr(out, "pooler_output") else out
+

@@ -1,9 +1,10 @@
 """The VLM stage: pruned visual tokens in, answers out (Qwen2-VL / Qwen2.5-VL through HF transformers).
 
-Per request: preprocess on the device -> vision tower on ALL patches (its attention needs the full
-grid) -> merged tokens (T', gh, gw, D) -> keep/pool per the allocation -> LM prefix whose visual part
-holds only the kept tokens, each at the M-RoPE position the full (unpruned) sequence gives it ->
-our own KV-cached decoding loop, batched over requests with left padding.
+Per request: preprocess on the device -> vision tower on every patch (vlm.encode: all) or on the kept
+cells' patches only (kept: pipeline.vlm.kept_vision) -> merged tokens (T', gh, gw, D) -> keep/pool
+per the allocation -> LM prefix whose visual part holds only the kept tokens, each at the M-RoPE
+position the full (unpruned) sequence gives it -> our own KV-cached decoding loop, batched over
+requests with left padding.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph, StaticDecoder,  # noqa: F401
                                    StaticKVCache, register_packed_sdpa, sample_next, sdpa_packed_gqa)
 from pipeline.vlm import hf
+from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.geometry import VLMGeometry
+from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
 from pipeline.vlm.text_model import FastTextModel, unsupported
@@ -68,6 +71,8 @@ class AnswerRequest:
     t_start: float
     t_end: float
     arrival_s: float | None = None      # time.monotonic() when the window was complete; latency starts here
+    reuse_key: str | None = None        # live stream whose cached vision features may serve (encode: kept)
+    scene_change: bool = False          # a cut since reuse_key's previous request: its cache is dropped first
 
     def __post_init__(self) -> None:
         shape = tuple(self.frames.shape)
@@ -79,6 +84,8 @@ class AnswerRequest:
             raise ValueError(f"AnswerRequest.keep must be (T={shape[0]}, gh, gw), got {tuple(self.keep.shape)}")
         if not self.question.strip():
             raise ValueError("AnswerRequest.question is empty")
+        if self.reuse_key is not None and not isinstance(self.reuse_key, str):
+            raise ValueError(f"AnswerRequest.reuse_key must be a string or None, got {self.reuse_key!r}")
 
 
 @dataclass(frozen=True)
@@ -176,8 +183,8 @@ class VLM:
         # set for tiny-random (its answers are meaningless) and outside transformers' tested range
         version_warning = hf.check_version()
         self.warning = "; ".join(w for w in (warning, version_warning) if w) or None
-        if version_warning is not None:  # HF's own forward: the fast paths are tested on TESTED_RANGE only
-            config = dataclasses.replace(config, fast_lm=False, fast_vision=False)
+        if version_warning is not None:  # HF's own forward, every patch: the fast paths are tested on TESTED_RANGE only
+            config = dataclasses.replace(config, fast_lm=False, fast_vision=False, encode="all")
             self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -218,6 +225,12 @@ class VLM:
         self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill, vision)
         self._vision_graphs = (VisionGraphs(self._visual, self.dtype, self._pool)
                                if self.device.type == "cuda" and config.cuda_graphs else None)
+        # the tower over chosen cells only (encode: kept, and VLM.encode_cells), with live reuse
+        cache = (FeatureCache(config.reuse_cells, config.reuse_threshold, preprocessor.image_std,
+                              preprocessor.geometry.temporal_patch_size)
+                 if config.encode == "kept" and config.reuse_cells else None)
+        self.kept_encoder = KeptEncoder(self._visual, preprocessor, self.dtype, self.lm.embed_tokens.embedding_dim,
+                                        cache)
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
         self._pad_embed: torch.Tensor | None = None
@@ -290,9 +303,22 @@ class VLM:
                                   seconds)                                   # (3, 1, L)
         return positions[:, 0]                                               # (3, L)
 
+    def encode_cells(self, frames: np.ndarray | torch.Tensor, cells: np.ndarray | torch.Tensor | None) -> KeptFeatures:
+        """The vision tower on the given cells only: frames (T, H, W, 3), cells (T, gh, gw) nonzero
+        where wanted (e.g. a pass's candidates) -> their merged tokens (pipeline.vlm.kept_vision)."""
+        return self.kept_encoder.encode(frames, cells)
+
+    def _window_tokens(self, requests: list[AnswerRequest]) -> list[torch.Tensor]:
+        """Per request merged tokens (T', gh, gw, D) to select from: every cell's (encode: all), or
+        the kept cells' only, zeros elsewhere (encode: kept)."""
+        if self.config.encode == "all":
+            return self._merged_tokens([r.frames for r in requests])
+        reuse = [(r.reuse_key, r.scene_change) if r.reuse_key is not None else None for r in requests]
+        return self.kept_encoder.merged([r.frames for r in requests], [r.keep for r in requests], reuse)
+
     @torch.no_grad()
     def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
-        merged_all = self._merged_tokens([r.frames for r in requests])
+        merged_all = self._window_tokens(requests)
         return [self.build_prefix(req, merged) for req, merged in zip(requests, merged_all)]
 
     @torch.no_grad()
@@ -670,9 +696,8 @@ class VLM:
         if not questions:
             return []
         started = time.monotonic()
-        for q in questions:                                                  # validates frames, keep, question
-            AnswerRequest("", frames, keep, q, 0.0, 0.0)
-        merged = self._merged_tokens([frames])[0]                            # (T', gh, gw, D)
+        requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0) for q in questions]  # validates them
+        merged = self._window_tokens(requests[:1])[0]                        # (T', gh, gw, D)
         window = self.window_prefix(frames, keep, merged)                    # selection and positions once
         prefixes = self.question_prefixes(window, questions)
         step = len(prefixes) if max_batch is None else max_batch

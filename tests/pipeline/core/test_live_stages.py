@@ -99,3 +99,47 @@ def test_answers_after_warm_up_create_no_decoder(size):
                     for i in range(batch)]
         assert len(vlm.answer(requests)) == batch
     assert vlm.counters["decoders"] == warmed["decoders"] and vlm.counters["evicted"] == 0
+
+
+def still_batch(pts: list[float], cuts: list[bool] | None = None, gap: Gap | None = None) -> AllocationBatch:
+    """Frames of one unchanging 56x56 view (a 2x2 VLM grid), every cell kept."""
+    rgb = np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8)
+    frames = [Frame("s", round(t * 4), t, rgb, arrival_s=t) for t in pts]
+    cuts = cuts or [False] * len(frames)
+    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), scene_change=torch.tensor(cuts))
+    return AllocationBatch(LiveBatch("s", frames, torch.zeros(len(frames), 56, 56, 3, dtype=torch.uint8), gap=gap),
+                           allocation, None)
+
+
+class TestFeatureReuse:
+    """Each request names its stream and whether a scene change or a gap came since the stream's last
+    one; with vlm.encode: kept the VLM encodes only what changed since."""
+
+    SECONDS = [[k / 4 for k in range(5)], [1 + k / 4 for k in range(1, 5)], [2 + k / 4 for k in range(1, 7)]]
+
+    def test_requests_carry_the_stream_and_its_cuts(self):
+        batcher = RecordingBatcher()
+        stage = LiveVLMStage(batcher, "what is there?", LiveOptions(every_s=1.0))
+        cuts = [[True] + [False] * 4, [False] * 4, [False, True] + [False] * 4]
+        for pts, c in zip(self.SECONDS, cuts):
+            list(stage.process(still_batch(pts, c)))
+        assert [(r.reuse_key, r.scene_change) for r in batcher.requests] == [("s", True), ("s", False), ("s", True)]
+
+    def test_a_still_view_is_encoded_once_through_the_batcher(self):
+        from pipeline.vlm.batcher import VLMBatcher
+        from pipeline.vlm.config import VLMConfig
+
+        vlm = build_tiny_vlm("qwen2_vl", config=VLMConfig(encode="kept", max_new_tokens=4))
+        stage = LiveVLMStage(VLMBatcher(vlm, max_wait_s=0.0), "what is there?", LiveOptions(every_s=1.0))
+        answers, counts = [], []
+        gap = Gap("s", 2.0, 2.25, 2.0, 2.25, "the stream ended (server closed or stalled)")
+        for pts, g in zip(self.SECONDS, [None, None, gap]):
+            out = list(stage.process(still_batch(pts, gap=g))) + list(stage.finish())  # finish: the answer is back
+            answers += [x.text for x in out if isinstance(x, AnswerItem)]
+            counts.append(dict(vlm.kept_encoder.counters))
+        stage.close()
+        # 5 frames (3 pairs) of 4 cells, then 5 frames of the same view: all reused; after the gap
+        # (the window starts over: due 1 s after 2.25 s) all anew
+        assert [c["cells_encoded"] for c in counts] == [12, 12, 24]
+        assert [c["cells_reused"] for c in counts] == [0, 12, 12]
+        assert len(answers) == 3 and answers[0] == answers[1]

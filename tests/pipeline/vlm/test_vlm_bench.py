@@ -14,10 +14,17 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert {"command", "device", "torch", "transformers", "results"} <= set(report)
     rows = report["results"]
-    assert [r["setting"] for r in rows] == ["stock, HF forward", "stock", "arr-coc 50%", "arr-coc 25%", "arr-coc 10%"]
+    assert [r["setting"] for r in rows] == ["stock, HF forward", "stock", "arr-coc 50%", "arr-coc 50%, kept",
+                                            "arr-coc 25%", "arr-coc 25%, kept", "arr-coc 10%", "arr-coc 10%, kept"]
+    assert [r["encode"] for r in rows] == ["all"] * 2 + ["all", "kept"] * 3
     assert rows[0]["tokens_kept"] == rows[1]["tokens_kept"] == rows[0]["tokens_full"] == 2 * 4 * 4  # 4 frames of 112x112
-    kept = [r["tokens_kept"] for r in rows[1:]]
+    kept = [r["tokens_kept"] for r in rows[1::2]]
     assert kept[0] > kept[1] >= kept[2] >= kept[3] >= 1
+    assert [r["tokens_kept"] for r in rows[2::2]] == [r["tokens_kept"] for r in rows[3::2]]   # same tokens either way
+    # every cell through the tower with encode: all; with kept, the 2x2-cell windows holding a kept token
+    assert all(r["vision_cells"] == 32 for r in rows[:3] + rows[4::2])
+    assert all(r["tokens_kept"] <= r["vision_cells"] < 32 for r in rows[5::2])
+    assert all(r["ttft_x_stock"] == rows[1]["ttft_ms"] / r["ttft_ms"] for r in rows)
     assert all(r["decode_tokens"] == 4 and r["prefill_ms"] > 0 and r["front_end_ms"] > 0 for r in rows)
     # speed-ups against both stock rows of the run
     assert rows[1]["prefill_x_stock"] == 1.0 and rows[0]["prefill_x_hf_stock"] == 1.0
@@ -34,8 +41,8 @@ def test_bench_hf_lm_has_one_stock_row(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
     assert bench.main(["--tiny", "--arch", "tiny-qwen2_vl", "--new-tokens", "2", "--retention", "0.5",
-                       "--hf-lm", "--out", str(out)]) == 0
+                       "--hf-lm", "--encode", "kept", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["fast_lm"] is False
-    assert [r["setting"] for r in report["results"]] == ["stock", "arr-coc 50%"]
+    assert [r["setting"] for r in report["results"]] == ["stock", "arr-coc 50%, kept"]   # --encode kept: no "all" row
     assert all(r["prefill_x_hf_stock"] is None for r in report["results"])

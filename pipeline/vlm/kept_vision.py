@@ -1,0 +1,234 @@
+"""Encode only what is kept (VLMConfig.encode = "kept"): the vision tower over the patches of the
+cells an allocation keeps, instead of over every patch with the tokens picked afterwards.
+
+- The frames are preprocessed whole (resize, normalize, patchify: cheap next to the tower), then
+  only the rows of the encoded cells are gathered. A cell is one merge block of m x m patches (m^2
+  consecutive rows), so the merger turns each encoded cell into exactly its one token.
+- Every patch keeps its true position: the tower's 2-D rotary gets the (row, column) the patch has
+  in the full patch grid, as the stock forward gives it, and the LM gets each token's M-RoPE
+  position from the full (unpruned) sequence (VLM.window_prefix, as for `encode: all`).
+- Qwen2-VL's blocks attend within a frame pair. Here they attend among the encoded patches of each
+  frame pair: cells that are not encoded are not context, which is where a kept token differs from
+  the stock one. With every cell encoded the tokens are the stock encoder's.
+- Qwen2.5-VL attends within windows of 112x112 px (4x4 cells) in most blocks and over the whole
+  frame pair in `fullatt_block_indexes` (4 of the 7B's 32). Here the unit is the window: every cell
+  of a window that holds a kept cell is encoded, so the windowed blocks compute what they compute in
+  the stock forward (given the same input). The full-attention blocks see the encoded windows of the
+  pair, not the others: the deviation from the stock tokens enters there (and, through them, the
+  windowed blocks after the first of them). Tokens of cells encoded only to complete a window are
+  dropped after the merger.
+- LOD-2 cells (pooled 2x2 blocks) are encoded like full ones; the pooled token is the mean of their
+  merged tokens (selection.select_tokens).
+- Live reuse: with a stream key, cells unchanged since that stream last encoded them are not encoded
+  again; their tokens come from pipeline.vlm.feature_cache (see there for what "unchanged" is).
+
+Speed: the batched attention (vision_attention) runs with ragged blocks (one host read of the block
+lengths per boundary tensor) and the fast blocks (vision_blocks) as for every patch; the replayed
+vision graphs (vision_graph) are not used, since their shapes are fixed per grid and the kept set
+changes with every window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arr_coc.lod import pad_to_pairs
+from pipeline.core.cuda import to_device
+from pipeline.vlm import hf
+from pipeline.vlm.feature_cache import FeatureCache
+from pipeline.vlm.preprocess import VideoPreprocessor
+from pipeline.vlm.vision_attention import batched_attention
+
+
+@dataclass(frozen=True)
+class KeptFeatures:
+    """Merged tokens of the cells of one video that were asked for: tokens (K, D), their flat index
+    (K,) in the (T', gh, gw) raster (ascending, the model's token order), and that grid."""
+
+    tokens: torch.Tensor
+    index: torch.Tensor
+    grid: tuple[int, int, int]
+
+    def dense(self) -> torch.Tensor:
+        """(T', gh, gw, D): the tokens at their cells, zeros elsewhere (VLM.window_prefix's input)."""
+        Tp, gh, gw = self.grid
+        out = self.tokens.new_zeros(Tp * gh * gw, self.tokens.shape[-1])     # (T' gh gw, D)
+        out[self.index] = self.tokens
+        return out.view(Tp, gh, gw, -1)
+
+
+def pair_cells(cells: torch.Tensor, temporal_patch: int) -> torch.Tensor:
+    """(T, gh, gw) per-frame map, nonzero = wanted -> (T', gh, gw) bool per video token: wanted when
+    either frame of its pair wants it (the LOD pairing rule, arr_coc/lod.py)."""
+    return pad_to_pairs(cells != 0, temporal_patch).any(1)                  # (T', gh, gw)
+
+
+def window_cells(wanted: torch.Tensor, side: int) -> torch.Tensor:
+    """(T', gh, gw) bool -> every cell of each side x side window (Qwen2.5-VL's, anchored at the top
+    left, edge windows cut by the grid) that holds a wanted cell."""
+    Tp, gh, gw = wanted.shape
+    x = F.pad(wanted, (0, -gw % side, 0, -gh % side))                       # (T', gh2, gw2)
+    hit = x.view(Tp, x.shape[1] // side, side, x.shape[2] // side, side).any(4).any(2)  # (T', wh, ww)
+    return hit.repeat_interleave(side, 1).repeat_interleave(side, 2)[:, :gh, :gw]
+
+
+def patch_positions(cells: torch.Tensor, gh: int, gw: int, merge: int) -> torch.Tensor:
+    """cells (n,) flat in (T', gh, gw) -> (n * merge^2, 2) (row, column) of their patches in the
+    patch grid, in the tower's row order (cell by cell, each merge block row-major)."""
+    spatial = cells % (gh * gw)
+    h, w = spatial // gw, spatial % gw                                      # (n,)
+    sub = torch.arange(merge, device=cells.device)
+    rows = (h[:, None, None] * merge + sub[None, :, None]).expand(-1, merge, merge)  # (n, m, m)
+    cols = (w[:, None, None] * merge + sub[None, None, :]).expand(-1, merge, merge)  # (n, m, m)
+    return torch.stack([rows.flatten(), cols.flatten()], -1)                # (n m m, 2)
+
+
+def window_order(cells: torch.Tensor, gh: int, gw: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cells (n,) flat in (T', gh, gw), ascending -> (order (n,), lengths (W,)): the cells in
+    Qwen2.5-VL's window order (pair, window row, window column, then row-major inside the window)
+    and how many cells each non-empty window holds, in that order."""
+    t, spatial = cells // (gh * gw), cells % (gh * gw)
+    h, w = spatial // gw, spatial % gw
+    windows_h, windows_w = -(-gh // side), -(-gw // side)
+    window = (t * windows_h + h // side) * windows_w + w // side            # (n,)
+    order = (window * side * side + (h % side) * side + w % side).argsort()
+    _, lengths = torch.unique_consecutive(window[order], return_counts=True)
+    return order, lengths
+
+
+@dataclass
+class _Job:
+    """One video's part of a tower call."""
+    blocks: torch.Tensor               # (T' gh gw, m^2, F) its patches, merge block by merge block
+    grid: tuple[int, int, int]         # (T', gh, gw) merged grid
+    wanted: torch.Tensor               # (K,) cells asked for, ascending
+    encoded: torch.Tensor              # (n,) cells through the tower, ascending: wanted less reused,
+                                       # Qwen2.5-VL: completed to whole windows
+    key: str | None = None             # feature-cache stream
+    cached: torch.Tensor | None = None  # (K, D) cached tokens of the wanted cells (valid where reused)
+
+
+class KeptEncoder:
+    """The vision tower over chosen cells of videos (see the module doc): `dim`, its tokens' width
+    (the LM's); `cache`: live reuse."""
+
+    def __init__(self, visual: nn.Module, preprocessor: VideoPreprocessor, dtype: torch.dtype, dim: int,
+                 cache: FeatureCache | None = None) -> None:
+        self.visual, self.preprocessor, self.dtype, self.dim, self.cache = visual, preprocessor, dtype, dim, cache
+        self.geometry = preprocessor.geometry
+        self.window = hf.vision_window_cells(visual)
+        self.device = next(visual.parameters()).device
+        self.counters = {"cells_encoded": 0, "cells_reused": 0}
+
+    @torch.no_grad()
+    def encode(self, frames: np.ndarray | torch.Tensor, cells: np.ndarray | torch.Tensor | None) -> KeptFeatures:
+        """frames (T, H, W, 3) uint8, cells (T, gh, gw) per frame, nonzero = encode (an LOD map,
+        pass 1's candidates; None: all) -> the merged tokens of exactly those cells (a video token
+        when either frame of its pair asks for it), encoded together."""
+        return self.encode_many([frames], [cells])[0]
+
+    @torch.no_grad()
+    def encode_many(self, videos: list, cell_maps: list, reuse: list | None = None) -> list[KeptFeatures]:
+        """encode() of several videos in one tower call. reuse: per video None or (stream key,
+        scene_change): its unchanged cells come from the feature cache (emptied first on a scene
+        change), and what it encodes goes there."""
+        for frames, cells in zip(videos, cell_maps):
+            expected = (frames.shape[0], *self.geometry.grid(*frames.shape[1:3]))
+            if cells is not None and tuple(cells.shape) != expected:
+                raise ValueError(f"keep map shape {tuple(cells.shape)} does not match the VLM grid {expected} "
+                                 f"for {frames.shape[2]}x{frames.shape[1]} frames")
+        pixels, grids = zip(*(self.preprocessor(frames, self.device) for frames in videos))
+        return self.encode_pixels(list(pixels), list(grids), cell_maps, reuse)
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: list[torch.Tensor], grids: list[torch.Tensor], cell_maps: list,
+                      reuse: list | None = None) -> list[KeptFeatures]:
+        """encode_many() of preprocessed videos: pixels (N, F) and patch grid (3,) each (as
+        VideoPreprocessor returns them), cell maps checked against the frames already."""
+        reuse = reuse or [None] * len(pixels)
+        jobs = [self._job(*args) for args in zip(pixels, grids, cell_maps, reuse)]
+        fresh = self._tower(jobs)
+        return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
+
+    def merged(self, videos: list, keeps: list, reuse: list | None = None) -> list[torch.Tensor]:
+        """Per video (T', gh, gw, D) merged tokens of its kept cells (keep: (T, gh, gw) LOD, None:
+        all), zeros elsewhere: what VLM.window_prefix selects from."""
+        return [f.dense() for f in self.encode_many(videos, keeps, reuse)]
+
+    def _job(self, pixels, grid_thw, cells, reuse) -> _Job:
+        m = self.geometry.merge_size
+        Tp, gh, gw = grid_thw[0].item(), grid_thw[1].item() // m, grid_thw[2].item() // m
+        blocks = pixels.to(self.dtype).view(Tp * gh * gw, m * m, -1)         # (T' gh gw, m^2, F)
+        if cells is None:
+            wanted = torch.ones(Tp, gh, gw, dtype=torch.bool, device=self.device)
+        else:
+            wanted = pair_cells(to_device(cells, self.device), self.geometry.temporal_patch_size)  # (T', gh, gw)
+        todo = wanted.flatten()
+        wanted_idx = todo.nonzero().squeeze(1)                               # (K,)
+        job = _Job(blocks, (Tp, gh, gw), wanted_idx, wanted_idx)
+        if reuse is not None and self.cache is not None:
+            job.key, scene_change = reuse
+            if scene_change:
+                self.cache.drop(job.key)
+            hit, job.cached = self.cache.lookup(job.key, (gh, gw), wanted_idx, blocks[wanted_idx])
+            todo = todo.clone()
+            todo[wanted_idx[hit]] = False
+        todo = todo.view(Tp, gh, gw)
+        if self.window is not None:
+            todo = window_cells(todo, self.window)
+        job.encoded = todo.flatten().nonzero().squeeze(1)                    # (n,)
+        return job
+
+    def _finish(self, job: _Job, fresh: torch.Tensor) -> KeptFeatures:
+        """The wanted cells' tokens: fresh where encoded, else cached; the fresh ones are cached."""
+        at = torch.full((job.blocks.shape[0],), -1, dtype=torch.long, device=self.device)
+        at[job.encoded] = torch.arange(job.encoded.numel(), device=self.device)
+        at = at[job.wanted]                                                  # (K,) row in fresh, -1: reused
+        if job.cached is None:
+            tokens = fresh[at]
+        else:
+            tokens = job.cached
+            new = at >= 0
+            tokens[new] = fresh[at[new]]
+        if job.key is not None and self.cache is not None:
+            self.cache.store(job.key, job.grid[1:], job.encoded, job.blocks[job.encoded], fresh)
+        self.counters["cells_encoded"] += job.encoded.numel()
+        self.counters["cells_reused"] += int((at < 0).sum())
+        return KeptFeatures(tokens, job.wanted, job.grid)
+
+    def _tower(self, jobs: list[_Job]) -> list[torch.Tensor]:
+        """The encoded cells of every job through the tower in one call -> per job (n, D)."""
+        m = self.geometry.merge_size
+        rows, positions, lengths, order, windows, grids = [], [], [], [], [], []
+        offset = 0
+        for job in jobs:
+            cells = job.encoded
+            if cells.numel() == 0:
+                continue
+            Tp, gh, gw = job.grid
+            rows.append(job.blocks[cells].flatten(0, 1))                     # (n m^2, F)
+            positions.append(patch_positions(cells, gh, gw, m))              # (n m^2, 2)
+            per_pair = torch.bincount(cells // (gh * gw), minlength=Tp)      # (T',) cells per frame pair
+            lengths.append(per_pair[per_pair > 0] * m * m)
+            if self.window is not None:
+                o, w = window_order(cells, gh, gw, self.window)
+                order.append(o + offset)
+                windows.append(w * m * m)
+            grids.append([Tp, gh * m, gw * m])
+            offset += cells.numel()
+        sizes = [job.encoded.numel() for job in jobs]
+        if not rows:
+            return [torch.empty(0, self.dim, dtype=self.dtype, device=self.device) for _ in jobs]
+        cu_seqlens = F.pad(torch.cat(lengths).cumsum(0, dtype=torch.int32), (1, 0))
+        window_index = cu_window_seqlens = None
+        if self.window is not None:
+            window_index = torch.cat(order)
+            cu_window_seqlens = F.pad(torch.cat(windows).cumsum(0, dtype=torch.int32), (1, 0))
+        with batched_attention(None):             # blocks of unequal length: one host read per boundary tensor
+            merged = hf.vision_forward_on(self.visual, torch.cat(rows), torch.tensor(grids, device=self.device),
+                                          torch.cat(positions), cu_seqlens, window_index, cu_window_seqlens)
+        return list(merged.split(sizes))                                     # (n, D) each

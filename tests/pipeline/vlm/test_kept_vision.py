@@ -1,0 +1,310 @@
+"""vlm.encode: kept: the vision tower on the kept cells only (pipeline.vlm.kept_vision), at the
+stock positions, and live reuse of unchanged cells' features (pipeline.vlm.feature_cache)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_frames, mixed_requests, random_keep, request, rewrap
+from transformers import vision_utils
+
+from arr_coc._validate import ConfigError
+from pipeline.vlm import hf
+from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
+from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.kept_vision import patch_positions, window_order
+from pipeline.vlm.loading import _wrap
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+ATOL = 1e-4                  # float32 tokens of magnitude ~1 (the towers below)
+
+
+def tiny(family: str, **vision):
+    """A tiny VLM with `vlm.encode: kept` whose vision weights have std 0.3, not 0.02: attention
+    then depends on each patch's position and company, so a wrong position or a missing
+    neighbour shows in the tokens. `vision` overrides the vision config."""
+    tokenizer = build_tokenizer()
+    cfg = tiny_config(family, tokenizer)
+    for k, v in vision.items():
+        setattr(cfg.vision_config, k, v)
+    model = build_model(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.vision_tower(model).named_parameters():
+            if "norm" not in name and "ln_" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return _wrap(model, tokenizer, family, "tiny", VLMConfig(encode="kept", max_new_tokens=6), {}, None)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vlm(request):
+    return tiny(request.param)
+
+
+def kept(vlm, **config):
+    """The same model behind a fresh VLM (its own counters and feature cache), encode: kept."""
+    return rewrap(vlm, encode="kept", **config)
+
+
+def every_patch(vlm):
+    return rewrap(vlm, encode="all")
+
+
+def stock_tokens(vlm, frames) -> torch.Tensor:
+    with torch.no_grad():
+        return vlm._merged_tokens([frames])[0]                              # (T', gh, gw, D), every patch
+
+
+def close(a, b) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=ATOL)
+
+
+class TestPositions:
+    """Each encoded patch gets the 2-D rotary position and window place the stock forward gives it."""
+
+    @pytest.mark.parametrize("grid", [(2, 4, 6), (3, 5, 3)])
+    def test_patch_positions_are_hfs(self, grid):
+        Tp, gh, gw = grid
+        stock = vision_utils.get_vision_position_ids(torch.tensor([[Tp, 2 * gh, 2 * gw]]), 2)  # (N, 2)
+        cells = torch.arange(Tp * gh * gw)
+        assert torch.equal(patch_positions(cells, gh, gw, 2), stock)
+        some = cells[torch.randperm(cells.numel(), generator=torch.Generator().manual_seed(0))[:7]].sort().values
+        rows = (some[:, None] * 4 + torch.arange(4)).flatten()
+        assert torch.equal(patch_positions(some, gh, gw, 2), stock[rows])
+
+    @pytest.mark.parametrize("grid, side", [((2, 4, 6), 2), ((3, 5, 7), 2), ((1, 9, 8), 4)])
+    def test_window_order_is_hfs(self, grid, side):
+        Tp, gh, gw = grid
+        index, cu = vision_utils.get_vision_window_index(torch.tensor([[Tp, 2 * gh, 2 * gw]]), 2, side * 28, 14)
+        order, lengths = window_order(torch.arange(Tp * gh * gw), gh, gw, side)
+        assert torch.equal(order, index)
+        assert torch.equal(torch.nn.functional.pad(lengths.cumsum(0) * 4, (1, 0)).int(), cu)
+
+
+class TestEveryCellKept:
+    def test_tokens_equal_the_stock_encoder(self, vlm):
+        frames = make_frames(5, 112, 168)
+        features = kept(vlm).encode_cells(frames, None)
+        assert close(features.dense(), stock_tokens(vlm, frames))
+        assert features.index.numel() == features.tokens.shape[0] == 3 * 4 * 6
+
+    def test_answers_equal_encode_all(self, vlm):
+        frames = make_frames(4, 84, 112, seed=3)
+        keep = np.ones((4, *vlm.geometry.grid(84, 112)), dtype=np.int64)
+        keep[:, 0, 0] = 2                                                    # a pooled cell: LOD 2 is kept too
+        reqs = [request(frames), request(frames, keep, "what is left?")]
+        a, b = every_patch(vlm).answer(reqs), kept(vlm).answer(reqs)
+        assert [r.text for r in a] == [r.text for r in b]
+        assert [r.tokens_kept for r in a] == [r.tokens_kept for r in b]
+
+    def test_a_batch_of_frame_sizes_is_one_tower_call(self, vlm):
+        """Videos of several sizes, stock and pruned, through one ragged call: the stock one is
+        encoded as by encode: all, every request keeps the tokens it keeps there."""
+        reqs = mixed_requests(vlm, seed=20)
+        a, b = every_patch(vlm).answer(reqs), kept(vlm).answer(reqs)
+        assert [r.tokens_kept for r in a] == [r.tokens_kept for r in b]
+        assert a[0].text == b[0].text
+        fresh = kept(vlm).kept_encoder.encode_many([r.frames for r in reqs], [r.keep for r in reqs])
+        assert close(fresh[0].dense(), stock_tokens(vlm, reqs[0].frames))
+
+    def test_answer_questions_encodes_the_kept_cells(self, vlm):
+        frames = make_frames(4, 84, 112, seed=4)
+        keep = random_keep(vlm, frames, seed=5)
+        k = kept(vlm)
+        results = k.answer_questions(frames, keep, ["a?", "what moves?"])
+        assert len(results) == 2 and results[0].tokens_kept < results[0].tokens_full
+        assert 0 < k.kept_encoder.counters["cells_encoded"] <= 2 * 3 * 4
+
+
+def test_on_cuda_every_cell_kept_equals_the_graphed_tower(cuda_pair):
+    """On CUDA `all` replays a vision graph; `kept` runs the tower eagerly on the gathered patches."""
+    graphed, _ = cuda_pair
+    frames = make_frames(6, 84, 112, seed=12)
+    want = graphed._merged_tokens([frames])[0]
+    assert graphed._vision_graphs.captured == 1
+    torch.testing.assert_close(graphed.encode_cells(frames, None).dense(), want, rtol=1e-4, atol=1e-4)
+    keep = random_keep(graphed, frames, seed=13)
+    got = graphed.encode_cells(frames, keep)
+    assert got.index.numel() == int(torch.from_numpy((keep.reshape(3, 2, 3, 4) != 0).any(1)).sum())
+    assert graphed._vision_graphs.captured == 1                              # kept: no graph
+
+
+class TestSelection:
+    def test_only_the_kept_cells_go_through_the_tower(self):
+        vlm = tiny("qwen2_vl")
+        frames = make_frames(4, 84, 112)
+        keep = random_keep(vlm, frames, seed=1, p=(0.8, 0.1, 0.1))
+        paired = (keep.reshape(2, 2, 3, 4) != 0).any(1)                     # (T', gh, gw)
+        features = vlm.encode_cells(frames, keep)
+        assert vlm.kept_encoder.counters["cells_encoded"] == features.index.numel() == paired.sum()
+        assert torch.equal(features.index, torch.from_numpy(paired).flatten().nonzero().squeeze(1))
+
+    def test_qwen2_vl_whole_frame_pairs_equal_stock(self):
+        """Attention stays inside a frame pair: a pair kept whole is encoded exactly as in the stock
+        forward, whatever is dropped from the other pairs."""
+        vlm = tiny("qwen2_vl")
+        frames = make_frames(6, 84, 112, seed=2)
+        keep = np.zeros((6, 3, 4), dtype=np.int64)
+        keep[2:4] = 1                                                        # pair 1 whole
+        keep[4, 1, 2] = 1                                                    # one cell of pair 2
+        features = vlm.encode_cells(frames, keep)
+        stock = stock_tokens(vlm, frames)
+        assert close(features.dense()[1], stock[1])
+        # the lone cell of pair 2 attended to itself only: not the stock token (unkept cells are no context)
+        assert not close(features.dense()[2, 1, 2], stock[2, 1, 2])
+
+    def test_qwen2_5_whole_windows_equal_stock_in_windowed_layers(self):
+        """Every block windowed: the windows holding a kept cell are encoded whole, so their tokens
+        are the stock ones, however few windows are kept."""
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[])
+        frames = make_frames(4, 112, 168, seed=6)                            # (T'=2, 4, 6): 2 x 6 windows of 2x2 cells
+        keep = np.zeros((4, 4, 6), dtype=np.int64)
+        keep[0, 0, 1] = keep[1, 3, 4] = keep[3, 2, 0] = 1                    # three windows
+        features = vlm.encode_cells(frames, keep)
+        assert vlm.kept_encoder.counters["cells_encoded"] == 3 * 4           # whole windows, no more
+        stock = stock_tokens(vlm, frames).flatten(0, 2)
+        assert features.index.tolist() == [1, 22, 24 + 12]                  # exactly the asked-for cells
+        assert close(features.tokens, stock[features.index])
+
+    def test_qwen2_5_full_attention_layers_see_the_encoded_windows_only(self):
+        """With a full-attention block the kept windows' tokens miss the other windows' context (the
+        documented deviation), unless every window of the pair is encoded."""
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[1])
+        frames = make_frames(2, 112, 168, seed=6)
+        keep = np.zeros((2, 4, 6), dtype=np.int64)
+        keep[0, 0, 1] = 1
+        stock = stock_tokens(vlm, frames).flatten(0, 2)
+        assert not close(vlm.encode_cells(frames, keep).tokens, stock[[1]])
+        assert close(vlm.encode_cells(frames, np.ones_like(keep)).tokens, stock)
+
+    def test_nothing_kept_encodes_nothing(self, vlm):
+        k = kept(vlm)
+        frames = make_frames(2, 56, 56)
+        features = k.encode_cells(frames, np.zeros((2, 2, 2), dtype=np.int64))
+        assert features.tokens.shape == (0, k.lm.embed_tokens.embedding_dim)
+        assert k.kept_encoder.counters["cells_encoded"] == 0
+        assert k.answer([request(frames, np.zeros((2, 2, 2), dtype=np.int64))])[0].tokens_kept == 0
+
+    def test_a_keep_map_off_the_grid_is_one_clear_error(self, vlm):
+        with pytest.raises(ValueError, match=r"keep map shape \(2, 3, 3\) does not match the VLM grid \(2, 2, 2\)"):
+            kept(vlm).encode_cells(make_frames(2, 56, 56), np.ones((2, 3, 3), dtype=np.int64))
+
+
+def static_then_changed(T: int = 4):
+    """A window of a still view, and the next one where the top-left 56x56 px changed."""
+    frames = make_frames(T, 112, 168, seed=8)
+    frames[:] = frames[:1]                                                   # a still camera
+    changed = frames.copy()
+    changed[:, :56, :56] = 255 - changed[:, :56, :56]
+    return frames, changed
+
+
+class TestLiveReuse:
+    def test_nothing_changed_reuses_every_cell_and_equals_a_fresh_encode(self, vlm):
+        """A still view kept the same way in every frame: the second window encodes nothing, and its
+        tokens are what encoding it afresh gives."""
+        k = kept(vlm)
+        frames, _ = static_then_changed()
+        keep = np.repeat(random_keep(k, frames[:1], seed=9), 4, axis=0)      # (T, gh, gw), the same each frame
+        first = k.kept_encoder.encode_many([frames], [keep], [("cam", True)])[0]
+        encoded = k.kept_encoder.counters["cells_encoded"]
+        again = k.kept_encoder.encode_many([frames], [keep], [("cam", False)])[0]
+        assert k.kept_encoder.counters["cells_encoded"] == encoded                       # nothing re-encoded
+        assert k.kept_encoder.counters["cells_reused"] == again.index.numel() > 0
+        fresh = k.encode_cells(frames, keep)                                 # no stream: encoded afresh
+        assert torch.equal(again.index, fresh.index)
+        assert close(again.tokens, fresh.tokens)
+        assert close(first.tokens, fresh.tokens)
+
+    def test_a_reused_token_keeps_the_context_it_was_encoded_in(self):
+        """Pairs that keep different cells encode a cell in different company: the cache holds the
+        latest pair's token of each cell, which serves every pair of the next window."""
+        k = tiny("qwen2_vl")
+        frames, _ = static_then_changed()
+        keep = np.ones((4, 4, 6), dtype=np.int64)
+        keep[:2, 0, :3] = 0                                                  # pair 0 drops three cells
+        first = k.kept_encoder.encode_many([frames], [keep], [("cam", True)])[0].dense()
+        again = k.kept_encoder.encode_many([frames], [keep], [("cam", False)])[0].dense()
+        assert k.kept_encoder.counters["cells_encoded"] == 48 - 3
+        kept_in_0 = torch.from_numpy(keep[0] != 0)                           # (gh, gw)
+        assert torch.equal(again[0][kept_in_0], first[1][kept_in_0]) and torch.equal(again[1], first[1])
+        assert not close(first[0][kept_in_0], first[1][kept_in_0])  # pair 0 saw fewer cells
+
+    def test_changed_cells_are_encoded_again(self):
+        k = tiny("qwen2_vl")
+        frames, changed = static_then_changed()
+        keep = np.ones((4, 4, 6), dtype=np.int64)
+        first = k.kept_encoder.encode_many([frames], [keep], [("cam", True)])[0].dense()
+        second = k.kept_encoder.encode_many([changed], [keep], [("cam", False)])[0].dense()
+        # the top-left 2x2 cells of both pairs changed; the other 20 cells per pair are reused as cached
+        assert k.kept_encoder.counters["cells_encoded"] == 48 + 2 * 4
+        assert k.kept_encoder.counters["cells_reused"] == 2 * 20
+        assert torch.equal(second[:, 2:], first[:, 2:]) and torch.equal(second[:, :2, 2:], first[:, :2, 2:])
+        assert not close(second[:, :2, :2], first[:, :2, :2])
+
+    def test_qwen2_5_reencodes_whole_windows(self):
+        k = tiny("qwen2_5_vl", fullatt_block_indexes=[1])
+        frames, changed = static_then_changed()
+        keep = np.ones((4, 4, 6), dtype=np.int64)
+        k.kept_encoder.encode_many([frames], [keep], [("cam", True)])
+        changed[:, 60:70, 60:70] = 0                                         # inside cell (2, 2): window (1, 1)
+        k.kept_encoder.encode_many([changed], [keep], [("cam", False)])
+        # two changed windows of 2x2 cells per pair (top-left, and the one holding cell (2, 2))
+        assert k.kept_encoder.counters["cells_encoded"] == 48 + 2 * 2 * 4
+        assert k.kept_encoder.counters["cells_reused"] == 2 * 4 * 4          # the other four windows of each pair
+
+    def test_a_scene_change_drops_the_streams_features(self, vlm):
+        k = kept(vlm)
+        frames, _ = static_then_changed()
+        k.kept_encoder.encode_many([frames], [None], [("cam", True)])
+        assert k.kept_encoder.cache.cached("cam") == 4 * 6
+        k.kept_encoder.encode_many([frames], [None], [("cam", True)])        # same pixels, but after a cut
+        assert k.kept_encoder.counters["cells_reused"] == 0
+        assert k.kept_encoder.counters["cells_encoded"] == 2 * 48
+
+    def test_the_cache_is_bounded_per_stream_and_by_streams(self):
+        k = kept(tiny("qwen2_vl"), reuse_cells=5)
+        k.kept_encoder.cache.max_streams = 2
+        frames, changed = static_then_changed()
+        for n, video in enumerate([frames, changed, frames]):
+            k.kept_encoder.encode_many([video], [None], [("cam", n == 0)])
+            assert k.kept_encoder.cache.cached("cam") == 5
+        for key in ("b", "c"):
+            k.kept_encoder.encode_many([frames], [None], [(key, True)])
+        assert k.kept_encoder.cache.cached("cam") == 0 and len(k.kept_encoder.cache) == 10
+        assert k.kept_encoder.cache.nbytes == 2 * 5 * (64 + 4 * 1176) * 4   # features + patches, float32
+
+    def test_a_new_frame_size_starts_the_stream_over(self, vlm):
+        k = kept(vlm)
+        k.kept_encoder.encode_many([make_frames(2, 56, 56)], [None], [("cam", True)])
+        k.kept_encoder.encode_many([make_frames(2, 56, 84)], [None], [("cam", False)])
+        assert k.kept_encoder.counters["cells_reused"] == 0 and k.kept_encoder.cache.cached("cam") == 6
+
+    def test_off_with_reuse_cells_zero_or_encode_all(self, vlm):
+        assert kept(vlm, reuse_cells=0).kept_encoder.cache is None
+        assert every_patch(vlm).kept_encoder.cache is None
+
+
+class TestConfig:
+    @pytest.mark.parametrize("field, value, message", [
+        ("encode", "some", "vlm.encode='some' is not supported; allowed: all, kept"),
+        ("reuse_cells", -1, "vlm.reuse_cells=-1 is out of range"),
+        ("reuse_cells", 1.5, "vlm.reuse_cells must be an integer"),
+        ("reuse_threshold", 2.0, "vlm.reuse_threshold=2.0 is out of range"),
+    ])
+    def test_bad_values_name_the_field(self, field, value, message):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            VLMConfig(**{field: value})
+
+    def test_default_encodes_every_patch(self):
+        assert VLMConfig().encode == "all"
+
+    def test_set_from_the_command_line_config(self):
+        from pipeline.config import PipelineConfig
+        from pipeline.configio import load_config
+        cfg = load_config(PipelineConfig, overrides=["vlm.encode=kept", "vlm.reuse_cells=64"])
+        assert cfg.vlm == replace(VLMConfig(), encode="kept", reuse_cells=64)
+        with pytest.raises(ConfigError, match="vlm.encode='both' is not supported; allowed: all, kept"):
+            load_config(PipelineConfig, overrides=["vlm.encode=both"])

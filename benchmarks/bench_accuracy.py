@@ -1,0 +1,243 @@
+"""Accuracy against visual tokens: ARR-COC and query-agnostic baselines through one VLM and one code path.
+
+On the held-out test split of the generated video-QA dataset (sources/synth_qa.py, MSRVTT-QA
+layout), every row runs `batch` (pipeline/runners/batch.py: decode -> front end -> the VLM answers
+all of a clip's questions from one keep map) and `eval` (pipeline/runners/evaluate.py) exactly as
+the CLI does; only the keep map's source differs per policy:
+
+    stock            every visual token
+    uniform          whole frame pairs, evenly spaced, to the same token count
+    random           the same number of random cells per frame pair
+    evs              vLLM's efficient video sampling: temporal difference of the VLM's tokens
+    fastvid          FastVID-style dynamic segments + density-peak tokens (pipeline/vlm/baselines.py)
+    arrcoc-noquery   ARR-COC with a zero query vector: saliency, motion, cuts, redundancy only
+    arrcoc           ARR-COC with the question
+
+So `python -m pipeline batch --dataset msrvtt --root ROOT --vlm arrcoc-synth-qa --set
+model.attending.retention=R` followed by `eval` prints the `arrcoc` row's accuracy at R.
+
+    python benchmarks/bench_accuracy.py --root data/synthqa --make 200 --vlm arrcoc-synth-qa
+    python benchmarks/bench_accuracy.py --quick                    # CPU smoke: tiny-random, 3 clips
+
+Accuracy is exact match (eval's normalisation), overall and per question family, with the mean
+visual tokens sent per clip. --ttft adds each policy's time to first token for one clip (the
+selection's own cost, then the VLM's prefill and first token), on the device used.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import device_name, write_result  # noqa: E402
+from pipeline.config import PipelineConfig  # noqa: E402
+from pipeline.configio import load_config  # noqa: E402
+from pipeline.core.setup import load_answerer, resolve_device  # noqa: E402
+from pipeline.runners.batch import make_plan, run_batch  # noqa: E402
+from pipeline.runners.evaluate import evaluate  # noqa: E402
+from pipeline.vlm.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
+from sources.msrvtt import load_msrvtt  # noqa: E402
+
+POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
+RETENTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
+# the families whose question names one object (by colour and shape): where query-awareness counts
+ONE_OBJECT = ("where", "shape", "exists", "direction")
+
+
+def ensure_split(root: Path, count: int) -> None:
+    if (root / "test_qa.json").exists():
+        return
+    from sources.synth_qa import write_split
+    print(f"generating {count} test clips under {root}", file=sys.stderr)
+    write_split(root, "test", count, progress=sys.stderr.isatty())
+
+
+def keep_policy(policy: str, retention: float, vlm: Any) -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
+    """(frames (T, H, W, 3), ARR-COC's lod (T, gh, gw)) -> the keep map the VLM gets; None: ARR-COC's."""
+    if policy not in ("uniform", "random", "evs", "fastvid"):
+        return None
+
+    def keep(frames: np.ndarray, lod: np.ndarray) -> np.ndarray:
+        grid = lod.shape[1:]
+        merged = None
+        if policy in NEEDS_FEATURES:
+            merged = vlm.visual_tokens(frames).unflatten(1, grid)              # (T', gh, gw, D)
+        seed = int(np.asarray(frames[0], np.uint8).sum()) % (2**31)             # a clip's own, reproducible
+        return baseline_keep(policy, frames, retention, grid=grid, merged=merged, seed=seed)
+    return keep
+
+
+def row_config(base: PipelineConfig, policy: str, retention: float) -> PipelineConfig:
+    attending = replace(base.model.attending, retention=retention)
+    return replace(base, model=replace(base.model, attending=attending))
+
+
+def run_row(policy: str, retention: float, plan, dataset, base: PipelineConfig, vlm, workdir: Path,
+            query_encoder) -> dict[str, Any]:
+    cfg = row_config(base, policy, retention)
+    store = workdir / f"{policy}_{retention:g}.zarr"
+    kwargs: dict[str, Any] = dict(stock=policy == "stock", progress=False, vlm_factory=lambda device: vlm,
+                                  keep_policy=keep_policy(policy, retention, vlm))
+    if policy == "arrcoc-noquery":
+        kwargs["query_encoder"] = lambda question: torch.zeros(384)
+    elif query_encoder is not None:
+        kwargs["query_encoder"] = query_encoder
+    start = time.perf_counter()
+    summary = run_batch(plan, store, cfg, **kwargs)
+    report = evaluate(store, dataset).to_dict()
+    by_type = report["accuracy_by_type"]
+    one = [by_type[t] for t in ONE_OBJECT if t in by_type]
+    n_one = sum(v["questions"] for v in one)
+    return {"policy": policy, "retention": retention, "accuracy": report["accuracy"],
+            "questions": report["questions"], "answered": report["answered"],
+            "one_object_accuracy": round(sum(v["accuracy"] * v["questions"] for v in one) / n_one, 6) if n_one else None,
+            "accuracy_by_family": {t: v["accuracy"] for t, v in by_type.items()},
+            "mean_tokens_kept": report["tokens"]["mean_kept_per_video"],
+            "mean_tokens_full": report["tokens"]["mean_full_per_video"],
+            "kept_over_full": report["tokens"]["kept_over_full"],
+            "wall_s": round(time.perf_counter() - start, 2), "videos": summary.videos}
+
+
+def ttft_rows(policies, retentions, plan, base: PipelineConfig, vlm, device: torch.device, reps: int = 5) -> list[dict]:
+    """Per policy and retention, on the plan's first clip: the selection's own cost, then the VLM's
+    prepare + prefill + first token (median of reps after a warm-up)."""
+    from arr_coc.model import ARRCOC
+    from pipeline.core.setup import build_model
+    from pipeline.vlm.model import AnswerRequest
+    from sources import open_video
+
+    work = plan[0]
+    with open_video(work.path, fps=vlm.config.fps) as source:
+        frames = np.stack([f.rgb for f in source])                            # the frames the VLM samples
+    question = work.questions[0].question
+    grid = vlm.geometry.grid(*frames.shape[1:3])
+    rows = []
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn) -> tuple[float, Any]:
+        times, out = [], None
+        for _ in range(reps + 1):
+            sync()
+            t = time.perf_counter()
+            out = fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:]), out
+
+    for retention in retentions:
+        cfg = row_config(base, "arrcoc", retention)
+        model: ARRCOC = build_model(cfg, 384, device)
+        video = torch.as_tensor(frames, device=device).permute(0, 3, 1, 2)      # (T, 3, H, W)
+        query = torch.zeros(384, device=device)
+
+        def arrcoc_lod(q=query):
+            allocation, _, _ = model.realize(model.extract(video, None, grid), q)
+            return allocation.lod.cpu().numpy()
+        with torch.inference_mode():
+            for policy in policies:
+                if policy == "stock" and retention != retentions[0]:
+                    continue
+                if policy in ("arrcoc", "arrcoc-noquery"):
+                    select_s, keep = timed(arrcoc_lod)
+                elif policy == "stock":
+                    select_s, keep = 0.0, None
+                else:
+                    merged = vlm.visual_tokens(frames).unflatten(1, grid) if policy in NEEDS_FEATURES else None
+                    select_s, keep = timed(lambda: baseline_keep(policy, frames, retention, grid=grid, merged=merged))
+                request = AnswerRequest("ttft", frames, keep, question, 0.0, len(frames) / vlm.config.fps)
+                answer_s, _ = timed(lambda: vlm.generate(vlm.prepare([request]), max_new_tokens=1))
+                rows.append({"policy": policy, "retention": 1.0 if policy == "stock" else retention,
+                             "select_ms": round(select_s * 1e3, 3), "vlm_first_token_ms": round(answer_s * 1e3, 3),
+                             "ttft_ms": round((select_s + answer_s) * 1e3, 3)})
+    stock = next((r["ttft_ms"] for r in rows if r["policy"] == "stock"), None)
+    for r in rows:
+        r["ttft_x_stock"] = round(stock / r["ttft_ms"], 3) if stock else None
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    families = sorted({f for r in rows for f in r["accuracy_by_family"]})
+    head = ["policy", "retention", "accuracy", "one_object", "tokens_kept", *families]
+    print("  ".join(f"{h:>15}" for h in head))
+    for r in rows:
+        cells = [r["policy"], f"{r['retention']:g}", f"{r['accuracy']:.3f}",
+                 "-" if r["one_object_accuracy"] is None else f"{r['one_object_accuracy']:.3f}",
+                 "-" if r["mean_tokens_kept"] is None else f"{r['mean_tokens_kept']:.1f}",
+                 *(f"{r['accuracy_by_family'].get(f, float('nan')):.3f}" for f in families)]
+        print("  ".join(f"{c:>15}" for c in cells))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, help="dataset root (test_qa.json + videos/); generated with --make")
+    ap.add_argument("--make", type=int, default=200, help="test clips to generate when ROOT has none (default 200)")
+    ap.add_argument("--vlm", default="arrcoc-synth-qa", help="VLM spec (default: arrcoc-synth-qa)")
+    ap.add_argument("--limit", type=int, help="only the first N clips")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--retentions", default=",".join(f"{r:g}" for r in RETENTIONS))
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every row (as --set of the CLI)")
+    ap.add_argument("--query-embeddings", type=Path,
+                    help="a .pt {question: (384,) tensor} of MiniLM embeddings (machines without MiniLM)")
+    ap.add_argument("--ttft", action="store_true", help="also time each policy's time to first token")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke: tiny-random, 3 clips, 2 retentions")
+    ap.add_argument("--out", type=Path, help="JSON result (default: print only)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.vlm, args.limit, args.make = "tiny-random", args.limit or 3, 3
+        args.retentions = "1,0.25"
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        ap.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    retentions = [float(r) for r in args.retentions.split(",") if r]
+    workdir = Path(tempfile.mkdtemp(prefix="bench_accuracy_"))
+    root = args.root or workdir / "data"
+    ensure_split(root, args.make)
+    dataset = load_msrvtt(root, "test")
+    plan = make_plan(dataset, limit=args.limit)
+    base = load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
+                                             "decode.fps=2", *args.overrides])
+    device = resolve_device(args.device)
+    vlm = load_answerer(base, device)
+    query_encoder = None
+    if args.query_embeddings is not None:
+        table = torch.load(args.query_embeddings)
+        query_encoder = lambda question: table[question]  # noqa: E731
+    rows = []
+    for policy in policies:
+        for retention in ([1.0] if policy == "stock" else retentions):
+            row = run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder)
+            print(f"{policy:>15} {retention:>5g}  accuracy {row['accuracy']:.3f}  tokens {row['mean_tokens_kept']}",
+                  file=sys.stderr)
+            rows.append(row)
+    print_table(rows)
+    result = {"benchmark": "bench_accuracy", "command": " ".join(["python", *sys.argv]), "device": str(device),
+              "device_name": device_name(device), "vlm": args.vlm, "clips": len(plan),
+              "questions": sum(len(w.questions) for w in plan), "one_object_families": list(ONE_OBJECT), "rows": rows}
+    if args.ttft:
+        result["ttft"] = ttft_rows(policies, retentions, plan, base, vlm, device)
+        for r in result["ttft"]:
+            print(f"ttft {r['policy']:>15} {r['retention']:>5g}  select {r['select_ms']:.2f} ms  "
+                  f"total {r['ttft_ms']:.2f} ms  x{r['ttft_x_stock']}")
+    if args.out:
+        write_result(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

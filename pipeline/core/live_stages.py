@@ -226,6 +226,4 @@ class LiveVLMStage(Stage):
         future, (t_start, t_end) = win.pending, win.pending_meta
         win.pending = win.pending_meta = None
         result = future.result()   # a VLM error fails the stage, naming the stream
-        return [AnswerItem(stream_id=sid, t_start=t_start, t_end=t_end, question=self.question, text=result.text,
-                           tokens_kept=result.tokens_kept, tokens_full=result.tokens_full,
-                           latency_s=float(result.latency_s))]
+        return [AnswerItem.of(sid, t_start, t_end, self.question, result)]

@@ -687,8 +687,9 @@ class VLM:
         started = time.monotonic()
         prefixes = self.prepare(requests)
         if self.passes is not None:                                          # pass 2 (and tempering)
-            return self.passes.answer([p.window for p in prefixes], [r.question for r in requests],
-                                      [started if r.arrival_s is None else r.arrival_s for r in requests])
+            return [AnswerResult(**fields) for fields in self.passes.answer(
+                [p.window for p in prefixes], [r.question for r in requests],
+                [started if r.arrival_s is None else r.arrival_s for r in requests])]
         out = self.generate(prefixes)
         self._sync()
         ready = time.monotonic()
@@ -714,9 +715,9 @@ class VLM:
         window = self.window_prefix(frames, keep, merged)                    # selection and positions once
         step = len(questions) if max_batch is None else max_batch
         if self.passes is not None:                                          # pass 2 (and tempering)
-            return [r for i in range(0, len(questions), step)
-                    for r in self.passes.answer([window] * len(questions[i:i + step]), questions[i:i + step],
-                                                [started] * len(questions[i:i + step]))]
+            return [AnswerResult(**fields) for i in range(0, len(questions), step)
+                    for fields in self.passes.answer([window] * len(questions[i:i + step]), questions[i:i + step],
+                                                     [started] * len(questions[i:i + step]))]
         prefixes = self.question_prefixes(window, questions)
         results = []
         for i in range(0, len(prefixes), step):

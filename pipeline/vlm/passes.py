@@ -33,7 +33,7 @@ from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 
 if TYPE_CHECKING:
-    from pipeline.vlm.model import VLM, AnswerResult, Prefix, WindowPrefix
+    from pipeline.vlm.model import VLM, Prefix, WindowPrefix
 
 
 def keep_best(scores: torch.Tensor, share: float) -> torch.Tensor:
@@ -111,11 +111,10 @@ class Passes:
         return out
 
     @torch.no_grad()
-    def answer(self, windows: list[WindowPrefix], questions: list[str], arrivals: list[float]) -> list[AnswerResult]:
-        """One answer per (window of pass 1's candidates, question); arrivals: time.monotonic() each
-        latency counts from. Windows may repeat (several questions about one window)."""
-        from pipeline.vlm.model import AnswerResult
-
+    def answer(self, windows: list[WindowPrefix], questions: list[str], arrivals: list[float]) -> list[dict]:
+        """One answer per (window of pass 1's candidates, question), as the fields of an AnswerResult
+        (pipeline/vlm/model.py); arrivals: time.monotonic() each latency counts from. Windows may
+        repeat (several questions about one window)."""
         vlm, n = self.vlm, len(questions)
         scores = (self.scores(windows, questions) if min(self.shares) < 1.0
                   else [torch.zeros(w.tokens_kept, device=vlm.device) for w in windows])
@@ -141,7 +140,7 @@ class Passes:
         if out is None:                                 # accepted in different passes: one generate for all
             out = vlm.generate(final)
         ready = time.monotonic()                        # generate's lengths came back to the host: done
-        return [AnswerResult(text=vlm.decode(out.tokens[i], out.lengths[i]), tokens_kept=p.tokens_kept,
-                             tokens_full=p.tokens_full, latency_s=ready - arrivals[i], passes=passes[i],
-                             tokens_spent=spent[i], confidence=confidence[i])
+        return [dict(text=vlm.decode(out.tokens[i], out.lengths[i]), tokens_kept=p.tokens_kept,
+                     tokens_full=p.tokens_full, latency_s=ready - arrivals[i], passes=passes[i],
+                     tokens_spent=spent[i], confidence=confidence[i])
                 for i, p in enumerate(final)]

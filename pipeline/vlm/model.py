@@ -3,7 +3,9 @@
 Per request: preprocess on the device -> vision tower on ALL patches (its attention needs the full
 grid) -> merged tokens (T', gh, gw, D) -> keep/pool per the allocation -> LM prefix whose visual part
 holds only the kept tokens, each at the M-RoPE position the full (unpruned) sequence gives it ->
-our own KV-cached decoding loop, batched over requests with left padding.
+our own KV-cached decoding loop, batched over requests with left padding. With vlm.pass2 on, the
+keep map holds pass 1's candidates and pipeline/vlm/passes.py keeps the final tokens among them
+(and answers again with more while unsure: vlm.tempering).
 """
 from __future__ import annotations
 
@@ -715,9 +717,9 @@ class VLM:
         window = self.window_prefix(frames, keep, merged)                    # selection and positions once
         step = len(questions) if max_batch is None else max_batch
         if self.passes is not None:                                          # pass 2 (and tempering)
-            return [AnswerResult(**fields) for i in range(0, len(questions), step)
-                    for fields in self.passes.answer([window] * len(questions[i:i + step]), questions[i:i + step],
-                                                     [started] * len(questions[i:i + step]))]
+            chunks = [questions[i:i + step] for i in range(0, len(questions), step)]
+            return [AnswerResult(**fields) for chunk in chunks
+                    for fields in self.passes.answer([window] * len(chunk), chunk, [started] * len(chunk))]
         prefixes = self.question_prefixes(window, questions)
         results = []
         for i in range(0, len(prefixes), step):

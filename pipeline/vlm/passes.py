@@ -36,13 +36,12 @@ if TYPE_CHECKING:
     from pipeline.vlm.model import VLM, Prefix, WindowPrefix
 
 
-def keep_best(scores: torch.Tensor, share: float) -> torch.Tensor:
-    """(K,) candidate scores -> the positions (ascending: the model's token order) of the best
-    max(1, round(share * K)) of them; all K at share >= 1, none of none."""
+def keep_best(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """(K,) candidate scores -> the positions (ascending: the model's token order) of the best n
+    of them (all of them when n >= K)."""
     K = scores.numel()
-    if share >= 1.0 or K == 0:
+    if n >= K:
         return torch.arange(K, device=scores.device)
-    n = max(1, round(share * K))
     return scores.topk(n).indices.sort().values                              # (n,)
 
 
@@ -73,6 +72,17 @@ class Passes:
         self.tempering = cfg.tempering
         # the fast forward's modules are the LM's own (a second one over them shares the fused weights)
         self.text_model = FastTextModel(vlm.lm, vlm.attn_impl)
+
+    def rung_sizes(self, candidates: int) -> list[int]:
+        """Tokens each answering pass keeps of `candidates`: max(1, round(share * candidates)) per
+        share of keep_shares (all at share 1), a size no larger than the one before dropped (that
+        pass would answer from the same tokens again); [0] without candidates."""
+        sizes: list[int] = []
+        for share in self.shares:
+            n = candidates if share >= 1.0 else min(candidates, max(1, round(share * candidates)))
+            if not sizes or n > sizes[-1]:
+                sizes.append(n)
+        return sizes
 
     @torch.no_grad()
     def scores(self, windows: list[WindowPrefix], questions: list[str]) -> list[torch.Tensor]:
@@ -116,27 +126,25 @@ class Passes:
         (pipeline/vlm/model.py); arrivals: time.monotonic() each latency counts from. Windows may
         repeat (several questions about one window)."""
         vlm, n = self.vlm, len(questions)
-        scores = (self.scores(windows, questions) if min(self.shares) < 1.0
-                  else [torch.zeros(w.tokens_kept, device=vlm.device) for w in windows])
+        sizes = [self.rung_sizes(w.tokens_kept) for w in windows]           # per answer, increasing
+        scores = (self.scores(windows, questions) if any(s[0] < w.tokens_kept for s, w in zip(sizes, windows))
+                  else [torch.zeros(w.tokens_kept, device=vlm.device) for w in windows])  # all kept: no ranking
         final: list[Prefix | None] = [None] * n
         passes, spent, confidence = [0] * n, [0] * n, [math.nan] * n
-        undecided, out = list(range(n)), None
-        for k, share in enumerate(self.shares):
-            last = k == len(self.shares) - 1
-            prefixes = [vlm.question_prefix(narrow(windows[i], keep_best(scores[i], share)), questions[i])
+        undecided, out, k = list(range(n)), None, 0
+        while undecided:                                # pass k + 1 of every answer still unsure
+            prefixes = [vlm.question_prefix(narrow(windows[i], keep_best(scores[i], sizes[i][k])), questions[i])
                         for i in undecided]
             decoder, logits = vlm.prefill(prefixes)                           # (B, V)
             sure = first_token_confidence(logits, self.tempering.confidence).tolist()
-            accepted = [last or c >= self.tempering.threshold for c in sure]
+            accepted = [k == len(sizes[i]) - 1 or c >= self.tempering.threshold for i, c in zip(undecided, sure)]
             for j, i in enumerate(undecided):
                 passes[i], spent[i], confidence[i] = k + 1, spent[i] + prefixes[j].tokens_kept, sure[j]
                 if accepted[j]:
                     final[i] = prefixes[j]
             if all(accepted) and len(undecided) == n:   # every answer from this prefill: decode on from it
                 out = vlm.generate_from(decoder, logits, n)
-            undecided = [i for i, a in zip(undecided, accepted) if not a]
-            if not undecided:
-                break
+            undecided, k = [i for i, a in zip(undecided, accepted) if not a], k + 1
         if out is None:                                 # accepted in different passes: one generate for all
             out = vlm.generate(final)
         ready = time.monotonic()                        # generate's lengths came back to the host: done

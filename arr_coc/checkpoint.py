@@ -2,10 +2,11 @@
 
 A weights spec is "default" (arr_coc/weights/default.safetensors, trained by
 `python -m pipeline train --config configs/train_default.yaml`), "none" (the documented initial
-values, untrained) or a path. A path must match the model exactly (every key, every shape). The
-default checkpoint was trained with 384-d MiniLM queries; with a VLM whose embeddings have another
-width the query-facing layers cannot take it, so they keep their initial values and the caller
-gets a warning naming them.
+values, untrained) or a path. A checkpoint must match the model exactly (every key, every
+shape): a model that runs with some of its layers at their untrained initial values would allocate
+tokens in a way nobody trained, so a misfit is an error naming the tensors, never a partial load.
+The default checkpoint fits the default architecture with 384-d MiniLM queries, which is what the
+pipeline always feeds ARR-COC, whatever VLM answers.
 
 The one place this package reads or writes files: `ARRCOC.from_pretrained` and training need it,
 and the pipeline's `runtime.model_weights` means the same specs.
@@ -13,7 +14,6 @@ and the pipeline's `runtime.model_weights` means the same specs.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -67,47 +67,47 @@ def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     return tensors, metadata
 
 
-def load_weights(model: nn.Module, path: str | Path, *, partial: bool = False) -> list[str]:
-    """Load a checkpoint into model. Returns the model keys that kept their initial values.
-
-    partial=False: any missing, unexpected or shape-mismatched key is a ConfigError naming them.
-    partial=True: load every key that fits; the rest keep their initial values (returned).
-    """
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load a checkpoint into model; any missing, unexpected or shape-mismatched key is a
+    ConfigError naming them (optimizer state, "optim.*", is not the model's and is skipped)."""
     tensors, _ = read_weights(path)
     own = model.state_dict()
     missing = sorted(set(own) - set(tensors))
     mismatched = sorted(k for k in own if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape))
     unexpected = sorted(k for k in tensors if k not in own and not k.startswith("optim."))
-    if not partial and (missing or mismatched or unexpected):
+    if missing or mismatched or unexpected:
         parts = []
         if mismatched:
-            k = mismatched[0]
-            parts.append(f"{len(mismatched)} shape mismatches (first: {k} is {tuple(tensors[k].shape)} in the "
-                         f"file, {tuple(own[k].shape)} in the model)")
+            parts.append(f"{len(mismatched)} shape mismatches (" + ", ".join(
+                f"{k} is {tuple(tensors[k].shape)} in the file, {tuple(own[k].shape)} in the model"
+                for k in mismatched[:_NAMED]) + _more(mismatched) + ")")
         if missing:
-            parts.append(f"{len(missing)} missing keys (first: {missing[0]})")
+            parts.append(f"{len(missing)} missing keys ({', '.join(missing[:_NAMED])}{_more(missing)})")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected keys (first: {unexpected[0]})")
+            parts.append(f"{len(unexpected)} unexpected keys ({', '.join(unexpected[:_NAMED])}{_more(unexpected)})")
         raise ConfigError(f"checkpoint {path} does not match the model: {'; '.join(parts)}")
-    fit = {k: tensors[k] for k in own if k in tensors and k not in mismatched}
-    model.load_state_dict(fit, strict=False)
-    return missing + mismatched
+    model.load_state_dict({k: tensors[k] for k in own}, strict=True)
 
 
-def load_pretrained(model: nn.Module, spec: str | os.PathLike, name: str = "weights") -> list[str]:
-    """Apply a weights spec to a freshly built model; returns the keys left at their initial values.
+_NAMED = 4   # tensors a misfit error names per kind
 
-    An explicit path must fit exactly. The shipped default fits the default architecture with
-    384-d MiniLM queries; where the model differs (a VLM's embedding width, another balancer kind),
-    the parts that fit are loaded and a one-line warning names how many tensors kept their
-    initial values, since an allocation from an untrained query projection is not the trained one.
-    """
+
+def _more(keys: list[str]) -> str:
+    return f" and {len(keys) - _NAMED} more" if len(keys) > _NAMED else ""
+
+
+def load_pretrained(model: nn.Module, spec: str | os.PathLike, name: str = "weights") -> None:
+    """Apply a weights spec to a freshly built model. Every spec must fit exactly: the shipped
+    default fits the default architecture with 384-d (MiniLM) queries; for another architecture
+    or query width, train a checkpoint for it or start from "none"."""
     path = resolve_weights(spec, name)
     if path is None:
-        return []
-    skipped = load_weights(model, path, partial=isinstance(spec, str) and spec == "default")
-    if skipped:
-        warnings.warn(f"the default ARR-COC checkpoint was trained for 384-d MiniLM queries and the default "
-                      f"architecture; {len(skipped)} tensors that do not fit this model keep their untrained "
-                      f"initial values (first: {skipped[0]})", stacklevel=3)
-    return skipped
+        return
+    try:
+        load_weights(model, path)
+    except ConfigError as e:
+        if isinstance(spec, str) and spec == "default":
+            raise ConfigError(f"{name}=default: the shipped checkpoint fits the default architecture with "
+                              f"384-d MiniLM queries, not this model ({e}); use {name}=none or a checkpoint "
+                              f"trained for it") from None
+        raise

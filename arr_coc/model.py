@@ -99,8 +99,8 @@ class ARRCOC(nn.Module):
                         query_dim: int = 384) -> "ARRCOC":
         """A model in eval mode with trained weights: "default" (the checkpoint shipped in the
         package, trained for 384-d MiniLM queries), "none" (the initial values) or a .safetensors
-        path, which must fit the model exactly. The default checkpoint also loads into another
-        config or query width: what does not fit keeps its initial values, with a warning.
+        path. Every checkpoint must fit the model exactly (a misfit is a ConfigError naming the
+        tensors): the default fits the default architecture with query_dim 384.
 
             model = ARRCOC.from_pretrained()                      # the shipped checkpoint
             model = ARRCOC.from_pretrained("run/model.safetensors", query_dim=1536)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import host_topology  # noqa: E402
+from benchmarks.common import fixed_query, host_topology  # noqa: E402
 from pipeline.runners.batch import IN_FLIGHT, BatchSummary, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
@@ -80,11 +80,13 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
     made = []                                                                # the local path's VLM, for its counters
     if path == "local":
         local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
-        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight)
+        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight,
+                      query_encoder=fixed_query)
     else:
         from pipeline.runners.ray_batch import run_ray_batch
         s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
-                          vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task)
+                          vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task,
+                          query_encoder=fixed_query)
     row = s.to_dict()
     vps, qps = steady_rates(s, workers)
     shutil.rmtree(out, ignore_errors=True)

@@ -39,6 +39,7 @@ import av  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.common import fixed_query  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.core.live_stages import LiveOptions
 from pipeline.runners.live import run_live  # noqa: E402
@@ -180,7 +181,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     live = LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0)
     run_live(urls, "what is moving, and where?", out, cfg, live=live,
              options=LiveOptions(every_s=args.every, metrics_every_s=3600.0), stop=stop, on_graph=on_graph,
-             vlm=vlm, status_out=open(os.devnull, "w"))
+             vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query())
     span = marks["t1"] - marks["t0"]
     s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]
     per = {sid: {"fps_processed": (s1[sid]["frames_out"] - s0[sid]["frames_out"]) / span,
@@ -221,7 +222,7 @@ def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
     run_live([url], "what is moving, and where?", out, cfg,
              live=LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0),
              options=LiveOptions(every_s=args.every, metrics_every_s=3600.0), stop=stop, vlm=vlm,
-             status_out=open(os.devnull, "w"))
+             status_out=open(os.devnull, "w"), query_embedding=fixed_query())
     minute = min(60.0, args.soak / 5)   # "minute one" (scaled down for --quick)
     first = [s for s in samples if s[0] <= minute][-1]
     last = samples[-1]

@@ -121,7 +121,8 @@ def relevance_map(vlm, frames: np.ndarray, reps: int = 3) -> tuple[torch.Tensor,
     try:
         from arr_coc.model import ARRCOC, ARRCOCConfig
         from arr_coc.realizing import RealizingConfig
-        query = vlm.text_embeddings(QUESTION).float()                      # (L, D): LM token embeddings
+        from benchmarks.common import fixed_query
+        query = fixed_query(QUESTION).to(vlm.device)                      # (384,): the pipeline reads MiniLM's vector
         video = torch.as_tensor(frames, device=vlm.device).permute(0, 3, 1, 2)  # (T, 3, H, W) uint8
         torch.manual_seed(0)
         # redundancy off: it drops cells already seen unchanged, which would make the kept share

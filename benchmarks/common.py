@@ -49,3 +49,10 @@ def write_result(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def fixed_query(question: str = "") -> torch.Tensor:
+    """A (384,) unit vector in place of MiniLM's encoding of `question` (runners' query_embedding /
+    query_encoder): the GPU machines lack the MiniLM wheel, and what a question says does not change
+    the work a speed benchmark measures."""
+    return torch.nn.functional.normalize(torch.ones(384), dim=0)

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO, get_args
+from typing import TYPE_CHECKING, Any, Callable, Literal, TextIO, get_args
 
 from arr_coc._validate import ConfigError, check_choice, check_range
 
@@ -46,9 +46,16 @@ class Answer:
     t_start: float        # the window of video it covers (s)
     t_end: float
     question: str
-    tokens_kept: int      # visual tokens sent to the VLM
+    tokens_kept: int      # visual tokens sent to the VLM (in the final pass)
     tokens_full: int      # visual tokens a stock VLM would have been sent
     latency_s: float      # window end -> answer ready
+    passes: int = 1       # answering passes (vlm.tempering: one per budget tried)
+    tokens_spent: int | None = None   # visual tokens over all passes (None: tokens_kept, one pass)
+    confidence: float = float("nan")  # of the answer's first token (vlm.tempering.confidence)
+
+    def __post_init__(self) -> None:
+        if self.tokens_spent is None:
+            object.__setattr__(self, "tokens_spent", self.tokens_kept)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,10 @@ class VideoAnswers:
     def tokens_full(self) -> int:
         return sum(a.tokens_full for a in self.answers)
 
+    @property
+    def tokens_spent(self) -> int:
+        return sum(a.tokens_spent for a in self.answers)
+
 
 class Pipeline:
     """ARR-COC video question answering with one configuration.
@@ -90,6 +101,8 @@ class Pipeline:
     config:    a YAML file (configs/*.yaml) or a PipelineConfig; None: the defaults
     overrides: {dotted key: value}, the keys of `--set` (e.g. {"model.attending.retention": 0.1});
                values are used as they are, not parsed
+    query_encoder: question -> (384,) tensor, used instead of all-MiniLM-L6-v2 to encode the
+               question ARR-COC attends to (e.g. where its wheel is not installed); None: MiniLM
 
     Precedence as on the command line: config <- overrides <- the arguments above. Bad values
     raise ConfigError (a ValueError) naming the value and the allowed ones.
@@ -97,7 +110,8 @@ class Pipeline:
 
     def __init__(self, *, vlm: str | None = None, device: Device | None = None, decoder: Decoder | None = None,
                  every: float | None = None, config: str | os.PathLike | PipelineConfig | None = None,
-                 overrides: Mapping[str, Any] | None = None) -> None:
+                 overrides: Mapping[str, Any] | None = None,
+                 query_encoder: Callable[[str], Any] | None = None) -> None:
         from .configio import from_mapping, load_config, set_value, to_dict
 
         if vlm is not None and not (isinstance(vlm, str) and vlm.strip()):
@@ -108,6 +122,10 @@ class Pipeline:
             check_choice("decoder", decoder, get_args(Decoder))
         if every is not None:
             check_range("every", every, 0.0, None, lo_open=True)
+        if query_encoder is not None and not callable(query_encoder):
+            raise ConfigError(f"query_encoder must be a callable (question -> (384,) tensor) or None, "
+                              f"got {type(query_encoder).__name__}")
+        self._query_encoder = query_encoder
         if overrides is not None and not isinstance(overrides, Mapping):
             raise ConfigError(f"overrides must be a mapping of dotted keys to values, got {type(overrides).__name__}")
         values = dict(overrides or {})
@@ -151,7 +169,7 @@ class Pipeline:
         _check_question(question)
         store = store_location(out) if out is not None else Path(f"{Path(video).stem}.zarr")
         return run_video(video, question, store, self._config, overlay_path=overlay, progress=progress,
-                         vlm_factory=self._load_vlm)
+                         vlm_factory=self._load_vlm, query_embedding=self._query(question))
 
     def answer(self, video: str | os.PathLike, question: str, *,
                out: str | os.PathLike | None = None) -> VideoAnswers:
@@ -165,9 +183,10 @@ class Pipeline:
             raise ConfigError("answer() needs a VLM, and this Pipeline has vlm='none' (allocation only); "
                               "pass vlm=ID|PATH|arrcoc-synth-qa|tiny-random, or use allocations() or run()")
         result = run_video(video, question, None if out is None else store_location(out), self._config,
-                           progress=False, vlm_factory=self._load_vlm)
+                           progress=False, vlm_factory=self._load_vlm, query_embedding=self._query(question))
         answers = tuple(Answer(text=a.text, t_start=a.t_start, t_end=a.t_end, question=a.question,
-                               tokens_kept=a.tokens_kept, tokens_full=a.tokens_full, latency_s=a.latency_s)
+                               tokens_kept=a.tokens_kept, tokens_full=a.tokens_full, latency_s=a.latency_s,
+                               passes=a.passes, tokens_spent=a.tokens_spent, confidence=a.confidence)
                         for a in result.answers)
         return VideoAnswers(stream_id=result.stream_id, question=question, answers=answers, frames=result.frames,
                             grid=result.grid, store=result.out, notes=tuple(result.notes))
@@ -186,7 +205,7 @@ class Pipeline:
 
         _check_question(question)
         return AllocationStream(video, question, self._config, out=None if out is None else store_location(out),
-                                vlm_factory=self._load_vlm)
+                                vlm_factory=self._load_vlm, query_embedding=self._query(question))
 
     def live(self, sources: str | Sequence[str], question: str, *, out: str | os.PathLike = "live.zarr",
              on_scene_change: bool = False, duration: float | None = None, realtime: bool = False,
@@ -215,7 +234,8 @@ class Pipeline:
         options = LiveOptions(every_s=2.0 if every is None else every, on_scene_change=on_scene_change,
                               duration_s=duration, metrics_every_s=metrics_every)
         return run_live(specs, question, store_location(out), self._config, live=live, options=options,
-                        answers_out=answers_out, stop=stop, vlm=self._load_vlm())
+                        answers_out=answers_out, stop=stop, vlm=self._load_vlm(),
+                        query_embedding=self._query(question))
 
     def batch(self, root: str | os.PathLike, *, dataset: Dataset = "msrvtt", split: str = "test", task: Task = "qa",
               videos: str | os.PathLike | None = None, limit: int | None = None, shard: str | None = None,
@@ -239,11 +259,16 @@ class Pipeline:
         if ray is not None:
             from .runners.ray_batch import run_ray_batch
             return run_ray_batch(plan, out, self._config, address=ray, stock=stock_tokens, workers=workers,
-                                 progress=progress, in_flight=in_flight, videos_per_task=videos_per_task)
+                                 progress=progress, in_flight=in_flight, videos_per_task=videos_per_task,
+                                 query_encoder=self._query_encoder)
         if videos_per_task is not None:
             raise ConfigError("--videos-per-task is for --ray runs (actor calls); the local path streams its videos")
         return run_batch(plan, out, self._config, stock=stock_tokens, progress=progress, in_flight=in_flight,
-                         vlm_factory=self._load_vlm)
+                         vlm_factory=self._load_vlm, query_encoder=self._query_encoder)
+
+    def _query(self, question: str) -> Any:
+        """The query_encoder's vector of `question` (checked by the runner), None: MiniLM's."""
+        return None if self._query_encoder is None else self._query_encoder(question)
 
     def _load_vlm(self, device: Any = None) -> Any:
         """The VLM runtime.vlm names, loaded on first use and kept (None for 'none')."""

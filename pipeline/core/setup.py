@@ -1,35 +1,67 @@
 """What every way of running builds before its graph: the ARR-COC model, the query it attends
 to, and the VLM that answers. run, live, batch, train and the server all call these, so a
 question is encoded the same way and a model is built from the same checkpoint everywhere.
+
+ARR-COC reads the question as all-MiniLM-L6-v2's 384-d sentence vector whatever VLM answers:
+the shipped checkpoint was trained for it, so every layer that reads the query runs trained
+weights under any VLM. The VLM couples to the question itself, in pass 2 (pipeline/vlm/passes.py).
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 import torch
 
+from arr_coc.attending import AttendingConfig
 from arr_coc.model import ARRCOC
 
 from ..config import PipelineConfig
 from .cuda import resolve_device
+from .query import QUERY_DIM
 
-__all__ = ["build_model", "encode_query", "load_answerer", "open_source", "open_writer", "resolve_device"]
+__all__ = ["QUERY_DIM", "build_model", "candidate_attending", "check_query", "encode_query", "load_answerer",
+           "open_source", "open_writer", "resolve_device"]
 
 
-def build_model(cfg: PipelineConfig, query_dim: int, device: torch.device) -> ARRCOC:
-    """ARR-COC for queries of width query_dim, with the weights runtime.model_weights names."""
+def build_model(cfg: PipelineConfig, device: torch.device, *, answering: bool = False) -> ARRCOC:
+    """ARR-COC for MiniLM queries, with the weights runtime.model_weights names (which must fit it
+    exactly). answering: a VLM answers from this model's allocations, so with vlm.pass2 on the
+    allocator keeps pass 2's candidates (candidate_attending)."""
     from arr_coc.checkpoint import load_pretrained
 
-    model = ARRCOC(cfg.model, query_dim=query_dim)
+    model_cfg = cfg.model
+    if answering:
+        model_cfg = replace(model_cfg, attending=candidate_attending(cfg))
+    model = ARRCOC(model_cfg, query_dim=QUERY_DIM)
     load_pretrained(model, cfg.runtime.model_weights, "runtime.model_weights")
     return model.to(device).eval()
 
 
-def encode_query(question: str, device: torch.device, vlm: Any = None) -> torch.Tensor:
-    """The question as ARR-COC reads it: with a VLM, the VLM's own token embeddings (the space of
-    its visual tokens), (L, D); without one, MiniLM's sentence vector, (384,)."""
-    if vlm is not None:
-        return vlm.text_embeddings(question).float().to(device)           # (L, D)
+def candidate_attending(cfg: PipelineConfig) -> AttendingConfig:
+    """Pass 1's budget when a VLM answers. With vlm.pass2 off: model.attending as configured. On:
+    candidate_factor times the final budget (pass 2 keeps 1 / candidate_factor of it: the
+    configured retention or top_k); with tempering: candidate_factor times the ladder's top rung,
+    as a fraction of the cells (the ladder replaces the retention), at most every cell."""
+    attending, v = cfg.model.attending, cfg.vlm
+    if v.pass2 == "off" or v.candidate_factor == 1 and not v.tempering.ladder:
+        return attending
+    if v.tempering.ladder:
+        return replace(attending, selection="fraction", retention=v.candidate_fraction())
+    if attending.selection == "topk":
+        return replace(attending, top_k=round(attending.top_k * v.candidate_factor))
+    return replace(attending, retention=attending.retention * v.candidate_factor)   # <= 1: PipelineConfig checks
+
+
+def check_query(query: torch.Tensor, what: str = "query_embedding") -> torch.Tensor:
+    """A query given instead of encoding the question: (384,) floats, as MiniLM makes them."""
+    if not isinstance(query, torch.Tensor) or tuple(query.shape) != (QUERY_DIM,) or not query.is_floating_point():
+        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"{what} must be a ({QUERY_DIM},) float tensor (a MiniLM sentence vector), got {shape}")
+    return query
+
+
+def encode_query(question: str, device: torch.device) -> torch.Tensor:
+    """The question as ARR-COC reads it: MiniLM's sentence vector, (384,), whatever VLM answers."""
     from .query import sentence_encoder
     return sentence_encoder(str(device)).encode(question)                  # (384,)
 

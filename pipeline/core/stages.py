@@ -104,17 +104,33 @@ class AnswerItem:
     t_end: float
     question: str
     text: str
-    tokens_kept: int
+    tokens_kept: int                  # visual tokens of the final pass
     tokens_full: int
     latency_s: float
+    passes: int = 1                   # answering passes (vlm.tempering)
+    tokens_spent: int | None = None   # visual tokens over all passes (None: tokens_kept)
+    confidence: float = float("nan")  # of the answer's first token (pipeline/vlm/tempering.py)
 
     frames_count = 0
     description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
 
+    def __post_init__(self) -> None:
+        if self.tokens_spent is None:
+            self.tokens_spent = self.tokens_kept
+
+    @classmethod
+    def of(cls, stream_id: str, t_start: float, t_end: float, question: str, result: Any) -> AnswerItem:
+        """The item of a VLM's AnswerResult (pipeline/vlm/model.py) for one window."""
+        return cls(stream_id=stream_id, t_start=float(t_start), t_end=float(t_end), question=question,
+                   text=result.text, tokens_kept=result.tokens_kept, tokens_full=result.tokens_full,
+                   latency_s=float(result.latency_s), passes=result.passes, tokens_spent=result.tokens_spent,
+                   confidence=float(result.confidence))
+
     def row(self) -> dict[str, Any]:
         """The store's answer columns (StreamWriter.add_answers)."""
         return dict(t_start=self.t_start, t_end=self.t_end, question=self.question, text=self.text,
-                    tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s)
+                    tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s,
+                    passes=self.passes, tokens_spent=self.tokens_spent)
 
 
 @dataclass(frozen=True)
@@ -452,9 +468,7 @@ class VLMStage(Stage):
         result = self.vlm.answer([request])[0]
         self.rgb, self.lod, self.stride, self.offered = [], [], 1, 0
         self.answered += 1
-        return AnswerItem(stream_id=self.stream_id, t_start=request.t_start, t_end=request.t_end,
-                          question=self.question, text=result.text, tokens_kept=result.tokens_kept,
-                          tokens_full=result.tokens_full, latency_s=result.latency_s)
+        return AnswerItem.of(self.stream_id, request.t_start, request.t_end, self.question, result)
 
 
 def frame_rows(frames: list[Frame], allocation: Any) -> dict[str, np.ndarray]:
@@ -554,7 +568,8 @@ class SinkStage(Stage):
                 self.answers_out.write(json.dumps({
                     "stream": a.stream_id, "t_start": round(a.t_start, 3), "t_end": round(a.t_end, 3),
                     "question": a.question, "text": a.text, "tokens_kept": a.tokens_kept,
-                    "tokens_full": a.tokens_full, "latency_s": round(a.latency_s, 4)}) + "\n")
+                    "tokens_full": a.tokens_full, "latency_s": round(a.latency_s, 4), "passes": a.passes,
+                    "tokens_spent": a.tokens_spent}) + "\n")
             self.answers_out.flush()
 
     def finish(self) -> Iterable[Any]:

@@ -1,8 +1,9 @@
 """Answer every question of a dataset split, one video at a time.
 
 Work plan: questions grouped by video; each video is decoded once, ARR-COC allocates its tokens once
-(attending to all of its questions together), and the VLM answers all of its questions from one
-set of vision tokens (`VLM.answer_questions`). Videos are sharded across workers (`--shard i/n`,
+(attending to all of its questions together: one MiniLM vector per question), and the VLM answers
+all of its questions from one set of vision tokens (`VLM.answer_questions`; with vlm.pass2 on, each
+question keeps its own share of them). Videos are sharded across workers (`--shard i/n`,
 or the Ray actor pool of runners/ray_batch.py).
 
 Resumable: each video lands in the store as its own stream group with its answers, marked
@@ -39,7 +40,7 @@ from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
 from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
-from ..core.setup import build_model, encode_query, load_answerer, open_source, open_writer, resolve_device
+from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, resolve_device
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
@@ -141,19 +142,19 @@ class QuestionsStage(VLMStage):
         results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
         t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)
-        answers = [AnswerItem(stream_id=self.work.video_id, t_start=t_start, t_end=t_end, question=q, text=r.text,
-                              tokens_kept=r.tokens_kept, tokens_full=r.tokens_full, latency_s=r.latency_s)
-                   for q, r in zip(questions, results)]
+        answers = [AnswerItem.of(self.work.video_id, t_start, t_end, q, r) for q, r in zip(questions, results)]
         return [AnswerItems(answers)] if answers else []
 
 
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
-QUERY_BUCKET = 64  # query tokens are padded (and masked) to a multiple of this: videos share front-end graphs
+# a video's question vectors are padded (and masked) to a multiple of this: videos share front-end graphs
+QUERY_BUCKET = 16
+QueryEncoder = Callable[[str], torch.Tensor]   # question -> (384,) MiniLM-compatible sentence vector
 
 
 def pad_query(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, D) token embeddings -> (L', D) zero-padded to a multiple of QUERY_BUCKET and the (L',)
-    mask of the real tokens (ARR-COC pools over the real ones only)."""
+    """(L, D) query vectors (one per question) -> (L', D) zero-padded to a multiple of QUERY_BUCKET
+    and the (L',) mask of the real ones (ARR-COC pools over the real ones only)."""
     L = query.shape[0]
     padded = query.new_zeros(-(-L // QUERY_BUCKET) * QUERY_BUCKET, query.shape[1])
     padded[:L] = query
@@ -176,7 +177,8 @@ class VideoAnswerer:
     """
 
     def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False, keep_policy: KeepPolicy | None = None,
-                 vlm_factory: Callable[[torch.device], Any] | None = None) -> None:
+                 vlm_factory: Callable[[torch.device], Any] | None = None,
+                 query_encoder: QueryEncoder | None = None) -> None:
         if cfg.runtime.vlm == "none":
             raise ConfigError("batch answers questions, so it needs a VLM: pass --vlm ID|PATH|tiny-random")
         if cfg.runtime.every_s is not None:
@@ -187,9 +189,15 @@ class VideoAnswerer:
         self.device = resolve_device(cfg.runtime.device)
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
         self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
+        # query_encoder: question -> (384,) instead of MiniLM (benchmarks on a machine without its wheel)
+        self.query_encoder = query_encoder
         self.store = self.create_store(cfg, out)
         self.present = set(self.store.stream_ids())   # streams earlier runs left (one listing)
-        self.model = None  # ARRCOC, built on the first video (its query width is the VLM's)
+        # Untrained ARR-COC weights are random: seed them, so a video's result does not depend on
+        # which worker (local process, Ray actor, shard) answered it.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(MODEL_SEED)
+            self.model = build_model(cfg, self.device, answering=True)
         self._vlm_lock = threading.Lock()
         self._lock = threading.Lock()                            # guards the two below
         self._running: dict[int, tuple[Any, RunStatus]] = {}  # graphs in flight, to stop them on Ctrl-C
@@ -218,8 +226,9 @@ class VideoAnswerer:
             if isinstance(e, StageError) and not isinstance(cause, SourceError):
                 raise
             return VideoOutcome(work.video_id, "failed", message=str(cause).splitlines()[0])
-        # every question of a video is asked over the same selected tokens: the first answer's count is the video's
-        kept, full = (answers[0].tokens_kept, answers[0].tokens_full) if answers else (0, 0)
+        # per question (with pass 2 each question keeps its own tokens; without, they share them)
+        kept = round(sum(a.tokens_kept for a in answers) / len(answers)) if answers else 0
+        full = answers[0].tokens_full if answers else 0
         return VideoOutcome(work.video_id, "done", damaged=damaged, questions=len(answers), frames=frames,
                             tokens_kept=kept, tokens_full=full, wall_s=time.perf_counter() - start,
                             finished_at=time.time(), worker=WORKER_ID, stage_busy=json.dumps(busy))
@@ -284,15 +293,7 @@ class VideoAnswerer:
         except BaseException:
             source.close()
             raise
-        with self._vlm_lock:
-            query = self.vlm.text_embeddings(query_text(work)).float()        # (L, D)
-            if self.model is None:
-                # Untrained ARR-COC weights are random: seed them, so a video's result does not depend
-                # on which worker (local process, Ray actor, shard) answered it.
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(MODEL_SEED)
-                    self.model = build_model(cfg, query.shape[-1], self.device)
-        query, query_mask = pad_query(query)
+        query, query_mask = pad_query(self.encode_questions([q.question for q in work.questions]))  # (L', 384)
         status = RunStatus()
         graphs = self._take_graphs(grid, query)
         try:
@@ -317,6 +318,15 @@ class VideoAnswerer:
         sink = graph.stages[-1]
         busy = {stage.name: round(graph.metrics[stage.name].busy_s, 4) for stage in graph.stages}
         return sink.frames_written, list(sink.answers), busy, status.truncated
+
+    def encode_questions(self, questions: list[str]) -> torch.Tensor:
+        """(Q, 384) one sentence vector per question, on the device: ARR-COC couples every cell to
+        each of them (token pooling over the questions), so one allocation serves them all."""
+        if self.query_encoder is not None:
+            return torch.stack([check_query(self.query_encoder(q), "query_encoder(question)").float()
+                                for q in questions]).to(self.device)
+        from ..core.query import sentence_encoder
+        return sentence_encoder(str(self.device)).encode_many(questions)
 
     def answer_all(self, plan: Iterable[VideoWork], in_flight: int = IN_FLIGHT) -> Iterator[VideoOutcome]:
         """Outcomes of `plan`'s videos in plan order, with up to `in_flight` videos in work at once.
@@ -396,11 +406,13 @@ def mean_busy(outcomes: list[VideoOutcome]) -> dict[str, float]:
 def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
               keep_policy: KeepPolicy | None = None,
               progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
-              in_flight: int = IN_FLIGHT) -> BatchSummary:
-    """The local path: this process answers the plan's videos, `in_flight` at a time."""
+              in_flight: int = IN_FLIGHT, query_encoder: QueryEncoder | None = None) -> BatchSummary:
+    """The local path: this process answers the plan's videos, `in_flight` at a time.
+    query_encoder: question -> (384,) instead of MiniLM (see VideoAnswerer)."""
     check_in_flight(in_flight)  # before the models load
     start = time.perf_counter()
-    answerer = VideoAnswerer(cfg, out, stock=stock, keep_policy=keep_policy, vlm_factory=vlm_factory)
+    answerer = VideoAnswerer(cfg, out, stock=stock, keep_policy=keep_policy, vlm_factory=vlm_factory,
+                             query_encoder=query_encoder)
     outcomes = []
     try:
         for outcome in _with_progress(answerer.answer_all(plan, in_flight), len(plan), progress):

@@ -57,15 +57,18 @@ class EvalReport:
     videos_incomplete: int = 0         # groups present but not done (a resumed run redoes them)
     duplicates: int = 0                # answers beyond one per question (must be 0)
     unmatched: int = 0                 # answers to questions the annotations do not have
-    tokens_kept: list[int] = field(default_factory=list)   # per complete video
-    tokens_full: list[int] = field(default_factory=list)
+    # per complete video, the mean over its answers (pass 2 keeps each question's own tokens;
+    # tokens_spent counts every tempering pass)
+    tokens_kept: list[float] = field(default_factory=list)
+    tokens_full: list[float] = field(default_factory=list)
+    tokens_spent: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         n = len(self.predictions)
         by_type: dict[str, list[bool]] = defaultdict(list)
         for p in self.predictions:
             by_type[p.question.type].append(p.correct)
-        kept, full = sum(self.tokens_kept), sum(self.tokens_full)
+        kept, full, spent = sum(self.tokens_kept), sum(self.tokens_full), sum(self.tokens_spent)
         videos = len(self.tokens_kept)
         return {
             "questions": self.questions, "answered": n,
@@ -77,7 +80,9 @@ class EvalReport:
             "answers_from_damaged_videos": self.answers_from_damaged, "videos_incomplete": self.videos_incomplete,
             "duplicates": self.duplicates, "unmatched": self.unmatched,
             "tokens": {"kept_over_full": round(kept / full, 6) if full else 0.0,
+                       "spent_over_full": round(spent / full, 6) if full else 0.0,
                        "mean_kept_per_video": round(kept / videos, 3) if videos else 0.0,
+                       "mean_spent_per_video": round(spent / videos, 3) if videos else 0.0,
                        "mean_full_per_video": round(full / videos, 3) if videos else 0.0},
         }
 
@@ -112,8 +117,9 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
         if damaged:
             report.answers_from_damaged += len(report.predictions) - predicted
         if len(answers["text"]):
-            report.tokens_kept.append(int(answers["tokens_kept"][0]))
-            report.tokens_full.append(int(answers["tokens_full"][0]))
+            report.tokens_kept.append(float(answers["tokens_kept"].mean()))
+            report.tokens_full.append(float(answers["tokens_full"].mean()))
+            report.tokens_spent.append(float(answers["tokens_spent"].mean()))
     return report
 
 
@@ -131,7 +137,8 @@ def format_report(row: dict[str, Any]) -> str:
     for t, v in row["accuracy_by_type"].items():
         lines.append(f"  {t:<8} {v['accuracy']:.4f}  ({v['questions']} questions)")
     tok = row["tokens"]
-    lines.append(f"tokens kept/full {tok['kept_over_full']:.4f}; per video: kept {tok['mean_kept_per_video']}, "
+    lines.append(f"tokens kept/full {tok['kept_over_full']:.4f}, spent/full {tok['spent_over_full']:.4f}; per video: "
+                 f"kept {tok['mean_kept_per_video']}, spent {tok['mean_spent_per_video']}, "
                  f"full {tok['mean_full_per_video']}")
     if row["videos_damaged"]:
         n = row["videos_damaged"]

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
 
 from sinks import ZarrStore, store_location
 from sources.live import Gap, LiveConfig, LiveSource, open_live
@@ -22,6 +22,9 @@ from ..core.graph import Stage
 from ..core.live_stages import LiveOptions, LiveVLMStage, StreamCounters, warm_vlm
 from ..core.stages import AnswerItem, SinkStage
 from ..vlm.geometry import VLMGeometry
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -70,7 +73,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
              live: LiveConfig | None = None, options: LiveOptions | None = None,
              answers_out: TextIO | None = None, status_out: TextIO | None = None, status_tty: bool | None = None,
              stop: threading.Event | None = None, on_graph: Any = None, slow_stage_s: float = 0.0,
-             vlm: Any = None, model: Any = None, stream_ids: list[str] | None = None,
+             vlm: Any = None, model: Any = None, query_embedding: torch.Tensor | None = None,
+             stream_ids: list[str] | None = None,
              on_answer: Callable[[AnswerItem], None] | None = None,
              on_gap: Callable[[str, Gap], None] | None = None) -> LiveResult:
     """Watch the live sources and answer `question` until the duration ends, the sources end
@@ -79,17 +83,21 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
 
     slow_stage_s: extra seconds the texture stage spends per batch (overload tests and benchmarks).
     vlm: an already loaded VLM to use instead of loading cfg.runtime.vlm (benchmarks reuse one).
-    model: an already built ARR-COC model for the VLM's queries (the server shares one).
+    model: an already built ARR-COC model (the server shares one; core/setup.build_model).
+    query_embedding: (384,) use this instead of encoding `question` with MiniLM (benchmarks on a
+        machine without its wheel).
     stream_ids: the streams' names in the store, one per source (default: from the sources).
     on_answer, on_gap: called from the sink's thread with each answer / each reconnect gap (a
         stream id and its Gap), after the store has it (the server's event streams).
     """
     from ..core.live_status import StatusReporter, snapshot
-    from ..core.setup import build_model, encode_query, load_answerer, open_writer, resolve_device
+    from ..core.setup import build_model, check_query, encode_query, load_answerer, open_writer, resolve_device
 
     live, options = live or LiveConfig(), options or LiveOptions()
     stop = stop or threading.Event()
     device = resolve_device(cfg.runtime.device)
+    if query_embedding is not None:
+        check_query(query_embedding)
     sources = open_sources(specs, live, stream_ids)
     try:
         vlm = load_answerer(cfg, device) if vlm is None else vlm
@@ -103,8 +111,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
                                             grid=grids[s.stream_id], vlm=cfg.runtime.vlm,
                                             chunk_frames=cfg.output.chunk_frames, overwrite=True)
                    for s in sources}
-        query = encode_query(question, device, vlm)
-        model = build_model(cfg, query.shape[-1], device) if model is None else model
+        query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device)
+        model = build_model(cfg, device, answering=vlm is not None) if model is None else model
     except BaseException:
         for source in sources:
             source.close()

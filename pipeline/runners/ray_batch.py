@@ -47,8 +47,8 @@ class AnswerActor:
     does). A call returns when its last video is done, so the call's last videos drain alone."""
 
     def __init__(self, cfg: PipelineConfig, out: str, stock: bool, vlm_factory: Callable | None = None,
-                 in_flight: int = IN_FLIGHT) -> None:
-        self.answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory)
+                 in_flight: int = IN_FLIGHT, query_encoder: Callable | None = None) -> None:
+        self.answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=vlm_factory, query_encoder=query_encoder)
         self.in_flight = in_flight
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
@@ -96,9 +96,10 @@ def _check_reachable(address: str, given: str | None = None) -> None:
 def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",
                   stock: bool = False, workers: int | None = None, progress: bool | None = None,
                   vlm_factory: Callable | None = None, in_flight: int = IN_FLIGHT,
-                  videos_per_task: int | None = None) -> BatchSummary:
+                  videos_per_task: int | None = None, query_encoder: Callable | None = None) -> BatchSummary:
     """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu), each
-    call answering videos_per_task videos (default in_flight)."""
+    call answering videos_per_task videos (default in_flight). query_encoder: question -> (384,)
+    instead of MiniLM, built into each actor (runners/batch.py: VideoAnswerer)."""
     import ray
 
     out = store_location(out)
@@ -123,7 +124,7 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
         ds = ray.data.from_items(plan_rows(plan), override_num_blocks=tasks)
         ds = ds.map_batches(AnswerActor, batch_size=per_task,
                             fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock, vlm_factory=vlm_factory,
-                                                       in_flight=in_flight),
+                                                       in_flight=in_flight, query_encoder=query_encoder),
                             compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=MAX_IN_FLIGHT),
                             num_gpus=1 if use_gpu else 0, num_cpus=1)
         rows = (VideoOutcome(**{k: v.item() if hasattr(v, "item") else v for k, v in row.items()})

@@ -22,7 +22,7 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose
 from ..core.graph import Graph
-from ..core.setup import build_model, encode_query, load_answerer, open_source, open_writer, resolve_device
+from ..core.setup import build_model, check_query, encode_query, load_answerer, open_source, open_writer, resolve_device
 from ..core.stages import AnswerItem, FrameAllocation, RunStatus, VLMStage
 from ..vlm.geometry import VLMGeometry
 
@@ -56,10 +56,12 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     """Process one video file end to end. Raises SourceError / SinkError / StageError on failure.
 
     out:             the store; None writes none (the answers and on_frames are the output)
-    query_embedding: (Dq,) use this instead of encoding `question` (callers with their own encoder)
-    vlm, model:      an already loaded VLM (or an object with its interface: geometry, text_embeddings,
-                     answer, warning) and ARR-COC model, instead of loading cfg's (the server shares
-                     one of each between its requests)
+    query_embedding: (384,) use this instead of encoding `question` with MiniLM (callers that
+                     cannot load it, e.g. benchmarks on a machine without its wheel)
+    vlm, model:      an already loaded VLM (or an object with its interface: geometry, config,
+                     answer, warning) and ARR-COC model (core/setup.build_model with answering=True
+                     where a VLM answers), instead of loading cfg's (the server shares one of each
+                     between its requests)
     vlm_factory:     device -> the VLM (or None), loaded on first use (the Python API keeps one)
     stream_id:       the stream's name in the store (default: the file stem)
     status:          the run's status, for a caller that stops it from another thread (see
@@ -69,6 +71,8 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     from sinks import OverlayWriter
 
     device = resolve_device(cfg.runtime.device)
+    if query_embedding is not None:
+        check_query(query_embedding)
     # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV
     device_color = device.type == "cuda" and cfg.runtime.vlm == "none" and overlay_path is None
     source = open_source(path, cfg, stream_id=stream_id, device_color=device_color)
@@ -87,8 +91,8 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     except BaseException:
         source.close()
         raise
-    query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device, vlm)
-    model = build_model(cfg, query.shape[-1], device) if model is None else model
+    query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device)
+    model = build_model(cfg, device, answering=vlm is not None) if model is None else model
     if isinstance(source, ProcessSource):
         try:
             source.wait_ready()  # its start overlapped the setup above; decoding starts with the clock
@@ -141,10 +145,11 @@ class _Handoff:
         self.result: RunResult | None = None
 
     def run(self, path: str | Path, question: str, out: str | Path | None, cfg: PipelineConfig,
-            vlm_factory: Callable[[torch.device], Any] | None) -> None:
+            vlm_factory: Callable[[torch.device], Any] | None, query_embedding: torch.Tensor | None) -> None:
         try:
             self.result = run_video(path, question, out, cfg, progress=False, vlm_factory=vlm_factory,
-                                    status=self.status, on_graph=self.on_graph, on_frames=self.put)
+                                    query_embedding=query_embedding, status=self.status, on_graph=self.on_graph,
+                                    on_frames=self.put)
         except BaseException as e:  # raised in the consumer's thread
             self.error = e
         finally:
@@ -185,9 +190,11 @@ class AllocationStream:
     """
 
     def __init__(self, path: str | Path, question: str, cfg: PipelineConfig, *, out: str | Path | None = None,
-                 vlm_factory: Callable[[torch.device], Any] | None = None) -> None:
+                 vlm_factory: Callable[[torch.device], Any] | None = None,
+                 query_embedding: torch.Tensor | None = None) -> None:
         self._handoff = handoff = _Handoff(2 * cfg.runtime.batch_size)
-        self._thread = threading.Thread(target=handoff.run, args=(path, question, out, cfg, vlm_factory),
+        self._thread = threading.Thread(target=handoff.run, args=(path, question, out, cfg, vlm_factory,
+                                                                  query_embedding),
                                         name="allocations", daemon=True)
         self._thread.start()
         handoff.composed.wait()

@@ -7,7 +7,6 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-import torch
 
 from ..core.stages import AnswerItem
 
@@ -23,9 +22,6 @@ class LocalVLM:
         self.name, self.geometry, self.config, self.warning = vlm.name, vlm.geometry, vlm.config, vlm.warning
         self._pending = 0
         self._lock = threading.Lock()
-
-    def text_embeddings(self, question: str) -> torch.Tensor:
-        return self.vlm.text_embeddings(question)                           # (L, D)
 
     def submit(self, request: Any) -> Future:
         with self._lock:
@@ -55,17 +51,14 @@ class LocalVLM:
 
 
 class RequestVLM:
-    """The VLM interface the runners take (geometry, config, warning, text_embeddings, answer,
-    prefix_length, warm_up) for one request: answers are asked through the server's shared
+    """The VLM interface the runners take (geometry, config, warning, answer, prefix_length,
+    warm_up) for one request: answers are asked through the server's shared
     batcher, and each one is handed to `on_answer` (request, result) as soon as it is back."""
 
     def __init__(self, service: Any, on_answer: Callable[[Any, Any], None] | None = None) -> None:
         self.service, self.on_answer = service, on_answer
         self.name, self.geometry, self.config, self.warning = (service.name, service.geometry, service.config,
                                                                service.warning)
-
-    def text_embeddings(self, question: str) -> torch.Tensor:
-        return self.service.text_embeddings(question)
 
     def answer(self, requests: list[Any]) -> list[Any]:
         futures = [self.service.submit(r) for r in requests]
@@ -86,11 +79,19 @@ class RequestVLM:
 
 
 def answer_row(t_start: float, t_end: float, text: str, tokens_kept: int, tokens_full: int,
-               latency_s: float) -> dict[str, Any]:
+               latency_s: float, passes: int = 1, tokens_spent: int | None = None) -> dict[str, Any]:
+    """One answer as the API shows it; passes and tokens_spent as the store keeps them (tempering)."""
     return {"t_start": round(float(t_start), 3), "t_end": round(float(t_end), 3), "text": text,
-            "tokens_kept": int(tokens_kept), "tokens_full": int(tokens_full), "latency_s": round(float(latency_s), 4)}
+            "tokens_kept": int(tokens_kept), "tokens_full": int(tokens_full), "latency_s": round(float(latency_s), 4),
+            "passes": int(passes), "tokens_spent": int(tokens_kept if tokens_spent is None else tokens_spent)}
 
+
+def result_row(t_start: float, t_end: float, result: Any) -> dict[str, Any]:
+    """answer_row of a VLM's AnswerResult for the window [t_start, t_end]."""
+    return answer_row(t_start, t_end, result.text, result.tokens_kept, result.tokens_full, result.latency_s,
+                      result.passes, result.tokens_spent)
 
 
 def item_row(item: AnswerItem) -> dict[str, Any]:
-    return answer_row(item.t_start, item.t_end, item.text, item.tokens_kept, item.tokens_full, item.latency_s)
+    return answer_row(item.t_start, item.t_end, item.text, item.tokens_kept, item.tokens_full, item.latency_s,
+                      item.passes, item.tokens_spent)

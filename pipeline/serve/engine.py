@@ -24,7 +24,7 @@ from ..core.setup import build_model, resolve_device
 from ..core.stages import AnswerItem
 from ..runners.live import run_live
 from ..runners.run import run_video
-from .answering import RequestVLM, answer_row, item_row
+from .answering import RequestVLM, answer_row, item_row, result_row
 from .errors import ApiError
 from .media import Media, VideoRef
 from .metrics import Metrics
@@ -53,10 +53,14 @@ class Completion:
     def tokens_full(self) -> int:
         return sum(a["tokens_full"] for a in self.answers)
 
+    @property
+    def tokens_spent(self) -> int:
+        return sum(a["tokens_spent"] for a in self.answers)
+
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "tokens_kept": self.tokens_kept, "tokens_full": self.tokens_full}
+                "tokens_kept": self.tokens_kept, "tokens_full": self.tokens_full, "tokens_spent": self.tokens_spent}
 
 
 class Engine:
@@ -69,8 +73,7 @@ class Engine:
         self.cfg, self.options, self.service = cfg, options, service
         self.device = resolve_device(cfg.runtime.device)
         self.model_id = options.model_id or cfg.runtime.vlm   # what --vlm named
-        query_dim = service.text_embeddings("video").shape[-1]
-        self.model = build_model(cfg, query_dim, self.device)
+        self.model = build_model(cfg, self.device, answering=True)
         ZarrStore.open(options.store, config=to_dict(cfg))    # created (or refused) now, not on a request
         self.media = Media(options)
         self.metrics = Metrics()
@@ -112,12 +115,10 @@ class Engine:
 
         def answered(request: Any, result: Any) -> None:
             if on_answer is not None:
-                on_answer(answer_row(request.t_start, request.t_end, result.text, result.tokens_kept,
-                                     result.tokens_full, result.latency_s))
+                on_answer(result_row(request.t_start, request.t_end, result))
         result = run_video(ref.target, question, self.options.store, cfg, progress=False,
                            vlm=RequestVLM(self.service, answered), model=self.model, stream_id=request_id)
-        answers = [answer_row(a.t_start, a.t_end, a.text, a.tokens_kept, a.tokens_full, a.latency_s)
-                   for a in result.answers]
+        answers = [item_row(a) for a in result.answers]
         return self._completion(request_id, question, answers, result.frames, result.notes)
 
     def _answer_live(self, ref: VideoRef, question: str, request_id: str, on_answer: OnAnswer | None) -> Completion:
@@ -181,9 +182,9 @@ def homunculus_json(stream_id: str, data: dict[str, Any]) -> dict[str, Any]:
         "tokens_kept": tokens.sum(1).tolist(),
         "tokens_full": gh * gw,
         "scene_changes": [round(float(p), 4) for p in data["pts"][data["scene_change"]]],
-        "answers": [answer_row(s, e, str(t), k, f, lat) for s, e, t, k, f, lat in
+        "answers": [answer_row(s, e, str(t), k, f, lat, n, spent) for s, e, t, k, f, lat, n, spent in
                     zip(answers["t_start"], answers["t_end"], answers["text"], answers["tokens_kept"],
-                        answers["tokens_full"], answers["latency_s"])],
+                        answers["tokens_full"], answers["latency_s"], answers["passes"], answers["tokens_spent"])],
         "gaps": [{"start_pts": float(s), "end_pts": float(e), "reason": str(r)}
                  for s, e, r in zip(gaps.get("start_pts", []), gaps.get("end_pts", []), gaps.get("reason", []))],
     }

@@ -22,8 +22,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from ray import serve
 
 from arr_coc._validate import ConfigError
@@ -61,10 +59,6 @@ class VLMDeployment:
         v = self.vlm
         return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning}
 
-    def text_embeddings(self, question: str) -> np.ndarray:
-        with self._lock:
-            return self.vlm.text_embeddings(question).float().cpu().numpy()           # (L, D)
-
     def count_tokens(self, text: str) -> int:
         return len(self.vlm.tokenizer(text).input_ids)
 
@@ -89,9 +83,6 @@ class RemoteVLM:
         self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")
         self._pending = 0
         self._lock = threading.Lock()
-
-    def text_embeddings(self, question: str) -> torch.Tensor:
-        return torch.from_numpy(self.handle.text_embeddings.remote(question).result())
 
     def submit(self, request: Any) -> Future:
         with self._lock:

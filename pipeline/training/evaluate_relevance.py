@@ -183,7 +183,7 @@ def evaluate(cfg: EvalConfig, *, log=print) -> dict:
     device = torch.device(cfg.device)
     size = (cfg.size, cfg.size)
     grid = VLMGeometry(max_pixels=size[0] * size[1]).grid(*size)
-    embed = QueryEmbedder(None, device)
+    embed = QueryEmbedder(device)
     models = build_models(cfg, embed("a").shape[-1], device)
     budget = int(np.floor(grid[0] * grid[1] * cfg.retention + 0.5))
     texturer = models["untrained"]

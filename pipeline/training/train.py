@@ -9,8 +9,8 @@ The seeds' curriculum (Parts 29, 44, 45), on generated scenes with exact ground 
   hard       everything, on tiny peripheral and low-contrast targets mixed with normal scenes
   vlm        with a VLM loaded: the VLM's answer loss, VLM frozen (pipeline/training/train_vlm.py)
 Training is soft (the allocator's differentiable budget), inference hard (seed Part 44).
-Queries are embedded by all-MiniLM-L6-v2, or by the VLM's own token embeddings when one is
-loaded. Texture extraction has no parameters, so every frame's texture is computed once.
+Queries are embedded by all-MiniLM-L6-v2, as the pipeline embeds them whatever VLM answers (a
+loaded VLM serves the answer loss only). Texture extraction has no parameters, so every frame's texture is computed once.
 Checkpoints are safetensors (model + optimizer state + position), written every epoch; `--resume`
 continues from the last one and reproduces the uninterrupted run.
 """
@@ -78,7 +78,7 @@ class DataConfig:
 class TrainConfig:
     seed: int = 0
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    vlm: str = "none"             # "none": MiniLM queries; else a VLM spec (its embeddings + answer loss)
+    vlm: str = "none"             # a VLM spec for the vlm stage's answer loss ("none": no such stage)
     out_dir: str = "runs/train"   # everything training writes goes under here
     model: ARRCOCConfig = field(default_factory=ARRCOCConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -109,18 +109,17 @@ class Examples:
 
 
 class QueryEmbedder:
-    """Question -> (L, Dq) token embeddings + mask: MiniLM's sentence vector (L = 1) or the VLM's tokens."""
+    """Question -> (1, 384) MiniLM sentence vector (one query token) + mask, as the pipeline's queries."""
 
-    def __init__(self, vlm=None, device: torch.device | str = "cpu") -> None:
-        self.vlm, self.device, self.cache = vlm, torch.device(device), {}
-        if vlm is None:
-            from ..core.query import sentence_encoder
-            self.encoder = sentence_encoder(str(self.device))
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        from ..core.query import sentence_encoder
+
+        self.device, self.cache = torch.device(device), {}
+        self.encoder = sentence_encoder(str(self.device))
 
     def __call__(self, text: str) -> torch.Tensor:
         if text not in self.cache:
-            e = self.vlm.text_embeddings(text).float() if self.vlm is not None else self.encoder.encode(text)[None]
-            self.cache[text] = e.to(self.device)                              # (L, Dq)
+            self.cache[text] = self.encoder.encode(text)[None].to(self.device)  # (1, 384)
         return self.cache[text]
 
     def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +309,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         vlm = load_vlm(cfg.vlm, device=device, dtype="float32")
         for p in vlm.model.parameters():
             p.requires_grad_(False)
-    embed = QueryEmbedder(vlm, device)
+    embed = QueryEmbedder(device)
     query_dim = embed("a").shape[-1]
     model = ARRCOC(cfg.model, query_dim=query_dim).to(device)
     size = (cfg.data.size, cfg.data.size)
@@ -376,7 +375,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             save_weights(model, last, {"stage": str(si), "epoch": str(epoch), "history": json.dumps(history)},
                          extra=optimizer_tensors(opt))
     meta = {"format": "arr-coc-weights/1", "query_dim": str(query_dim), "grid": json.dumps(list(grid)),
-            "query_encoder": "all-MiniLM-L6-v2" if vlm is None else cfg.vlm,
+            "query_encoder": "all-MiniLM-L6-v2",
             "train_config": json.dumps(_plain(cfg)), "history": json.dumps(history)}
     final = save_weights(model, out / "model.safetensors", meta)
     if export is not None:

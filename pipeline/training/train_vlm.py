@@ -18,17 +18,16 @@ from arr_coc.model import ARRCOC
 from sources.synth_qa import where_answer
 
 def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: str,
-                query: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                query: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy of `answer` after the question, with ARR-COC's soft keep on the visual tokens.
 
-    frames: uint8 (T, H, W, 3) of one video; query: (L, D) question embedding (default: the VLM's).
+    frames: uint8 (T, H, W, 3) of one video; query: the question as ARR-COC reads it, (384,) or
+    (L, 384) MiniLM vectors (training.train.QueryEmbedder), whatever VLM computes the loss.
     Returns (loss, the balancer's tensions). Gradients reach ARR-COC only.
     """
     device = vlm.device
     T, H, W = frames.shape[:3]
     grid = vlm.geometry.grid(H, W)
-    if query is None:
-        query = vlm.text_embeddings(question).float()                      # (L, D)
     x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(device)  # (T, 3, H, W)
     with torch.no_grad():
         texture = model.extract(x, None, grid)

@@ -1,12 +1,47 @@
 """Typed, self-validating configuration of the VLM stage."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 
 DTYPES = ("bfloat16", "float16", "float32")
 ENCODE_MODES = ("all", "kept")
+PASS2 = ("off", "attention")
+CONFIDENCE = ("margin", "entropy")
+
+
+@dataclass(frozen=True)
+class TemperingConfig:
+    """Multi-pass answering (pipeline/vlm/passes.py): answer with the ladder's first budget; while the
+    VLM is unsure of the answer's first token, answer again with the next one (pass 2's best tokens)."""
+
+    # budgets as fractions of the window's full visual tokens, strictly increasing; () = one pass
+    ladder: tuple[float, ...] = ()
+    # a pass is accepted when the confidence of its first answer token is at least this: calibrate
+    # it on a validation split with pipeline.vlm.tempering.calibrate (0: never answer again)
+    threshold: float = 0.5
+    max_passes: int = 3                # the most rungs of the ladder one answer may use
+    # margin: top-1 minus top-2 probability; entropy: 1 - entropy / log(vocabulary size)
+    confidence: Literal["margin", "entropy"] = "margin"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ladder, tuple):
+            raise ConfigError(f"vlm.tempering.ladder must be a list of fractions, got {self.ladder!r}")
+        for i, fraction in enumerate(self.ladder):
+            check_range(f"vlm.tempering.ladder[{i}]", fraction, 0.0, 1.0, lo_open=True)
+        if any(b <= a for a, b in zip(self.ladder, self.ladder[1:])):
+            raise ConfigError(f"vlm.tempering.ladder must increase strictly, got {list(self.ladder)}")
+        check_range("vlm.tempering.threshold", self.threshold, 0.0, 1.0)
+        check_int("vlm.tempering.max_passes", self.max_passes)
+        check_range("vlm.tempering.max_passes", self.max_passes, 1, 255)
+        check_choice("vlm.tempering.confidence", self.confidence, CONFIDENCE)
+
+    @property
+    def rungs(self) -> tuple[float, ...]:
+        """The budgets one answer may use: the ladder up to max_passes."""
+        return self.ladder[:self.max_passes]
 
 
 @dataclass(frozen=True)
@@ -42,6 +77,14 @@ class VLMConfig:
     reuse_cells: int = 1024
     # mean |colour change| per pixel (0..1) of a cell under which its cached features are reused
     reuse_threshold: float = 0.04
+    # pass 2 (pipeline/vlm/passes.py): off, or attention: pass 1 (ARR-COC) keeps candidate_factor
+    # times the final budget, and the VLM keeps the final budget among them, the tokens its question
+    # attends to most at LM layer pass2_layers (the layers before it run over the candidates; an LM
+    # with no such layer: its last)
+    pass2: Literal["off", "attention"] = "off"
+    candidate_factor: float = 3.0
+    pass2_layers: int = 2
+    tempering: TemperingConfig = field(default_factory=TemperingConfig)
 
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
@@ -64,3 +107,26 @@ class VLMConfig:
         for name in ("cuda_graphs", "fast_lm", "fast_vision"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"vlm.{name} must be true or false, got {getattr(self, name)!r}")
+        check_choice("vlm.pass2", self.pass2, PASS2)
+        check_range("vlm.candidate_factor", self.candidate_factor, 1.0, 64.0)
+        check_int("vlm.pass2_layers", self.pass2_layers)
+        check_range("vlm.pass2_layers", self.pass2_layers, 0, 255)
+        if not isinstance(self.tempering, TemperingConfig):
+            raise ConfigError(f"vlm.tempering must be a mapping of tempering settings, got {self.tempering!r}")
+        if self.tempering.ladder and self.pass2 == "off":
+            raise ConfigError("vlm.tempering.ladder needs vlm.pass2=attention: each pass after the first "
+                              "keeps the tokens pass 2 ranked best")
+
+    def candidate_fraction(self) -> float:
+        """With tempering: the share of the cells pass 1 keeps as candidates (candidate_factor times
+        the top rung, at most all)."""
+        return min(1.0, self.candidate_factor * self.tempering.rungs[-1])
+
+    def keep_shares(self) -> tuple[float, ...]:
+        """The share of pass 1's candidates each answering pass keeps: (1 / candidate_factor,) for
+        pass 2 alone; with tempering, each rung over candidate_fraction. () with pass 2 off."""
+        if self.pass2 == "off":
+            return ()
+        if not self.tempering.ladder:
+            return (1.0 / self.candidate_factor,)
+        return tuple(min(1.0, rung / self.candidate_fraction()) for rung in self.tempering.rungs)

@@ -4,7 +4,9 @@ Per request: preprocess on the device -> vision tower on every patch (vlm.encode
 cells' patches only (kept: pipeline.vlm.kept_vision) -> merged tokens (T', gh, gw, D) -> keep/pool
 per the allocation -> LM prefix whose visual part holds only the kept tokens, each at the M-RoPE
 position the full (unpruned) sequence gives it -> our own KV-cached decoding loop, batched over
-requests with left padding.
+requests with left padding. With vlm.pass2 on, the keep map holds pass 1's candidates and
+pipeline/vlm/passes.py keeps the final tokens among them (and answers again with more while
+unsure: vlm.tempering).
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from pipeline.vlm import hf
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
+from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
+from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
 from pipeline.vlm.vision_blocks import patch_vision_blocks
@@ -91,9 +95,19 @@ class AnswerRequest:
 @dataclass(frozen=True)
 class AnswerResult:
     text: str
-    tokens_kept: int     # visual tokens actually sent to the LM
+    tokens_kept: int     # visual tokens actually sent to the LM (in the final pass)
     tokens_full: int     # visual tokens the stock model would use for the same frames
     latency_s: float
+    passes: int = 1      # answering passes (tempering: one per rung of the budget ladder tried)
+    tokens_spent: int | None = None   # visual tokens over all passes (None: tokens_kept, one pass)
+    confidence: float = float("nan")  # of the first answer token (vlm.tempering.confidence; NaN: unknown)
+
+    def __post_init__(self) -> None:
+        if self.tokens_spent is None:
+            object.__setattr__(self, "tokens_spent", self.tokens_kept)
+        if self.passes < 1 or self.tokens_spent < self.tokens_kept:
+            raise ValueError(f"AnswerResult: passes ({self.passes}) must be >= 1 and tokens_spent "
+                             f"({self.tokens_spent}) >= tokens_kept ({self.tokens_kept})")
 
 
 @dataclass
@@ -138,6 +152,7 @@ class Generation:
     lengths: list[int]                 # generated tokens per row up to and including EOS
     step_logits: list[torch.Tensor]    # N x (B, V) float32, only when requested
     decode_s: float = float("nan")     # first token -> last token wall time, only when timed
+    confidence: list[float] | None = None   # (B) of the first token (tempering.first_token_confidence)
 
 
 def batch_bucket(batch: int) -> int:
@@ -234,6 +249,8 @@ class VLM:
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
         self._pad_embed: torch.Tensor | None = None
+        # pass 2 and tempering (vlm.pass2, vlm.tempering): None while pass 2 is off
+        self.passes = Passes(self) if config.pass2 != "off" else None
         self.video_token_id = model.config.video_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -616,13 +633,32 @@ class VLM:
     def generate(self, prefixes: list[Prefix], *, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
                  return_logits: bool = False, timed: bool = False) -> Generation:
+        max_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        decoder, logits = self.prefill(prefixes, max_new)                    # (B, V)
+        return self.generate_from(decoder, logits, len(prefixes), max_new_tokens=max_new, temperature=temperature,
+                                  top_p=top_p, seed=seed, return_logits=return_logits, timed=timed)
+
+    @torch.no_grad()
+    def prefill(self, prefixes: list[Prefix], max_new_tokens: int | None = None) -> tuple[StaticDecoder, torch.Tensor]:
+        """The first half of generate: prefixes prefilled (sharing windows where they do) into a
+        decoder with room for max_new_tokens -> the decoder and the (B, V) float32 logits of the
+        first generated token (valid until the VLM replays a graph again). generate_from goes on."""
+        max_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        return self._prefill(prefixes, max_new, shared_windows(prefixes))
+
+    @torch.no_grad()
+    def generate_from(self, decoder: StaticDecoder, logits: torch.Tensor, batch: int, *,
+                      max_new_tokens: int | None = None, temperature: float | None = None,
+                      top_p: float | None = None, seed: int | None = None, return_logits: bool = False,
+                      timed: bool = False) -> Generation:
+        """The decoding loop after prefill(): `batch` rows, from the first token's logits (B, V) on."""
         cfg = self.config
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         temperature = cfg.temperature if temperature is None else temperature
         top_p = cfg.top_p if top_p is None else top_p
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
-        B = len(prefixes)
-        decoder, logits = self._prefill(prefixes, max_new, shared_windows(prefixes))  # (B, V)
+        B = batch
+        confidence = first_token_confidence(logits, cfg.tempering.confidence)  # (B,), before a replay overwrites
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         tokens, step_logits = [], []
@@ -649,7 +685,7 @@ class VLM:
             decode_s = time.perf_counter() - t_first
         lengths_list = lengths.tolist()
         n = max(lengths_list)
-        return Generation(torch.stack(tokens[:n], 1), lengths_list, step_logits[:n], decode_s)
+        return Generation(torch.stack(tokens[:n], 1), lengths_list, step_logits[:n], decode_s, confidence.tolist())
 
     def _sync(self) -> None:
         """Wait for this thread's VLM work (the current stream, where every replay lands too). Not a
@@ -678,12 +714,17 @@ class VLM:
             return []
         started = time.monotonic()
         prefixes = self.prepare(requests)
+        if self.passes is not None:                                          # pass 2 (and tempering)
+            return [AnswerResult(**fields) for fields in self.passes.answer(
+                [p.window for p in prefixes], [r.question for r in requests],
+                [started if r.arrival_s is None else r.arrival_s for r in requests])]
         out = self.generate(prefixes)
         self._sync()
         ready = time.monotonic()
         return [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
                              tokens_full=p.tokens_full,
-                             latency_s=ready - (r.arrival_s if r.arrival_s is not None else started))
+                             latency_s=ready - (r.arrival_s if r.arrival_s is not None else started),
+                             confidence=out.confidence[b])
                 for b, (r, p) in enumerate(zip(requests, prefixes))]
 
     @torch.no_grad()
@@ -699,8 +740,12 @@ class VLM:
         requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0) for q in questions]  # validates them
         merged = self._window_tokens(requests[:1])[0]                        # (T', gh, gw, D)
         window = self.window_prefix(frames, keep, merged)                    # selection and positions once
+        step = len(questions) if max_batch is None else max_batch
+        if self.passes is not None:                                          # pass 2 (and tempering)
+            chunks = [questions[i:i + step] for i in range(0, len(questions), step)]
+            return [AnswerResult(**fields) for chunk in chunks
+                    for fields in self.passes.answer([window] * len(chunk), chunk, [started] * len(chunk))]
         prefixes = self.question_prefixes(window, questions)
-        step = len(prefixes) if max_batch is None else max_batch
         results = []
         for i in range(0, len(prefixes), step):
             chunk = prefixes[i:i + step]
@@ -708,6 +753,6 @@ class VLM:
             self._sync()
             ready = time.monotonic()
             results += [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
-                                     tokens_full=p.tokens_full, latency_s=ready - started)
+                                     tokens_full=p.tokens_full, latency_s=ready - started, confidence=out.confidence[b])
                         for b, p in enumerate(chunk)]
         return results

@@ -179,34 +179,68 @@ class FastTextModel:
         return self._rope(qkv[:, :, :n], cos, signed_sin)
 
     def __call__(self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
-        B, L, _ = embeds.shape
         cos, sin = self.rotary(embeds, positions)
-        if mask is None and self.attn_impl == "eager" and L > 1:             # eager has no causal default
+        mask = self._causal(embeds, mask, cache)
+        hidden = embeds
+        for layer in self.layers:
+            hidden = self._layer(layer, hidden, mask, cos, sin, cache)
+        return rms_norm(hidden, self.lm.norm.weight, self.final_eps)
+
+    def attention_inputs(self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+                         index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [0, index) over embeds as __call__ runs them (no cache), then the query and key
+        states layer `index` attends with, rotary applied: q (B, H, L, hd), k (B, H_kv, L, hd).
+        Its attention scores are softmax(q k^T * layers[index].scaling) (pipeline/vlm/passes.py
+        reads them: no eager-attention model needed for attention weights)."""
+        if not 0 <= index < len(self.layers):
+            raise ValueError(f"Invalid layer index ({index}): this LM has layers 0..{len(self.layers) - 1}")
+        cos, sin = self.rotary(embeds, positions)
+        mask = self._causal(embeds, mask, None)
+        hidden = embeds
+        for layer in self.layers[:index]:
+            hidden = self._layer(layer, hidden, mask, cos, sin, None)
+        q, k, _ = self._qkv(self.layers[index], hidden, cos, sin)
+        return q, k
+
+    def _causal(self, embeds: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor | None:
+        """The mask the layers take: as given, or for eager attention (which has no causal default)
+        an additive causal one."""
+        B, L, _ = embeds.shape
+        if mask is None and self.attn_impl == "eager" and L > 1:
             K = L if cache is None else cache.visible
             keys = torch.arange(K, device=embeds.device)
             allowed = keys[None, :] <= torch.arange(K - L, K, device=embeds.device)[:, None]
             mask = torch.zeros((1, 1, L, K), dtype=embeds.dtype, device=embeds.device).masked_fill_(
                 ~allowed, torch.finfo(embeds.dtype).min)
-        hidden = embeds
-        for layer in self.layers:
-            attn, mlp, hd = layer.attn, layer.mlp, layer.head_dim
-            x = rms_norm(hidden, layer.in_norm.weight, layer.in_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(B, L, -1, hd)
-            qk = self._rotate(qkv, layer.heads + layer.kv_heads, cos, sin)
-            q = qk[:, :, :layer.heads].transpose(1, 2)                       # (B, H, L, hd)
-            k = qk[:, :, layer.heads:].transpose(1, 2)                       # (B, H_kv, L, hd)
-            v = qkv[:, :, layer.heads + layer.kv_heads:].transpose(1, 2)
-            if cache is not None:
-                k, v = cache.update(k, v, layer.idx)
-            if L > 1 and self.sdpa:
-                # sdpa with grouped KV heads itself: HF's repeats K and V per query head whenever a
-                # mask is given. No mask: causal, as HF's (queries and keys the same slots [0, L))
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                     scale=layer.scaling, enable_gqa=True).transpose(1, 2)
-            else:
-                out, _ = self.attention(attn, q, k, v, mask, dropout=0.0, scaling=layer.scaling, sliding_window=None)
-            hidden = hidden + attn.o_proj(out.reshape(B, L, -1))
-            x = rms_norm(hidden, layer.post_norm.weight, layer.post_eps)
-            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)     # (B, L, 2 * inter)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(gate_up[..., :layer.inter]) * gate_up[..., layer.inter:])
-        return rms_norm(hidden, self.lm.norm.weight, self.final_eps)
+        return mask
+
+    def _qkv(self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> q (B, H, L, hd), k (B, H_kv, L, hd) rotated, v (B, H_kv, L, hd) of one layer."""
+        B, L, _ = hidden.shape
+        x = rms_norm(hidden, layer.in_norm.weight, layer.in_eps)
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(B, L, -1, layer.head_dim)
+        qk = self._rotate(qkv, layer.heads + layer.kv_heads, cos, sin)
+        q = qk[:, :, :layer.heads].transpose(1, 2)                           # (B, H, L, hd)
+        k = qk[:, :, layer.heads:].transpose(1, 2)                           # (B, H_kv, L, hd)
+        v = qkv[:, :, layer.heads + layer.kv_heads:].transpose(1, 2)
+        return q, k, v
+
+    def _layer(self, layer: _Layer, hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
+               sin: torch.Tensor, cache) -> torch.Tensor:
+        B, L, _ = hidden.shape
+        attn, mlp = layer.attn, layer.mlp
+        q, k, v = self._qkv(layer, hidden, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, layer.idx)
+        if L > 1 and self.sdpa:
+            # sdpa with grouped KV heads itself: HF's repeats K and V per query head whenever a
+            # mask is given. No mask: causal, as HF's (queries and keys the same slots [0, L))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 scale=layer.scaling, enable_gqa=True).transpose(1, 2)
+        else:
+            out, _ = self.attention(attn, q, k, v, mask, dropout=0.0, scaling=layer.scaling, sliding_window=None)
+        hidden = hidden + attn.o_proj(out.reshape(B, L, -1))
+        x = rms_norm(hidden, layer.post_norm.weight, layer.post_eps)
+        gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)         # (B, L, 2 * inter)
+        return hidden + mlp.down_proj(mlp.act_fn(gate_up[..., :layer.inter]) * gate_up[..., layer.inter:])

@@ -52,10 +52,10 @@ class TestFromPretrained:
         assert model.cfg.attending.retention == 0.5
 
     @pytest.mark.skipif(not DEFAULT_WEIGHTS.is_file(), reason="the shipped checkpoint is not built yet")
-    def test_default_into_another_query_width_warns(self):
-        with pytest.warns(UserWarning, match="keep their untrained initial values"):
-            model = ARRCOC.from_pretrained("default", query_dim=64)
-        assert model.query_dim == 64
+    def test_default_into_another_query_width_is_an_error(self):
+        with pytest.raises(ConfigError, match=r"weights=default: the shipped checkpoint fits the default "
+                                              r"architecture with 384-d MiniLM queries.*shape mismatches \(balancer"):
+            ARRCOC.from_pretrained("default", query_dim=64)
 
     def test_allocates_frames(self):
         model = ARRCOC.from_pretrained()

@@ -181,7 +181,32 @@ class TestAnswer:
             assert 0 < a.tokens_kept < a.tokens_full and a.latency_s > 0
         assert result.text == "\n".join(a.text for a in result.answers)
         assert result.tokens_kept == sum(a.tokens_kept for a in result.answers)
+        assert all(a.passes == 1 and a.tokens_spent == a.tokens_kept and 0 <= a.confidence <= 1
+                   for a in result.answers)
+        assert result.tokens_spent == result.tokens_kept
         assert any("meaningless" in note for note in result.notes)
+
+    def test_tempering_answers_record_their_passes(self, video):
+        pipe = Pipeline(vlm="tiny-random", device="cpu",
+                        overrides={"vlm.max_new_tokens": 2, "vlm.pass2": "attention",
+                                   "vlm.tempering.ladder": (0.05, 0.1, 0.25), "vlm.tempering.threshold": 1.0})
+        result = pipe.answer(video, "what moves?")
+        assert all(a.passes == 3 and a.tokens_spent > a.tokens_kept for a in result.answers)
+        assert result.tokens_spent > result.tokens_kept
+
+    def test_a_query_encoder_replaces_minilm(self, video, tmp_path):
+        import torch
+
+        asked = []
+        pipe = Pipeline(device="cpu", overrides={"runtime.batch_size": 4},
+                        query_encoder=lambda q: asked.append(q) or torch.nn.functional.normalize(torch.ones(384), dim=0))
+        pipe.run(video, "where is the square?", out=tmp_path / "q.zarr")
+        assert asked == ["where is the square?"]
+        bad = Pipeline(device="cpu", query_encoder=lambda q: torch.ones(3))
+        with pytest.raises(ValueError, match=r"query_embedding must be a \(384,\) float tensor"):
+            bad.run(video, "q", out=tmp_path / "bad.zarr")
+        with pytest.raises(ConfigError, match="query_encoder must be a callable"):
+            Pipeline(query_encoder="minilm")
 
     def test_the_vlm_is_loaded_once(self, video, monkeypatch):
         import pipeline.core.setup as setup

@@ -358,3 +358,49 @@ class TestAnswerQuestions:
         assert together[0].tokens_kept < together[0].tokens_full
         assert vlm.answer_questions(frames, None, questions[:1])[0].tokens_kept == together[0].tokens_full
         assert vlm.answer_questions(frames, keep, []) == []
+
+
+class TestQueriesAndPasses:
+    """ARR-COC reads one MiniLM vector per question (or an injected encoder's); pass 2 gives each
+    question its own share of the video's candidates."""
+
+    def test_an_injected_query_encoder_encodes_each_question(self, tmp_path):
+        import torch
+
+        from pipeline.config import PipelineConfig
+        from pipeline.configio import load_config
+        from pipeline.runners.batch import make_plan, run_batch
+
+        root = tmp_path / "ds"
+        written = fixture(root, videos=2, questions=3, seconds=0.4)
+        cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu",
+                                                 "vlm.max_new_tokens=2", "decode.process=false"])
+        asked = []
+
+        def encoder(question: str) -> torch.Tensor:
+            asked.append(question)
+            return torch.nn.functional.normalize(torch.arange(384.0) % (len(question) + 1), dim=0)
+        summary = run_batch(make_plan(load_msrvtt(root, "test")), tmp_path / "o.zarr", cfg, progress=False,
+                            query_encoder=encoder, in_flight=1)
+        assert summary.count("done") == 2 and sorted(asked) == sorted(q.question for q in written)
+
+        with pytest.raises(ValueError, match=r"query_encoder\(question\) must be a \(384,\) float tensor .* got \(16,\)"):
+            run_batch(make_plan(load_msrvtt(root, "test")), tmp_path / "p.zarr", cfg, progress=False,
+                      query_encoder=lambda q: torch.zeros(16), in_flight=1)
+
+    def test_pass2_answers_each_question_from_its_own_share(self, capsys, tmp_path):
+        root, out, base = tmp_path / "ds", tmp_path / "out.zarr", tmp_path / "base.zarr"
+        fixture(root, videos=1, questions=3)
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(base), *FAST)
+        assert code == 0, err
+        code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST,
+                                   "--set", "vlm.pass2=attention", "--set", "vlm.candidate_factor=3")
+        assert code == 0, err
+        assert summary["answered"] == 3 and validate_store(out) == []
+        on, off = read_stream(out, "video7010"), read_stream(base, "video7010")
+        # pass 1 kept 3x the tokens as candidates (the stored homunculus); pass 2 kept a third of them
+        assert on["tokens"].sum() > 2 * off["tokens"].sum()
+        kept, full = on["answers"]["tokens_kept"], on["answers"]["tokens_full"]
+        assert all(0 < k < f for k, f in zip(kept, full))
+        assert max(kept) <= 1.5 * off["answers"]["tokens_kept"].max()
+        assert on["answers"]["passes"].tolist() == [1, 1, 1]

@@ -1,5 +1,6 @@
-"""Batch pads each video's query tokens to a bucket (masked), so videos share the front end's CUDA
-graphs: padding changes nothing ARR-COC computes, and the graphs serve one query after another."""
+"""Batch pads each video's query vectors (one MiniLM vector per question) to a bucket (masked), so
+videos share the front end's CUDA graphs: padding changes nothing ARR-COC computes, and the graphs
+serve one query after another."""
 from __future__ import annotations
 
 import pytest
@@ -19,10 +20,11 @@ def clip_frames(device: torch.device) -> torch.Tensor:
 
 
 def test_pad_query_shape_and_mask():
-    q = torch.randn(70, 16)
+    n = QUERY_BUCKET + 3
+    q = torch.randn(n, 16)
     padded, mask = pad_query(q)
     assert padded.shape == (2 * QUERY_BUCKET, 16) and mask.dtype == torch.bool
-    assert torch.equal(padded[:70], q) and mask[:70].all() and not mask[70:].any() and not padded[70:].any()
+    assert torch.equal(padded[:n], q) and mask[:n].all() and not mask[n:].any() and not padded[n:].any()
     assert pad_query(torch.randn(QUERY_BUCKET, 16))[0].shape[0] == QUERY_BUCKET
 
 

@@ -47,7 +47,22 @@ def test_accuracy_per_type_tokens_and_duplicates(tmp_path, dataset):
     assert row["accuracy_by_type"] == {"how": {"accuracy": 1.0, "questions": 1},
                                        "what": {"accuracy": 1.0, "questions": 1},
                                        "who": {"accuracy": 0.5, "questions": 2}}
-    assert row["tokens"] == {"kept_over_full": 0.5, "mean_kept_per_video": 20.0, "mean_full_per_video": 40.0}
+    assert row["tokens"] == {"kept_over_full": 0.5, "spent_over_full": 0.5, "mean_kept_per_video": 20.0,
+                             "mean_spent_per_video": 20.0, "mean_full_per_video": 40.0}
+
+
+def test_tokens_are_means_over_answers_and_spent_counts_every_pass(tmp_path, dataset):
+    """Pass 2 keeps each question's own tokens; tempering spends more than the final pass keeps."""
+    video = dataset.videos()[0]
+    store = ZarrStore.open(tmp_path / "run.zarr", config={})
+    w = store.stream(video.video_id, source="v.mp4", query="q", fps=10.0, width=64, height=64, grid=(2, 2), vlm="x")
+    w.add_answers([dict(t_start=0.0, t_end=1.0, question=q.question, text="x", tokens_kept=kept, tokens_full=40,
+                        latency_s=0.1, passes=passes, tokens_spent=spent)
+                   for q, kept, passes, spent in zip(video.questions, (10, 20), (1, 2), (10, 30))])
+    w.close(complete=True)
+    tokens = evaluate(tmp_path / "run.zarr", dataset).to_dict()["tokens"]
+    assert tokens == {"kept_over_full": 0.375, "spent_over_full": 0.5, "mean_kept_per_video": 15.0,
+                      "mean_spent_per_video": 20.0, "mean_full_per_video": 40.0}
 
 
 def test_incomplete_streams_do_not_count(tmp_path, dataset):

@@ -45,6 +45,9 @@ class TestChat:
         assert len(answers) == 1 and answers[0]["t_start"] == 0.0               # the whole video, one window
         assert usage.tokens_kept == answers[0]["tokens_kept"] and usage.tokens_full == answers[0]["tokens_full"]
         assert 0 < usage.tokens_kept < usage.tokens_full
+        # one answering pass (no tempering): every visual token spent was kept
+        assert (answers[0]["passes"], answers[0]["tokens_spent"]) == (1, answers[0]["tokens_kept"])
+        assert usage.model_extra["tokens_spent"] == usage.tokens_kept
         # the prompt holds the kept visual tokens, not the stock model's
         assert usage.prompt_tokens < usage.tokens_full + 200 and usage.prompt_tokens > usage.tokens_kept
 

@@ -9,7 +9,7 @@ import torch
 
 from arr_coc.model import ARRCOC
 from pipeline.configio import load_config
-from pipeline.training.train import TrainConfig, train
+from pipeline.training.train import QueryEmbedder, TrainConfig, train
 from arr_coc.checkpoint import DEFAULT_WEIGHTS, load_weights
 
 TINY = ["data.scenes=12", "data.hard_scenes=4", "data.clips=1", "data.clip_shots=2", "data.size=112", "data.val_scenes=4"]
@@ -63,9 +63,9 @@ class TestTraining:
 def test_build_model_uses_the_shipped_weights():
     from pipeline.config import PipelineConfig
     from pipeline.core.setup import build_model
-    trained = build_model(PipelineConfig(), 384, torch.device("cpu"))
+    trained = build_model(PipelineConfig(), torch.device("cpu"))
     none = load_config(PipelineConfig, None, ["runtime.model_weights=none"])
-    untrained = build_model(none, 384, torch.device("cpu"))
+    untrained = build_model(none, torch.device("cpu"))
     assert float(trained.realizer.decay) != pytest.approx(float(untrained.realizer.decay), abs=1e-6) or \
         not torch.equal(trained.balancer.mix_logits, untrained.balancer.mix_logits)
 
@@ -83,7 +83,7 @@ class TestVLMFineTune:
         scene = make_scene(3, size=(112, 112))
         target = scene.objects[scene.target]
         question = f"where is the {target.color} {target.shape}?"
-        query = vlm.text_embeddings(question).float()
+        query = QueryEmbedder()(question)                                   # (1, 384): MiniLM, as in the pipeline
         model = ARRCOC(query_dim=query.shape[-1])
         before = {k: v.clone() for k, v in model.state_dict().items()}
         vlm_before = {k: v.clone() for k, v in vlm.model.state_dict().items()}

@@ -1,0 +1,154 @@
+"""Pass 2 and tempering: the VLM's own query coupling picks the visual tokens it answers from.
+
+Pass 1 is ARR-COC's front end (saliency, motion, scene changes, temporal redundancy, and the
+question through MiniLM): with pass 2 on it keeps `vlm.candidate_factor` times the final budget as
+candidates (pipeline/core/setup.py: candidate_attending). Pass 2 scores each candidate against the
+actual question with the VLM itself, text-guided as in FastV / SparseVLM (training-free): the
+prefix [system prompt, candidate visual tokens, question] runs through the LM's first
+`vlm.pass2_layers` layers, and a candidate's score is the attention the question's tokens pay it
+at the next layer, from that layer's own queries and keys (head- and token-averaged). The answer
+is then prefilled from the best-scored `1 / candidate_factor` of the candidates, each at the M-RoPE
+position the full video gives it, and decoded as usual (pipeline/vlm/model.py).
+
+Tempering (`vlm.tempering.ladder`) answers from the ladder's first budget; while the first answer
+token's confidence (pipeline/vlm/tempering.py) is below `vlm.tempering.threshold` it answers
+again from the next budget, the best-scored candidates again, up to `max_passes`. Only the first
+token of a rejected pass is computed (its prefill); the accepted pass is decoded. Budgets count
+tokens as the LM gets them: a pooled 2x2 token (arr_coc/lod.py) is one candidate and one token.
+
+Everything here runs inside VLM.answer / VLM.answer_questions, so its cost is in each answer's
+latency (time to first token), and batches across streams (pipeline/vlm/batcher.py) as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from arr_coc._validate import ConfigError
+from pipeline.vlm.tempering import first_token_confidence
+from pipeline.vlm.text_model import FastTextModel, unsupported
+
+if TYPE_CHECKING:
+    from pipeline.vlm.model import VLM, Prefix, WindowPrefix
+
+
+def keep_best(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """(K,) candidate scores -> the positions (ascending: the model's token order) of the best n
+    of them (all of them when n >= K)."""
+    K = scores.numel()
+    if n >= K:
+        return torch.arange(K, device=scores.device)
+    return scores.topk(n).indices.sort().values                              # (n,)
+
+
+def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
+    """The window with only the candidates `keep` (ascending positions among its visual tokens):
+    the text before the video and every position stay as they are (the full video's M-RoPE)."""
+    K = window.tokens_kept
+    if keep.numel() == K:
+        return window                                                        # the same object: shared prefills stay shared
+    v0 = window.embeds.shape[0] - K
+    rows = torch.cat([torch.arange(v0, device=keep.device), v0 + keep])     # (v0 + n,)
+    return dataclasses.replace(window, embeds=window.embeds[rows], positions=window.positions[:, rows],
+                               tokens_kept=int(keep.numel()))
+
+
+class Passes:
+    """Pass 2 and tempering for one VLM (built by it when vlm.pass2 is on)."""
+
+    def __init__(self, vlm: VLM) -> None:
+        cfg = vlm.config
+        reason = unsupported(vlm.lm)
+        if reason is not None:
+            raise ConfigError(f"vlm.pass2={cfg.pass2} needs the LM's queries and keys, which this model does "
+                              f"not expose: {reason}")
+        self.vlm = vlm
+        self.layer = min(cfg.pass2_layers, len(vlm.lm.layers) - 1)           # an LM of fewer layers: its last
+        self.shares = cfg.keep_shares()                                      # one per answering pass
+        self.tempering = cfg.tempering
+        # the fast forward's modules are the LM's own (a second one over them shares the fused weights)
+        self.text_model = FastTextModel(vlm.lm, vlm.attn_impl)
+
+    def rung_sizes(self, candidates: int) -> list[int]:
+        """Tokens each answering pass keeps of `candidates`: max(1, round(share * candidates)) per
+        share of keep_shares (all at share 1), a size no larger than the one before dropped (that
+        pass would answer from the same tokens again); [0] without candidates."""
+        sizes: list[int] = []
+        for share in self.shares:
+            n = candidates if share >= 1.0 else min(candidates, max(1, round(share * candidates)))
+            if not sizes or n > sizes[-1]:
+                sizes.append(n)
+        return sizes
+
+    @torch.no_grad()
+    def scores(self, windows: list[WindowPrefix], questions: list[str]) -> list[torch.Tensor]:
+        """Pass 2: for each question about its window of candidates, (K,) float32 the attention its
+        tokens (those after <|vision_end|>) pay to each candidate at LM layer pass2_layers,
+        averaged over heads and tokens. One forward for all, left padded."""
+        vlm, tm = self.vlm, self.text_model
+        prefixes = [vlm.question_prefix(w, q) for w, q in zip(windows, questions)]
+        lengths = [p.embeds.shape[0] for p in prefixes]
+        B, L = len(prefixes), max(lengths)
+        embeds = prefixes[0].embeds.new_zeros(B, L, prefixes[0].embeds.shape[1])  # (B, L, D)
+        positions = torch.ones(3, B, L, dtype=torch.long, device=vlm.device)
+        real = torch.zeros(B, L, dtype=torch.bool, device=vlm.device)
+        for b, p in enumerate(prefixes):
+            embeds[b, L - lengths[b]:] = p.embeds
+            positions[:, b, L - lengths[b]:] = p.positions
+            real[b, L - lengths[b]:] = True
+        mask = None                                                          # one length: plain causal
+        if min(lengths) < L:
+            slots = torch.arange(L, device=vlm.device)
+            # causal over real keys; a padding slot sees itself only (a row with no key is NaN)
+            allowed = (slots[None, :] <= slots[:, None]) & (real[:, None, :] | (slots[None, :] == slots[:, None]))
+            mask = vlm.attention_masks(allowed[:, None])["full_attention"]  # (B, 1, L, L)
+        q, k = tm.attention_inputs(embeds, mask, positions, self.layer)    # (B, H, L, hd), (B, H_kv, L, hd)
+        scaling, groups = tm.layers[self.layer].scaling, q.shape[1] // k.shape[1]
+        out = []
+        for b, (w, n) in enumerate(zip(windows, lengths)):
+            pad, S, K = L - n, w.embeds.shape[0], w.tokens_kept
+            qs = q[b, :, pad + S + 1:].float()                               # (H, Lq, hd) the question's tokens
+            ks = k[b, :, pad:].float().repeat_interleave(groups, 0)          # (H, n, hd)
+            logits = qs @ ks.transpose(1, 2) * scaling                       # (H, Lq, n)
+            seen = (torch.arange(n, device=vlm.device)[None, :]
+                    <= S + 1 + torch.arange(qs.shape[1], device=vlm.device)[:, None])  # (Lq, n) causal
+            attention = logits.masked_fill(~seen, float("-inf")).softmax(-1)  # (H, Lq, n)
+            out.append(attention[:, :, S - K:S].mean((0, 1)))                # (K,)
+        return out
+
+    @torch.no_grad()
+    def answer(self, windows: list[WindowPrefix], questions: list[str], arrivals: list[float]) -> list[dict]:
+        """One answer per (window of pass 1's candidates, question), as the fields of an AnswerResult
+        (pipeline/vlm/model.py); arrivals: time.monotonic() each latency counts from. Windows may
+        repeat (several questions about one window)."""
+        vlm, n = self.vlm, len(questions)
+        sizes = [self.rung_sizes(w.tokens_kept) for w in windows]           # per answer, increasing
+        scores = (self.scores(windows, questions) if any(s[0] < w.tokens_kept for s, w in zip(sizes, windows))
+                  else [torch.zeros(w.tokens_kept, device=vlm.device) for w in windows])  # all kept: no ranking
+        final: list[Prefix | None] = [None] * n
+        passes, spent, confidence = [0] * n, [0] * n, [math.nan] * n
+        undecided, out, k = list(range(n)), None, 0
+        while undecided:                                # pass k + 1 of every answer still unsure
+            prefixes = [vlm.question_prefix(narrow(windows[i], keep_best(scores[i], sizes[i][k])), questions[i])
+                        for i in undecided]
+            decoder, logits = vlm.prefill(prefixes)                           # (B, V)
+            sure = first_token_confidence(logits, self.tempering.confidence).tolist()
+            accepted = [k == len(sizes[i]) - 1 or c >= self.tempering.threshold for i, c in zip(undecided, sure)]
+            for j, i in enumerate(undecided):
+                passes[i], spent[i], confidence[i] = k + 1, spent[i] + prefixes[j].tokens_kept, sure[j]
+                if accepted[j]:
+                    final[i] = prefixes[j]
+            if all(accepted) and len(undecided) == n:   # every answer from this prefill: decode on from it
+                out = vlm.generate_from(decoder, logits, n)
+            undecided, k = [i for i, a in zip(undecided, accepted) if not a], k + 1
+        if out is None:                                 # accepted in different passes: one generate for all
+            out = vlm.generate(final)
+        ready = time.monotonic()                        # generate's lengths came back to the host: done
+        return [dict(text=vlm.decode(out.tokens[i], out.lengths[i]), tokens_kept=p.tokens_kept,
+                     tokens_full=p.tokens_full, latency_s=ready - arrivals[i], passes=passes[i],
+                     tokens_spent=spent[i], confidence=confidence[i])
+                for i, p in enumerate(final)]

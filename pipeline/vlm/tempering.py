@@ -1,0 +1,73 @@
+"""How sure the VLM is of an answer, and the threshold that decides when to answer again.
+
+Tempering (vlm.tempering, run by pipeline/vlm/passes.py) answers with a small visual budget first
+and again with a larger one while the VLM is unsure. Its signal is the distribution of the answer's
+first generated token: short answers (a colour, a count, yes/no) are decided there.
+
+  margin:  p1 - p2, the top probability minus the runner-up's, in [0, 1]
+  entropy: 1 - H(p) / log V over the vocabulary of V tokens, in [0, 1]
+
+Both are 1 for a certain answer and near 0 for a flat distribution. `calibrate` picks the
+threshold from answers of a validation split whose correctness is known.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal, Sequence
+
+import torch
+
+from arr_coc._validate import check_choice, check_range
+
+Measure = Literal["margin", "entropy"]
+MEASURES = ("margin", "entropy")
+
+
+def first_token_confidence(logits: torch.Tensor, measure: Measure = "margin") -> torch.Tensor:
+    """(B, V) logits of the first generated token -> (B,) float32 confidence in [0, 1] (at
+    temperature 1, whatever the sampling temperature: the model's own belief)."""
+    check_choice("confidence measure", measure, MEASURES)
+    if logits.dim() != 2 or logits.shape[1] < 2:
+        raise ValueError(f"logits must be (B, V) with V >= 2, got {tuple(logits.shape)}")
+    logp = torch.log_softmax(logits.float(), dim=-1)                        # (B, V)
+    if measure == "margin":
+        top = logp.topk(2, dim=-1).values.exp()                              # (B, 2)
+        return (top[:, 0] - top[:, 1]).clamp(0.0, 1.0)
+    entropy = -(logp.exp() * logp).sum(-1)                                  # (B,) nats
+    return (1.0 - entropy / math.log(logits.shape[1])).clamp(0.0, 1.0)
+
+
+def calibrate(confidence: Sequence[float], correct: Sequence[bool], *, precision: float | None = None) -> float:
+    """The tempering threshold from a validation split's answers: their confidences (as
+    first_token_confidence measures them, in one pass at the budget tempering starts with) and
+    whether each was correct. An answer is accepted (not asked again) when confidence >= threshold.
+
+    precision None: the threshold that best tells correct answers from wrong ones (the most answers
+    on the right side: correct ones accepted, wrong ones asked again). precision p: the lowest
+    threshold whose accepted answers are correct at least p of the time (as few passes as that
+    allows); when none reaches p, just above the highest confidence (at most 1: every answer asked
+    again).
+    Thresholds lie halfway between neighbouring confidences; ties favour the lower one."""
+    conf = [float(c) for c in confidence]
+    right = [bool(c) for c in correct]
+    if len(conf) != len(right) or not conf:
+        raise ValueError(f"calibrate needs as many confidences as correctness flags, at least one "
+                         f"(got {len(conf)} and {len(right)})")
+    for c in conf:
+        check_range("confidence", c, 0.0, 1.0)
+    if precision is not None:
+        check_range("precision", precision, 0.0, 1.0, lo_open=True)
+    levels = sorted(set(conf))
+    # candidates: accept all, between each pair of neighbours, accept none
+    thresholds = [0.0] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [min(1.0, levels[-1] + 1e-6)]
+    best, best_score = thresholds[-1], -1.0
+    for t in thresholds:
+        accepted = [r for c, r in zip(conf, right) if c >= t]
+        if precision is not None:
+            if accepted and sum(accepted) / len(accepted) >= precision - 1e-12:
+                return t
+            continue
+        score = sum(accepted) + sum(not r for c, r in zip(conf, right) if c < t)
+        if score > best_score:
+            best, best_score = t, score
+    return best

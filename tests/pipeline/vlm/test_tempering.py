@@ -1,0 +1,117 @@
+"""pipeline.vlm.tempering: the first answer token's confidence, and the threshold calibrated from a
+validation split's (confidence, correct) pairs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from arr_coc._validate import ConfigError
+from pipeline.vlm.tempering import calibrate, first_token_confidence
+
+
+class TestConfidence:
+    def test_margin_is_top1_minus_top2_probability(self):
+        probs = torch.tensor([[0.7, 0.2, 0.1], [0.4, 0.4, 0.2]])
+        got = first_token_confidence(probs.log(), "margin")
+        torch.testing.assert_close(got, torch.tensor([0.5, 0.0]), atol=1e-6, rtol=0)
+
+    def test_entropy_is_one_when_certain_and_zero_when_flat(self):
+        logits = torch.tensor([[50.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [2.0, 1.0, 0.0, 0.0]])
+        got = first_token_confidence(logits, "entropy")
+        p = torch.softmax(logits[2], 0)
+        expected = 1 - float(-(p * p.log()).sum()) / math.log(4)
+        torch.testing.assert_close(got, torch.tensor([1.0, 0.0, expected]), atol=1e-5, rtol=0)
+
+    def test_scale_of_the_logits_matters_not_their_offset(self):
+        logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+        for measure in ("margin", "entropy"):
+            torch.testing.assert_close(first_token_confidence(logits + 7.0, measure),
+                                       first_token_confidence(logits, measure))
+            assert (first_token_confidence(3 * logits, measure) > first_token_confidence(logits, measure)).all()
+
+    @pytest.mark.parametrize("logits, measure, match", [
+        (torch.zeros(4), "margin", r"logits must be \(B, V\)"),
+        (torch.zeros(2, 1), "margin", r"V >= 2"),
+        (torch.zeros(2, 3), "top1", r"confidence measure='top1' is not supported; allowed: margin, entropy"),
+    ])
+    def test_bad_input(self, logits, measure, match):
+        with pytest.raises(ValueError, match=match):
+            first_token_confidence(logits, measure)
+
+
+class TestCalibrate:
+    def test_threshold_between_the_wrong_and_the_right_answers(self):
+        conf = [0.1, 0.3, 0.2, 0.9, 0.6, 0.7]
+        correct = [False, False, False, True, True, True]
+        assert calibrate(conf, correct) == pytest.approx(0.45)
+
+    def test_best_separation_when_they_overlap(self):
+        conf = [0.2, 0.3, 0.5, 0.6, 0.7, 0.8]
+        # from 0.55 on: 2 right accepted + 3 wrong asked again (5 of 6 on the right side); from
+        # 0.75 on also 5 of 6 (the tie goes to the lower threshold); from 0.4 on 4 of 6
+        assert calibrate(conf, [False, False, False, True, False, True]) == pytest.approx(0.55)
+        # alternating: 4 of 6 at best, first reached from 0.25 on
+        assert calibrate(conf, [False, True, False, True, False, True]) == pytest.approx(0.25)
+
+    def test_all_right_accepts_everything_all_wrong_nothing(self):
+        assert calibrate([0.2, 0.5], [True, True]) == 0.0
+        t = calibrate([0.2, 0.5], [False, False])
+        assert t > 0.5 and all(c < t for c in (0.2, 0.5))
+
+    def test_precision_target_is_the_lowest_threshold_that_reaches_it(self):
+        conf = [0.2, 0.4, 0.5, 0.8, 0.9]
+        correct = [False, True, False, True, True]
+        assert calibrate(conf, correct, precision=1.0) == pytest.approx(0.65)
+        assert calibrate(conf, correct, precision=0.75) == pytest.approx(0.3)   # 3 of the 4 from 0.4 on
+        assert calibrate(conf, correct, precision=0.5) == 0.0                    # 3 of 5
+        assert calibrate([0.3, 0.6], [False, False], precision=0.5) > 0.6       # none reaches it: ask again
+
+    def test_the_threshold_works_as_the_config_reads_it(self):
+        from pipeline.vlm.config import TemperingConfig
+
+        t = calibrate([0.1, 0.9], [False, True])
+        assert TemperingConfig(ladder=(0.1, 0.2), threshold=t).threshold == t
+
+    @pytest.mark.parametrize("conf, correct, kw, match", [
+        ([], [], {}, "at least one"),
+        ([0.5], [True, False], {}, "as many confidences as correctness flags"),
+        ([1.5], [True], {}, r"confidence=1.5 is out of range"),
+        ([0.5], [True], dict(precision=0.0), r"precision=0.0 is out of range"),
+    ])
+    def test_bad_input(self, conf, correct, kw, match):
+        with pytest.raises(ValueError, match=match):
+            calibrate(conf, correct, **kw)
+
+
+class TestConfig:
+    @pytest.mark.parametrize("values, match", [
+        (dict(tempering=dict(ladder=[0.1, 0.05])), r"vlm.tempering.ladder must increase strictly, got \[0.1, 0.05\]"),
+        (dict(tempering=dict(ladder=[0.0, 0.1])), r"vlm.tempering.ladder\[0\]=0.0 is out of range"),
+        (dict(tempering=dict(ladder=[0.1])), r"vlm.tempering.ladder needs vlm.pass2=attention"),
+        (dict(pass2="attention", tempering=dict(threshold=1.5)), r"vlm.tempering.threshold=1.5 is out of range"),
+        (dict(pass2="attention", tempering=dict(max_passes=0)), r"vlm.tempering.max_passes=0 is out of range"),
+        (dict(pass2="attention", tempering=dict(confidence="top1")), r"vlm.tempering.confidence='top1' is not supported"),
+        (dict(pass2="fastv"), r"vlm.pass2='fastv' is not supported; allowed: off, attention"),
+        (dict(pass2="attention", candidate_factor=0.5), r"vlm.candidate_factor=0.5 is out of range"),
+        (dict(pass2="attention", pass2_layers=-1), r"vlm.pass2_layers=-1 is out of range"),
+    ])
+    def test_bad_values_name_the_field(self, values, match):
+        from pipeline.configio import from_mapping
+        from pipeline.vlm.config import VLMConfig
+
+        with pytest.raises(ConfigError, match=match):
+            from_mapping(VLMConfig, values, "vlm")
+
+    def test_keep_shares(self):
+        from pipeline.vlm.config import TemperingConfig, VLMConfig
+
+        assert VLMConfig().keep_shares() == ()
+        assert VLMConfig(pass2="attention", candidate_factor=4.0).keep_shares() == (0.25,)
+        v = VLMConfig(pass2="attention", candidate_factor=3.0,
+                      tempering=TemperingConfig(ladder=(0.05, 0.1, 0.25, 0.5), max_passes=3))
+        assert v.candidate_fraction() == pytest.approx(0.75)                 # 3 x the top rung used (0.25)
+        assert v.keep_shares() == pytest.approx((0.05 / 0.75, 0.1 / 0.75, 0.25 / 0.75))
+        v = VLMConfig(pass2="attention", candidate_factor=3.0, tempering=TemperingConfig(ladder=(0.2, 0.5)))
+        assert v.candidate_fraction() == 1.0 and v.keep_shares() == pytest.approx((0.2, 0.5))

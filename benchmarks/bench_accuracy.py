@@ -139,7 +139,7 @@ def ttft_rows(policies, retentions, plan, base: PipelineConfig, vlm, device: tor
 
     for retention in retentions:
         cfg = row_config(base, "arrcoc", retention)
-        model: ARRCOC = build_model(cfg, 384, device)
+        model: ARRCOC = build_model(cfg, device)
         video = torch.as_tensor(frames, device=device).permute(0, 3, 1, 2)      # (T, 3, H, W)
         query = torch.zeros(384, device=device)
 
@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vlm", default="arrcoc-synth-qa", help="VLM spec (default: arrcoc-synth-qa)")
     ap.add_argument("--limit", type=int, help="only the first N clips")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--retentions", default=",".join(f"{r:g}" for r in RETENTIONS))
+    ap.add_argument("--retentions", help=f"comma-separated (default: {','.join(f'{r:g}' for r in RETENTIONS)}; "
+                                          f"--quick: 1,0.25)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every row (as --set of the CLI)")
@@ -199,7 +200,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.vlm, args.limit, args.make = "tiny-random", args.limit or 3, 3
-        args.retentions = "1,0.25"
+    if args.retentions is None:
+        args.retentions = "1,0.25" if args.quick else ",".join(f"{r:g}" for r in RETENTIONS)
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:

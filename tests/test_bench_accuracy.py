@@ -1,0 +1,39 @@
+"""The accuracy benchmark end to end on CPU (tiny-random: its answers are meaningless, the plumbing is
+not): every policy's row comes from batch + eval, the ARR-COC row is what `batch` + `eval` print, and
+the token counts follow the retention."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_writes_rows_matching_batch_and_eval(tmp_path):
+    out = tmp_path / "acc.json"
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--policies", "stock,evs,arrcoc", "--retentions", "0.25", "--limit", "2", "--ttft",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = {(r["policy"], r["retention"]): r for r in result["rows"]}
+    assert set(rows) == {("stock", 1.0), ("evs", 0.25), ("arrcoc", 0.25)}
+    assert rows["evs", 0.25]["mean_tokens_kept"] < 0.4 * rows["stock", 1.0]["mean_tokens_kept"]
+    assert all(r["answered"] == result["questions"] > 0 for r in rows.values())   # every question of the plan
+    assert {r["policy"] for r in result["ttft"]} == {"stock", "evs", "arrcoc"}
+
+    # the CLI's batch + eval at the same retention give the ARR-COC row's numbers
+    store = tmp_path / "cli.zarr"
+    cli = [sys.executable, "-m", "pipeline"]
+    batch = subprocess.run([*cli, "batch", "--dataset", "msrvtt", "--root", str(tmp_path / "data"), "--limit", "2",
+                            "--vlm", "tiny-random", "--device", "cpu", "--set", "decode.fps=2",
+                            "--set", "model.attending.retention=0.25", "--out", str(store), "--no-progress"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert batch.returncode == 0, batch.stderr[-2000:]
+    report = tmp_path / "eval.json"
+    ev = subprocess.run([*cli, "eval", str(store), "--dataset", "msrvtt", "--root", str(tmp_path / "data"),
+                         "--report", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    scored = json.loads(report.read_text())
+    assert scored["accuracy"] == rows["arrcoc", 0.25]["accuracy"]
+    assert scored["tokens"]["mean_kept_per_video"] == rows["arrcoc", 0.25]["mean_tokens_kept"]

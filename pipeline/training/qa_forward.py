@@ -57,6 +57,7 @@ class QAForward:
         self.before = tokenizer(BEFORE_VIDEO).input_ids
         self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
         self._layouts: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
+        self._token_cache: dict[str, list[int]] = {}
 
     def layout(self, Tp: int, gh: int, gw: int) -> tuple[np.ndarray, int]:
         """M-RoPE positions (3, v0 + Tp*gh*gw) of the prompt up to the end of the unpruned video, and
@@ -80,8 +81,13 @@ class QAForward:
 
     def vision(self, samples: list[ClipSample]) -> list[torch.Tensor]:
         """Every clip's frames through the preprocessor and one vision-tower call -> per clip merged
-        tokens (T', gh, gw, D)."""
-        pixels, grids = zip(*(self.preprocessor(s.frames, self.device) for s in samples))
+        tokens (T', gh, gw, D). The frames travel to the device in one copy."""
+        flat = torch.from_numpy(np.concatenate([s.frames.reshape(-1) for s in samples]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(self.device, non_blocking=True)
+        videos = [x.view(s.frames.shape) for x, s in zip(flat.split([s.frames.size for s in samples]), samples)]
+        pixels, grids = zip(*(self.preprocessor(v, self.device) for v in videos))
         grid_thw = torch.stack(grids)                                       # (N, 3) patches
         sizes = {(int(h), int(w)) for _, h, w in grid_thw.tolist()}
         length = int(grid_thw[0, 1] * grid_thw[0, 2]) if len(sizes) == 1 else None
@@ -103,23 +109,31 @@ class QAForward:
         offset = 0
         for (Tp, gh, gw), members in groups.items():
             stack = torch.cat([merged[views[b][0]] for b in members])                     # (S*T', gh, gw, D)
-            lods = [self._lod(samples[views[b][0]].keeps[views[b][1]], (Tp, gh, gw)) for b in members]
-            kept, index = select_tokens(stack, torch.cat(lods))                          # (K, D), (K,)
-            index = index.cpu().numpy()
+            lods = torch.cat([self._lod(samples[views[b][0]].keeps[views[b][1]], (Tp, gh, gw)) for b in members])
+            kept, _ = select_tokens(stack, lods.to(self.device, non_blocking=True))       # (K, D)
+            # the same selection over one-dimensional zeros on the host: the kept cells' indices
+            # without waiting for the device (select_tokens depends on the LOD map alone)
+            index = select_tokens(torch.zeros(*lods.shape, 1), lods)[1].numpy()          # (K,)
             n_full = Tp * gh * gw
             bounds = np.searchsorted(index, np.arange(len(members) + 1) * n_full)
             for j, b in enumerate(members):
                 local[b] = index[bounds[j]:bounds[j + 1]] - j * n_full
                 rows[b] = offset + np.arange(bounds[j], bounds[j + 1])
             tokens.append(kept)
-            offset += kept.shape[0]
+            offset += len(index)
         return self._assemble(samples, views, merged, local, rows, torch.cat(tokens))
 
     def _lod(self, keep: np.ndarray, grid: tuple[int, int, int]) -> torch.Tensor:
-        lod = pair_lod(torch.from_numpy(keep).to(self.device), self.preprocessor.geometry.temporal_patch_size)
+        lod = pair_lod(torch.from_numpy(keep), self.preprocessor.geometry.temporal_patch_size)
         if tuple(lod.shape) != grid:
             raise ValueError(f"keep map {keep.shape} does not match the VLM's tokens {grid}")
         return lod
+
+    def _ids(self, text: str) -> list[int]:
+        ids = self._token_cache.get(text)
+        if ids is None:
+            ids = self._token_cache[text] = self.tokenizer(text).input_ids
+        return ids
 
     def _assemble(self, samples, views, merged, local, rows, tokens: torch.Tensor) -> LMBatch:
         seqs = []
@@ -127,8 +141,8 @@ class QAForward:
             s = samples[c]
             positions, text_start = self.layout(*merged[c].shape[:3])
             v0 = len(self.before)
-            text = self.tokenizer(after_video(s.questions[v])).input_ids
-            answer = self.tokenizer(s.answers[v] + "<|im_end|>").input_ids
+            text = self._ids(after_video(s.questions[v]))
+            answer = self._ids(s.answers[v] + "<|im_end|>")
             ids = self.before + [self.pad_id] * len(local[b]) + text + answer[:-1]
             pos = np.concatenate([positions[:, :v0], positions[:, v0 + local[b]],
                                   text_start + np.arange(len(text) + len(answer) - 1)[None].repeat(3, 0)], 1)
@@ -148,12 +162,17 @@ class QAForward:
         for b, s in enumerate(seqs):
             attention[b, :len(s[0])] = True
         dev = self.device
-        vis_row_t = torch.from_numpy(vis_row).to(dev)
-        embeds = self.lm.embed_tokens(torch.from_numpy(ids).to(dev))          # (B, L, D)
+        vis_row_t = torch.from_numpy(vis_row)
+        vis_row_t = (vis_row_t.pin_memory() if dev.type == "cuda" else vis_row_t).to(dev, non_blocking=True)
+        ids_t = torch.from_numpy(ids)
+        embeds = self.lm.embed_tokens((ids_t.pin_memory() if dev.type == "cuda" else ids_t).to(dev, non_blocking=True))
         visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D)
         embeds = torch.where((vis_row_t >= 0)[..., None], visual, embeds)
-        return LMBatch(embeds, torch.from_numpy(pos).to(dev), attention.to(dev), torch.from_numpy(labels).to(dev),
-                       [len(s[3]) for s in seqs])
+        host = (torch.from_numpy(pos), attention, torch.from_numpy(labels))
+        if dev.type == "cuda":
+            host = tuple(t.pin_memory() for t in host)
+        pos_d, attention_d, labels_d = (t.to(dev, non_blocking=True) for t in host)
+        return LMBatch(embeds, pos_d, attention_d, labels_d, [len(s[3]) for s in seqs])
 
     def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""

@@ -109,11 +109,16 @@ def paint(image: np.ndarray, obj: SceneObject, rgb: tuple[int, int, int] | np.nd
             region[wheel] = 25
 
 
-def background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
-    """Muted smooth background: a random texture pulled towards a grey, so named colours stand out."""
-    tex = smooth_texture(rng, h, w, cells=5).astype(np.float32)
-    grey = rng.uniform(80, 170)
-    return np.clip(0.35 * tex + 0.65 * grey, 0, 255).astype(np.uint8)
+def background(rng: np.random.Generator, h: int, w: int, *, cells: int = 5,
+               grey: tuple[float, float] = (80, 170), texture: float = 0.35) -> np.ndarray:
+    """Muted smooth background: a random texture pulled towards a grey, so named colours stand out.
+
+    cells: texture cells across the frame (more: busier); grey: range of the grey level drawn;
+    texture: the texture's weight against the grey (more: stronger colour variation).
+    """
+    tex = smooth_texture(rng, h, w, cells=cells).astype(np.float32)
+    level = rng.uniform(*grey)
+    return np.clip(texture * tex + (1 - texture) * level, 0, 255).astype(np.uint8)
 
 
 def _place(rng: np.random.Generator, side: int, H: int, W: int, taken: list[tuple[int, int, int, int]],

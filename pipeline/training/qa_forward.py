@@ -34,13 +34,12 @@ def after_video(question: str) -> str:
 
 @dataclass
 class LMBatch:
-    """Right-padded LM input of B views: embeds (B, L, D), positions (3, B, L), attention (B, L) bool,
-    labels (B, L) (the answer token each position predicts, IGNORE elsewhere), and the visual tokens
-    sent per view."""
+    """Right-padded LM input of B views: embeds (B, L, D), positions (3, B, L), labels (B, L) (the
+    answer token each position predicts, IGNORE elsewhere), each view's length and visual tokens sent."""
     embeds: torch.Tensor
     positions: torch.Tensor
-    attention: torch.Tensor
     labels: torch.Tensor
+    lengths: list[int]
     tokens_kept: list[int]
 
 
@@ -158,9 +157,6 @@ class QAForward:
             n = len(i)
             ids[b, :n], pos[:, b, :n], labels[b, :n] = i, p, lab
             vis_row[b, len(self.before):len(self.before) + len(r)] = r
-        attention = torch.zeros(B, L, dtype=torch.bool)
-        for b, s in enumerate(seqs):
-            attention[b, :len(s[0])] = True
         dev = self.device
         vis_row_t = torch.from_numpy(vis_row)
         vis_row_t = (vis_row_t.pin_memory() if dev.type == "cuda" else vis_row_t).to(dev, non_blocking=True)
@@ -168,16 +164,18 @@ class QAForward:
         embeds = self.lm.embed_tokens((ids_t.pin_memory() if dev.type == "cuda" else ids_t).to(dev, non_blocking=True))
         visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D)
         embeds = torch.where((vis_row_t >= 0)[..., None], visual, embeds)
-        host = (torch.from_numpy(pos), attention, torch.from_numpy(labels))
+        host = (torch.from_numpy(pos), torch.from_numpy(labels))
         if dev.type == "cuda":
             host = tuple(t.pin_memory() for t in host)
-        pos_d, attention_d, labels_d = (t.to(dev, non_blocking=True) for t in host)
-        return LMBatch(embeds, pos_d, attention_d, labels_d, [len(s[3]) for s in seqs])
+        pos_d, labels_d = (t.to(dev, non_blocking=True) for t in host)
+        return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs])
 
     def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""
-        hidden = self.lm(inputs_embeds=batch.embeds, attention_mask=batch.attention.long(),
-                         position_ids=batch.positions, use_cache=False).last_hidden_state   # (B, L, D)
+        # no mask but the causal one: every row is right padded, so no real token sees a pad, and
+        # SDPA runs its causal kernel instead of one with a (B, 1, L, L) mask
+        hidden = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions,
+                         use_cache=False).last_hidden_state                   # (B, L, D)
         where = batch.labels != IGNORE
         # position i predicts labels[i]: labels hold the token that follows each position
         return self.model.lm_head(hidden[where]).float(), batch.labels[where]

@@ -90,12 +90,12 @@ class DropConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 1300
     clips_per_step: int = 24
     views_per_question: int = 2       # each question asked this many times per step, each with its own keep map
     lr: float = 1e-3
     min_lr_ratio: float = 0.05        # cosine decay to lr * this
-    warmup_steps: int = 150
+    warmup_steps: int = 100
     weight_decay: float = 0.05
     grad_clip: float = 1.0
     seed: int = 0                     # model init and keep maps
@@ -143,16 +143,18 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ValConfig:
-    clips: int = 200
+    clips: int = 200                  # the final validation's clips
+    periodic_clips: int = 50          # the first this many of them (at most all) at each periodic validation
     first_seed: int = 1_000_000       # val clips make_qa_clip(first_seed + i, split="val"): the val split's
                                       # first seeds (sources.synth_qa.SPLIT_SEEDS), as write_split's
-    every: int = 1000                 # steps between validations (and one at the end)
-    final_keep_ratios: tuple[float, ...] = (1.0, 0.25, 0.1)   # the last validation also at random keep maps
+    every: int = 450                  # steps between periodic validations
+    final_keep_ratios: tuple[float, ...] = (1.0, 0.25)   # the final validation also at random keep maps
 
     def __post_init__(self) -> None:
-        for name in ("clips", "first_seed", "every"):
+        for name in ("clips", "periodic_clips", "first_seed", "every"):
             check_int(f"val.{name}", getattr(self, name))
         check_range("val.clips", self.clips, 0, 10**6)
+        check_range("val.periodic_clips", self.periodic_clips, 0, 10**6)
         check_range("val.first_seed", self.first_seed, 0, 2**62)
         check_range("val.every", self.every, 1, 10**7)
         for r in self.final_keep_ratios:
@@ -378,8 +380,9 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
                             kept=f"{stats['kept']:.2f}", lr=f"{lr_at(step, t):.1e}",
                             data_wait=f"{waited / (time.perf_counter() - began):.0%}", refresh=False)
         elapsed = train_s + time.perf_counter() - began
-        if done % cfg.val.every == 0 and done < steps and val_clips:
-            acc = validate(export_snapshot(model, tokenizer, cfg, out / "snapshot", {}), val_clips, device)
+        if done % cfg.val.every == 0 and done < steps and cfg.val.periodic_clips:
+            acc = validate(export_snapshot(model, tokenizer, cfg, out / "snapshot", {}),
+                           val_clips[:cfg.val.periodic_clips], device)
             history.append({"step": done, "train_s": round(elapsed, 1), **acc})
             log(f"\nstep {done}: val {acc['keep_1']}")
         if done % t.checkpoint_every == 0 or done == steps:

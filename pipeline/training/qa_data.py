@@ -17,7 +17,15 @@ learns to answer from whatever a selection policy keeps. The policies cover the 
 benchmark's selectors produce: random cells, whole frames (uniform subsampling), blocks,
 temporal difference (what changed since the previous frame), salience (what stands out from the
 background) and mixed full / pooled cells, at keep ratios drawn log-uniformly from
-[keep_min, keep_max], plus a share of questions with every token.
+[keep_min, keep_max], plus a share of questions with every token. The first `curriculum_steps`
+steps keep only the cells that stand out (salience at a small ratio): with the background gone
+the few object tokens dominate what the question attends to, which is what lets a model learnt
+from scratch start grounding its answers (with every token it sat at the answer priors).
+
+Token colours: an auxiliary target per visual token, the named colour (sources.scenes.COLORS)
+covering at least a quarter of its cell over its frame pair, else background. A linear head on
+the vision tower's tokens learns it alongside the answers (only during training): dense,
+per-token supervision that gives the tower colour and object features from the first steps.
 """
 from __future__ import annotations
 
@@ -28,8 +36,12 @@ import cv2
 import numpy as np
 
 from pipeline.vlm.geometry import VLMGeometry
+from sources.scenes import COLORS
 
 WINDOW_MAX_FRAMES = 256          # VLMStage's window: past this, every other frame is dropped
+PALETTE = np.array(list(COLORS.values()), np.float32)    # (C, 3): token colour classes; C = background
+COLOR_DISTANCE = 60.0            # a pixel within this RGB distance of a named colour has that colour
+COLOR_SHARE = 0.25               # a token has a colour when this much of its cell has it
 POLICIES = ("random", "frames", "blocks", "temporal", "salient", "pooled")
 
 
@@ -74,6 +86,22 @@ def cell_colors(frames: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
     """(T, H, W, 3) uint8 -> (T, gh, gw, 3) float32 mean colour of each VLM token's cell."""
     gh, gw = grid
     return np.stack([cv2.resize(f, (gw, gh), interpolation=cv2.INTER_AREA) for f in frames]).astype(np.float32)
+
+
+def token_colors(frames: np.ndarray, grid: tuple[int, int], temporal_patch: int = 2, sub: int = 4) -> np.ndarray:
+    """(T, H, W, 3) uint8 -> (ceil(T / tp), gh, gw) int8: per visual token the index of the named
+    colour covering COLOR_SHARE of its cell (on a sub x sub sampling of the cell) over its frame
+    pair, len(COLORS) for background. An odd last frame pairs with itself, as the VLM's does."""
+    gh, gw = grid
+    small = np.stack([cv2.resize(f, (gw * sub, gh * sub), interpolation=cv2.INTER_AREA) for f in frames])
+    dist = np.linalg.norm(small[..., None, :].astype(np.float32) - PALETTE, axis=-1)   # (T, gh*sub, gw*sub, C)
+    label = np.where(dist.min(-1) < COLOR_DISTANCE, dist.argmin(-1), len(PALETTE))
+    if pad := -len(label) % temporal_patch:
+        label = np.concatenate([label, label[-1:].repeat(pad, 0)])
+    onehot = np.eye(len(PALETTE) + 1, dtype=np.float32)[label]                           # (T, .., .., C + 1)
+    share = onehot.reshape(-1, temporal_patch, gh, sub, gw, sub, len(PALETTE) + 1).mean((1, 3, 5))
+    colored = share[..., :-1].max(-1) >= COLOR_SHARE
+    return np.where(colored, share[..., :-1].argmax(-1), len(PALETTE)).astype(np.int8)
 
 
 def _top(score: np.ndarray, ratio: float, rng: np.random.Generator) -> np.ndarray:
@@ -193,6 +221,7 @@ class ClipSample:
     answers: list[str]
     families: list[str]
     keeps: list[np.ndarray]              # (T, gh, gw) int8 per view
+    colors: np.ndarray                   # (T', gh, gw) int8 token colours (token_colors)
 
 
 class StepData:
@@ -202,20 +231,24 @@ class StepData:
     def __init__(self, make_clip: Callable, geometry: VLMGeometry, *, clips_per_step: int, views_per_question: int,
                  vlm_fps: float, drop: DropSpec, jpeg_prob: float, jpeg_quality: tuple[int, int],
                  resize_prob: float, aspect: tuple[float, float], area: tuple[float, float], seed: int,
-                 first_seed: int, steps: int) -> None:
+                 first_seed: int, steps: int, curriculum_steps: int = 0,
+                 curriculum: DropSpec | None = None) -> None:
         self.make_clip, self.geometry = make_clip, geometry
         self.clips_per_step, self.views = clips_per_step, views_per_question
         self.vlm_fps, self.drop, self.jpeg_prob, self.jpeg_quality = vlm_fps, drop, jpeg_prob, jpeg_quality
         self.resize_prob, self.aspect, self.area = resize_prob, aspect, area
         self.seed, self.first_seed, self.steps = seed, first_seed, steps
+        self.curriculum_steps, self.curriculum = curriculum_steps, curriculum
 
     def __len__(self) -> int:
         return self.steps
 
     def __getitem__(self, step: int) -> list[ClipSample]:
-        return [self.sample(self.first_seed + step * self.clips_per_step + i) for i in range(self.clips_per_step)]
+        drop = self.curriculum if step < self.curriculum_steps else self.drop
+        return [self.sample(self.first_seed + step * self.clips_per_step + i, drop)
+                for i in range(self.clips_per_step)]
 
-    def sample(self, clip_seed: int) -> ClipSample:
+    def sample(self, clip_seed: int, drop: DropSpec | None = None) -> ClipSample:
         clip = self.make_clip(clip_seed, split="train")
         rng = np.random.default_rng([self.seed, clip_seed])
         frames = clip.frames[vlm_frame_indices(len(clip.frames), clip.fps, self.vlm_fps)]
@@ -227,8 +260,10 @@ class StepData:
             frames = resize(frames, height, 2 * max(8, int(round(height * aspect / 2))))
         if rng.random() < self.jpeg_prob:
             frames = jpeg(frames, int(rng.integers(self.jpeg_quality[0], self.jpeg_quality[1] + 1)))
-        cells = cell_colors(frames, self.geometry.grid(*frames.shape[1:3]))
+        grid = self.geometry.grid(*frames.shape[1:3])
+        cells = cell_colors(frames, grid)
         qas = [qa for qa in clip.qas for _ in range(self.views)]
         return ClipSample(frames=np.ascontiguousarray(frames), questions=[qa.question for qa in qas],
                           answers=[qa.answer for qa in qas], families=[qa.family for qa in qas],
-                          keeps=[draw_keep(self.drop, cells, rng) for _ in qas])
+                          keeps=[draw_keep(drop or self.drop, cells, rng) for _ in qas],
+                          colors=token_colors(frames, grid, self.geometry.temporal_patch_size))

@@ -7,7 +7,8 @@ the full, unpruned prompt gives them (from the model's own get_rope_index), then
 turn and the answer at consecutive text positions, as cached decoding places generated tokens.
 Frames go through the pipeline's VideoPreprocessor on the device and all clips of a step through
 one vision-tower call with the pipeline's batched attention. The loss is the cross-entropy of the
-answer tokens and <|im_end|> (where greedy decoding must stop).
+answer tokens and <|im_end|> (where greedy decoding must stop), plus, with an auxiliary head, that
+of every visual token's colour (qa_data.token_colors) weighted by aux_weight.
 """
 from __future__ import annotations
 
@@ -46,8 +47,10 @@ class LMBatch:
 class QAForward:
     """ClipSamples -> answer loss through a Qwen2VLForConditionalGeneration, inputs as at inference."""
 
-    def __init__(self, model, tokenizer, preprocessor: VideoPreprocessor) -> None:
+    def __init__(self, model, tokenizer, preprocessor: VideoPreprocessor, aux_head: torch.nn.Module | None = None,
+                 aux_weight: float = 0.0) -> None:
         self.model, self.tokenizer, self.preprocessor = model, tokenizer, preprocessor
+        self.aux_head, self.aux_weight = aux_head, aux_weight
         self.device = next(model.parameters()).device
         self.visual, self.lm = model.model.visual, model.model.language_model
         patch_vision_attention(self.visual)
@@ -181,16 +184,25 @@ class QAForward:
         return self.model.lm_head(hidden[where]).float(), batch.labels[where]
 
     def __call__(self, samples: list[ClipSample]) -> tuple[torch.Tensor, dict[str, float]]:
-        """-> mean answer cross-entropy, and stats: the share of answers right under teacher forcing
-        (a device tensor: reading it waits for the GPU), the share of visual tokens kept."""
+        """-> the loss, and stats: the answers' cross-entropy and the share right under teacher forcing,
+        the token colours' cross-entropy (device tensors: reading one waits for the GPU), the share of
+        visual tokens kept."""
         merged = self.vision(samples)
         batch = self.batch(samples, merged)
         logits, targets = self.logits(batch)
-        loss = F.cross_entropy(logits, targets)
+        answer_loss = F.cross_entropy(logits, targets)
+        loss, aux = answer_loss, torch.zeros((), device=answer_loss.device)
+        if self.aux_head is not None and self.aux_weight > 0:
+            colors = torch.from_numpy(np.concatenate([s.colors.reshape(-1) for s in samples]).astype(np.int64))
+            colors = (colors.pin_memory() if self.device.type == "cuda" else colors).to(self.device, non_blocking=True)
+            tokens = torch.cat([m.reshape(-1, m.shape[-1]) for m in merged])                 # (N, D)
+            aux = F.cross_entropy(self.aux_head(tokens).float(), colors)
+            loss = answer_loss + self.aux_weight * aux
         with torch.no_grad():
             wrong = (logits.argmax(-1) != targets).long()
             view = (batch.labels != IGNORE).nonzero()[:, 0]
             per_view = torch.zeros(batch.labels.shape[0], dtype=torch.long, device=wrong.device).index_add_(0, view, wrong)
             answer_acc = (per_view == 0).float().mean()
         full = sum(int(np.prod(merged[c].shape[:3])) for c, s in enumerate(samples) for _ in s.questions)
-        return loss, {"answer_acc": answer_acc, "kept": sum(batch.tokens_kept) / full}
+        return loss, {"answer_loss": answer_loss.detach(), "answer_acc": answer_acc, "aux": aux.detach(),
+                      "kept": sum(batch.tokens_kept) / full}

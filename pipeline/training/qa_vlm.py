@@ -14,6 +14,11 @@ pipeline/vlm/weights/arrcoc-synth-qa, which `--vlm arrcoc-synth-qa` loads. Valid
 val split through the pipeline's own answer path (load_vlm on the exported snapshot,
 VLM.answer_questions) and scores exact match per question family. On CUDA the step runs in bf16
 autocast (float32 weights and optimizer); on CPU in float32.
+
+Learning from scratch, a model sat at the answer priors for 1300 steps (every family at chance
+on an H100): nothing told its attention which of ~200 visual tokens mattered. Two things get it
+grounding (qa_data): a curriculum whose first steps keep only the salient cells, and a per-token
+colour loss through a linear head on the vision tower (training only, not in the snapshot).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from pipeline.training.qa_data import POLICIES, DropSpec, StepData, cell_colors,
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPreprocessor
+from sources.scenes import COLORS
 
 SHIPPED_NAME = "arrcoc-synth-qa"
 
@@ -77,6 +83,8 @@ class DropConfig:
     keep_max: float = 1.0
     p_all: float = 0.2                # share of questions asked with every visual token
     policies: tuple[str, ...] = POLICIES
+    curriculum_steps: int = 300       # the first steps keep only salient cells (qa_data's curriculum)
+    curriculum_keep: tuple[float, float] = (0.1, 0.35)   # their keep ratios (log-uniform)
 
     def __post_init__(self) -> None:
         check_range("drop.keep_min", self.keep_min, 0.0, 1.0, lo_open=True)
@@ -86,11 +94,16 @@ class DropConfig:
             raise ConfigError(f"drop.policies is empty; allowed: {', '.join(POLICIES)}")
         for p in self.policies:
             check_choice("drop.policies", p, POLICIES)
+        check_int("drop.curriculum_steps", self.curriculum_steps)
+        check_range("drop.curriculum_steps", self.curriculum_steps, 0, 10**7)
+        lo, hi = self.curriculum_keep
+        check_range("drop.curriculum_keep", lo, 0.0, 1.0, lo_open=True)
+        check_range("drop.curriculum_keep", hi, lo, 1.0)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1300
+    steps: int = 1200
     clips_per_step: int = 24
     views_per_question: int = 2       # each question asked this many times per step, each with its own keep map
     lr: float = 1e-3
@@ -98,6 +111,7 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.05
     grad_clip: float = 1.0
+    aux_weight: float = 1.0           # weight of the token-colour loss (0: none)
     seed: int = 0                     # model init and keep maps
     first_seed: int = 0               # clip seeds of step s: first_seed + s * clips_per_step + i (train split)
     workers: int = 12                 # data processes (0: in the training process)
@@ -122,6 +136,7 @@ class TrainConfig:
         check_range("train.warmup_steps", self.warmup_steps, 0, self.steps)
         check_range("train.weight_decay", self.weight_decay, 0.0, 1.0)
         check_range("train.grad_clip", self.grad_clip, 0.0, 1e6, lo_open=True)
+        check_range("train.aux_weight", self.aux_weight, 0.0, 100.0)
         check_range("train.seed", self.seed, 0, 2**32 - 1)
         check_range("train.first_seed", self.first_seed, 0, 2**62)
         check_range("train.workers", self.workers, 0, 256)
@@ -194,8 +209,9 @@ def step_data(cfg: QAVLMConfig, make_clip: Callable) -> StepData:
     return StepData(make_clip, geometry(cfg), clips_per_step=t.clips_per_step, views_per_question=t.views_per_question,
                     vlm_fps=cfg.model.fps, drop=DropSpec(d.keep_min, d.keep_max, d.p_all, d.policies),
                     jpeg_prob=t.jpeg_prob, jpeg_quality=t.jpeg_quality, resize_prob=t.resize_prob, aspect=t.aspect,
-                    area=t.area, seed=t.seed, first_seed=t.first_seed,
-                    steps=t.steps)
+                    area=t.area, seed=t.seed, first_seed=t.first_seed, steps=t.steps,
+                    curriculum_steps=d.curriculum_steps,
+                    curriculum=DropSpec(d.curriculum_keep[0], d.curriculum_keep[1], 0.0, ("salient",)))
 
 
 @dataclass
@@ -311,6 +327,8 @@ def lr_at(step: int, t: TrainConfig) -> float:
 
 
 def optimizer(model, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `model` (a module or a ModuleList of them): weight decay on matrices, not on
+    embeddings, norms and biases."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
@@ -338,8 +356,10 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     # the vision tower has no dropout or normalization statistics: eval() only routes its attention
     # through the pipeline's batched kernel (one SDPA call per layer instead of one per frame pair)
     model.model.visual.eval()
-    forward = QAForward(model, tokenizer, preprocessor)
-    opt = optimizer(model, cfg.train, device)
+    # the token-colour head: training only, never exported
+    aux_head = torch.nn.Linear(cfg.model.hidden, len(COLORS) + 1, device=device)
+    forward = QAForward(model, tokenizer, preprocessor, aux_head, cfg.train.aux_weight)
+    opt = optimizer(torch.nn.ModuleList([model, aux_head]), cfg.train, device)
     config_dict = _to_dict(cfg)
     start, history, train_s = 0, [], 0.0
     ckpt = out / "checkpoint.pt"
@@ -348,6 +368,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
         if state["config"]["model"] != config_dict["model"] or state["config"]["train"]["seed"] != cfg.train.seed:
             raise ConfigError(f"{ckpt} was trained with another model or seed; pass another --out-dir")
         model.load_state_dict(state["model"])
+        aux_head.load_state_dict(state["aux_head"])
         opt.load_state_dict(state["optimizer"])
         start, history, train_s = state["step"], state["history"], state["train_s"]
         log(f"resumed at step {start} ({train_s:.0f} s trained)")
@@ -371,12 +392,13 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
             loss, stats = forward(samples)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *aux_head.parameters()], t.grad_clip)
         opt.step()
         done = step + 1
         bar.update(1)
         if done % 25 == 0 or done == steps:
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{stats['answer_acc'].item():.2f}",
+            bar.set_postfix(loss=f"{stats['answer_loss'].item():.3f}", acc=f"{stats['answer_acc'].item():.2f}",
+                            aux=f"{stats['aux'].item():.3f}",
                             kept=f"{stats['kept']:.2f}", lr=f"{lr_at(step, t):.1e}",
                             data_wait=f"{waited / (time.perf_counter() - began):.0%}", refresh=False)
         elapsed = train_s + time.perf_counter() - began
@@ -386,9 +408,9 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
             history.append({"step": done, "train_s": round(elapsed, 1), **acc})
             log(f"\nstep {done}: val {acc['keep_1']}")
         if done % t.checkpoint_every == 0 or done == steps:
-            _save(ckpt, model, opt, done, history, elapsed, config_dict)
+            _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
         if t.time_limit_s and elapsed > t.time_limit_s and done < steps:
-            _save(ckpt, model, opt, done, history, elapsed, config_dict)
+            _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
             log(f"\ntime limit reached at step {done}: checkpointed, continue with --resume")
             stopped_early = True
             break
@@ -420,9 +442,9 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     return summary
 
 
-def _save(path: Path, model, opt, step: int, history: list, train_s: float, config: dict) -> None:
+def _save(path: Path, model, aux_head, opt, step: int, history: list, train_s: float, config: dict) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+    torch.save({"model": model.state_dict(), "aux_head": aux_head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
                 "train_s": train_s, "config": config}, tmp)
     tmp.replace(path)
 

@@ -15,7 +15,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_load(path):
     from pipeline.train import TrainConfig  # configs/train_*.yaml configure `python -m pipeline train`
-    kind = TrainConfig if path.name.startswith("train_") else PipelineConfig
+    from pipeline.training.qa_vlm import QAVLMConfig  # configs/qa_vlm.yaml: python -m pipeline.training.qa_vlm
+    kind = TrainConfig if path.name.startswith("train_") else QAVLMConfig if path.name == "qa_vlm.yaml" else PipelineConfig
     assert isinstance(load_config(kind, path), kind)
 
 

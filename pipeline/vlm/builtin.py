@@ -28,7 +28,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
 TINY_SEED = 1234
 
 
-# Common English words (and the chat template's): merges are learnt so that each is one token,
+# Common English words (and the chat template's, and those of the generated video QA of
+# sources/synth_qa.py: its colours, shapes, regions): merges are learnt so that each is one token,
 # with and without a leading space and capitalized, as in GPT-style BPE vocabularies.
 ENGLISH_WORDS = """the of and to a in is it you that he was for on are with as I his they be at one have this
 from or had by hot word but what some we can out other were all there when up use your how said an each she which
@@ -55,7 +56,8 @@ free minute strong special mind behind clear tail produce fact street inch multi
 full force blue object decide surface deep moon island foot system busy test record boat common gold possible
 plane stead dry wonder laugh thousand ago ran check game shape equate miss brought heat snow tire bring yes
 distant fill east paint language among helpful assistant user video doing playing woman cooking talking singing
-dancing running driving shows showing describe happening happens""".split()
+dancing running driving shows showing describe happening happens yellow purple orange cyan square circle
+triangle bottom middle moving objects""".split()
 
 
 def build_tokenizer(vocabulary: Literal["bytes", "english"] = "bytes") -> PreTrainedTokenizerFast:
@@ -80,6 +82,23 @@ def build_tokenizer(vocabulary: Literal["bytes", "english"] = "bytes") -> PreTra
     tok.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in
                                                           ("<|im_end|>", "<|endoftext|>")]})
     return tok
+
+
+# Qwen2-VL-Instruct's chat template (one system turn by default; images and videos as pad tokens
+# between vision markers), saved with built-in tokenizers so a snapshot renders prompts as
+# VLM.prompt_ids builds them.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _token_ids(tok: PreTrainedTokenizerFast) -> dict:
@@ -140,6 +159,27 @@ def arch_config(arch: str, tokenizer: PreTrainedTokenizerFast):
                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
         return _config("qwen2_5_vl", text, vision, ids)
     raise ValueError(f"Invalid architecture ({arch!r}). Supported values are {', '.join(ARCHS)}.")
+
+
+def small_config(tokenizer: PreTrainedTokenizerFast, *, hidden: int, intermediate: int, layers: int, heads: int,
+                 kv_heads: int, vision_depth: int, vision_dim: int, vision_heads: int, vision_mlp_ratio: int):
+    """A small Qwen2-VL (the standard 14 px patches, 2x2 merge, frame pairs) with the built-in
+    tokenizer's ids and tied embeddings: the shape of the models trained from scratch here
+    (pipeline.training.qa_vlm). The LM's rotary pairs are split over (t, h, w) as Qwen2-VL's
+    [16, 24, 24] of 64 are."""
+    head_dim = hidden // heads
+    if hidden % heads or head_dim % 8 or heads % kv_heads or vision_dim % vision_heads:
+        raise ValueError(f"Invalid head layout: hidden {hidden} / {heads} heads ({kv_heads} KV heads), vision "
+                         f"{vision_dim} / {vision_heads} heads: the widths must divide evenly and the LM's head "
+                         f"size be a multiple of 8")
+    pairs = head_dim // 2
+    t = pairs // 4
+    section = [t, (pairs - t) // 2, pairs - t - (pairs - t) // 2]
+    ids = _token_ids(tokenizer)
+    text = _text_config(len(tokenizer), hidden, intermediate, layers, heads, kv_heads, section, ids, tie=True)
+    vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=vision_heads,
+                  mlp_ratio=vision_mlp_ratio, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    return _config("qwen2_vl", text, vision, ids)
 
 
 def family_of(config) -> Family:

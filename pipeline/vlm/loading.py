@@ -1,4 +1,5 @@
-"""``load_vlm(spec)``: the built-in tiny-random model, a local snapshot directory, or a Hub id."""
+"""``load_vlm(spec)``: the built-in tiny-random model, a shipped snapshot by name, a local snapshot
+directory, or a Hub id."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,11 @@ from pipeline.vlm.model import VLM
 from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPreprocessor
 
 TINY_SPECS = {"tiny-random": "qwen2_vl", "tiny-random-qwen2_5_vl": "qwen2_5_vl"}
+# Snapshots shipped inside the package, loaded by name through the very path of a user's local
+# snapshot (_load_pretrained): `arrcoc-synth-qa` is the small Qwen2-VL trained on generated video QA
+# (pipeline.training.qa_vlm), meaningful on generated scenes only.
+SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
+SHIPPED = {"arrcoc-synth-qa": SHIPPED_DIR / "arrcoc-synth-qa"}
 TINY_WARNING = "tiny-random is a built-in random model for smoke tests: its answers are meaningless"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # How long to wait for the Hub before deciding it cannot be reached: Hugging Face's own client
@@ -30,14 +36,25 @@ class VLMLoadError(RuntimeError):
 
 def load_vlm(spec: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
              config: VLMConfig | None = None, local_files_only: bool = False) -> VLM:
-    """``spec``: "tiny-random" (or "tiny-random-qwen2_5_vl"), a local snapshot dir, or a Hub id such as
-    "Qwen/Qwen2-VL-2B-Instruct". ``dtype`` defaults to ``config.dtype``."""
+    """``spec``: "tiny-random" (or "tiny-random-qwen2_5_vl"), a shipped snapshot's name (SHIPPED), a local
+    snapshot dir, or a Hub id such as "Qwen/Qwen2-VL-2B-Instruct". ``dtype`` defaults to ``config.dtype``."""
     config = config or VLMConfig()
     device = resolve_device(device)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype or config.dtype]
     if spec in TINY_SPECS:
         return build_tiny_vlm(TINY_SPECS[spec], device=device, dtype=torch_dtype, config=config)
-    return _load_pretrained(spec, device, torch_dtype, config, local_files_only)
+    return _load_pretrained(shipped_path(spec) or spec, device, torch_dtype, config, local_files_only)
+
+
+def shipped_path(spec: str) -> str | None:
+    """The directory of the shipped snapshot named `spec`, None when `spec` names none."""
+    if spec not in SHIPPED:
+        return None
+    root = SHIPPED[spec]
+    if not (root / "config.json").is_file():
+        raise VLMLoadError(f"the shipped VLM {spec!r} is missing from this installation (expected a snapshot "
+                           f"in {root}); train and export it with python -m pipeline.training.qa_vlm --export-shipped")
+    return str(root)
 
 
 def build_tiny_vlm(family: str = "qwen2_vl", *, device="cpu", dtype=torch.float32,
@@ -147,12 +164,25 @@ def _check_family(spec: str, family) -> None:
 
 def _wrap(model, tokenizer, family, name, config: VLMConfig, processor_cfg: dict, warning) -> VLM:
     vision = model.config.vision_config
+    # A snapshot's processor caps the frame size: a model trained at small frames (arrcoc-synth-qa)
+    # sees them at that size whatever vlm.max_pixels asks; Qwen's own caps (12.8M px images, 602k
+    # px video frames) lie far above the default 448 x 448, so they change nothing there.
+    max_pixels = min(config.max_pixels, snapshot_max_pixels(processor_cfg) or config.max_pixels)
     geometry = VLMGeometry(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                            temporal_patch_size=vision.temporal_patch_size,
-                           min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+                           min_pixels=min(config.min_pixels, max_pixels), max_pixels=max_pixels)
     preprocessor = VideoPreprocessor(geometry, tuple(processor_cfg.get("image_mean", OPENAI_CLIP_MEAN)),
                                      tuple(processor_cfg.get("image_std", OPENAI_CLIP_STD)),
                                      float(processor_cfg.get("rescale_factor", 1 / 255)),
                                      int(processor_cfg.get("resample", 3)))
     return VLM(model, tokenizer, family=family, name=name, config=config, preprocessor=preprocessor,
                warning=warning)
+
+
+def snapshot_max_pixels(processor_cfg: dict) -> int | None:
+    """The most pixels per frame a snapshot's processor config allows: its "max_pixels", else its
+    "size": {"longest_edge"} (how transformers 5 writes the same limit); None when it sets neither."""
+    value = processor_cfg.get("max_pixels")
+    if value is None and isinstance(processor_cfg.get("size"), dict):
+        value = processor_cfg["size"].get("longest_edge")
+    return int(value) if value is not None else None

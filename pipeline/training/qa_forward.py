@@ -1,0 +1,208 @@
+"""The training forward of the video-QA VLM: the LM input the pipeline builds at inference, batched.
+
+For each question (a view: a clip, a question, a keep map) the sequence is what VLM.build_prefix
+and generate() feed the LM: the chat prompt up to <|vision_start|>, only the kept visual tokens
+(pipeline.vlm.selection: pair_lod + select_tokens, LOD-2 cells pooled) at the M-RoPE positions
+the full, unpruned prompt gives them (from the model's own get_rope_index), then the question's
+turn and the answer at consecutive text positions, as cached decoding places generated tokens.
+Frames go through the pipeline's VideoPreprocessor on the device and all clips of a step through
+one vision-tower call with the pipeline's batched attention. The loss is the cross-entropy of the
+answer tokens and <|im_end|> (where greedy decoding must stop), plus, with an auxiliary head, that
+of every visual token's colour (qa_data.token_colors) weighted by aux_weight.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.training.qa_data import ClipSample
+from pipeline.vlm.model import SYSTEM_PROMPT
+from pipeline.vlm.preprocess import VideoPreprocessor
+from pipeline.vlm.selection import pair_lod, select_tokens
+from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
+
+BEFORE_VIDEO = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+IGNORE = -100
+
+
+def after_video(question: str) -> str:
+    return f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass
+class LMBatch:
+    """Right-padded LM input of B views: embeds (B, L, D), positions (3, B, L), labels (B, L) (the
+    answer token each position predicts, IGNORE elsewhere), each view's length and visual tokens sent."""
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    lengths: list[int]
+    tokens_kept: list[int]
+
+
+class QAForward:
+    """ClipSamples -> answer loss through a Qwen2VLForConditionalGeneration, inputs as at inference."""
+
+    def __init__(self, model, tokenizer, preprocessor: VideoPreprocessor, aux_head: torch.nn.Module | None = None,
+                 aux_weight: float = 0.0) -> None:
+        self.model, self.tokenizer, self.preprocessor = model, tokenizer, preprocessor
+        self.aux_head, self.aux_weight = aux_head, aux_weight
+        self.device = next(model.parameters()).device
+        self.visual, self.lm = model.model.visual, model.model.language_model
+        patch_vision_attention(self.visual)
+        self.video_token_id = model.config.video_token_id
+        self.pad_id = tokenizer.pad_token_id
+        self.before = tokenizer(BEFORE_VIDEO).input_ids
+        self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
+        self._layouts: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
+        self._token_cache: dict[str, list[int]] = {}
+
+    def layout(self, Tp: int, gh: int, gw: int) -> tuple[np.ndarray, int]:
+        """M-RoPE positions (3, v0 + Tp*gh*gw) of the prompt up to the end of the unpruned video, and
+        the position of the first text token after it (the model's get_rope_index on a probe)."""
+        key = (Tp, gh, gw)
+        if key not in self._layouts:
+            n_full = Tp * gh * gw
+            probe = self.tokenizer(after_video("?")).input_ids
+            ids = torch.tensor([self.before + [self.video_token_id] * n_full + probe], device=self.device)
+            m = self.preprocessor.geometry.merge_size
+            kwargs = dict(input_ids=ids, video_grid_thw=torch.tensor([[Tp, gh * m, gw * m]], device=self.device))
+            if self._rope_takes_types:
+                kwargs["mm_token_type_ids"] = (ids == self.video_token_id).int() * 2
+            positions = self.model.model.get_rope_index(**kwargs)[0][:, 0].cpu().numpy()   # (3, L_full)
+            end = len(self.before) + n_full
+            text_start = int(positions[0, end])
+            if positions[:, :end].max() >= text_start:
+                raise RuntimeError("get_rope_index placed the text after the video below the video's positions")
+            self._layouts[key] = (positions[:, :end], text_start)
+        return self._layouts[key]
+
+    def vision(self, samples: list[ClipSample]) -> list[torch.Tensor]:
+        """Every clip's frames through the preprocessor and one vision-tower call -> per clip merged
+        tokens (T', gh, gw, D). The frames travel to the device in one copy."""
+        flat = torch.from_numpy(np.concatenate([s.frames.reshape(-1) for s in samples]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(self.device, non_blocking=True)
+        videos = [x.view(s.frames.shape) for x, s in zip(flat.split([s.frames.size for s in samples]), samples)]
+        pixels, grids = zip(*(self.preprocessor(v, self.device) for v in videos))
+        grid_thw = torch.stack(grids)                                       # (N, 3) patches
+        sizes = {(int(h), int(w)) for _, h, w in grid_thw.tolist()}
+        length = int(grid_thw[0, 1] * grid_thw[0, 2]) if len(sizes) == 1 else None
+        with batched_attention(length):
+            out = self.visual(torch.cat(pixels), grid_thw=grid_thw.to(self.device))
+        merged = out.pooler_output if hasattr(out, "pooler_output") else out   # (sum T' gh gw, D)
+        m = self.preprocessor.geometry.merge_size
+        counts = [t * h * w // m**2 for t, h, w in grid_thw.tolist()]
+        return [x.view(t, h // m, w // m, -1) for x, (t, h, w) in zip(merged.split(counts), grid_thw.tolist())]
+
+    def batch(self, samples: list[ClipSample], merged: list[torch.Tensor]) -> LMBatch:
+        """Views of all samples -> the right-padded LM batch (kept tokens selected per keep map)."""
+        views = [(c, v) for c, s in enumerate(samples) for v in range(len(s.questions))]
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for b, (c, _) in enumerate(views):
+            groups.setdefault(tuple(merged[c].shape[:3]), []).append(b)
+        tokens, local = [], [None] * len(views)             # kept tokens (K, D) per group; per view its cells
+        rows = [None] * len(views)                          # per view: its rows in cat(tokens)
+        offset = 0
+        for (Tp, gh, gw), members in groups.items():
+            stack = torch.cat([merged[views[b][0]] for b in members])                     # (S*T', gh, gw, D)
+            lods = torch.cat([self._lod(samples[views[b][0]].keeps[views[b][1]], (Tp, gh, gw)) for b in members])
+            kept, _ = select_tokens(stack, lods.to(self.device, non_blocking=True))       # (K, D)
+            # the same selection over one-dimensional zeros on the host: the kept cells' indices
+            # without waiting for the device (select_tokens depends on the LOD map alone)
+            index = select_tokens(torch.zeros(*lods.shape, 1), lods)[1].numpy()          # (K,)
+            n_full = Tp * gh * gw
+            bounds = np.searchsorted(index, np.arange(len(members) + 1) * n_full)
+            for j, b in enumerate(members):
+                local[b] = index[bounds[j]:bounds[j + 1]] - j * n_full
+                rows[b] = offset + np.arange(bounds[j], bounds[j + 1])
+            tokens.append(kept)
+            offset += len(index)
+        return self._assemble(samples, views, merged, local, rows, torch.cat(tokens))
+
+    def _lod(self, keep: np.ndarray, grid: tuple[int, int, int]) -> torch.Tensor:
+        lod = pair_lod(torch.from_numpy(keep), self.preprocessor.geometry.temporal_patch_size)
+        if tuple(lod.shape) != grid:
+            raise ValueError(f"keep map {keep.shape} does not match the VLM's tokens {grid}")
+        return lod
+
+    def _ids(self, text: str) -> list[int]:
+        ids = self._token_cache.get(text)
+        if ids is None:
+            ids = self._token_cache[text] = self.tokenizer(text).input_ids
+        return ids
+
+    def _assemble(self, samples, views, merged, local, rows, tokens: torch.Tensor) -> LMBatch:
+        seqs = []
+        for b, (c, v) in enumerate(views):
+            s = samples[c]
+            positions, text_start = self.layout(*merged[c].shape[:3])
+            v0 = len(self.before)
+            text = self._ids(after_video(s.questions[v]))
+            answer = self._ids(s.answers[v] + "<|im_end|>")
+            ids = self.before + [self.pad_id] * len(local[b]) + text + answer[:-1]
+            pos = np.concatenate([positions[:, :v0], positions[:, v0 + local[b]],
+                                  text_start + np.arange(len(text) + len(answer) - 1)[None].repeat(3, 0)], 1)
+            labels = np.full(len(ids), IGNORE)
+            labels[len(ids) - len(answer):] = answer
+            seqs.append((ids, pos, labels, rows[b]))
+        B, L = len(seqs), max(len(s[0]) for s in seqs)
+        ids = np.full((B, L), self.pad_id)
+        pos = np.zeros((3, B, L), np.int64)
+        labels = np.full((B, L), IGNORE)
+        vis_row = np.full((B, L), -1)
+        for b, (i, p, lab, r) in enumerate(seqs):
+            n = len(i)
+            ids[b, :n], pos[:, b, :n], labels[b, :n] = i, p, lab
+            vis_row[b, len(self.before):len(self.before) + len(r)] = r
+        dev = self.device
+        vis_row_t = torch.from_numpy(vis_row)
+        vis_row_t = (vis_row_t.pin_memory() if dev.type == "cuda" else vis_row_t).to(dev, non_blocking=True)
+        ids_t = torch.from_numpy(ids)
+        embeds = self.lm.embed_tokens((ids_t.pin_memory() if dev.type == "cuda" else ids_t).to(dev, non_blocking=True))
+        visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D)
+        embeds = torch.where((vis_row_t >= 0)[..., None], visual, embeds)
+        host = (torch.from_numpy(pos), torch.from_numpy(labels))
+        if dev.type == "cuda":
+            host = tuple(t.pin_memory() for t in host)
+        pos_d, labels_d = (t.to(dev, non_blocking=True) for t in host)
+        return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs])
+
+    def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""
+        # no mask but the causal one: every row is right padded, so no real token sees a pad, and
+        # SDPA runs its causal kernel instead of one with a (B, 1, L, L) mask
+        hidden = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions,
+                         use_cache=False).last_hidden_state                   # (B, L, D)
+        where = batch.labels != IGNORE
+        # position i predicts labels[i]: labels hold the token that follows each position
+        return self.model.lm_head(hidden[where]).float(), batch.labels[where]
+
+    def __call__(self, samples: list[ClipSample]) -> tuple[torch.Tensor, dict[str, float]]:
+        """-> the loss, and stats: the answers' cross-entropy and the share right under teacher forcing,
+        the token colours' cross-entropy (device tensors: reading one waits for the GPU), the share of
+        visual tokens kept."""
+        merged = self.vision(samples)
+        batch = self.batch(samples, merged)
+        logits, targets = self.logits(batch)
+        answer_loss = F.cross_entropy(logits, targets)
+        loss, aux = answer_loss, torch.zeros((), device=answer_loss.device)
+        if self.aux_head is not None and self.aux_weight > 0:
+            colors = torch.from_numpy(np.concatenate([s.colors.reshape(-1) for s in samples]).astype(np.int64))
+            colors = (colors.pin_memory() if self.device.type == "cuda" else colors).to(self.device, non_blocking=True)
+            tokens = torch.cat([m.reshape(-1, m.shape[-1]) for m in merged])                 # (N, D)
+            aux = F.cross_entropy(self.aux_head(tokens).float(), colors)
+            loss = answer_loss + self.aux_weight * aux
+        with torch.no_grad():
+            wrong = (logits.argmax(-1) != targets).long()
+            view = (batch.labels != IGNORE).nonzero()[:, 0]
+            per_view = torch.zeros(batch.labels.shape[0], dtype=torch.long, device=wrong.device).index_add_(0, view, wrong)
+            answer_acc = (per_view == 0).float().mean()
+        full = sum(int(np.prod(merged[c].shape[:3])) for c, s in enumerate(samples) for _ in s.questions)
+        return loss, {"answer_loss": answer_loss.detach(), "answer_acc": answer_acc, "aux": aux.detach(),
+                      "kept": sum(batch.tokens_kept) / full}

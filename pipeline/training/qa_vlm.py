@@ -1,0 +1,500 @@
+"""Train `arrcoc-synth-qa`: a small Qwen2-VL (the real architecture, HF transformers) learnt from
+scratch on generated video QA (sources/synth_qa.py), robust to missing visual tokens.
+
+    python -m pipeline.training.qa_vlm --config configs/qa_vlm.yaml [--out-dir DIR] [--set key=value ...]
+                                       [--resume] [--export-shipped]
+
+The model sees exactly what the pipeline gives it at inference (qa_data, qa_forward): frames
+sampled at vlm.fps, the pipeline's preprocessing at `model.max_pixels` (stored in the snapshot's
+processor config, which caps the frames when the snapshot is loaded), the chat prompt, kept tokens
+at their M-RoPE positions, under keep maps of many selection policies. Training writes only under
+--out-dir: checkpoint.pt (resumable with --resume), snapshot/ (a Hugging Face snapshot, loadable
+by load_vlm like any local Qwen2-VL) and history.json; --export-shipped then copies snapshot/ to
+pipeline/vlm/weights/arrcoc-synth-qa, which `--vlm arrcoc-synth-qa` loads. Validation answers the
+val split through the pipeline's own answer path (load_vlm on the exported snapshot,
+VLM.answer_questions) and scores exact match per question family. On CUDA the step runs in bf16
+autocast (float32 weights and optimizer); on CPU in float32.
+
+Learning from scratch, a model sat at the answer priors for 1300 steps (every family at chance
+on an H100): nothing told its attention which of ~200 visual tokens mattered. Two things get it
+grounding (qa_data): a curriculum whose first steps keep only the salient cells, and a per-token
+colour loss through a linear head on the vision tower (training only, not in the snapshot).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from arr_coc._validate import ConfigError, check_choice, check_int, check_range
+from pipeline.training.qa_data import POLICIES, DropSpec, StepData, cell_colors, keep_map, vlm_frame_indices
+from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.geometry import VLMGeometry
+from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPreprocessor
+from sources.scenes import COLORS
+
+SHIPPED_NAME = "arrcoc-synth-qa"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden: int = 384                 # LM width (also the vision merger's output)
+    intermediate: int = 1024
+    layers: int = 5
+    heads: int = 6
+    kv_heads: int = 2
+    vision_depth: int = 4
+    vision_dim: int = 256
+    vision_heads: int = 4
+    vision_mlp_ratio: int = 4
+    max_pixels: int = 224 * 224       # frames are resized into this many pixels (saved in the snapshot)
+    fps: float = VLMConfig.fps        # frames per second the VLM sees: the pipeline's vlm.fps
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("hidden", 16, 4096), ("intermediate", 16, 16384), ("layers", 1, 64), ("heads", 1, 64),
+                             ("kv_heads", 1, 64), ("vision_depth", 1, 64), ("vision_dim", 16, 4096),
+                             ("vision_heads", 1, 64), ("vision_mlp_ratio", 1, 8), ("max_pixels", 56 * 56, 4096 * 4096)):
+            check_int(f"model.{name}", getattr(self, name))
+            check_range(f"model.{name}", getattr(self, name), lo, hi)
+        if self.hidden % self.heads or (self.hidden // self.heads) % 8:
+            raise ConfigError(f"model.hidden={self.hidden} must split into model.heads={self.heads} heads of a "
+                              f"multiple of 8 dimensions")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads}")
+        if self.vision_dim % self.vision_heads:
+            raise ConfigError(f"model.vision_dim={self.vision_dim} must divide into "
+                              f"model.vision_heads={self.vision_heads} heads")
+        check_range("model.fps", self.fps, 0.0, 240.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class DropConfig:
+    keep_min: float = 0.05            # keep ratios are drawn log-uniformly from [keep_min, keep_max]
+    keep_max: float = 1.0
+    p_all: float = 0.2                # share of questions asked with every visual token
+    policies: tuple[str, ...] = POLICIES
+    curriculum_steps: int = 300       # the first steps keep only salient cells (qa_data's curriculum)
+    curriculum_keep: tuple[float, float] = (0.1, 0.35)   # their keep ratios (log-uniform)
+
+    def __post_init__(self) -> None:
+        check_range("drop.keep_min", self.keep_min, 0.0, 1.0, lo_open=True)
+        check_range("drop.keep_max", self.keep_max, self.keep_min, 1.0)
+        check_range("drop.p_all", self.p_all, 0.0, 1.0)
+        if not self.policies:
+            raise ConfigError(f"drop.policies is empty; allowed: {', '.join(POLICIES)}")
+        for p in self.policies:
+            check_choice("drop.policies", p, POLICIES)
+        check_int("drop.curriculum_steps", self.curriculum_steps)
+        check_range("drop.curriculum_steps", self.curriculum_steps, 0, 10**7)
+        lo, hi = self.curriculum_keep
+        check_range("drop.curriculum_keep", lo, 0.0, 1.0, lo_open=True)
+        check_range("drop.curriculum_keep", hi, lo, 1.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1200
+    clips_per_step: int = 24
+    views_per_question: int = 2       # each question asked this many times per step, each with its own keep map
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05        # cosine decay to lr * this
+    warmup_steps: int = 100
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    aux_weight: float = 1.0           # weight of the token-colour loss (0: none)
+    seed: int = 0                     # model init and keep maps
+    first_seed: int = 0               # clip seeds of step s: first_seed + s * clips_per_step + i (train split)
+    workers: int = 12                 # data processes (0: in the training process)
+    jpeg_prob: float = 0.5            # share of clips JPEG-compressed, as a decoded video is
+    jpeg_quality: tuple[int, int] = (60, 95)
+    resize_prob: float = 0.5          # share of clips resized to another shape (other token grids)
+    aspect: tuple[float, float] = (0.75, 1.34)   # width / height of a resized clip, log-uniform
+    area: tuple[float, float] = (0.6, 1.6)       # its area relative to the clip's
+    device: str = "auto"
+    checkpoint_every: int = 500
+    time_limit_s: float = 0.0         # >0: stop after this long, checkpointed (continue with --resume)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "clips_per_step", "views_per_question", "warmup_steps", "seed", "first_seed",
+                     "workers", "checkpoint_every"):
+            check_int(f"train.{name}", getattr(self, name))
+        check_range("train.steps", self.steps, 1, 10**7)
+        check_range("train.clips_per_step", self.clips_per_step, 1, 4096)
+        check_range("train.views_per_question", self.views_per_question, 1, 16)
+        check_range("train.lr", self.lr, 0.0, 1.0, lo_open=True)
+        check_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_range("train.warmup_steps", self.warmup_steps, 0, self.steps)
+        check_range("train.weight_decay", self.weight_decay, 0.0, 1.0)
+        check_range("train.grad_clip", self.grad_clip, 0.0, 1e6, lo_open=True)
+        check_range("train.aux_weight", self.aux_weight, 0.0, 100.0)
+        check_range("train.seed", self.seed, 0, 2**32 - 1)
+        check_range("train.first_seed", self.first_seed, 0, 2**62)
+        check_range("train.workers", self.workers, 0, 256)
+        check_range("train.jpeg_prob", self.jpeg_prob, 0.0, 1.0)
+        for q in self.jpeg_quality:
+            check_int("train.jpeg_quality", q)
+            check_range("train.jpeg_quality", q, 1, 100)
+        if self.jpeg_quality[0] > self.jpeg_quality[1]:
+            raise ConfigError(f"train.jpeg_quality={list(self.jpeg_quality)} must be [low, high] with low <= high")
+        check_range("train.resize_prob", self.resize_prob, 0.0, 1.0)
+        for name in ("aspect", "area"):
+            lo, hi = getattr(self, name)
+            check_range(f"train.{name}", lo, 0.1, 10.0)
+            check_range(f"train.{name}", hi, lo, 10.0)
+        check_choice("train.device", self.device, ("auto", "cuda", "cpu"))
+        check_range("train.checkpoint_every", self.checkpoint_every, 1, 10**7)
+        check_range("train.time_limit_s", self.time_limit_s, 0.0, 10**7)
+
+
+@dataclass(frozen=True)
+class ValConfig:
+    clips: int = 200                  # the final validation's clips
+    periodic_clips: int = 50          # the first this many of them (at most all) at each periodic validation
+    first_seed: int = 1_000_000       # val clips make_qa_clip(first_seed + i, split="val"): the val split's
+                                      # first seeds (sources.synth_qa.SPLIT_SEEDS), as write_split's
+    every: int = 450                  # steps between periodic validations
+    final_keep_ratios: tuple[float, ...] = (1.0, 0.25)   # the final validation also at random keep maps
+
+    def __post_init__(self) -> None:
+        for name in ("clips", "periodic_clips", "first_seed", "every"):
+            check_int(f"val.{name}", getattr(self, name))
+        check_range("val.clips", self.clips, 0, 10**6)
+        check_range("val.periodic_clips", self.periodic_clips, 0, 10**6)
+        check_range("val.first_seed", self.first_seed, 0, 2**62)
+        check_range("val.every", self.every, 1, 10**7)
+        for r in self.final_keep_ratios:
+            check_range("val.final_keep_ratios", r, 0.0, 1.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class QAVLMConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    drop: DropConfig = field(default_factory=DropConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    val: ValConfig = field(default_factory=ValConfig)
+
+
+# ---- model, data ----
+def build(cfg: QAVLMConfig, device: torch.device):
+    """-> (model float32 on device, tokenizer with the chat template, the pipeline's preprocessor)."""
+    from pipeline.vlm.builtin import CHAT_TEMPLATE, build_model, build_tokenizer, small_config
+
+    tokenizer = build_tokenizer("english")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    m = cfg.model
+    config = small_config(tokenizer, hidden=m.hidden, intermediate=m.intermediate, layers=m.layers, heads=m.heads,
+                          kv_heads=m.kv_heads, vision_depth=m.vision_depth, vision_dim=m.vision_dim,
+                          vision_heads=m.vision_heads, vision_mlp_ratio=m.vision_mlp_ratio)
+    model = build_model(config, device=device, dtype=torch.float32, seed=cfg.train.seed)
+    return model, tokenizer, VideoPreprocessor(geometry(cfg))
+
+
+def geometry(cfg: QAVLMConfig) -> VLMGeometry:
+    """The grid the pipeline gives this model: its max_pixels, the pipeline's min_pixels below it."""
+    return VLMGeometry(min_pixels=min(VLMConfig.min_pixels, cfg.model.max_pixels), max_pixels=cfg.model.max_pixels)
+
+
+def step_data(cfg: QAVLMConfig, make_clip: Callable) -> StepData:
+    d, t = cfg.drop, cfg.train
+    return StepData(make_clip, geometry(cfg), clips_per_step=t.clips_per_step, views_per_question=t.views_per_question,
+                    vlm_fps=cfg.model.fps, drop=DropSpec(d.keep_min, d.keep_max, d.p_all, d.policies),
+                    jpeg_prob=t.jpeg_prob, jpeg_quality=t.jpeg_quality, resize_prob=t.resize_prob, aspect=t.aspect,
+                    area=t.area, seed=t.seed, first_seed=t.first_seed, steps=t.steps,
+                    curriculum_steps=d.curriculum_steps,
+                    curriculum=DropSpec(d.curriculum_keep[0], d.curriculum_keep[1], 0.0, ("salient",)))
+
+
+@dataclass
+class ValClip:
+    frames: np.ndarray                # (T, H, W, 3) uint8, the frames the VLM sees
+    qas: tuple
+
+
+class ValData:
+    """Map-style dataset of validation clips, sampled as the pipeline samples frames."""
+
+    def __init__(self, make_clip: Callable, seeds: list[int], vlm_fps: float) -> None:
+        self.make_clip, self.seeds, self.vlm_fps = make_clip, seeds, vlm_fps
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def __getitem__(self, i: int) -> ValClip:
+        clip = self.make_clip(self.seeds[i], split="val")
+        frames = clip.frames[vlm_frame_indices(len(clip.frames), clip.fps, self.vlm_fps)]
+        return ValClip(np.ascontiguousarray(frames), tuple(clip.qas))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _worker_init(_: int) -> None:
+    import cv2
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+
+
+def loader(dataset, indices, workers: int):
+    """Items of `dataset` at `indices`, in order, made by `workers` processes (0: here)."""
+    if workers == 0:
+        return (dataset[i] for i in indices)
+    return iter(torch.utils.data.DataLoader(dataset, batch_size=None, sampler=list(indices), num_workers=workers,
+                                            collate_fn=_identity, prefetch_factor=4, worker_init_fn=_worker_init))
+
+
+# ---- validation through the pipeline's answer path ----
+def evaluate(vlm, clips: list[ValClip], keep_ratio: float = 1.0, seed: int = 0) -> dict[str, list[int]]:
+    """{family: [correct, asked]} answering every question of `clips` with vlm.answer_questions (all
+    tokens at keep_ratio 1, else random cells at that ratio); exact match of the decoded answer."""
+    tally: dict[str, list[int]] = {}
+    for i, clip in enumerate(clips):
+        keep = None
+        if keep_ratio < 1.0:
+            rng = np.random.default_rng([seed, i])
+            keep = keep_map("random", cell_colors(clip.frames, vlm.geometry.grid(*clip.frames.shape[1:3])),
+                            keep_ratio, rng)
+        results = vlm.answer_questions(clip.frames, keep, [qa.question for qa in clip.qas])
+        for qa, r in zip(clip.qas, results):
+            t = tally.setdefault(qa.family, [0, 0])
+            t[0] += int(r.text == qa.answer)
+            t[1] += 1
+    return tally
+
+
+def accuracy(tally: dict[str, list[int]]) -> dict[str, float]:
+    """Per family and "overall" (mean over questions) accuracy of an evaluate() tally."""
+    acc = {f: round(c / n, 4) for f, (c, n) in sorted(tally.items())}
+    asked = sum(n for _, n in tally.values())
+    acc["overall"] = round(sum(c for c, _ in tally.values()) / asked, 4) if asked else 0.0
+    return acc
+
+
+def validate(snapshot: Path, clips: list[ValClip], device: torch.device, ratios=(1.0,)) -> dict[str, dict[str, float]]:
+    """Load the exported snapshot as a user's local snapshot is loaded, answer the val clips."""
+    from pipeline.vlm.loading import load_vlm
+
+    vlm = load_vlm(str(snapshot), device=device, config=VLMConfig(cuda_graphs=False, max_new_tokens=8,
+                                                                  dtype="bfloat16" if device.type == "cuda" else "float32"))
+    return {f"keep_{r:g}": accuracy(evaluate(vlm, clips, r)) for r in ratios}
+
+
+# ---- snapshot ----
+def export_snapshot(model, tokenizer, cfg: QAVLMConfig, root: Path, summary: dict) -> Path:
+    """A Hugging Face snapshot of the model in bf16: config, weights, tokenizer (+ chat template),
+    processor configs with this model's frame size, and the training summary."""
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    g = geometry(cfg)
+    processor = {"min_pixels": g.min_pixels, "max_pixels": g.max_pixels,
+                 "size": {"shortest_edge": g.min_pixels, "longest_edge": g.max_pixels},
+                 "patch_size": g.patch_size, "temporal_patch_size": g.temporal_patch_size, "merge_size": g.merge_size,
+                 "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD), "rescale_factor": 1 / 255,
+                 "resample": 3, "do_resize": True, "do_rescale": True, "do_normalize": True,
+                 "do_convert_rgb": True, "processor_class": "Qwen2VLProcessor"}
+    (root / "preprocessor_config.json").write_text(json.dumps(
+        {**processor, "image_processor_type": "Qwen2VLImageProcessor"}, indent=2) + "\n")
+    (root / "video_preprocessor_config.json").write_text(json.dumps(
+        {**processor, "video_processor_type": "Qwen2VLVideoProcessor", "fps": cfg.model.fps}, indent=2) + "\n")
+    (root / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return root
+
+
+def shipped_dir() -> Path:
+    from pipeline.vlm.loading import SHIPPED
+    return SHIPPED[SHIPPED_NAME]
+
+
+# ---- training ----
+def lr_at(step: int, t: TrainConfig) -> float:
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def optimizer(model, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `model` (a module or a ModuleList of them): weight decay on matrices, not on
+    embeddings, norms and biases."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export_shipped: bool = False,
+          make_clip: Callable | None = None, command: str = "", log: Callable[[str], None] = print) -> dict:
+    """Train (or continue with resume), validate, export out_dir/snapshot; -> the training summary."""
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.training.qa_forward import QAForward
+    from pipeline.vlm.loading import resolve_device
+
+    if make_clip is None:
+        from sources.synth_qa import make_qa_clip as make_clip
+    hf_logging.disable_progress_bar()       # save / load bars at every validation
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.train.device)
+    torch.manual_seed(cfg.train.seed)
+    model, tokenizer, preprocessor = build(cfg, device)
+    model.train()
+    # the vision tower has no dropout or normalization statistics: eval() only routes its attention
+    # through the pipeline's batched kernel (one SDPA call per layer instead of one per frame pair)
+    model.model.visual.eval()
+    # the token-colour head: training only, never exported
+    aux_head = torch.nn.Linear(cfg.model.hidden, len(COLORS) + 1, device=device)
+    forward = QAForward(model, tokenizer, preprocessor, aux_head, cfg.train.aux_weight)
+    opt = optimizer(torch.nn.ModuleList([model, aux_head]), cfg.train, device)
+    config_dict = _to_dict(cfg)
+    start, history, train_s = 0, [], 0.0
+    ckpt = out / "checkpoint.pt"
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        if state["config"]["model"] != config_dict["model"] or state["config"]["train"]["seed"] != cfg.train.seed:
+            raise ConfigError(f"{ckpt} was trained with another model or seed; pass another --out-dir")
+        model.load_state_dict(state["model"])
+        aux_head.load_state_dict(state["aux_head"])
+        opt.load_state_dict(state["optimizer"])
+        start, history, train_s = state["step"], state["history"], state["train_s"]
+        log(f"resumed at step {start} ({train_s:.0f} s trained)")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters ({n_params * 2 / 2**20:.1f} MiB in bf16) on {_device_name(device)}")
+    val_clips = list(loader(ValData(make_clip, list(range(cfg.val.first_seed, cfg.val.first_seed + cfg.val.clips)),
+                                    cfg.model.fps), range(cfg.val.clips), cfg.train.workers))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
+    steps, t = cfg.train.steps, cfg.train
+    began = time.perf_counter()
+    bar = tqdm(total=steps, initial=start, desc="qa_vlm", mininterval=10.0, file=sys.stdout)
+    done, stopped_early, waited = start, False, 0.0
+    data = loader(step_data(cfg, make_clip), range(start, steps), t.workers)
+    for step in range(start, steps):
+        tick = time.perf_counter()
+        samples = next(data)
+        waited += time.perf_counter() - tick
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, t)
+        with autocast:
+            loss, stats = forward(samples)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *aux_head.parameters()], t.grad_clip)
+        opt.step()
+        done = step + 1
+        bar.update(1)
+        if done % 25 == 0 or done == steps:
+            bar.set_postfix(loss=f"{stats['answer_loss'].item():.3f}", acc=f"{stats['answer_acc'].item():.2f}",
+                            aux=f"{stats['aux'].item():.3f}",
+                            kept=f"{stats['kept']:.2f}", lr=f"{lr_at(step, t):.1e}",
+                            data_wait=f"{waited / (time.perf_counter() - began):.0%}", refresh=False)
+        elapsed = train_s + time.perf_counter() - began
+        if done % cfg.val.every == 0 and done < steps and cfg.val.periodic_clips:
+            acc = validate(export_snapshot(model, tokenizer, cfg, out / "snapshot", {}),
+                           val_clips[:cfg.val.periodic_clips], device)
+            history.append({"step": done, "train_s": round(elapsed, 1), **acc})
+            log(f"\nstep {done}: val {acc['keep_1']}")
+        if done % t.checkpoint_every == 0 or done == steps:
+            _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
+        if t.time_limit_s and elapsed > t.time_limit_s and done < steps:
+            _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
+            log(f"\ntime limit reached at step {done}: checkpointed, continue with --resume")
+            stopped_early = True
+            break
+    bar.close()
+    run_s = time.perf_counter() - began
+    if done > start:
+        memory = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
+        log(f"{done - start} steps in {run_s:.0f} s: {(done - start) / run_s:.2f} steps/s, "
+            f"{waited / run_s:.0%} of it waiting for data{memory}")
+    train_s = train_s + run_s
+    final = validate(export_snapshot(model, tokenizer, cfg, out / "snapshot", {}), val_clips, device,
+                     cfg.val.final_keep_ratios) if val_clips else {}
+    summary = {"name": SHIPPED_NAME, "complete": not stopped_early and done >= steps, "steps": done,
+               "train_s": round(train_s, 1), "device": _device_name(device), "parameters": n_params,
+               "command": command, "config": config_dict, "val_clips": cfg.val.clips, "val": final,
+               "history": history}
+    export_snapshot(model, tokenizer, cfg, out / "snapshot", summary)
+    (out / "history.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"val after {done} steps ({train_s:.0f} s): {json.dumps(final)}")
+    if export_shipped:
+        if not summary["complete"]:
+            raise ConfigError("training stopped before train.steps; --export-shipped needs a finished run "
+                              "(continue it with --resume)")
+        target = shipped_dir()
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(out / "snapshot", target)
+        log(f"exported to {target}")
+    return summary
+
+
+def _save(path: Path, model, aux_head, opt, step: int, history: list, train_s: float, config: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "aux_head": aux_head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+                "train_s": train_s, "config": config}, tmp)
+    tmp.replace(path)
+
+
+def _to_dict(cfg: QAVLMConfig) -> dict:
+    from pipeline.configio import to_dict
+    return to_dict(cfg)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# ---- command line ----
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pipeline.training.qa_vlm",
+                                description="train the small Qwen2-VL arrcoc-synth-qa on generated video QA")
+    p.add_argument("--config", help="YAML config (configs/qa_vlm.yaml)")
+    p.add_argument("--out-dir", default="runs/qa_vlm", help="where checkpoints and the snapshot go (default: %(default)s)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt when it exists")
+    p.add_argument("--export-shipped", action="store_true",
+                   help=f"copy the finished snapshot to the shipped pipeline/vlm/weights/{SHIPPED_NAME}")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.configio import load_config
+
+    args = parse_args(argv)
+    try:
+        cfg = load_config(QAVLMConfig, args.config, args.set)
+        train(cfg, args.out_dir, resume=args.resume, export_shipped=args.export_shipped,
+              command=" ".join(["python -m pipeline.training.qa_vlm", *(argv if argv is not None else sys.argv[1:])]))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        print(f"error: {e} (the training needs sources/synth_qa.py and the packages of pyproject.toml)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

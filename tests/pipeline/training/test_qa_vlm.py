@@ -1,0 +1,240 @@
+"""The video-QA VLM trainer: it feeds the model what the pipeline feeds it, its keep-map policies,
+its config errors, and a short CPU run whose snapshot loads like a user's."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from arr_coc._validate import ConfigError
+from pipeline.configio import load_config, to_dict
+from pipeline.training.qa_data import POLICIES, cell_colors, keep_map, token_colors, vlm_frame_indices
+from pipeline.training.qa_forward import IGNORE, QAForward
+from pipeline.training.qa_vlm import QAVLMConfig, build, main, step_data, train
+from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.model import VLM, AnswerRequest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from qa_standin import make_clip  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ["model.hidden=64", "model.intermediate=128", "model.layers=2", "model.heads=4", "model.kv_heads=2",
+        "model.vision_depth=1", "model.vision_dim=32", "model.vision_heads=2", "model.max_pixels=4704",
+        "train.clips_per_step=3", "train.workers=0", "train.device=cpu", "train.warmup_steps=1",
+        "train.jpeg_prob=0.5", "train.resize_prob=0.5", "val.first_seed=0", "val.clips=3"]
+
+
+def tiny_config(*extra: str) -> QAVLMConfig:
+    return load_config(QAVLMConfig, None, TINY + list(extra))
+
+
+class TestFrameSampling:
+    @pytest.mark.parametrize("fps,vlm_fps,n", [(10.0, 2.0, 35), (8.0, 2.0, 27), (29.97, 2.0, 100), (3.0, 2.0, 10),
+                                               (1.0, 2.0, 5)])
+    def test_matches_the_realize_stage(self, fps, vlm_fps, n):
+        from pipeline.stages import RealizeStage
+        stage = SimpleNamespace(vlm_fps=vlm_fps, next_vlm_pts={})
+        item = SimpleNamespace(stream_id="s", frames=[SimpleNamespace(pts_s=i / fps) for i in range(n)])
+        marks = RealizeStage.vlm_frames(stage, item).tolist()
+        assert vlm_frame_indices(n, fps, vlm_fps) == [i for i, m in enumerate(marks) if m]
+
+    def test_a_full_window_keeps_every_other_frame(self):
+        # VLMStage: at max_frames, every other frame is dropped before the next one joins
+        assert vlm_frame_indices(6, 2.0, 2.0, max_frames=4) == [1, 3, 4, 5]
+
+
+def moving_square(T=6, H=56, W=84) -> np.ndarray:
+    frames = np.full((T, H, W, 3), 120, np.uint8)
+    for t in range(T):
+        frames[t, 14:28, 7 * t:7 * t + 14] = (230, 30, 30)
+    return frames
+
+
+class TestKeepMaps:
+    @pytest.mark.parametrize("policy", POLICIES)
+    @pytest.mark.parametrize("ratio", [0.05, 0.3, 1.0])
+    def test_shape_values_and_at_least_one_token(self, policy, ratio):
+        cells = cell_colors(moving_square(), (4, 6))
+        lod = keep_map(policy, cells, ratio, np.random.default_rng(0))
+        assert lod.shape == (6, 4, 6) and lod.dtype == np.int8
+        assert set(np.unique(lod)) <= {0, 1, 2} and lod.any()
+
+    @pytest.mark.parametrize("policy", ["random", "blocks", "temporal", "salient"])
+    def test_keeps_about_the_ratio(self, policy):
+        cells = cell_colors(np.random.default_rng(1).integers(0, 255, (8, 64, 64, 3), dtype=np.uint8), (8, 8))
+        share = np.mean([(keep_map(policy, cells, 0.3, np.random.default_rng(s)) > 0).mean() for s in range(20)])
+        assert share == pytest.approx(0.3, abs=0.08)
+
+    def test_frames_keeps_whole_frames(self):
+        lod = keep_map("frames", cell_colors(moving_square(), (4, 6)), 0.5, np.random.default_rng(0))
+        per_frame = lod.reshape(6, -1)
+        assert set(per_frame.min(1) == per_frame.max(1)) == {True} and per_frame.any(1).sum() == 3
+
+    def test_temporal_keeps_what_changed_and_salient_what_stands_out(self):
+        frames = np.full((5, 56, 84, 3), 120, np.uint8)                   # 14-px cells: a 4 x 6 grid
+        for t in range(5):
+            frames[t, 14:42, 14 * t:14 * t + 28] = (230, 30, 30)           # a 2 x 2-cell square, one cell a frame
+        cells = cell_colors(frames, (4, 6))
+        changed = np.concatenate([np.ones((1, 4, 6), bool), np.abs(np.diff(cells, axis=0)).sum(-1) > 0])
+        lod = keep_map("temporal", cells, changed.mean(), np.random.default_rng(0))
+        assert np.array_equal(lod > 0, changed)
+        red = (cells == (230, 30, 30)).all(-1)                              # 4 cells a frame
+        lod = keep_map("salient", cells, red.mean(), np.random.default_rng(0))
+        assert np.array_equal(lod > 0, red)
+
+    def test_unknown_policy(self):
+        with pytest.raises(ValueError, match=r"Invalid keep policy \('edges'\)\. Supported values are random"):
+            keep_map("edges", np.zeros((2, 2, 2, 3), np.float32), 0.5, np.random.default_rng(0))
+
+
+class TestTokenColors:
+    def test_named_colour_per_token_over_its_frame_pair(self):
+        from sources.scenes import COLORS
+        frames = np.full((3, 56, 84, 3), 120, np.uint8)                   # 28-px tokens: a 2 x 3 grid
+        frames[:2, 0:28, 0:28] = COLORS["blue"]                            # token (0, 0) of the first pair
+        frames[1, 28:56, 56:84] = COLORS["yellow"]                         # half of the first pair's (1, 2)
+        frames[2, 28:56, 28:35] = COLORS["red"]                            # a quarter of the last token (1, 1)
+        labels = token_colors(frames, (2, 3))
+        names, bg = list(COLORS), len(COLORS)
+        assert labels.shape == (2, 2, 3) and labels.dtype == np.int8
+        assert labels[0].tolist() == [[names.index("blue"), bg, bg], [bg, bg, names.index("yellow")]]
+        assert labels[1].tolist() == [[bg, bg, bg], [bg, names.index("red"), bg]]   # the odd frame pairs with itself
+
+
+class TestCurriculum:
+    def test_first_steps_keep_only_salient_cells(self):
+        data = step_data(tiny_config("drop.curriculum_steps=2", "drop.curriculum_keep=[0.2, 0.3]",
+                                     "drop.p_all=1.0", "train.clips_per_step=4"), make_clip)
+        early = [k for s in data[1] for k in s.keeps]
+        late = [k for s in data[2] for k in s.keeps]
+        assert all(0 < (k > 0).mean() < 0.5 for k in early)                 # salient, about 0.2-0.3 a frame
+        assert all((k == 1).all() for k in late)                            # p_all = 1 after the curriculum
+
+
+class TestDeterminism:
+    def test_a_step_is_the_same_whoever_makes_it(self):
+        data = step_data(tiny_config(), make_clip)
+        a, b = data[3], data[3]
+        assert [s.questions for s in a] == [s.questions for s in b]
+        for x, y in zip(a, b):
+            assert np.array_equal(x.frames, y.frames) and all(np.array_equal(k, m) for k, m in zip(x.keeps, y.keeps))
+        assert [s.questions for s in data[4]] != [s.questions for s in a]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = tiny_config("drop.p_all=0.0", "drop.curriculum_steps=0", "train.views_per_question=2")
+    model, tokenizer, preprocessor = build(cfg, torch.device("cpu"))
+    model.eval()
+    return cfg, model, tokenizer, preprocessor
+
+
+class TestTrainingInputsAreThePipelines:
+    def test_prefix_positions_and_answer_logits(self, tiny):
+        """Each training row is VLM.build_prefix's prefix (same kept tokens, same M-RoPE positions), and
+        its answer logits are the pipeline's uncached logits over prefix + answer."""
+        cfg, model, tokenizer, preprocessor = tiny
+        forward = QAForward(model, tokenizer, preprocessor)
+        samples = step_data(cfg, make_clip)[0]
+        batch = forward.batch(samples, forward.vision(samples))
+        logits, _ = forward.logits(batch)
+        vlm = VLM(copy.deepcopy(model), tokenizer, family="qwen2_vl", name="tiny", preprocessor=preprocessor,
+                  config=VLMConfig(max_pixels=cfg.model.max_pixels))
+        rows, b = [], 0
+        pooled = pruned = 0
+        for s in samples:
+            for question, answer, keep in zip(s.questions, s.answers, s.keeps):
+                prefix = vlm.prepare([AnswerRequest("s", s.frames, keep, question, 0.0, 1.0)])[0]
+                n = prefix.embeds.shape[0]
+                torch.testing.assert_close(batch.embeds[b, :n], prefix.embeds, rtol=1e-4, atol=1e-5)
+                assert torch.equal(batch.positions[:, b, :n], prefix.positions)
+                assert int(batch.positions[0, b, n]) == prefix.next_position
+                assert batch.tokens_kept[b] == prefix.tokens_kept
+                pruned += prefix.tokens_kept < prefix.tokens_full
+                ids = tokenizer(answer + "<|im_end|>").input_ids
+                assert batch.labels[b][batch.labels[b] != IGNORE].tolist() == ids
+                rows.append(vlm.logits_without_cache(prefix, torch.tensor(ids[:-1])))
+                pooled += int((keep == 2).any())
+                b += 1
+        assert pooled and pruned > b // 2, "the keep maps did not prune (or pool): the test would not see it"
+        torch.testing.assert_close(logits, torch.cat(rows), rtol=1e-4, atol=1e-4)
+
+    def test_chat_template_renders_the_pipelines_prompt(self, tiny):
+        _, model, tokenizer, preprocessor = tiny
+        vlm = VLM(copy.deepcopy(model), tokenizer, family="qwen2_vl", name="tiny", preprocessor=preprocessor,
+                  config=VLMConfig())
+        before, after = vlm.prompt_ids("Where is the red car?", 1)
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Where is the red car?"}]}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        video_pad = tokenizer.convert_ids_to_tokens(model.config.video_token_id)
+        assert tokenizer(rendered).input_ids == before + tokenizer(video_pad).input_ids + after
+
+
+class TestConfig:
+    def test_shipped_yaml_is_the_defaults(self):
+        assert load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml") == QAVLMConfig()
+
+    @pytest.mark.parametrize("override,message", [
+        ("train.lr=0", "train.lr=0.0 is out of range; allowed: (0.0, 1.0]"),
+        ("train.steps=0", "train.steps=0 is out of range; allowed: [1, 10000000]"),
+        ("train.warmup_steps=5000", "train.warmup_steps=5000 is out of range; allowed: [0, 1200]"),
+        ("train.device=tpu", "train.device='tpu' is not supported; allowed: auto, cuda, cpu"),
+        ("train.jpeg_quality=[90, 60]", "train.jpeg_quality=[90, 60] must be [low, high] with low <= high"),
+        ("train.clips_per_step=2.5", "train.clips_per_step must be an integer, got 2.5"),
+        ("drop.keep_min=0", "drop.keep_min=0.0 is out of range; allowed: (0.0, 1.0]"),
+        ("drop.keep_max=0.01", "drop.keep_max=0.01 is out of range; allowed: [0.05, 1.0]"),
+        ("drop.policies=[random, edges]", "drop.policies='edges' is not supported; allowed: random, frames"),
+        ("drop.policies=[]", "drop.policies is empty"),
+        ("model.heads=5", "model.hidden=384 must split into model.heads=5 heads"),
+        ("model.kv_heads=4", "model.kv_heads=4 must divide model.heads=6"),
+        ("model.max_pixels=100", "model.max_pixels=100 is out of range; allowed: [3136, 16777216]"),
+        ("model.fps=0", "model.fps=0.0 is out of range; allowed: (0.0, 240.0]"),
+        ("val.final_keep_ratios=[1.0, 0]", "val.final_keep_ratios=0.0 is out of range; allowed: (0.0, 1.0]"),
+        ("val.bogus=1", "unknown config key val.bogus"),
+    ])
+    def test_errors_name_the_field_value_and_range(self, override, message):
+        with pytest.raises(ConfigError) as info:
+            load_config(QAVLMConfig, None, [override])
+        assert message in str(info.value) and "\n" not in str(info.value)
+
+    def test_command_line_error_is_one_line(self, capsys, tmp_path):
+        assert main(["--set", "train.lr=-1", "--out-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: train.lr=-1.0 is out of range") and err.count("\n") == 1
+        assert not any(tmp_path.iterdir())
+
+
+class TestTrainRun:
+    def test_trains_exports_resumes_and_ships_only_when_asked(self, tmp_path, monkeypatch):
+        import pipeline.vlm.loading as loading
+        shipped = tmp_path / "shipped" / "arrcoc-synth-qa"
+        monkeypatch.setitem(loading.SHIPPED, "arrcoc-synth-qa", shipped)
+        cfg = tiny_config("train.steps=2", "val.every=1", "val.periodic_clips=2", "val.final_keep_ratios=[1.0, 0.5]")
+        out = tmp_path / "run"
+        summary = train(cfg, out, make_clip=make_clip, log=lambda _: None)
+        assert summary["complete"] and summary["steps"] == 2 and set(summary["val"]) == {"keep_1", "keep_0.5"}
+        assert [h["step"] for h in summary["history"]] == [1]
+        assert set(summary["val"]["keep_1"]) == {"color_moving", "direction", "overall"}
+        assert not shipped.exists()                                         # training writes only under out
+        snapshot = out / "snapshot"
+        assert json.loads((snapshot / "preprocessor_config.json").read_text())["max_pixels"] == 4704
+        assert json.loads((snapshot / "training_summary.json").read_text())["config"] == to_dict(cfg)
+        vlm = loading.load_vlm(str(snapshot), device="cpu", dtype="float32")
+        assert vlm.geometry.max_pixels == 4704 and vlm.model.dtype == torch.float32
+        # a longer run resumes from the checkpoint and ships its snapshot when asked
+        longer = tiny_config("train.steps=4", "val.every=1", "val.periodic_clips=2")
+        summary = train(longer, out, resume=True, export_shipped=True, make_clip=make_clip, log=lambda _: None)
+        assert summary["steps"] == 4 and [h["step"] for h in summary["history"]] == [1, 3]
+        assert (shipped / "model.safetensors").is_file() and (shipped / "tokenizer.json").is_file()
+
+    def test_resume_refuses_another_model(self, tmp_path):
+        train(tiny_config("train.steps=1", "val.clips=0"), tmp_path, make_clip=make_clip, log=lambda _: None)
+        with pytest.raises(ConfigError, match="trained with another model or seed"):
+            train(tiny_config("train.steps=2", "val.clips=0", "model.layers=1"), tmp_path, resume=True,
+                  make_clip=make_clip, log=lambda _: None)

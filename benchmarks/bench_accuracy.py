@@ -26,6 +26,7 @@ selection's own cost, then the VLM's prefill and first token), on the device use
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -220,17 +221,21 @@ def main(argv=None) -> int:
     if args.query_embeddings is not None:
         table = torch.load(args.query_embeddings)
         query_encoder = lambda question: table[question]  # noqa: E731
-    rows = []
+    rows: list[dict] = []
+    result = {"benchmark": "bench_accuracy", "command": " ".join(["python", *sys.argv]), "device": str(device),
+              "device_name": device_name(device), "vlm": args.vlm, "clips": len(plan),
+              "questions": sum(len(w.questions) for w in plan), "one_object_families": list(ONE_OBJECT), "rows": rows}
     for policy in policies:
         for retention in ([1.0] if policy == "stock" else retentions):
             row = run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder)
             print(f"{policy:>15} {retention:>5g}  accuracy {row['accuracy']:.3f}  tokens {row['mean_tokens_kept']}",
                   file=sys.stderr)
             rows.append(row)
+            result["rows"] = rows
+            if args.out:                                    # after every row: a cut-short run keeps its rows
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(rows)
-    result = {"benchmark": "bench_accuracy", "command": " ".join(["python", *sys.argv]), "device": str(device),
-              "device_name": device_name(device), "vlm": args.vlm, "clips": len(plan),
-              "questions": sum(len(w.questions) for w in plan), "one_object_families": list(ONE_OBJECT), "rows": rows}
     if args.ttft:
         result["ttft"] = ttft_rows(policies, retentions, plan, base, vlm, device)
         for r in result["ttft"]:

@@ -83,7 +83,7 @@ class DropConfig:
     keep_max: float = 1.0
     p_all: float = 0.2                # share of questions asked with every visual token
     policies: tuple[str, ...] = POLICIES
-    curriculum_steps: int = 300       # the first steps keep only salient cells (qa_data's curriculum)
+    curriculum_steps: int = 600       # the first steps keep only salient cells (qa_data's curriculum)
     curriculum_keep: tuple[float, float] = (0.1, 0.35)   # their keep ratios (log-uniform)
 
     def __post_init__(self) -> None:
@@ -123,6 +123,7 @@ class TrainConfig:
     device: str = "auto"
     checkpoint_every: int = 500
     time_limit_s: float = 0.0         # >0: stop after this long, checkpointed (continue with --resume)
+    stop_step: int = 0                # >0: the run ends after this step; the schedule still spans steps
 
     def __post_init__(self) -> None:
         for name in ("steps", "clips_per_step", "views_per_question", "warmup_steps", "seed", "first_seed",
@@ -154,6 +155,8 @@ class TrainConfig:
         check_choice("train.device", self.device, ("auto", "cuda", "cpu"))
         check_range("train.checkpoint_every", self.checkpoint_every, 1, 10**7)
         check_range("train.time_limit_s", self.time_limit_s, 0.0, 10**7)
+        check_int("train.stop_step", self.stop_step)
+        check_range("train.stop_step", self.stop_step, 0, self.steps)
 
 
 @dataclass(frozen=True)
@@ -221,16 +224,16 @@ class ValClip:
 
 
 class ValData:
-    """Map-style dataset of validation clips, sampled as the pipeline samples frames."""
+    """Map-style dataset of validation (or test) clips, sampled as the pipeline samples frames."""
 
-    def __init__(self, make_clip: Callable, seeds: list[int], vlm_fps: float) -> None:
-        self.make_clip, self.seeds, self.vlm_fps = make_clip, seeds, vlm_fps
+    def __init__(self, make_clip: Callable, seeds: list[int], vlm_fps: float, split: str = "val") -> None:
+        self.make_clip, self.seeds, self.vlm_fps, self.split = make_clip, seeds, vlm_fps, split
 
     def __len__(self) -> int:
         return len(self.seeds)
 
     def __getitem__(self, i: int) -> ValClip:
-        clip = self.make_clip(self.seeds[i], split="val")
+        clip = self.make_clip(self.seeds[i], split=self.split)
         frames = clip.frames[vlm_frame_indices(len(clip.frames), clip.fps, self.vlm_fps)]
         return ValClip(np.ascontiguousarray(frames), tuple(clip.qas))
 
@@ -377,7 +380,8 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     val_clips = list(loader(ValData(make_clip, list(range(cfg.val.first_seed, cfg.val.first_seed + cfg.val.clips)),
                                     cfg.model.fps), range(cfg.val.clips), cfg.train.workers))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
-    steps, t = cfg.train.steps, cfg.train
+    t = cfg.train
+    steps = t.stop_step or t.steps                    # where this run ends; lr_at spans t.steps
     began = time.perf_counter()
     bar = tqdm(total=steps, initial=start, desc="qa_vlm", mininterval=10.0, file=sys.stdout)
     done, stopped_early, waited = start, False, 0.0
@@ -432,8 +436,8 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     log(f"val after {done} steps ({train_s:.0f} s): {json.dumps(final)}")
     if export_shipped:
         if not summary["complete"]:
-            raise ConfigError("training stopped before train.steps; --export-shipped needs a finished run "
-                              "(continue it with --resume)")
+            raise ConfigError("training stopped before its last step (train.stop_step or train.steps); "
+                              "--export-shipped needs a finished run (continue it with --resume)")
         target = shipped_dir()
         if target.exists():
             shutil.rmtree(target)

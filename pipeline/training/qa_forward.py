@@ -201,7 +201,8 @@ class QAForward:
         with torch.no_grad():
             wrong = (logits.argmax(-1) != targets).long()
             view = (batch.labels != IGNORE).nonzero()[:, 0]
-            per_view = torch.zeros(batch.labels.shape[0], dtype=torch.long, device=wrong.device).index_add_(0, view, wrong)
+            per_view = torch.zeros(batch.labels.shape[0], dtype=torch.long, device=wrong.device)
+            per_view.index_add_(0, view, wrong)                                # wrong tokens per view
             answer_acc = (per_view == 0).float().mean()
         full = sum(int(np.prod(merged[c].shape[:3])) for c, s in enumerate(samples) for _ in s.questions)
         return loss, {"answer_loss": answer_loss.detach(), "answer_acc": answer_acc, "aux": aux.detach(),

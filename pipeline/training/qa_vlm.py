@@ -23,7 +23,7 @@ colour loss through a linear head on the vision tower (training only, not in the
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import json
 import math
 import shutil
@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
-from pipeline.training.qa_data import POLICIES, DropSpec, StepData, cell_colors, keep_map, vlm_frame_indices
+from pipeline.training.qa_data import POLICIES, DropSpec, StepData
+from pipeline.training.qa_eval import ValData, export_snapshot, validate
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
-from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPreprocessor
+from pipeline.vlm.preprocess import VideoPreprocessor
 from sources.scenes import COLORS
 
 SHIPPED_NAME = "arrcoc-synth-qa"
@@ -83,7 +83,7 @@ class DropConfig:
     keep_max: float = 1.0
     p_all: float = 0.2                # share of questions asked with every visual token
     policies: tuple[str, ...] = POLICIES
-    curriculum_steps: int = 300       # the first steps keep only salient cells (qa_data's curriculum)
+    curriculum_steps: int = 600       # the first steps keep only salient cells (qa_data's curriculum)
     curriculum_keep: tuple[float, float] = (0.1, 0.35)   # their keep ratios (log-uniform)
 
     def __post_init__(self) -> None:
@@ -123,6 +123,7 @@ class TrainConfig:
     device: str = "auto"
     checkpoint_every: int = 500
     time_limit_s: float = 0.0         # >0: stop after this long, checkpointed (continue with --resume)
+    stop_step: int = 0                # >0: the run ends after this step; the schedule still spans steps
 
     def __post_init__(self) -> None:
         for name in ("steps", "clips_per_step", "views_per_question", "warmup_steps", "seed", "first_seed",
@@ -154,6 +155,8 @@ class TrainConfig:
         check_choice("train.device", self.device, ("auto", "cuda", "cpu"))
         check_range("train.checkpoint_every", self.checkpoint_every, 1, 10**7)
         check_range("train.time_limit_s", self.time_limit_s, 0.0, 10**7)
+        check_int("train.stop_step", self.stop_step)
+        check_range("train.stop_step", self.stop_step, 0, self.steps)
 
 
 @dataclass(frozen=True)
@@ -214,27 +217,6 @@ def step_data(cfg: QAVLMConfig, make_clip: Callable) -> StepData:
                     curriculum=DropSpec(d.curriculum_keep[0], d.curriculum_keep[1], 0.0, ("salient",)))
 
 
-@dataclass
-class ValClip:
-    frames: np.ndarray                # (T, H, W, 3) uint8, the frames the VLM sees
-    qas: tuple
-
-
-class ValData:
-    """Map-style dataset of validation clips, sampled as the pipeline samples frames."""
-
-    def __init__(self, make_clip: Callable, seeds: list[int], vlm_fps: float) -> None:
-        self.make_clip, self.seeds, self.vlm_fps = make_clip, seeds, vlm_fps
-
-    def __len__(self) -> int:
-        return len(self.seeds)
-
-    def __getitem__(self, i: int) -> ValClip:
-        clip = self.make_clip(self.seeds[i], split="val")
-        frames = clip.frames[vlm_frame_indices(len(clip.frames), clip.fps, self.vlm_fps)]
-        return ValClip(np.ascontiguousarray(frames), tuple(clip.qas))
-
-
 def _identity(x: Any) -> Any:
     return x
 
@@ -251,66 +233,6 @@ def loader(dataset, indices, workers: int):
         return (dataset[i] for i in indices)
     return iter(torch.utils.data.DataLoader(dataset, batch_size=None, sampler=list(indices), num_workers=workers,
                                             collate_fn=_identity, prefetch_factor=4, worker_init_fn=_worker_init))
-
-
-# ---- validation through the pipeline's answer path ----
-def evaluate(vlm, clips: list[ValClip], keep_ratio: float = 1.0, seed: int = 0) -> dict[str, list[int]]:
-    """{family: [correct, asked]} answering every question of `clips` with vlm.answer_questions (all
-    tokens at keep_ratio 1, else random cells at that ratio); exact match of the decoded answer."""
-    tally: dict[str, list[int]] = {}
-    for i, clip in enumerate(clips):
-        keep = None
-        if keep_ratio < 1.0:
-            rng = np.random.default_rng([seed, i])
-            keep = keep_map("random", cell_colors(clip.frames, vlm.geometry.grid(*clip.frames.shape[1:3])),
-                            keep_ratio, rng)
-        results = vlm.answer_questions(clip.frames, keep, [qa.question for qa in clip.qas])
-        for qa, r in zip(clip.qas, results):
-            t = tally.setdefault(qa.family, [0, 0])
-            t[0] += int(r.text == qa.answer)
-            t[1] += 1
-    return tally
-
-
-def accuracy(tally: dict[str, list[int]]) -> dict[str, float]:
-    """Per family and "overall" (mean over questions) accuracy of an evaluate() tally."""
-    acc = {f: round(c / n, 4) for f, (c, n) in sorted(tally.items())}
-    asked = sum(n for _, n in tally.values())
-    acc["overall"] = round(sum(c for c, _ in tally.values()) / asked, 4) if asked else 0.0
-    return acc
-
-
-def validate(snapshot: Path, clips: list[ValClip], device: torch.device, ratios=(1.0,)) -> dict[str, dict[str, float]]:
-    """Load the exported snapshot as a user's local snapshot is loaded, answer the val clips."""
-    from pipeline.vlm.loading import load_vlm
-
-    vlm = load_vlm(str(snapshot), device=device, config=VLMConfig(cuda_graphs=False, max_new_tokens=8,
-                                                                  dtype="bfloat16" if device.type == "cuda" else "float32"))
-    return {f"keep_{r:g}": accuracy(evaluate(vlm, clips, r)) for r in ratios}
-
-
-# ---- snapshot ----
-def export_snapshot(model, tokenizer, cfg: QAVLMConfig, root: Path, summary: dict) -> Path:
-    """A Hugging Face snapshot of the model in bf16: config, weights, tokenizer (+ chat template),
-    processor configs with this model's frame size, and the training summary."""
-    if root.exists():
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    g = geometry(cfg)
-    processor = {"min_pixels": g.min_pixels, "max_pixels": g.max_pixels,
-                 "size": {"shortest_edge": g.min_pixels, "longest_edge": g.max_pixels},
-                 "patch_size": g.patch_size, "temporal_patch_size": g.temporal_patch_size, "merge_size": g.merge_size,
-                 "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD), "rescale_factor": 1 / 255,
-                 "resample": 3, "do_resize": True, "do_rescale": True, "do_normalize": True,
-                 "do_convert_rgb": True, "processor_class": "Qwen2VLProcessor"}
-    (root / "preprocessor_config.json").write_text(json.dumps(
-        {**processor, "image_processor_type": "Qwen2VLImageProcessor"}, indent=2) + "\n")
-    (root / "video_preprocessor_config.json").write_text(json.dumps(
-        {**processor, "video_processor_type": "Qwen2VLVideoProcessor", "fps": cfg.model.fps}, indent=2) + "\n")
-    (root / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return root
 
 
 def shipped_dir() -> Path:
@@ -374,10 +296,16 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
         log(f"resumed at step {start} ({train_s:.0f} s trained)")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters ({n_params * 2 / 2**20:.1f} MiB in bf16) on {_device_name(device)}")
-    val_clips = list(loader(ValData(make_clip, list(range(cfg.val.first_seed, cfg.val.first_seed + cfg.val.clips)),
-                                    cfg.model.fps), range(cfg.val.clips), cfg.train.workers))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
-    steps, t = cfg.train.steps, cfg.train
+    seeds = list(range(cfg.val.first_seed, cfg.val.first_seed + cfg.val.clips))
+    val_clips = list(loader(ValData(make_clip, seeds, cfg.model.fps), range(cfg.val.clips), cfg.train.workers))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    snapshot = out / "snapshot"
+
+    def export(summary: dict) -> Path:
+        return export_snapshot(model, tokenizer, geometry(cfg), cfg.model.fps, snapshot, summary)
+
+    t = cfg.train
+    steps = t.stop_step or t.steps                    # where this run ends; lr_at spans t.steps
     began = time.perf_counter()
     bar = tqdm(total=steps, initial=start, desc="qa_vlm", mininterval=10.0, file=sys.stdout)
     done, stopped_early, waited = start, False, 0.0
@@ -403,8 +331,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
                             data_wait=f"{waited / (time.perf_counter() - began):.0%}", refresh=False)
         elapsed = train_s + time.perf_counter() - began
         if done % cfg.val.every == 0 and done < steps and cfg.val.periodic_clips:
-            acc = validate(export_snapshot(model, tokenizer, cfg, out / "snapshot", {}),
-                           val_clips[:cfg.val.periodic_clips], device)
+            acc = validate(export({}), val_clips[:cfg.val.periodic_clips], device)
             history.append({"step": done, "train_s": round(elapsed, 1), **acc})
             log(f"\nstep {done}: val {acc['keep_1']}")
         if done % t.checkpoint_every == 0 or done == steps:
@@ -417,35 +344,36 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     bar.close()
     run_s = time.perf_counter() - began
     if done > start:
-        memory = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
+        memory = ""
+        if device.type == "cuda":
+            memory = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
         log(f"{done - start} steps in {run_s:.0f} s: {(done - start) / run_s:.2f} steps/s, "
             f"{waited / run_s:.0%} of it waiting for data{memory}")
     train_s = train_s + run_s
-    final = validate(export_snapshot(model, tokenizer, cfg, out / "snapshot", {}), val_clips, device,
-                     cfg.val.final_keep_ratios) if val_clips else {}
+    final = validate(export({}), val_clips, device, cfg.val.final_keep_ratios) if val_clips else {}
     summary = {"name": SHIPPED_NAME, "complete": not stopped_early and done >= steps, "steps": done,
                "train_s": round(train_s, 1), "device": _device_name(device), "parameters": n_params,
                "command": command, "config": config_dict, "val_clips": cfg.val.clips, "val": final,
                "history": history}
-    export_snapshot(model, tokenizer, cfg, out / "snapshot", summary)
+    export(summary)
     (out / "history.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"val after {done} steps ({train_s:.0f} s): {json.dumps(final)}")
     if export_shipped:
         if not summary["complete"]:
-            raise ConfigError("training stopped before train.steps; --export-shipped needs a finished run "
-                              "(continue it with --resume)")
+            raise ConfigError("training stopped before its last step (train.stop_step or train.steps); "
+                              "--export-shipped needs a finished run (continue it with --resume)")
         target = shipped_dir()
         if target.exists():
             shutil.rmtree(target)
-        shutil.copytree(out / "snapshot", target)
+        shutil.copytree(snapshot, target)
         log(f"exported to {target}")
     return summary
 
 
 def _save(path: Path, model, aux_head, opt, step: int, history: list, train_s: float, config: dict) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "aux_head": aux_head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-                "train_s": train_s, "config": config}, tmp)
+    torch.save({"model": model.state_dict(), "aux_head": aux_head.state_dict(), "optimizer": opt.state_dict(),
+                "step": step, "history": history, "train_s": train_s, "config": config}, tmp)
     tmp.replace(path)
 
 
@@ -458,20 +386,13 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 # ---- command line ----
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pipeline.training.qa_vlm",
                                 description="train the small Qwen2-VL arrcoc-synth-qa on generated video QA")
     p.add_argument("--config", help="YAML config (configs/qa_vlm.yaml)")
-    p.add_argument("--out-dir", default="runs/qa_vlm", help="where checkpoints and the snapshot go (default: %(default)s)")
+    p.add_argument("--out-dir", default="runs/qa_vlm",
+                   help="where checkpoints and the snapshot go (default: %(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt when it exists")
     p.add_argument("--export-shipped", action="store_true",
@@ -491,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
-        print(f"error: {e} (the training needs sources/synth_qa.py and the packages of pyproject.toml)", file=sys.stderr)
+        print(f"error: {e} (the training needs sources/synth_qa.py and the packages of pyproject.toml)",
+              file=sys.stderr)
         return 2
     return 0
 

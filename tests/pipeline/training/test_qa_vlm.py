@@ -177,13 +177,23 @@ class TestTrainingInputsAreThePipelines:
 
 
 class TestConfig:
-    def test_shipped_yaml_is_the_defaults(self):
-        assert load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml") == QAVLMConfig()
+    def test_yaml_is_the_shipped_snapshots_recipe(self):
+        """configs/qa_vlm.yaml trains what pipeline/vlm/weights/arrcoc-synth-qa was trained with
+        (that run ended at train.stop_step by a time limit; workers do not change the data)."""
+        from pipeline.vlm.loading import SHIPPED
+        yaml_cfg = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml"))
+        shipped = json.loads((SHIPPED["arrcoc-synth-qa"] / "training_summary.json").read_text())
+        assert yaml_cfg["train"]["stop_step"] == shipped["steps"]
+        for name in ("workers", "time_limit_s", "stop_step"):
+            yaml_cfg["train"].pop(name)
+            shipped["config"]["train"].pop(name, None)
+        assert yaml_cfg == shipped["config"]
 
     @pytest.mark.parametrize("override,message", [
         ("train.lr=0", "train.lr=0.0 is out of range; allowed: (0.0, 1.0]"),
         ("train.steps=0", "train.steps=0 is out of range; allowed: [1, 10000000]"),
         ("train.warmup_steps=5000", "train.warmup_steps=5000 is out of range; allowed: [0, 1200]"),
+        ("train.stop_step=1300", "train.stop_step=1300 is out of range; allowed: [0, 1200]"),
         ("train.device=tpu", "train.device='tpu' is not supported; allowed: auto, cuda, cpu"),
         ("train.jpeg_quality=[90, 60]", "train.jpeg_quality=[90, 60] must be [low, high] with low <= high"),
         ("train.clips_per_step=2.5", "train.clips_per_step must be an integer, got 2.5"),
@@ -232,6 +242,14 @@ class TestTrainRun:
         summary = train(longer, out, resume=True, export_shipped=True, make_clip=make_clip, log=lambda _: None)
         assert summary["steps"] == 4 and [h["step"] for h in summary["history"]] == [1, 3]
         assert (shipped / "model.safetensors").is_file() and (shipped / "tokenizer.json").is_file()
+
+    def test_stop_step_ends_the_run_on_the_full_schedule(self, tmp_path):
+        from pipeline.training.qa_vlm import lr_at
+        cfg = tiny_config("train.steps=4", "train.stop_step=2", "val.clips=0")
+        summary = train(cfg, tmp_path, make_clip=make_clip, log=lambda _: None)
+        assert summary["complete"] and summary["steps"] == 2
+        assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 2
+        assert lr_at(1, cfg.train) > lr_at(3, cfg.train) > cfg.train.lr * cfg.train.min_lr_ratio
 
     def test_resume_refuses_another_model(self, tmp_path):
         train(tiny_config("train.steps=1", "val.clips=0"), tmp_path, make_clip=make_clip, log=lambda _: None)

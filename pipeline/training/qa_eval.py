@@ -1,0 +1,98 @@
+"""Validation and export of the video-QA VLM: answers through the pipeline's own path, and the
+Hugging Face snapshot that path loads."""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline.training.qa_data import cell_colors, keep_map, vlm_frame_indices
+from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.geometry import VLMGeometry
+from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+
+@dataclass
+class ValClip:
+    frames: np.ndarray                # (T, H, W, 3) uint8, the frames the VLM sees
+    qas: tuple
+
+
+class ValData:
+    """Map-style dataset of validation (or test) clips, sampled as the pipeline samples frames."""
+
+    def __init__(self, make_clip: Callable, seeds: list[int], vlm_fps: float, split: str = "val") -> None:
+        self.make_clip, self.seeds, self.vlm_fps, self.split = make_clip, seeds, vlm_fps, split
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def __getitem__(self, i: int) -> ValClip:
+        clip = self.make_clip(self.seeds[i], split=self.split)
+        frames = clip.frames[vlm_frame_indices(len(clip.frames), clip.fps, self.vlm_fps)]
+        return ValClip(np.ascontiguousarray(frames), tuple(clip.qas))
+
+
+def evaluate(vlm, clips: list[ValClip], keep_ratio: float = 1.0, seed: int = 0) -> dict[str, list[int]]:
+    """{family: [correct, asked]} answering every question of `clips` with vlm.answer_questions (all
+    tokens at keep_ratio 1, else random cells at that ratio); exact match of the decoded answer."""
+    tally: dict[str, list[int]] = {}
+    for i, clip in enumerate(clips):
+        keep = None
+        if keep_ratio < 1.0:
+            rng = np.random.default_rng([seed, i])
+            keep = keep_map("random", cell_colors(clip.frames, vlm.geometry.grid(*clip.frames.shape[1:3])),
+                            keep_ratio, rng)
+        results = vlm.answer_questions(clip.frames, keep, [qa.question for qa in clip.qas])
+        for qa, r in zip(clip.qas, results):
+            t = tally.setdefault(qa.family, [0, 0])
+            t[0] += int(r.text == qa.answer)
+            t[1] += 1
+    return tally
+
+
+def accuracy(tally: dict[str, list[int]]) -> dict[str, float]:
+    """Per family and "overall" (mean over questions) accuracy of an evaluate() tally."""
+    acc = {f: round(c / n, 4) for f, (c, n) in sorted(tally.items())}
+    asked = sum(n for _, n in tally.values())
+    acc["overall"] = round(sum(c for c, _ in tally.values()) / asked, 4) if asked else 0.0
+    return acc
+
+
+def validate(snapshot: Path, clips: list[ValClip], device: torch.device,
+             ratios: tuple[float, ...] = (1.0,)) -> dict[str, dict[str, float]]:
+    """Load the exported snapshot as a user's local snapshot is loaded, answer the val clips."""
+    from pipeline.vlm.loading import load_vlm
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    vlm = load_vlm(str(snapshot), device=device, config=VLMConfig(cuda_graphs=False, max_new_tokens=8, dtype=dtype))
+    return {f"keep_{r:g}": accuracy(evaluate(vlm, clips, r)) for r in ratios}
+
+
+def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: Path, summary: dict) -> Path:
+    """A Hugging Face snapshot of the model in bf16: config, weights, tokenizer (+ chat template),
+    processor configs with this model's frame size (geometry), and the training summary."""
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    g = geometry
+    processor = {"min_pixels": g.min_pixels, "max_pixels": g.max_pixels,
+                 "size": {"shortest_edge": g.min_pixels, "longest_edge": g.max_pixels},
+                 "patch_size": g.patch_size, "temporal_patch_size": g.temporal_patch_size, "merge_size": g.merge_size,
+                 "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD), "rescale_factor": 1 / 255,
+                 "resample": 3, "do_resize": True, "do_rescale": True, "do_normalize": True,
+                 "do_convert_rgb": True, "processor_class": "Qwen2VLProcessor"}
+    (root / "preprocessor_config.json").write_text(json.dumps(
+        {**processor, "image_processor_type": "Qwen2VLImageProcessor"}, indent=2) + "\n")
+    (root / "video_preprocessor_config.json").write_text(json.dumps(
+        {**processor, "video_processor_type": "Qwen2VLVideoProcessor", "fps": fps}, indent=2) + "\n")
+    (root / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return root

@@ -1,6 +1,7 @@
 """`python -m pipeline run` end to end on generated videos, and every bad input it must survive."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -145,13 +146,13 @@ class TestRun:
         assert "complete=false, damaged=true" in err
 
 
-def test_demo_makes_its_clip_then_the_store_overlay_and_contact_sheet(capsys, tmp_path):
+def test_allocation_demo_makes_its_clip_then_the_store_overlay_and_contact_sheet(capsys, tmp_path):
     import struct
 
     import av
 
     out = tmp_path / "demo" / "demo.zarr"
-    code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu")
+    code, stdout, err = run_cli(capsys, "demo", "--vlm", "none", "--out", str(out), "--device", "cpu")
     assert code == 0, err
     assert "generated sample video" in err
     data = read_stream(out, "sample")
@@ -163,8 +164,26 @@ def test_demo_makes_its_clip_then_the_store_overlay_and_contact_sheet(capsys, tm
     width, height = struct.unpack(">II", png[16:24])                            # IHDR
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and width > 0 and height > 0
     assert "contact sheet:" in stdout
-    code, _, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu")   # the clip is kept
+    code, _, err = run_cli(capsys, "demo", "--vlm", "none", "--out", str(out), "--device", "cpu")   # the clip is kept
     assert code == 0 and "generated sample video" not in err
+
+
+def test_default_demo_answers_its_clips_questions_with_the_shipped_model(capsys, tmp_path):
+    """`make demo` on a CPU-only machine, nothing downloaded: the shipped arrcoc-synth-qa answers the
+    held-out clip's questions; the summary puts each answer next to the exact one and the tokens.
+    The model reads colours (the moving object's, the one after the cut) reliably: those must be right."""
+    out = tmp_path / "demo" / "demo.zarr"
+    code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu", "--no-progress")
+    assert code == 0, err
+    summary = json.loads(stdout.strip().splitlines()[0])
+    assert summary["vlm"] == "arrcoc-synth-qa" and len(summary["answers"]) == 6
+    by_question = {a["question"]: a for a in summary["answers"]}
+    for question, answer in by_question.items():
+        assert 0 < answer["tokens_kept"] < answer["tokens_full"]
+        if "color" in question.lower():
+            assert answer["correct"] and answer["answer"] == answer["expected"], answer
+    assert validate_store(out) == [] and summary["scene_changes"][-1] > 0      # the clip's cut is found
+    assert (tmp_path / "demo" / "demo_overlay.mp4").stat().st_size > 0 and (tmp_path / "demo" / "demo_contact.png").is_file()
 
 
 class TestBoundedQueues:

@@ -12,7 +12,6 @@ of every visual token's colour (qa_data.token_colors) weighted by aux_weight.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +22,7 @@ from pipeline.training.qa_data import ClipSample
 from pipeline.vlm.model import SYSTEM_PROMPT
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
+from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
 
 BEFORE_VIDEO = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
@@ -52,12 +52,11 @@ class QAForward:
         self.model, self.tokenizer, self.preprocessor = model, tokenizer, preprocessor
         self.aux_head, self.aux_weight = aux_head, aux_weight
         self.device = next(model.parameters()).device
-        self.visual, self.lm = model.model.visual, model.model.language_model
+        self.visual, self.lm = hf.vision_tower(model), hf.language_model(model)
         patch_vision_attention(self.visual)
         self.video_token_id = model.config.video_token_id
         self.pad_id = tokenizer.pad_token_id
         self.before = tokenizer(BEFORE_VIDEO).input_ids
-        self._rope_takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
         self._layouts: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
         self._token_cache: dict[str, list[int]] = {}
 
@@ -70,10 +69,8 @@ class QAForward:
             probe = self.tokenizer(after_video("?")).input_ids
             ids = torch.tensor([self.before + [self.video_token_id] * n_full + probe], device=self.device)
             m = self.preprocessor.geometry.merge_size
-            kwargs = dict(input_ids=ids, video_grid_thw=torch.tensor([[Tp, gh * m, gw * m]], device=self.device))
-            if self._rope_takes_types:
-                kwargs["mm_token_type_ids"] = (ids == self.video_token_id).int() * 2
-            positions = self.model.model.get_rope_index(**kwargs)[0][:, 0].cpu().numpy()   # (3, L_full)
+            grid = torch.tensor([[Tp, gh * m, gw * m]], device=self.device)
+            positions = hf.rope_index(self.model, ids, grid, self.video_token_id)[:, 0].cpu().numpy()  # (3, L_full)
             end = len(self.before) + n_full
             text_start = int(positions[0, end])
             if positions[:, :end].max() >= text_start:

@@ -41,6 +41,7 @@ from pipeline.training.qa_eval import ValData, export_snapshot, validate
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
+from pipeline.vlm import hf
 from sources.scenes import COLORS
 
 SHIPPED_NAME = "arrcoc-synth-qa"
@@ -277,7 +278,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     model.train()
     # the vision tower has no dropout or normalization statistics: eval() only routes its attention
     # through the pipeline's batched kernel (one SDPA call per layer instead of one per frame pair)
-    model.model.visual.eval()
+    hf.vision_tower(model).eval()
     # the token-colour head: training only, never exported
     aux_head = torch.nn.Linear(cfg.model.hidden, len(COLORS) + 1, device=device)
     forward = QAForward(model, tokenizer, preprocessor, aux_head, cfg.train.aux_weight)

@@ -38,7 +38,7 @@ class TestFrameSampling:
     @pytest.mark.parametrize("fps,vlm_fps,n", [(10.0, 2.0, 35), (8.0, 2.0, 27), (29.97, 2.0, 100), (3.0, 2.0, 10),
                                                (1.0, 2.0, 5)])
     def test_matches_the_realize_stage(self, fps, vlm_fps, n):
-        from pipeline.stages import RealizeStage
+        from pipeline.core.stages import RealizeStage
         stage = SimpleNamespace(vlm_fps=vlm_fps, next_vlm_pts={})
         item = SimpleNamespace(stream_id="s", frames=[SimpleNamespace(pts_s=i / fps) for i in range(n)])
         marks = RealizeStage.vlm_frames(stage, item).tolist()

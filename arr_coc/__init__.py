@@ -9,8 +9,9 @@ config imports, does not import torch.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 _HOMES = {
     "ARRCOC": "model", "ARRCOCConfig": "model", "Allocation": "model",
@@ -33,14 +34,4 @@ if TYPE_CHECKING:
     from .texture import CHANNELS, TextureConfig, TextureExtractor
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -8,8 +8,9 @@ The names below are imported on first use (PEP 562): `import pipeline`, and the 
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from arr_coc._lazy import lazy_exports
 
 _HOMES = {
     "Pipeline": "api", "Answer": "api", "VideoAnswers": "api",
@@ -29,14 +30,4 @@ if TYPE_CHECKING:
     from .runners.run import AllocationStream, RunResult
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -6,18 +6,11 @@ command's configuration, and importing the model code with it would import trans
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from arr_coc._lazy import lazy_exports
 
 _HOMES = {"VLMConfig": "config", "VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading",
           "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model", "KeptFeatures": "kept_vision"}
 __all__ = list(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -60,6 +60,16 @@ def spawn(tmp_path: Path, body: str, stdin: bool = False) -> subprocess.Popen:
                             stdin=subprocess.PIPE if stdin else None)
 
 
+def kill_when_ready(proc: subprocess.Popen) -> None:
+    """kill -9 a spawned writer once it printed "ready" (killed all the same if it never does)."""
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+
+
 @pytest.fixture
 def store(tmp_path):
     return ZarrStore.open(tmp_path / "out.zarr", config={"vlm": {"id": "none"}, "budget": 64})
@@ -530,12 +540,7 @@ class TestCrashSafety:
             print("ready", flush=True)
             time.sleep(60)
         """)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            proc.stdout.close()
+        kill_when_ready(proc)
         path = tmp_path / "out.zarr"
         assert self._assert_consistent_incomplete(path, 128) == 128
         group = zarr.open_group(path / "streams/v", mode="r")
@@ -621,12 +626,7 @@ class TestOwnership:
             print("ready", flush=True)
             time.sleep(60)
         """)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            proc.stdout.close()
+        kill_when_ready(proc)
         lock = tmp_path / "out.zarr/.locks/v.lock"
         assert json.loads(lock.read_text())["pid"] == proc.pid                  # left behind by kill -9
         store = ZarrStore.open(tmp_path / "out.zarr")

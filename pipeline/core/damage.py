@@ -1,6 +1,7 @@
 """A video that damage stopped decoding early: what its stream records, and who counts it as done.
 
-Such a stream, processed to the last frame that could be decoded, is finished but not complete.
+Such a stream, processed to the last frame that could be decoded, is finished but not complete
+(the sink closes it with StreamWriter.close(damaged=True, truncated_at_s=...)).
 `complete` stays false: the store does not hold the whole video, and a reader that knows only
 `complete` must not take it for one (`run` and `live` say so on stderr). Two attrs say why and
 where it stops:
@@ -18,13 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from sinks import SinkError
-
-
-def close_stream(writer: Any, *, complete: bool, damaged: bool = False, last_pts_s: float | None = None) -> None:
-    """Close a stream's writer; `damaged`: it was processed to where damage stopped decoding
-    (`last_pts_s`: its last frame's pts), recorded as above."""
-    damaged = damaged and not complete
-    writer.close(complete=complete, damaged=damaged, truncated_at_s=last_pts_s if damaged else None)
 
 
 def is_damaged(attrs: dict[str, Any]) -> bool:

@@ -11,16 +11,14 @@ records the gap.
 from __future__ import annotations
 
 import collections
-import json
 import itertools
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, TextIO
+from typing import Any, Iterable, Iterator
 
 import numpy as np
-import torch
 
 from arr_coc._validate import check_range
 from arr_coc.lod import token_frames
@@ -28,9 +26,7 @@ from sources.frame import Frame
 from sources.live import Gap, LiveSource
 
 from ..config import PipelineConfig
-from ..vlm.geometry import VLMGeometry
-from .damage import close_stream
-from .graph import Stage
+from .graph import Channel, Stage
 from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
 
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95

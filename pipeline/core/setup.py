@@ -9,6 +9,7 @@ weights under any VLM. The VLM couples to the question itself, in pass 2 (pipeli
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 

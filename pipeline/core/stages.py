@@ -29,7 +29,6 @@ from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
 from .cuda import CAPTURE_LOCK, to_device
-from .damage import close_stream
 from .frontend_graphs import FrontendGraphs, graphable
 from .graph import Stage
 
@@ -598,8 +597,9 @@ class SinkStage(Stage):
                 continue
             outcome = "incomplete" if failed or self.interrupted else self.outcome(sid)
             try:
-                close_stream(writer, complete=outcome == "complete", damaged=outcome == "damaged",
-                             last_pts_s=self.last_pts.get(sid))
+                damaged = outcome == "damaged"        # core/damage.py: done up to the damage, not complete
+                writer.close(complete=outcome == "complete", damaged=damaged,
+                             truncated_at_s=self.last_pts.get(sid) if damaged else None)
             except Exception as e:  # close every writer; report the first failure
                 errors.append(e)
         if errors:

@@ -33,7 +33,7 @@ from arr_coc._validate import ConfigError
 from sinks import ZarrStore, store_location
 from sources import SourceError
 from sources.process import DecodeWorker
-from sources.msrvtt import TASKS, Dataset, VideoWork, load_msrvtt
+from sources.msrvtt import Dataset, VideoWork
 
 from ..config import PipelineConfig
 from ..configio import to_dict

@@ -12,17 +12,15 @@ video's answers in annotation order, so the k-th answer to a text is the k-th qu
 """
 from __future__ import annotations
 
-import json
 import re
 import string
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sinks import SinkError, ZarrStore, store_location
-from sources.msrvtt import TASKS, Dataset, Question, load_msrvtt
+from sinks import ZarrStore
+from sources.msrvtt import Dataset, Question
 
 from ..core.damage import damaged_streams
 

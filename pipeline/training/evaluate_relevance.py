@@ -13,9 +13,6 @@ redundancy off, so that it shows where the model looks, not what it could skip.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace

@@ -16,7 +16,6 @@ continues from the last one and reproduces the uninterrupted run.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time

@@ -120,6 +120,8 @@ class QAClip:
     fps: float
     qas: tuple[QA, ...]  # at most one question per family, each answer exact for this clip
     seed: int
+    # (colour, shape, motion) of every object shown, motion a direction word or "still" (training targets)
+    objects: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.frames.dtype != np.uint8 or self.frames.ndim != 4 or self.frames.shape[-1] != 3:
@@ -324,7 +326,8 @@ def make_qa_scene(seed: int, *, split: Split = "train") -> QAScene:
     cut = any(t.kind == "cut" for t in transitions)
     # "yes" on even seeds: any run of consecutive seeds is balanced, so always-yes scores 50%
     qas = _questions(rng, tracks, motions, cut, size, exists=seed % 2 == 0)
-    clip = QAClip(np.stack(frames), fps, qas, int(seed))
+    objects = tuple((t.color, t.shape, direction_answer(t.travel) if t.travel != (0, 0) else "still") for t in tracks)
+    clip = QAClip(np.stack(frames), fps, qas, int(seed), objects)
     return QAScene(clip, tuple(tracks), tuple(shot), tuple(transitions), tuple(motions), kind)
 
 

@@ -22,10 +22,17 @@ steps keep only the cells that stand out (salience at a small ratio): with the b
 the few object tokens dominate what the question attends to, which is what lets a model learnt
 from scratch start grounding its answers (with every token it sat at the answer priors).
 
-Token colours: an auxiliary target per visual token, the named colour (sources.scenes.COLORS)
-covering at least a quarter of its cell over its frame pair, else background. A linear head on
-the vision tower's tokens learns it alongside the answers (only during training): dense,
-per-token supervision that gives the tower colour and object features from the first steps.
+Token colours and shapes: auxiliary targets per visual token, the named colour
+(sources.scenes.COLORS) covering at least a quarter of its cell over its frame pair, else
+background, and the shape and motion (travel against the background) of the object of that
+colour (colours name one object in a clip; a colour two objects share, or one no object has, is
+left out). A linear head on the vision tower's tokens learns them alongside the answers (only
+during training): dense, per-token supervision that gives the tower colour, shape and motion
+features from the first steps (a token's frame pair shows its motion). Without the shape target
+a model learnt colours but sat at chance on every question about shapes. Token regions: the 3x3
+region of each visual token's cell, a target for a linear probe on the LM's hidden state of that
+token after a few layers (qa_forward): with relative positions alone (M-RoPE) nothing in a
+token's value says where it is, and "where" questions sat at chance.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import cv2
 import numpy as np
 
 from pipeline.vlm.geometry import VLMGeometry
-from sources.scenes import COLORS
+from sources.scenes import COLORS, SHAPES
 
 WINDOW_MAX_FRAMES = 256          # VLMStage's window: past this, every other frame is dropped
 PALETTE = np.array(list(COLORS.values()), np.float32)    # (C, 3): token colour classes; C = background
@@ -102,6 +109,38 @@ def token_colors(frames: np.ndarray, grid: tuple[int, int], temporal_patch: int 
     share = onehot.reshape(-1, temporal_patch, gh, sub, gw, sub, len(PALETTE) + 1).mean((1, 3, 5))
     colored = share[..., :-1].max(-1) >= COLOR_SHARE
     return np.where(colored, share[..., :-1].argmax(-1), len(PALETTE)).astype(np.int8)
+
+
+MOTIONS = ("left", "right", "up", "down", "still")     # an object's travel against the background
+
+
+def token_objects(colors: np.ndarray, objects: tuple[tuple[str, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """token_colors' labels and a clip's (colour, shape, motion) objects -> per token the index of
+    its object's shape (SHAPES; len(SHAPES) for background) and of its motion (MOTIONS; background
+    is "still"); -1 (no target) where its colour belongs to no object, or to objects that differ."""
+    names = list(COLORS)
+    out = []
+    for k, words in ((1, SHAPES), (2, MOTIONS)):
+        table = np.full(len(names) + 1, -1, np.int8)
+        table[len(names)] = len(SHAPES) if k == 1 else MOTIONS.index("still")
+        found: dict[str, set[str]] = {}
+        for obj in objects:
+            if len(obj) > k:
+                found.setdefault(obj[0], set()).add(obj[k])
+        for color, values in found.items():
+            if color in names and len(values) == 1:
+                table[names.index(color)] = words.index(next(iter(values)))
+        out.append(table[colors.astype(np.int64)])
+    return out[0], out[1]
+
+
+def token_regions(grid: tuple[int, int]) -> np.ndarray:
+    """(gh, gw) int8: the 3x3 region (row-major, as sources.synth_qa.where_answer's words) of each
+    cell's centre."""
+    gh, gw = grid
+    rows = np.minimum(2, ((np.arange(gh) + 0.5) * 3 / gh).astype(int))
+    cols = np.minimum(2, ((np.arange(gw) + 0.5) * 3 / gw).astype(int))
+    return (rows[:, None] * 3 + cols[None, :]).astype(np.int8)
 
 
 def _top(score: np.ndarray, ratio: float, rng: np.random.Generator) -> np.ndarray:
@@ -222,6 +261,8 @@ class ClipSample:
     families: list[str]
     keeps: list[np.ndarray]              # (T, gh, gw) int8 per view
     colors: np.ndarray                   # (T', gh, gw) int8 token colours (token_colors)
+    shapes: np.ndarray | None = None     # (T', gh, gw) int8 token shapes (token_objects), -1: none
+    motions: np.ndarray | None = None    # (T', gh, gw) int8 token motions (token_objects), -1: none
 
 
 class StepData:
@@ -263,7 +304,9 @@ class StepData:
         grid = self.geometry.grid(*frames.shape[1:3])
         cells = cell_colors(frames, grid)
         qas = [qa for qa in clip.qas for _ in range(self.views)]
+        colors = token_colors(frames, grid, self.geometry.temporal_patch_size)
+        shapes, motions = token_objects(colors, getattr(clip, "objects", ()))
         return ClipSample(frames=np.ascontiguousarray(frames), questions=[qa.question for qa in qas],
                           answers=[qa.answer for qa in qas], families=[qa.family for qa in qas],
                           keeps=[draw_keep(drop or self.drop, cells, rng) for _ in qas],
-                          colors=token_colors(frames, grid, self.geometry.temporal_patch_size))
+                          colors=colors, shapes=shapes, motions=motions)

@@ -8,7 +8,10 @@ turn and the answer at consecutive text positions, as cached decoding places gen
 Frames go through the pipeline's VideoPreprocessor on the device and all clips of a step through
 one vision-tower call with the pipeline's batched attention. The loss is the cross-entropy of the
 answer tokens and <|im_end|> (where greedy decoding must stop), plus, with an auxiliary head, that
-of every visual token's colour (qa_data.token_colors) weighted by aux_weight.
+of every visual token's colour (qa_data.token_colors) weighted by aux_weight, of its object's
+shape and motion (qa_data.token_objects) weighted by aux_shape_weight and aux_motion_weight, and,
+through a probe on the LM's hidden state after `region_layer` layers, of each kept visual token's
+3x3 region (qa_data.token_regions) weighted by region_weight.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.training.qa_data import ClipSample
+from pipeline.training.qa_data import MOTIONS, ClipSample, token_regions
 from pipeline.vlm.model import SYSTEM_PROMPT
+from sources.scenes import COLORS, SHAPES
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
 from pipeline.vlm import hf
@@ -42,15 +46,19 @@ class LMBatch:
     labels: torch.Tensor
     lengths: list[int]
     tokens_kept: list[int]
+    regions: torch.Tensor | None = None   # (B, L) each kept visual token's 3x3 region, -1 elsewhere
 
 
 class QAForward:
     """ClipSamples -> answer loss through a Qwen2VLForConditionalGeneration, inputs as at inference."""
 
     def __init__(self, model, tokenizer, preprocessor: VideoPreprocessor, aux_head: torch.nn.Module | None = None,
-                 aux_weight: float = 0.0) -> None:
+                 aux_weight: float = 0.0, aux_shape_weight: float = 0.0, aux_motion_weight: float = 0.0,
+                 region_head: torch.nn.Module | None = None, region_weight: float = 0.0, region_layer: int = 2) -> None:
         self.model, self.tokenizer, self.preprocessor = model, tokenizer, preprocessor
-        self.aux_head, self.aux_weight = aux_head, aux_weight
+        self.aux_head, self.aux_weight, self.aux_shape_weight = aux_head, aux_weight, aux_shape_weight
+        self.aux_motion_weight = aux_motion_weight
+        self.region_head, self.region_weight, self.region_layer = region_head, region_weight, region_layer
         self.device = next(model.parameters()).device
         self.visual, self.lm = hf.vision_tower(model), hf.language_model(model)
         patch_vision_attention(self.visual)
@@ -153,10 +161,15 @@ class QAForward:
         pos = np.zeros((3, B, L), np.int64)
         labels = np.full((B, L), IGNORE)
         vis_row = np.full((B, L), -1)
+        regions = np.full((B, L), -1)
         for b, (i, p, lab, r) in enumerate(seqs):
             n = len(i)
             ids[b, :n], pos[:, b, :n], labels[b, :n] = i, p, lab
             vis_row[b, len(self.before):len(self.before) + len(r)] = r
+            if self.region_head is not None:
+                gh, gw = merged[views[b][0]].shape[1:3]
+                regions[b, len(self.before):len(self.before) + len(r)] = token_regions((gh, gw)).ravel()[
+                    local[b] % (gh * gw)]
         dev = self.device
         vis_row_t = torch.from_numpy(vis_row)
         vis_row_t = (vis_row_t.pin_memory() if dev.type == "cuda" else vis_row_t).to(dev, non_blocking=True)
@@ -164,21 +177,29 @@ class QAForward:
         embeds = self.lm.embed_tokens((ids_t.pin_memory() if dev.type == "cuda" else ids_t).to(dev, non_blocking=True))
         visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D)
         embeds = torch.where((vis_row_t >= 0)[..., None], visual, embeds)
-        host = (torch.from_numpy(pos), torch.from_numpy(labels))
+        host = (torch.from_numpy(pos), torch.from_numpy(labels), torch.from_numpy(regions))
         if dev.type == "cuda":
             host = tuple(t.pin_memory() for t in host)
-        pos_d, labels_d = (t.to(dev, non_blocking=True) for t in host)
-        return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs])
+        pos_d, labels_d, regions_d = (t.to(dev, non_blocking=True) for t in host)
+        return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs],
+                       regions_d if self.region_head is not None else None)
 
     def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""
         # no mask but the causal one: every row is right padded, so no real token sees a pad, and
         # SDPA runs its causal kernel instead of one with a (B, 1, L, L) mask
-        hidden = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions,
-                         use_cache=False).last_hidden_state                   # (B, L, D)
+        probe = batch.regions is not None
+        out = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions, use_cache=False,
+                      output_hidden_states=probe)
+        self._probe = out.hidden_states[self.region_layer] if probe else None   # (B, L, D) after region_layer layers
+        hidden = out.last_hidden_state                                          # (B, L, D)
         where = batch.labels != IGNORE
         # position i predicts labels[i]: labels hold the token that follows each position
         return self.model.lm_head(hidden[where]).float(), batch.labels[where]
+
+    def _labels(self, parts: list[np.ndarray]) -> torch.Tensor:
+        labels = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64))
+        return (labels.pin_memory() if self.device.type == "cuda" else labels).to(self.device, non_blocking=True)
 
     def __call__(self, samples: list[ClipSample]) -> tuple[torch.Tensor, dict[str, float]]:
         """-> the loss, and stats: the answers' cross-entropy and the share right under teacher forcing,
@@ -189,12 +210,26 @@ class QAForward:
         logits, targets = self.logits(batch)
         answer_loss = F.cross_entropy(logits, targets)
         loss, aux = answer_loss, torch.zeros((), device=answer_loss.device)
-        if self.aux_head is not None and self.aux_weight > 0:
-            colors = torch.from_numpy(np.concatenate([s.colors.reshape(-1) for s in samples]).astype(np.int64))
-            colors = (colors.pin_memory() if self.device.type == "cuda" else colors).to(self.device, non_blocking=True)
+        if self.aux_head is not None:
             tokens = torch.cat([m.reshape(-1, m.shape[-1]) for m in merged])                 # (N, D)
-            aux = F.cross_entropy(self.aux_head(tokens).float(), colors)
+            out = self.aux_head(tokens).float()                       # (N, C + 1 [+ S + 1] [+ M])
+            start = len(COLORS) + 1
+            aux = F.cross_entropy(out[:, :start], self._labels([s.colors for s in samples]))
             loss = answer_loss + self.aux_weight * aux
+            for field, weight, width in (("shapes", self.aux_shape_weight, len(SHAPES) + 1),
+                                         ("motions", self.aux_motion_weight, len(MOTIONS))):
+                if weight <= 0:
+                    continue
+                labels = self._labels([getattr(s, field) if getattr(s, field) is not None
+                                       else np.full_like(s.colors, -1) for s in samples])
+                part = F.cross_entropy(out[:, start:start + width], labels, ignore_index=-1) \
+                    if bool((labels >= 0).any()) else out.sum() * 0.0
+                aux, loss, start = aux + part, loss + weight * part, start + width
+        if self.region_head is not None and self.region_weight > 0:
+            visual = batch.regions >= 0
+            region_loss = F.cross_entropy(self.region_head(self._probe[visual]).float(), batch.regions[visual])
+            aux = aux + region_loss
+            loss = loss + self.region_weight * region_loss
         with torch.no_grad():
             wrong = (logits.argmax(-1) != targets).long()
             view = (batch.labels != IGNORE).nonzero()[:, 0]

@@ -36,13 +36,13 @@ from typing import Any, Callable
 import torch
 
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
-from pipeline.training.qa_data import POLICIES, DropSpec, StepData
+from pipeline.training.qa_data import MOTIONS, POLICIES, DropSpec, StepData
 from pipeline.training.qa_eval import ValData, export_snapshot, validate
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm import hf
-from sources.scenes import COLORS
+from sources.scenes import COLORS, SHAPES
 
 SHIPPED_NAME = "arrcoc-synth-qa"
 
@@ -58,6 +58,7 @@ class ModelConfig:
     vision_dim: int = 256
     vision_heads: int = 4
     vision_mlp_ratio: int = 4
+    rope_theta: float = 1e6           # the LM's M-RoPE base (Qwen2-VL's 1e6 barely turns the w axis on small grids)
     max_pixels: int = 224 * 224       # frames are resized into this many pixels (saved in the snapshot)
     fps: float = VLMConfig.fps        # frames per second the VLM sees: the pipeline's vlm.fps
 
@@ -76,6 +77,7 @@ class ModelConfig:
             raise ConfigError(f"model.vision_dim={self.vision_dim} must divide into "
                               f"model.vision_heads={self.vision_heads} heads")
         check_range("model.fps", self.fps, 0.0, 240.0, lo_open=True)
+        check_range("model.rope_theta", self.rope_theta, 1.0, 1e9)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ class TrainConfig:
     weight_decay: float = 0.05
     grad_clip: float = 1.0
     aux_weight: float = 1.0           # weight of the token-colour loss (0: none)
+    aux_shape_weight: float = 0.0     # weight of the token-shape loss (0: none)
+    aux_motion_weight: float = 0.0    # weight of the token-motion loss (0: none)
+    aux_region_weight: float = 0.0    # weight of the LM probe's token-region loss (0: none)
+    aux_region_layer: int = 2         # the LM layer whose output the region probe reads
     seed: int = 0                     # model init and keep maps
     first_seed: int = 0               # clip seeds of step s: first_seed + s * clips_per_step + i (train split)
     workers: int = 12                 # data processes (0: in the training process)
@@ -139,6 +145,11 @@ class TrainConfig:
         check_range("train.weight_decay", self.weight_decay, 0.0, 1.0)
         check_range("train.grad_clip", self.grad_clip, 0.0, 1e6, lo_open=True)
         check_range("train.aux_weight", self.aux_weight, 0.0, 100.0)
+        check_range("train.aux_shape_weight", self.aux_shape_weight, 0.0, 100.0)
+        check_range("train.aux_motion_weight", self.aux_motion_weight, 0.0, 100.0)
+        check_range("train.aux_region_weight", self.aux_region_weight, 0.0, 100.0)
+        check_int("train.aux_region_layer", self.aux_region_layer)
+        check_range("train.aux_region_layer", self.aux_region_layer, 1, 64)
         check_range("train.seed", self.seed, 0, 2**32 - 1)
         check_range("train.first_seed", self.first_seed, 0, 2**62)
         check_range("train.workers", self.workers, 0, 256)
@@ -198,7 +209,8 @@ def build(cfg: QAVLMConfig, device: torch.device):
     m = cfg.model
     config = small_config(tokenizer, hidden=m.hidden, intermediate=m.intermediate, layers=m.layers, heads=m.heads,
                           kv_heads=m.kv_heads, vision_depth=m.vision_depth, vision_dim=m.vision_dim,
-                          vision_heads=m.vision_heads, vision_mlp_ratio=m.vision_mlp_ratio)
+                          vision_heads=m.vision_heads, vision_mlp_ratio=m.vision_mlp_ratio,
+                          rope_theta=m.rope_theta)
     model = build_model(config, device=device, dtype=torch.float32, seed=cfg.train.seed)
     return model, tokenizer, VideoPreprocessor(geometry(cfg))
 
@@ -280,8 +292,17 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     # through the pipeline's batched kernel (one SDPA call per layer instead of one per frame pair)
     hf.vision_tower(model).eval()
     # the token-colour head: training only, never exported
-    aux_head = torch.nn.Linear(cfg.model.hidden, len(COLORS) + 1, device=device)
-    forward = QAForward(model, tokenizer, preprocessor, aux_head, cfg.train.aux_weight)
+    t = cfg.train
+    if t.aux_region_weight and t.aux_region_layer > cfg.model.layers:
+        raise ConfigError(f"train.aux_region_layer={t.aux_region_layer} must be at most model.layers={cfg.model.layers}")
+    aux_classes = (len(COLORS) + 1 + (len(SHAPES) + 1 if t.aux_shape_weight else 0)
+                   + (len(MOTIONS) if t.aux_motion_weight else 0))
+    # the training-only heads: token colour / shape / motion on the vision tower, region on the LM
+    aux_head = torch.nn.ModuleList([torch.nn.Linear(cfg.model.hidden, aux_classes, device=device),
+                                    torch.nn.Linear(cfg.model.hidden, 9, device=device)])
+    forward = QAForward(model, tokenizer, preprocessor, aux_head[0], t.aux_weight, t.aux_shape_weight,
+                        t.aux_motion_weight, aux_head[1] if t.aux_region_weight else None, t.aux_region_weight,
+                        t.aux_region_layer)
     opt = optimizer(torch.nn.ModuleList([model, aux_head]), cfg.train, device)
     config_dict = _to_dict(cfg)
     start, history, train_s = 0, [], 0.0
@@ -305,7 +326,6 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     def export(summary: dict) -> Path:
         return export_snapshot(model, tokenizer, geometry(cfg), cfg.model.fps, snapshot, summary)
 
-    t = cfg.train
     steps = t.stop_step or t.steps                    # where this run ends; lr_at spans t.steps
     began = time.perf_counter()
     bar = tqdm(total=steps, initial=start, desc="qa_vlm", mininterval=10.0, file=sys.stdout)

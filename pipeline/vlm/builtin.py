@@ -109,11 +109,11 @@ def _token_ids(tok: PreTrainedTokenizerFast) -> dict:
 
 
 def _text_config(vocab_size: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
-                 mrope_section: list[int], ids: dict, tie: bool) -> dict:
+                 mrope_section: list[int], ids: dict, tie: bool, rope_theta: float = 1e6) -> dict:
     return dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32768,
                 rms_norm_eps=1e-6, tie_word_embeddings=tie,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section},
+                rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "mrope_section": mrope_section},
                 bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
 
 
@@ -162,11 +162,14 @@ def arch_config(arch: str, tokenizer: PreTrainedTokenizerFast):
 
 
 def small_config(tokenizer: PreTrainedTokenizerFast, *, hidden: int, intermediate: int, layers: int, heads: int,
-                 kv_heads: int, vision_depth: int, vision_dim: int, vision_heads: int, vision_mlp_ratio: int):
+                 kv_heads: int, vision_depth: int, vision_dim: int, vision_heads: int, vision_mlp_ratio: int,
+                 rope_theta: float = 1e6):
     """A small Qwen2-VL (the standard 14 px patches, 2x2 merge, frame pairs) with the built-in
     tokenizer's ids and tied embeddings: the shape of the models trained from scratch here
     (pipeline.training.qa_vlm). The LM's rotary pairs are split over (t, h, w) as Qwen2-VL's
-    [16, 24, 24] of 64 are."""
+    [16, 24, 24] of 64 are. The w section holds the slowest pairs: at Qwen2-VL's theta of 1e6 they
+    turn by under 2e-4 rad per cell, so a model trained from scratch on small grids cannot tell left
+    from right by position; a small `rope_theta` makes every section turn."""
     head_dim = hidden // heads
     if hidden % heads or head_dim % 8 or heads % kv_heads or vision_dim % vision_heads:
         raise ValueError(f"Invalid head layout: hidden {hidden} / {heads} heads ({kv_heads} KV heads), vision "
@@ -176,7 +179,8 @@ def small_config(tokenizer: PreTrainedTokenizerFast, *, hidden: int, intermediat
     t = pairs // 4
     section = [t, (pairs - t) // 2, pairs - t - (pairs - t) // 2]
     ids = _token_ids(tokenizer)
-    text = _text_config(len(tokenizer), hidden, intermediate, layers, heads, kv_heads, section, ids, tie=True)
+    text = _text_config(len(tokenizer), hidden, intermediate, layers, heads, kv_heads, section, ids, tie=True,
+                        rope_theta=rope_theta)
     vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=vision_heads,
                   mlp_ratio=vision_mlp_ratio, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     return _config("qwen2_vl", text, vision, ids)

@@ -14,7 +14,8 @@ import torch
 
 from arr_coc._validate import ConfigError
 from pipeline.configio import load_config, to_dict
-from pipeline.training.qa_data import POLICIES, cell_colors, keep_map, token_colors, vlm_frame_indices
+from pipeline.training.qa_data import (MOTIONS, POLICIES, cell_colors, keep_map, token_colors, token_objects,
+                                       token_regions, vlm_frame_indices)
 from pipeline.training.qa_forward import IGNORE, QAForward
 from pipeline.training.qa_vlm import QAVLMConfig, build, main, step_data, train
 from pipeline.vlm.config import VLMConfig
@@ -107,6 +108,45 @@ class TestTokenColors:
         assert labels[1].tolist() == [[bg, bg, bg], [bg, names.index("red"), bg]]   # the odd frame pairs with itself
 
 
+class TestTokenObjects:
+    def test_shape_and_motion_of_the_colours_object_background_and_unknown(self):
+        from sources.scenes import COLORS, SHAPES
+        names = list(COLORS)
+        colors = np.array([[[names.index("red"), names.index("blue"), len(COLORS), names.index("green")]]],
+                          np.int8)
+        objects = (("red", "circle", "left"), ("blue", "car", "still"), ("blue", "square", "still"))
+        shapes, motions = token_objects(colors, objects)
+        # red is the circle moving left; blue names two shapes (no shape target) that both stand
+        # still; green names no object
+        assert shapes.tolist() == [[[SHAPES.index("circle"), -1, len(SHAPES), -1]]]
+        assert motions.tolist() == [[[MOTIONS.index("left"), MOTIONS.index("still"), MOTIONS.index("still"), -1]]]
+
+    def test_a_rendered_clips_tokens_carry_its_objects(self):
+        from sources.scenes import COLORS, SHAPES
+        from sources.synth_qa import direction_answer, make_qa_scene
+        for seed in range(40):
+            scene = make_qa_scene(seed)
+            if any(t.travel != (0, 0) for t in scene.tracks):
+                break
+        frames = scene.clip.frames
+        colors = token_colors(frames, (frames.shape[1] // 28, frames.shape[2] // 28))
+        shapes, motions = token_objects(colors, scene.clip.objects)
+        truth = {(t.color, t.shape, direction_answer(t.travel) if t.travel != (0, 0) else "still")
+                 for t in scene.tracks}
+        assert set(scene.clip.objects) == truth
+        names = list(COLORS)
+        seen = {(names[c], SHAPES[s], MOTIONS[m]) for c, s, m in zip(colors.ravel(), shapes.ravel(), motions.ravel())
+                if 0 <= s < len(SHAPES)}
+        assert seen and seen <= truth and any(m != "still" for _, _, m in seen)  # the mover's tokens say so
+        assert (shapes[colors == len(COLORS)] == len(SHAPES)).all()
+
+    def test_regions_of_cells(self):
+        # an 8-wide grid: cells 0-2 left (centres below 8/3), 3-4 centre, 5-7 right
+        assert token_regions((8, 8))[0].tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+        assert token_regions((8, 8))[:, 0].tolist() == [0, 0, 0, 3, 3, 6, 6, 6]
+        assert token_regions((3, 3)).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
 class TestCurriculum:
     def test_first_steps_keep_only_salient_cells(self):
         data = step_data(tiny_config("drop.curriculum_steps=2", "drop.curriculum_keep=[0.2, 0.3]",
@@ -165,6 +205,24 @@ class TestTrainingInputsAreThePipelines:
         assert pooled and pruned > b // 2, "the keep maps did not prune (or pool): the test would not see it"
         torch.testing.assert_close(logits, torch.cat(rows), rtol=1e-4, atol=1e-4)
 
+    def test_region_probe_labels_each_kept_token_with_its_cells_region(self, tiny):
+        cfg, model, tokenizer, preprocessor = tiny
+        head = torch.nn.Linear(cfg.model.hidden, 9)
+        forward = QAForward(model, tokenizer, preprocessor, region_head=head, region_weight=1.0, region_layer=1)
+        samples = step_data(cfg, make_clip)[0]
+        samples[0].keeps[0] = np.ones_like(samples[0].keeps[0])             # the first view keeps every token
+        merged = forward.vision(samples)
+        batch = forward.batch(samples, merged)
+        labelled = (batch.regions >= 0).sum(1).tolist()
+        assert labelled == batch.tokens_kept                                # every kept visual token, nothing else
+        Tp, gh, gw = merged[0].shape[:3]
+        first = batch.regions[0][batch.regions[0] >= 0].tolist()
+        assert first == np.tile(token_regions((gh, gw)).ravel(), Tp).tolist()
+        loss, stats = forward(samples)
+        assert torch.isfinite(loss) and float(stats["aux"]) > 0
+        loss.backward()
+        assert head.weight.grad is not None and float(head.weight.grad.abs().sum()) > 0
+
     def test_chat_template_renders_the_pipelines_prompt(self, tiny):
         _, model, tokenizer, preprocessor = tiny
         vlm = VLM(copy.deepcopy(model), tokenizer, family="qwen2_vl", name="tiny", preprocessor=preprocessor,
@@ -178,12 +236,12 @@ class TestTrainingInputsAreThePipelines:
 
 class TestConfig:
     def test_yaml_is_the_shipped_snapshots_recipe(self):
-        """configs/qa_vlm.yaml trains what pipeline/vlm/weights/arrcoc-synth-qa was trained with
-        (that run ended at train.stop_step by a time limit; workers do not change the data)."""
+        """configs/qa_vlm.yaml trains what pipeline/vlm/weights/arrcoc-synth-qa was trained with, to
+        its last step (workers do not change the data)."""
         from pipeline.vlm.loading import SHIPPED
         yaml_cfg = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml"))
         shipped = json.loads((SHIPPED["arrcoc-synth-qa"] / "training_summary.json").read_text())
-        assert yaml_cfg["train"]["stop_step"] == shipped["steps"]
+        assert shipped["complete"] and (yaml_cfg["train"]["stop_step"] or yaml_cfg["train"]["steps"]) == shipped["steps"]
         for name in ("workers", "time_limit_s", "stop_step"):
             yaml_cfg["train"].pop(name)
             shipped["config"]["train"].pop(name, None)

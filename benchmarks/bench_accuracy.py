@@ -16,6 +16,16 @@ the CLI does; only the keep map's source differs per policy:
 So `python -m pipeline batch --dataset msrvtt --root ROOT --vlm arrcoc-synth-qa --set
 model.attending.retention=R` followed by `eval` prints the `arrcoc` row's accuracy at R.
 
+Variants of the ARR-COC row (--variants), each through its own VLM with these settings:
+
+    pass2            vlm.pass2=attention: ARR-COC keeps 3x the budget as candidates, the VLM's own
+                     attention from the question picks the budget among them (pipeline/vlm/passes.py)
+    kept             vlm.encode=kept: the vision tower encodes only the kept cells' patches
+    tempering        pass 2 with the budget ladder --ladder: answer at its first rung, again at the
+                     next while the first answer token's confidence is below the threshold, which is
+                     calibrated on the validation split (--val-root; eval --calibrate's rule) unless
+                     --threshold gives it; one row, its tokens are every pass's (tokens_spent)
+
     python benchmarks/bench_accuracy.py --root data/synthqa --make 200 --vlm arrcoc-synth-qa
     python benchmarks/bench_accuracy.py --quick                    # CPU smoke: tiny-random, 3 clips
 
@@ -50,17 +60,26 @@ from pipeline.vlm.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
 from sources.msrvtt import load_msrvtt  # noqa: E402
 
 POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
+VARIANTS: dict[str, tuple[str, ...]] = {"pass2": ("vlm.pass2=attention",), "kept": ("vlm.encode=kept",),
+                                        "tempering": ("vlm.pass2=attention",)}
+LADDER = (0.05, 0.1, 0.25)
 RETENTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
 # the families whose question names one object (by colour and shape): where query-awareness counts
 ONE_OBJECT = ("where", "shape", "exists", "direction")
 
 
-def ensure_split(root: Path, count: int) -> None:
-    if (root / "test_qa.json").exists():
+def ensure_split(root: Path, count: int, split: str = "test") -> None:
+    if (root / f"{split}_qa.json").exists():
         return
     from sources.synth_qa import write_split
-    print(f"generating {count} test clips under {root}", file=sys.stderr)
-    write_split(root, "test", count, progress=sys.stderr.isatty())
+    print(f"generating {count} {split} clips under {root}", file=sys.stderr)
+    write_split(root, split, count, progress=sys.stderr.isatty())
+
+
+def tempering_overrides(ladder: tuple[float, ...], threshold: float | None = None, passes: int | None = None) -> list[str]:
+    out = [*VARIANTS["tempering"], f"vlm.tempering.ladder=[{','.join(f'{r:g}' for r in ladder)}]",
+           f"vlm.tempering.max_passes={passes or len(ladder)}"]
+    return out + ([f"vlm.tempering.threshold={threshold:g}"] if threshold is not None else [])
 
 
 def keep_policy(policy: str, retention: float, vlm: Any) -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
@@ -84,9 +103,10 @@ def row_config(base: PipelineConfig, policy: str, retention: float) -> PipelineC
 
 
 def run_row(policy: str, retention: float, plan, dataset, base: PipelineConfig, vlm, workdir: Path,
-            query_encoder) -> dict[str, Any]:
+            query_encoder, variant: str = "") -> dict[str, Any]:
     cfg = row_config(base, policy, retention)
-    store = workdir / f"{policy}_{retention:g}.zarr"
+    label = f"{policy}+{variant}" if variant else policy
+    store = workdir / f"{label}_{retention:g}_{dataset.split}.zarr"
     kwargs: dict[str, Any] = dict(stock=policy == "stock", progress=False, vlm_factory=lambda device: vlm,
                                   keep_policy=keep_policy(policy, retention, vlm))
     if policy == "arrcoc-noquery":
@@ -95,30 +115,44 @@ def run_row(policy: str, retention: float, plan, dataset, base: PipelineConfig, 
         kwargs["query_encoder"] = query_encoder
     start = time.perf_counter()
     summary = run_batch(plan, store, cfg, **kwargs)
-    report = evaluate(store, dataset).to_dict()
+    scored = evaluate(store, dataset)
+    report = scored.to_dict()
     by_type = report["accuracy_by_type"]
     one = [by_type[t] for t in ONE_OBJECT if t in by_type]
     n_one = sum(v["questions"] for v in one)
-    return {"policy": policy, "retention": retention, "accuracy": report["accuracy"],
+    return {"policy": label, "retention": retention, "accuracy": report["accuracy"],
             "questions": report["questions"], "answered": report["answered"],
             "one_object_accuracy": round(sum(v["accuracy"] * v["questions"] for v in one) / n_one, 6) if n_one else None,
             "accuracy_by_family": {t: v["accuracy"] for t, v in by_type.items()},
             "mean_tokens_kept": report["tokens"]["mean_kept_per_video"],
             "mean_tokens_full": report["tokens"]["mean_full_per_video"],
+            "mean_tokens_spent": report["tokens"]["mean_spent_per_video"],
             "kept_over_full": report["tokens"]["kept_over_full"],
-            "wall_s": round(time.perf_counter() - start, 2), "videos": summary.videos}
+            "spent_over_full": report["tokens"]["spent_over_full"],
+            "mean_passes": round(statistics.fmean(_passes(store)), 4),
+            "wall_s": round(time.perf_counter() - start, 2), "videos": summary.videos, "_report": scored}
 
 
-def ttft_rows(policies, retentions, plan, base: PipelineConfig, vlm, device: torch.device, reps: int = 5) -> list[dict]:
+def _passes(store: Path) -> list[float]:
+    from sinks import ZarrStore
+    z = ZarrStore.open(store, mode="r")
+    return [float(p) for sid in z.stream_ids() for p in z.read(sid)["answers"]["passes"].tolist()] or [1.0]
+
+
+def ttft_rows(policies, retentions, plan, base: PipelineConfig, device: torch.device, reps: int = 5,
+              variants: dict[str, tuple[Any, list[float]]] | None = None) -> list[dict]:
     """Per policy and retention, on the plan's first clip: the selection's own cost, then the VLM's
-    prepare + prefill + first token (median of reps after a warm-up)."""
+    answer up to its first token (vision, selection, pass 2 and every tempering pass included;
+    median of reps after a warm-up). variants: label -> (a VLM answering one token with the
+    variant's settings, its retentions)."""
     from arr_coc.model import ARRCOC
     from pipeline.core.setup import build_model
     from pipeline.vlm.model import AnswerRequest
     from sources import open_video
 
+    vlm = load_answerer(replace(base, vlm=replace(base.vlm, max_new_tokens=1)), device)
     work = plan[0]
-    with open_video(work.path, fps=vlm.config.fps) as source:
+    with open_video(work.path, fps=base.vlm.fps) as source:
         frames = np.stack([f.rgb for f in source])                            # the frames the VLM samples
     question = work.questions[0].question
     grid = vlm.geometry.grid(*frames.shape[1:3])
@@ -138,9 +172,12 @@ def ttft_rows(policies, retentions, plan, base: PipelineConfig, vlm, device: tor
             times.append(time.perf_counter() - t)
         return statistics.median(times[1:]), out
 
-    for retention in retentions:
-        cfg = row_config(base, "arrcoc", retention)
-        model: ARRCOC = build_model(cfg, device)
+    jobs = [(r, policies, "", vlm) for r in retentions]
+    for label, (variant_vlm, variant_retentions) in (variants or {}).items():
+        jobs += [(r, ("arrcoc",), label, variant_vlm) for r in variant_retentions]
+    for retention, job_policies, variant, answerer in jobs:
+        cfg = replace(row_config(base, "arrcoc", retention), vlm=answerer.config)
+        model: ARRCOC = build_model(cfg, device, answering=True)             # pass 2: its candidates
         video = torch.as_tensor(frames, device=device).permute(0, 3, 1, 2)      # (T, 3, H, W)
         query = torch.zeros(384, device=device)
 
@@ -148,7 +185,7 @@ def ttft_rows(policies, retentions, plan, base: PipelineConfig, vlm, device: tor
             allocation, _, _ = model.realize(model.extract(video, None, grid), q)
             return allocation.lod.cpu().numpy()
         with torch.inference_mode():
-            for policy in policies:
+            for policy in job_policies:
                 if policy == "stock" and retention != retentions[0]:
                     continue
                 if policy in ("arrcoc", "arrcoc-noquery"):
@@ -158,15 +195,37 @@ def ttft_rows(policies, retentions, plan, base: PipelineConfig, vlm, device: tor
                 else:
                     merged = vlm.visual_tokens(frames).unflatten(1, grid) if policy in NEEDS_FEATURES else None
                     select_s, keep = timed(lambda: baseline_keep(policy, frames, retention, grid=grid, merged=merged))
-                request = AnswerRequest("ttft", frames, keep, question, 0.0, len(frames) / vlm.config.fps)
-                answer_s, _ = timed(lambda: vlm.generate(vlm.prepare([request]), max_new_tokens=1))
-                rows.append({"policy": policy, "retention": 1.0 if policy == "stock" else retention,
+                request = AnswerRequest("ttft", frames, keep, question, 0.0, len(frames) / base.vlm.fps)
+                answer_s, _ = timed(lambda: answerer.answer([request]))
+                rows.append({"policy": f"{policy}+{variant}" if variant else policy,
+                             "retention": 1.0 if policy == "stock" else retention,
                              "select_ms": round(select_s * 1e3, 3), "vlm_first_token_ms": round(answer_s * 1e3, 3),
                              "ttft_ms": round((select_s + answer_s) * 1e3, 3)})
     stock = next((r["ttft_ms"] for r in rows if r["policy"] == "stock"), None)
     for r in rows:
         r["ttft_x_stock"] = round(stock / r["ttft_ms"], 3) if stock else None
     return rows
+
+
+def calibrate_on_val(args, base: PipelineConfig, ladder: tuple[float, ...], workdir: Path, query_encoder,
+                     device: torch.device, result: dict) -> float:
+    """Tempering's threshold: ARR-COC + pass 2 answers the validation split in one pass at the
+    ladder's first rung (the candidates tempering uses), and eval --calibrate's rule picks the
+    confidence that best separates its right answers from its wrong ones."""
+    from pipeline.runners.evaluate import calibrate_threshold
+
+    ensure_split(args.val_root, args.val_make, "val")
+    val = load_msrvtt(args.val_root, "val")
+    cfg = load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
+                                            "decode.fps=2", *args.overrides, *tempering_overrides(ladder, passes=1)])
+    row = run_row("arrcoc", ladder[-1], make_plan(val, limit=args.limit), val, cfg, load_answerer(cfg, device),
+                  workdir, query_encoder, "tempering-calibration")
+    calibration = calibrate_threshold(row.pop("_report"))
+    calibration.update(split="val", clips=row["videos"], first_rung_accuracy=row["accuracy"])
+    result["tempering_calibration"] = calibration
+    print(f"tempering threshold {calibration['threshold']:g} calibrated on {calibration['answers']} val answers",
+          file=sys.stderr)
+    return calibration["threshold"]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -195,6 +254,15 @@ def main(argv=None) -> int:
                     help="config override for every row (as --set of the CLI)")
     ap.add_argument("--query-embeddings", type=Path,
                     help="a .pt {question: (384,) tensor} of MiniLM embeddings (machines without MiniLM)")
+    ap.add_argument("--variants", default="", help=f"ARR-COC variants to add rows for: {', '.join(VARIANTS)}")
+    ap.add_argument("--variant-retentions", help="the variants' retentions (default: --retentions)")
+    ap.add_argument("--ladder", default=",".join(f"{r:g}" for r in LADDER),
+                    help="tempering's budget ladder (default: %(default)s)")
+    ap.add_argument("--threshold", type=float, help="tempering's confidence threshold (default: calibrated on "
+                                                    "--val-root)")
+    ap.add_argument("--val-root", type=Path, help="validation split root for the tempering threshold "
+                                                  "(generated with --val-make clips when it has none)")
+    ap.add_argument("--val-make", type=int, default=100, help="validation clips to generate (default 100)")
     ap.add_argument("--ttft", action="store_true", help="also time each policy's time to first token")
     ap.add_argument("--quick", action="store_true", help="CPU smoke: tiny-random, 3 clips, 2 retentions")
     ap.add_argument("--out", type=Path, help="JSON result (default: print only)")
@@ -208,6 +276,12 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     retentions = [float(r) for r in args.retentions.split(",") if r]
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    ladder = tuple(float(r) for r in args.ladder.split(",") if r)
+    if "tempering" in variants and args.threshold is None and args.val_root is None:
+        ap.error("the tempering variant needs --threshold or --val-root (the split its threshold is calibrated on)")
     workdir = Path(tempfile.mkdtemp(prefix="bench_accuracy_"))
     root = args.root or workdir / "data"
     ensure_split(root, args.make)
@@ -225,19 +299,43 @@ def main(argv=None) -> int:
     result = {"benchmark": "bench_accuracy", "command": " ".join(["python", *sys.argv]), "device": str(device),
               "device_name": device_name(device), "vlm": args.vlm, "clips": len(plan),
               "questions": sum(len(w.questions) for w in plan), "one_object_families": list(ONE_OBJECT), "rows": rows}
+    def add(row: dict) -> None:
+        row.pop("_report", None)
+        print(f"{row['policy']:>18} {row['retention']:>5g}  accuracy {row['accuracy']:.3f}  "
+              f"tokens {row['mean_tokens_kept']} (spent {row['mean_tokens_spent']})", file=sys.stderr)
+        rows.append(row)
+        result["rows"] = rows
+        if args.out:                                        # after every row: a cut-short run keeps its rows
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+
     for policy in policies:
         for retention in ([1.0] if policy == "stock" else retentions):
-            row = run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder)
-            print(f"{policy:>15} {retention:>5g}  accuracy {row['accuracy']:.3f}  tokens {row['mean_tokens_kept']}",
-                  file=sys.stderr)
-            rows.append(row)
-            result["rows"] = rows
-            if args.out:                                    # after every row: a cut-short run keeps its rows
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(result, indent=2) + "\n")
+            add(run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder))
+    variant_vlms: dict[str, tuple[Any, list[float]]] = {}
+    for variant in variants:
+        overrides = list(VARIANTS[variant])
+        variant_retentions = [float(r) for r in args.variant_retentions.split(",") if r] \
+            if args.variant_retentions else retentions
+        if variant == "tempering":
+            threshold = args.threshold
+            if threshold is None:
+                threshold = calibrate_on_val(args, base, ladder, workdir, query_encoder, device, result)
+            overrides = tempering_overrides(ladder, threshold)
+            variant_retentions = [ladder[-1]]                # the ladder replaces the retention
+        cfg = load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
+                                                "decode.fps=2", *args.overrides, *overrides])
+        variant_vlm = load_answerer(cfg, device)
+        for retention in variant_retentions:
+            add(run_row("arrcoc", retention, plan, dataset, cfg, variant_vlm, workdir, query_encoder, variant))
+        result.setdefault("variants", {})[variant] = overrides
+        if args.ttft:
+            ttft_cfg = replace(cfg.vlm, max_new_tokens=1)
+            variant_vlms[variant] = (load_answerer(replace(cfg, vlm=ttft_cfg), device), variant_retentions)
+        del variant_vlm
     print_table(rows)
     if args.ttft:
-        result["ttft"] = ttft_rows(policies, retentions, plan, base, vlm, device)
+        result["ttft"] = ttft_rows(policies, retentions, plan, base, device, variants=variant_vlms)
         for r in result["ttft"]:
             print(f"ttft {r['policy']:>15} {r['retention']:>5g}  select {r['select_ms']:.2f} ms  "
                   f"total {r['ttft_ms']:.2f} ms  x{r['ttft_x_stock']}")

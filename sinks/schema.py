@@ -196,6 +196,8 @@ ANSWERS = Table("answers", "answer", "answer_count", (
     Field("passes", "uint8", ("answer",), "allocation passes used", valid=(1, 255), default=1),
     Field("tokens_spent", "int32", ("answer",), "visual tokens over all passes", valid=(0, 2**31 - 1),
           default_from="tokens_kept"),
+    Field("confidence", "float32", ("answer",), "the VLM's confidence in the answer's first token (NaN: unknown)",
+          valid=(0.0, 1.0), clip=True, default=float("nan")),
 ))
 
 GAPS = Table("gaps", "gap", "gap_count", (

@@ -37,3 +37,29 @@ def test_quick_run_writes_rows_matching_batch_and_eval(tmp_path):
     scored = json.loads(report.read_text())
     assert scored["accuracy"] == rows["arrcoc", 0.25]["accuracy"]
     assert scored["tokens"]["mean_kept_per_video"] == rows["arrcoc", 0.25]["mean_tokens_kept"]
+
+
+def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
+    """The variant rows run through their own VLM settings: pass 2 and kept encoding at each retention,
+    tempering once, with a threshold calibrated on the val split and every pass's tokens counted."""
+    out = tmp_path / "acc.json"
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--policies", "arrcoc", "--retentions", "0.25", "--limit", "1",
+                           "--variants", "pass2,kept,tempering", "--ladder", "0.05,0.25",
+                           "--val-root", str(tmp_path / "val"), "--val-make", "2", "--ttft", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = {(r["policy"], r["retention"]): r for r in result["rows"]}
+    assert set(rows) == {("arrcoc", 0.25), ("arrcoc+pass2", 0.25), ("arrcoc+kept", 0.25), ("arrcoc+tempering", 0.25)}
+    assert result["variants"]["pass2"] == ["vlm.pass2=attention"]
+    assert "vlm.tempering.ladder=[0.05,0.25]" in result["variants"]["tempering"]
+    calibration = result["tempering_calibration"]
+    assert calibration["split"] == "val" and calibration["answers"] > 0 and 0.0 <= calibration["threshold"] <= 1.0
+    assert f"vlm.tempering.threshold={calibration['threshold']:g}" in result["variants"]["tempering"]
+    tempering = rows["arrcoc+tempering", 0.25]
+    assert 1.0 <= tempering["mean_passes"] <= 2.0
+    assert tempering["mean_tokens_spent"] >= tempering["mean_tokens_kept"]
+    # pass 2 keeps the budget among 3x as many candidates: about as many tokens as pass 1 alone
+    assert rows["arrcoc+pass2", 0.25]["mean_tokens_kept"] <= 1.5 * rows["arrcoc", 0.25]["mean_tokens_kept"] + 4
+    assert {r["policy"] for r in result["ttft"]} == {"arrcoc", "arrcoc+pass2", "arrcoc+kept", "arrcoc+tempering"}

@@ -111,6 +111,11 @@ def _add_eval(sub: Any) -> None:
                                     "URL store, in the working directory)")
     p.add_argument("--export-judge", metavar="FILE.json", help="also write predictions in the Video-ChatGPT "
                                                                "GPT-judge format")
+    p.add_argument("--calibrate", nargs="?", const=0.0, type=_precision, metavar="PRECISION",
+                   help="also print vlm.tempering.threshold calibrated on this run's answers (a validation split "
+                        "answered in one pass at the ladder's first budget): the threshold that best separates "
+                        "right from wrong answers, or with PRECISION the lowest whose accepted answers are "
+                        "right that often")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
     p.set_defaults(func=_lazy("eval", "cmd_eval"))
 
@@ -225,6 +230,16 @@ def _add_evaluate_relevance(sub: Any) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", metavar="FILE.json", help="also write the full results here")
     p.set_defaults(func=_lazy("evaluate_relevance", "cmd_evaluate"))
+
+
+def _precision(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:

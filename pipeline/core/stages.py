@@ -12,6 +12,7 @@ stream, `event.synchronize()` only where the host must read the data), never a d
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from contextlib import nullcontext
@@ -129,7 +130,8 @@ class AnswerItem:
         """The store's answer columns (StreamWriter.add_answers)."""
         return dict(t_start=self.t_start, t_end=self.t_end, question=self.question, text=self.text,
                     tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s,
-                    passes=self.passes, tokens_spent=self.tokens_spent)
+                    passes=self.passes, tokens_spent=self.tokens_spent,
+                    confidence=self.confidence if math.isfinite(self.confidence) else None)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ video's answers in annotation order, so the k-th answer to a text is the k-th qu
 """
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import defaultdict
@@ -43,6 +44,7 @@ class Prediction:
     question: Question
     text: str
     correct: bool
+    confidence: float = float("nan")   # the VLM's, in its answer's first token (NaN: not stored)
 
 
 @dataclass
@@ -103,7 +105,8 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
         pending: dict[str, list[Question]] = defaultdict(list)
         for q in work.questions:
             pending[q.question].append(q)
-        for question_text, text in zip(answers["question"].tolist(), answers["text"].tolist()):
+        confidences = answers["confidence"].tolist()
+        for question_text, text, conf in zip(answers["question"].tolist(), answers["text"].tolist(), confidences):
             queue = pending.get(question_text)
             if not queue:
                 asked = question_text in {q.question for q in work.questions}
@@ -111,7 +114,7 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
                 report.unmatched += not asked
                 continue
             q = queue.pop(0)
-            report.predictions.append(Prediction(q, text, is_correct(text, q)))
+            report.predictions.append(Prediction(q, text, is_correct(text, q), float(conf)))
         if damaged:
             report.answers_from_damaged += len(report.predictions) - predicted
         if len(answers["text"]):
@@ -119,6 +122,24 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
             report.tokens_full.append(float(answers["tokens_full"].mean()))
             report.tokens_spent.append(float(answers["tokens_spent"].mean()))
     return report
+
+
+def calibrate_threshold(report: EvalReport, precision: float | None = None) -> dict[str, Any]:
+    """vlm.tempering.threshold from a run on a validation split (one pass at the budget tempering
+    starts with): pipeline.vlm.tempering.calibrate over the answers' stored confidences and
+    correctness, with how the split's answers fall on either side of it."""
+    from pipeline.vlm.tempering import calibrate
+
+    scored = [p for p in report.predictions if math.isfinite(p.confidence)]
+    if not scored:
+        raise ValueError("no answer of this store has a confidence (stores written before answers kept one, "
+                         "or no answers): run batch again to calibrate")
+    threshold = calibrate([p.confidence for p in scored], [p.correct for p in scored], precision=precision)
+    accepted = [p.correct for p in scored if p.confidence >= threshold]
+    return {"threshold": round(threshold, 6), "answers": len(scored), "precision_target": precision,
+            "accepted": len(accepted), "accepted_accuracy": round(sum(accepted) / len(accepted), 6) if accepted else None,
+            "asked_again": len(scored) - len(accepted),
+            "accuracy": round(sum(p.correct for p in scored) / len(scored), 6)}
 
 
 def judge_predictions(report: EvalReport) -> list[dict[str, str]]:

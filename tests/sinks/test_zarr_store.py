@@ -92,7 +92,7 @@ class TestSchema:
             assert (group[name].dtype, group[name].shape) == (np.dtype(dtype), shape), name
         assert group["relevance"].chunks == (16, 3, 4) and group["pts"].chunks == (16,)
         answers = {"t_start": "float64", "t_end": "float64", "tokens_kept": "int32", "tokens_full": "int32",
-                   "latency_s": "float32", "passes": "uint8", "tokens_spent": "int32"}
+                   "latency_s": "float32", "passes": "uint8", "tokens_spent": "int32", "confidence": "float32"}
         for name, dtype in answers.items():
             assert (group[f"answers/{name}"].dtype, group[f"answers/{name}"].shape) == (np.dtype(dtype), (0,))
         for name in ("question", "text"):  # zarr v3 variable-length UTF-8

@@ -91,3 +91,48 @@ def test_cli_prints_report_and_exports_judge_format(capsys, tmp_path, dataset):
 def test_cli_bad_store(capsys, tmp_path, dataset):
     code = main(["eval", str(tmp_path / "nope.zarr"), "--dataset", "msrvtt", "--root", str(dataset.root)])
     assert code == 2 and "nope.zarr is not a zarr store" in capsys.readouterr().err
+
+
+class TestCalibrate:
+    """eval --calibrate: the tempering threshold from the stored confidences of a validation run."""
+
+    def write(self, tmp_path, dataset, confidences, right):
+        store = ZarrStore.open(tmp_path / "val.zarr", config={})
+        questions = [(v.video_id, q) for v in dataset.videos() for q in v.questions]
+        for video in dataset.videos():
+            w = store.stream(video.video_id, source="v.mp4", query="q", fps=10.0, width=64, height=64, grid=(2, 2),
+                             vlm="x")
+            w.add_answers([dict(t_start=0.0, t_end=1.0, question=q.question, text=q.answer if ok else "wrong",
+                                tokens_kept=5, tokens_full=20, latency_s=0.1, confidence=c)
+                           for (v, q), c, ok in zip(questions, confidences, right) if v == video.video_id])
+            w.close(complete=True)
+        return tmp_path / "val.zarr"
+
+    def test_threshold_separates_right_from_wrong(self, tmp_path, dataset, capsys):
+        # right answers at 0.9 and 0.7, wrong ones at 0.2 and 0.4: the best cut lies between 0.4 and 0.7
+        out = self.write(tmp_path, dataset, [0.9, 0.2, 0.7, 0.4], [True, False, True, False])
+        report = evaluate(out, dataset)
+        assert [p.confidence for p in report.predictions] == pytest.approx([0.9, 0.2, 0.7, 0.4])
+        assert main(["eval", str(out), "--dataset", "msrvtt", "--root", str(dataset.root), "--calibrate"]) == 0
+        printed = capsys.readouterr().out
+        assert "vlm.tempering.threshold=0.55 " in printed and "2 accepted, 1.0000 of them right" in printed
+        row = json.loads((tmp_path / "val.zarr.eval.json").read_text())
+        assert row["tempering"]["threshold"] == pytest.approx(0.55) and row["tempering"]["asked_again"] == 2
+
+    def test_precision_target(self, tmp_path, dataset):
+        from pipeline.runners.evaluate import calibrate_threshold
+        out = self.write(tmp_path, dataset, [0.9, 0.6, 0.7, 0.4], [True, False, True, True])
+        # accepting from 0.5 up takes 3 answers, 2 right (0.67); from 0.65 up 2 of 2
+        assert calibrate_threshold(evaluate(out, dataset), 0.9)["threshold"] == pytest.approx(0.65)
+
+    def test_stores_without_confidences_are_one_clear_error(self, tmp_path, dataset, capsys):
+        out = tmp_path / "run.zarr"
+        store_answers(out, {v.video_id: [(x.question, x.answer, 5, 20) for x in v.questions]
+                            for v in dataset.videos()})
+        assert main(["eval", str(out), "--dataset", "msrvtt", "--root", str(dataset.root), "--calibrate"]) == 2
+        err = capsys.readouterr().err
+        assert "no answer of this store has a confidence" in err and "Traceback" not in err
+
+    def test_bad_precision_is_a_usage_error(self, tmp_path, dataset, capsys):
+        assert main(["eval", "x.zarr", "--dataset", "msrvtt", "--root", str(dataset.root), "--calibrate", "1.5"]) == 2
+        assert "must be in (0, 1]" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ def _plain(dtype: str, value: Any) -> Any:
     if dtype == "str":
         return str(value)
     if dtype == "float32":  # rounded, not its float64 expansion (0.1234 -> 0.1234000027179718)
-        return round(float(value), 6)
+        value = float(value)
+        return round(value, 6) if math.isfinite(value) else None   # JSON has no NaN: null / an empty cell
     return value.item()
 
 

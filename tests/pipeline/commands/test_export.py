@@ -37,7 +37,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("export") / "s.zarr"
     opened = ZarrStore.open(path, config={"test": True})
     # frames at 0, 0.5, ... 2.5 s; cuts at frames 0 and 4 (2.0 s); answers end at 1.0 and 2.5 s
-    tempered = dict(_answer(1.0, 2.5, "ünïcode"), passes=2, tokens_spent=9)
+    tempered = dict(_answer(1.0, 2.5, "ünïcode"), passes=2, tokens_spent=9, confidence=0.75)
     _stream(opened, "b_clip", [0, 4], [_answer(0.0, 1.0, "a red square,\nthen a pan"), tempered])
     _stream(opened, "a_clip", [0], [])
     return path
@@ -62,8 +62,8 @@ class TestExport:
         assert rows[2] == {"kind": "answer", "stream": "b_clip", "t_start": 0.0, "t_end": 1.0,
                            "question": "what, \"exactly\", moves?", "text": "a red square,\nthen a pan",
                            "tokens_kept": 4, "tokens_full": 30, "latency_s": 0.1234, "passes": 1,
-                           "tokens_spent": 4}
-        assert rows[4]["text"] == "ünïcode"
+                           "tokens_spent": 4, "confidence": None}            # none stored: null, not NaN
+        assert rows[4]["text"] == "ünïcode" and rows[4]["confidence"] == 0.75
 
     def test_csv_round_trips_through_a_csv_reader(self, capsys, store):
         code, out, _ = run(capsys, "export", str(store), "--stream", "b_clip", "--format", "csv")
@@ -75,7 +75,8 @@ class TestExport:
         assert rows[1]["pts"] == "" and rows[0]["text"] == ""            # a kind's foreign columns are empty
         assert float(rows[2]["pts"]) == 2.0 and int(rows[2]["frame_index"]) == 12
         assert float(rows[3]["t_end"]) == 2.5 and int(rows[3]["tokens_full"]) == 30
-        assert (rows[3]["passes"], rows[3]["tokens_spent"]) == ("2", "9")
+        assert (rows[3]["passes"], rows[3]["tokens_spent"], rows[3]["confidence"]) == ("2", "9", "0.75")
+        assert rows[1]["confidence"] == ""
 
     def test_out_file(self, capsys, store, tmp_path):
         out = tmp_path / "rows.jsonl"

@@ -264,6 +264,8 @@ def main(argv=None) -> int:
                                                   "(generated with --val-make clips when it has none)")
     ap.add_argument("--val-make", type=int, default=100, help="validation clips to generate (default 100)")
     ap.add_argument("--ttft", action="store_true", help="also time each policy's time to first token")
+    ap.add_argument("--ttft-only", action="store_true", help="only the time to first token (no accuracy rows; "
+                                                             "tempering then needs --threshold)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke: tiny-random, 3 clips, 2 retentions")
     ap.add_argument("--out", type=Path, help="JSON result (default: print only)")
     args = ap.parse_args(argv)
@@ -280,6 +282,9 @@ def main(argv=None) -> int:
     if unknown := [v for v in variants if v not in VARIANTS]:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     ladder = tuple(float(r) for r in args.ladder.split(",") if r)
+    args.ttft = args.ttft or args.ttft_only
+    if args.ttft_only and "tempering" in variants and args.threshold is None:
+        ap.error("--ttft-only with the tempering variant needs --threshold (no split is answered to calibrate it)")
     if "tempering" in variants and args.threshold is None and args.val_root is None:
         ap.error("the tempering variant needs --threshold or --val-root (the split its threshold is calibrated on)")
     workdir = Path(tempfile.mkdtemp(prefix="bench_accuracy_"))
@@ -309,7 +314,7 @@ def main(argv=None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    for policy in policies:
+    for policy in policies if not args.ttft_only else ():
         for retention in ([1.0] if policy == "stock" else retentions):
             add(run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder))
     variant_vlms: dict[str, tuple[Any, list[float]]] = {}
@@ -326,14 +331,15 @@ def main(argv=None) -> int:
         cfg = load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
                                                 "decode.fps=2", *args.overrides, *overrides])
         variant_vlm = load_answerer(cfg, device)
-        for retention in variant_retentions:
+        for retention in variant_retentions if not args.ttft_only else ():
             add(run_row("arrcoc", retention, plan, dataset, cfg, variant_vlm, workdir, query_encoder, variant))
         result.setdefault("variants", {})[variant] = overrides
         if args.ttft:
             ttft_cfg = replace(cfg.vlm, max_new_tokens=1)
             variant_vlms[variant] = (load_answerer(replace(cfg, vlm=ttft_cfg), device), variant_retentions)
         del variant_vlm
-    print_table(rows)
+    if rows:
+        print_table(rows)
     if args.ttft:
         result["ttft"] = ttft_rows(policies, retentions, plan, base, device, variants=variant_vlms)
         for r in result["ttft"]:

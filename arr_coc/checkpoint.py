@@ -22,19 +22,22 @@ import torch.nn as nn
 from ._validate import ConfigError
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "default.safetensors"
+# named checkpoints shipped with the package: "default" (trained on generated scenes, any VLM) and
+# "synth-qa" (default fine-tuned through arrcoc-synth-qa's answers: configs/train_vlm_qa.yaml)
+NAMED_WEIGHTS = {"default": DEFAULT_WEIGHTS, "synth-qa": DEFAULT_WEIGHTS.with_name("synth-qa.safetensors")}
 
 
 def resolve_weights(spec: str | os.PathLike, name: str = "weights") -> Path | None:
-    """"default" | "none" | a path -> the file to load, or None for the initial values.
+    """"default" | "synth-qa" | "none" | a path -> the file to load, or None for the initial values.
     name: what the caller calls the spec in its errors (e.g. runtime.model_weights)."""
     if isinstance(spec, str) and spec == "none":
         return None
     if not isinstance(spec, (str, os.PathLike)):
         raise ConfigError(f"{name} must be 'default', 'none' or a .safetensors path, got {spec!r}")
-    path = DEFAULT_WEIGHTS if isinstance(spec, str) and spec == "default" else Path(spec)
+    path = NAMED_WEIGHTS[spec] if isinstance(spec, str) and spec in NAMED_WEIGHTS else Path(spec)
     if not path.is_file():
         raise ConfigError(f"{name}={str(spec)!r}: no such file {path}; "
-                          "allowed: default, none or a .safetensors path")
+                          f"allowed: {', '.join(NAMED_WEIGHTS)}, none or a .safetensors path")
     return path
 
 

@@ -21,6 +21,8 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
     pass2            vlm.pass2=attention: ARR-COC keeps 3x the budget as candidates, the VLM's own
                      attention from the question picks the budget among them (pipeline/vlm/passes.py)
     kept             vlm.encode=kept: the vision tower encodes only the kept cells' patches
+    finetuned        ARR-COC with the weights --arrcoc-weights names (configs/train_vlm_qa.yaml
+                     fine-tunes the shipped ones through arrcoc-synth-qa's answer loss)
     tempering        pass 2 with the budget ladder --ladder: answer at its first rung, again at the
                      next while the first answer token's confidence is below the threshold, which is
                      calibrated on the validation split (--val-root; eval --calibrate's rule) unless
@@ -255,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--query-embeddings", type=Path,
                     help="a .pt {question: (384,) tensor} of MiniLM embeddings (machines without MiniLM)")
     ap.add_argument("--variants", default="", help=f"ARR-COC variants to add rows for: {', '.join(VARIANTS)}")
+    ap.add_argument("--arrcoc-weights", type=Path, help="also rows of ARR-COC with these weights (variant "
+                                                         "'finetuned', e.g. configs/train_vlm_qa.yaml's result)")
     ap.add_argument("--variant-retentions", help="the variants' retentions (default: --retentions)")
     ap.add_argument("--ladder", default=",".join(f"{r:g}" for r in LADDER),
                     help="tempering's budget ladder (default: %(default)s)")
@@ -282,6 +286,10 @@ def main(argv=None) -> int:
     if unknown := [v for v in variants if v not in VARIANTS]:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     ladder = tuple(float(r) for r in args.ladder.split(",") if r)
+    if args.arrcoc_weights is not None:
+        if not args.arrcoc_weights.is_file():
+            ap.error(f"--arrcoc-weights {args.arrcoc_weights}: no such file")
+        variants.append("finetuned")
     args.ttft = args.ttft or args.ttft_only
     if args.ttft_only and "tempering" in variants and args.threshold is None:
         ap.error("--ttft-only with the tempering variant needs --threshold (no split is answered to calibrate it)")
@@ -319,7 +327,7 @@ def main(argv=None) -> int:
             add(run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder))
     variant_vlms: dict[str, tuple[Any, list[float]]] = {}
     for variant in variants:
-        overrides = list(VARIANTS[variant])
+        overrides = list(VARIANTS[variant]) if variant != "finetuned" else [f"runtime.model_weights={args.arrcoc_weights}"]
         variant_retentions = [float(r) for r in args.variant_retentions.split(",") if r] \
             if args.variant_retentions else retentions
         if variant == "tempering":

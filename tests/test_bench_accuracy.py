@@ -46,12 +46,15 @@ def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
     done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
                            "--policies", "arrcoc", "--retentions", "0.25", "--limit", "1",
                            "--variants", "pass2,kept,tempering", "--ladder", "0.05,0.25",
-                           "--val-root", str(tmp_path / "val"), "--val-make", "2", "--ttft", "--out", str(out)],
+                           "--val-root", str(tmp_path / "val"), "--val-make", "2", "--ttft", "--out", str(out),
+                           "--arrcoc-weights", "arr_coc/weights/synth-qa.safetensors"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {(r["policy"], r["retention"]): r for r in result["rows"]}
-    assert set(rows) == {("arrcoc", 0.25), ("arrcoc+pass2", 0.25), ("arrcoc+kept", 0.25), ("arrcoc+tempering", 0.25)}
+    assert set(rows) == {("arrcoc", 0.25), ("arrcoc+pass2", 0.25), ("arrcoc+kept", 0.25), ("arrcoc+tempering", 0.25),
+                         ("arrcoc+finetuned", 0.25)}
+    assert result["variants"]["finetuned"] == ["runtime.model_weights=arr_coc/weights/synth-qa.safetensors"]
     assert result["variants"]["pass2"] == ["vlm.pass2=attention"]
     assert "vlm.tempering.ladder=[0.05,0.25]" in result["variants"]["tempering"]
     calibration = result["tempering_calibration"]
@@ -62,4 +65,5 @@ def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
     assert tempering["mean_tokens_spent"] >= tempering["mean_tokens_kept"]
     # pass 2 keeps the budget among 3x as many candidates: about as many tokens as pass 1 alone
     assert rows["arrcoc+pass2", 0.25]["mean_tokens_kept"] <= 1.5 * rows["arrcoc", 0.25]["mean_tokens_kept"] + 4
-    assert {r["policy"] for r in result["ttft"]} == {"arrcoc", "arrcoc+pass2", "arrcoc+kept", "arrcoc+tempering"}
+    assert {r["policy"] for r in result["ttft"]} == {"arrcoc", "arrcoc+pass2", "arrcoc+kept", "arrcoc+tempering",
+                                                     "arrcoc+finetuned"}

@@ -33,10 +33,11 @@ from arr_coc.model import ARRCOC, ARRCOCConfig
 from arr_coc.realizing import StreamState
 from arr_coc.texture import Texture
 
-StageName = Literal["grounding", "static", "temporal", "hard", "vlm"]
+StageName = Literal["grounding", "static", "temporal", "hard", "vlm", "vlm_qa"]
 # Parameter-name prefixes each stage trains by default ("" = all).
 STAGE_PARAMS = {"grounding": ("knowing.participatory",), "static": ("knowing", "balancer", "allocator"),
-                "temporal": ("",), "hard": ("",), "vlm": ("",)}
+                "temporal": ("",), "hard": ("",), "vlm": ("",), "vlm_qa": ("",)}
+VLM_STAGES = ("vlm", "vlm_qa")
 
 
 @dataclass(frozen=True)
@@ -65,19 +66,24 @@ class DataConfig:
     clip_shots: int = 3
     val_scenes: int = 32          # held-out still scenes for the per-epoch val_token_share
     seed: int = 1                 # training data; benchmarks/bench_quality.py uses other seeds
+    qa_clips: int = 64            # vlm_qa stage: generated video-QA clips (sources/synth_qa.py train split)
+    qa_first_seed: int = 500_000  # their seeds (train split; arrcoc-synth-qa itself saw seeds below 48000)
 
     def __post_init__(self) -> None:
         check_range("data.size", self.size, 56, 1024)
         for name in ("scenes", "hard_scenes", "clips", "clip_shots"):
             check_range(f"data.{name}", getattr(self, name), 1, 100_000)
         check_range("data.val_scenes", self.val_scenes, 1, 100_000)
+        check_range("data.qa_clips", self.qa_clips, 1, 100_000)
+        check_range("data.qa_first_seed", self.qa_first_seed, 0, 1_000_000 - self.qa_clips)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    vlm: str = "none"             # a VLM spec for the vlm stage's answer loss ("none": no such stage)
+    vlm: str = "none"             # a VLM spec for the vlm stages' answer loss ("none": no such stage)
+    init: str = "none"            # start from these weights: "none", "default" (the shipped ones) or a path
     out_dir: str = "runs/train"   # everything training writes goes under here
     model: ARRCOCConfig = field(default_factory=ARRCOCConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -89,8 +95,10 @@ class TrainConfig:
         check_choice("device", self.device, ("cpu", "cuda", "auto"))
         if not self.stages:
             raise ConfigError("stages must list at least one stage")
-        if any(s.name == "vlm" for s in self.stages) and self.vlm == "none":
-            raise ConfigError("stage 'vlm' needs a VLM: set vlm to tiny-random, an HF id or a path")
+        for s in self.stages:
+            if s.name in VLM_STAGES and self.vlm == "none":
+                raise ConfigError(f"stage '{s.name}' needs a VLM: set vlm to tiny-random, arrcoc-synth-qa, an HF id "
+                                  f"or a path")
 
 
 # ---------------------------------------------------------------- data
@@ -310,7 +318,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             p.requires_grad_(False)
     embed = QueryEmbedder(device)
     query_dim = embed("a").shape[-1]
-    model = ARRCOC(cfg.model, query_dim=query_dim).to(device)
+    model = ARRCOC(cfg.model, query_dim=query_dim)
+    if cfg.init != "none":
+        from arr_coc.checkpoint import load_pretrained
+        load_pretrained(model, cfg.init, "init")
+    model = model.to(device)
     size = (cfg.data.size, cfg.data.size)
     grid = (vlm.geometry if vlm is not None else VLMGeometry(max_pixels=size[0] * size[1])).grid(*size)
 
@@ -325,6 +337,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     clips = [clip_data(model, c, embed, grid, device) for c in make_clips(d.seed + 2, d.clips, size, shots=d.clip_shots)] \
         if "temporal" in names else []
     vlm_scenes = make_scenes(d.seed + 4, d.scenes, size) if "vlm" in names else []
+    qa_clips = []
+    if "vlm_qa" in names:
+        from .train_vlm import qa_clips as make_qa_clips
+        qa_clips = make_qa_clips(range(d.qa_first_seed, d.qa_first_seed + d.qa_clips), vlm.config.fps)
     val_scenes = make_scenes(d.seed + 3, d.val_scenes, size)
     val = scene_examples(model, val_scenes, embed, grid, device, every_object=False)
     log(f"data: {len(still)} still examples, {0 if hard is None else len(hard)} hard, {len(clips)} clips, "
@@ -351,7 +367,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         for epoch in range(first_epoch, stage.epochs):
             model.train()
             losses, tensions = [], {}
-            steps = _steps(stage, still, hard, clips, vlm_scenes, cfg.seed, si, epoch)
+            steps = _steps(stage, still, hard, clips, qa_clips if stage.name == "vlm_qa" else vlm_scenes,
+                           cfg.seed, si, epoch)
             bar = tqdm(steps, desc=f"{stage.name} {epoch + 1}/{stage.epochs}", leave=False, file=sys.stderr,
                        disable=(not sys.stderr.isatty()) if progress is None else not progress)
             for kind, data, idx in bar:
@@ -360,6 +377,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                 elif kind == "vlm":
                     from .train_vlm import vlm_step_loss
                     loss, tensions = vlm_step_loss(model, vlm, data, idx, embed)
+                elif kind == "vlm_qa":
+                    from .train_vlm import qa_step_loss
+                    loss, tensions = qa_step_loss(model, vlm, data, idx, embed)
                 else:
                     loss, tensions = still_loss(model, data, idx, stage.name)
                 opt.zero_grad(set_to_none=True)
@@ -391,9 +411,10 @@ def _steps(stage: StageConfig, still: Examples, hard: Examples | None, clips: li
     data = still
     if stage.name == "hard":
         data = _concat(hard, still)
-    if stage.name == "vlm":
+    if stage.name in VLM_STAGES:
         order = _order(len(vlm_scenes), seed, si, epoch)
-        return [("vlm", vlm_scenes, order[i:i + stage.batch_size]) for i in range(0, len(order), stage.batch_size)]
+        return [(stage.name, vlm_scenes, order[i:i + stage.batch_size])
+                for i in range(0, len(order), stage.batch_size)]
     order = _order(len(data), seed, si, epoch)
     return [("still", data, order[i:i + stage.batch_size]) for i in range(0, len(order), stage.batch_size)]
 

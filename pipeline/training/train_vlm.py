@@ -6,6 +6,11 @@ differentiable budget, averaged over the frames one temporal patch merges and ca
 token — before it enters the language model. The VLM's parameters are frozen (requires_grad
 off); the loss is the cross-entropy of the ground-truth answer given the question, so only the
 ARR-COC parameters learn which tokens the answer needs.
+
+Two sources of questions: still scenes asked "where is the <color> <shape>?" (stage `vlm`), and
+the generated video QA the shipped `arrcoc-synth-qa` was trained on (stage `vlm_qa`: clips of the
+train split seen at the VLM's frame rate, every question of each clip), which fine-tunes ARR-COC
+for that model's answers.
 """
 from __future__ import annotations
 
@@ -67,4 +72,29 @@ def vlm_step_loss(model: ARRCOC, vlm, scenes, idx, embed) -> tuple[torch.Tensor,
         loss, tensions = answer_loss(vlm, model, frames, question, where_answer(target.box, scene.image.shape[:2]),
                                      query=embed(question))
         losses.append(loss)
+    return torch.stack(losses).mean(), tensions
+
+
+def qa_clips(seeds, vlm_fps: float) -> list:
+    """Generated video-QA clips (sources.synth_qa, train split) as the VLM sees them: (frames at
+    vlm_fps, [(question, answer)])."""
+    from sources.synth_qa import make_qa_clip
+    from .qa_data import vlm_frame_indices
+
+    out = []
+    for seed in seeds:
+        clip = make_qa_clip(int(seed), split="train")
+        frames = clip.frames[vlm_frame_indices(len(clip.frames), clip.fps, vlm_fps)]
+        out.append((np.ascontiguousarray(frames), [(qa.question, qa.answer) for qa in clip.qas]))
+    return out
+
+
+def qa_step_loss(model: ARRCOC, vlm, clips, idx, embed) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean answer loss over every question of a batch of generated video-QA clips."""
+    losses, tensions = [], {}
+    for i in idx.tolist():
+        frames, questions = clips[i]
+        for question, answer in questions:
+            loss, tensions = answer_loss(vlm, model, frames, question, answer, query=embed(question))
+            losses.append(loss)
     return torch.stack(losses).mean(), tensions

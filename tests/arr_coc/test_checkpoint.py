@@ -72,6 +72,24 @@ class TestShippedDefault:
         assert not torch.equal(m.state_dict()["knowing.participatory.log_scale"],
                                ARRCOC(query_dim=384).state_dict()["knowing.participatory.log_scale"])
 
+    def test_synth_qa_is_the_default_fine_tuned_by_its_own_config(self):
+        """runtime.model_weights=synth-qa: the shipped fine-tune through arrcoc-synth-qa's answers, made
+        from the default by configs/train_vlm_qa.yaml (its metadata records that config)."""
+        import json
+        from arr_coc.checkpoint import NAMED_WEIGHTS, read_weights
+
+        m = ARRCOC(query_dim=384)
+        load_pretrained(m, "synth-qa")
+        tuned, meta = read_weights(NAMED_WEIGHTS["synth-qa"])
+        assert all(torch.equal(v, tuned[k]) for k, v in m.state_dict().items())
+        config = json.loads(meta["train_config"])
+        assert config["vlm"] == "arrcoc-synth-qa" and config["init"] == "default"
+        assert [s["name"] for s in config["stages"]] == ["vlm_qa"]
+        default, _ = read_weights(DEFAULT_WEIGHTS)
+        assert any(not torch.equal(v, default[k]) for k, v in tuned.items() if k in default)
+        with pytest.raises(ConfigError, match="allowed: default, synth-qa, none or a .safetensors path"):
+            load_pretrained(m, "synth-qa-missing", "runtime.model_weights")
+
     def test_other_query_width_is_an_error_not_a_partial_load(self):
         with pytest.raises(ConfigError, match=r"runtime.model_weights=default: .*5 shape mismatches .*"
                                               r"use runtime.model_weights=none"):

@@ -101,6 +101,31 @@ class TestVLMFineTune:
         assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert all(torch.equal(vlm_before[k], v) for k, v in vlm.model.state_dict().items())
 
+    def test_video_qa_stage_starts_from_init_and_moves_arr_coc(self, tmp_path):
+        """vlm_qa: every question of generated video-QA clips through the VLM's answer loss, from the
+        weights `init` names; the result differs from them, and nothing runs without a VLM."""
+        from arr_coc.checkpoint import load_weights as load
+        from pipeline.training.train_vlm import qa_clips
+        stages = "[{name: vlm_qa, epochs: 1, lr: 0.01, batch_size: 2}]"
+        with pytest.raises(Exception, match="stage 'vlm_qa' needs a VLM"):
+            tiny_cfg(tmp_path, stages)
+        clips = qa_clips([500_000, 500_001], 2.0)
+        assert all(f.shape[0] >= 2 and qs for f, qs in clips)              # frames at 2 fps, every question
+        result = train(tiny_cfg(tmp_path, stages, "vlm=tiny-random", "init=default", "data.qa_clips=2"),
+                       log=lambda s: None)
+        assert result["history"][-1]["stage"] == "vlm_qa" and np.isfinite(result["history"][-1]["loss"])
+        tuned, shipped = ARRCOC(query_dim=384), ARRCOC(query_dim=384)
+        load(tuned, result["weights"])
+        load(shipped, DEFAULT_WEIGHTS)
+        moved = [k for k, v in tuned.state_dict().items() if not torch.equal(v, shipped.state_dict()[k])]
+        assert moved
+        torch.manual_seed(0)
+        fresh = ARRCOC(query_dim=384).state_dict()
+
+        def distance(a):
+            return sum(float((a[k] - v).abs().sum()) for k, v in shipped.state_dict().items())
+        assert distance(tuned.state_dict()) < 0.5 * distance(fresh)         # a fine-tune of the shipped weights
+
     def test_where_answer(self):
         from arr_coc.lod import pair_soft as soft_keep
         from sources.synth_qa import where_answer

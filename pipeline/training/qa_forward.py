@@ -161,12 +161,12 @@ class QAForward:
         pos = np.zeros((3, B, L), np.int64)
         labels = np.full((B, L), IGNORE)
         vis_row = np.full((B, L), -1)
-        regions = np.full((B, L), -1)
+        regions = np.full((B, L), -1) if self.region_head is not None else None
         for b, (i, p, lab, r) in enumerate(seqs):
             n = len(i)
             ids[b, :n], pos[:, b, :n], labels[b, :n] = i, p, lab
             vis_row[b, len(self.before):len(self.before) + len(r)] = r
-            if self.region_head is not None:
+            if regions is not None:
                 gh, gw = merged[views[b][0]].shape[1:3]
                 regions[b, len(self.before):len(self.before) + len(r)] = token_regions((gh, gw)).ravel()[
                     local[b] % (gh * gw)]
@@ -177,25 +177,30 @@ class QAForward:
         embeds = self.lm.embed_tokens((ids_t.pin_memory() if dev.type == "cuda" else ids_t).to(dev, non_blocking=True))
         visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D)
         embeds = torch.where((vis_row_t >= 0)[..., None], visual, embeds)
-        host = (torch.from_numpy(pos), torch.from_numpy(labels), torch.from_numpy(regions))
+        host = [torch.from_numpy(a) for a in (pos, labels, regions) if a is not None]
         if dev.type == "cuda":
-            host = tuple(t.pin_memory() for t in host)
-        pos_d, labels_d, regions_d = (t.to(dev, non_blocking=True) for t in host)
+            host = [t.pin_memory() for t in host]
+        pos_d, labels_d, *regions_d = (t.to(dev, non_blocking=True) for t in host)
         return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs],
-                       regions_d if self.region_head is not None else None)
+                       regions_d[0] if regions_d else None)
 
     def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""
+        return self._forward(batch)[:2]
+
+    def _forward(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """logits and targets, and with region labels in the batch the LM's hidden state (B, L, D)
+        after region_layer layers (the region probe's input), else None."""
         # no mask but the causal one: every row is right padded, so no real token sees a pad, and
         # SDPA runs its causal kernel instead of one with a (B, 1, L, L) mask
         probe = batch.regions is not None
         out = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions, use_cache=False,
                       output_hidden_states=probe)
-        self._probe = out.hidden_states[self.region_layer] if probe else None   # (B, L, D) after region_layer layers
         hidden = out.last_hidden_state                                          # (B, L, D)
         where = batch.labels != IGNORE
         # position i predicts labels[i]: labels hold the token that follows each position
-        return self.model.lm_head(hidden[where]).float(), batch.labels[where]
+        return (self.model.lm_head(hidden[where]).float(), batch.labels[where],
+                out.hidden_states[self.region_layer] if probe else None)
 
     def _labels(self, parts: list[np.ndarray]) -> torch.Tensor:
         labels = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64))
@@ -207,7 +212,7 @@ class QAForward:
         visual tokens kept."""
         merged = self.vision(samples)
         batch = self.batch(samples, merged)
-        logits, targets = self.logits(batch)
+        logits, targets, probe = self._forward(batch)
         answer_loss = F.cross_entropy(logits, targets)
         loss, aux = answer_loss, torch.zeros((), device=answer_loss.device)
         if self.aux_head is not None:
@@ -227,7 +232,7 @@ class QAForward:
                 aux, loss, start = aux + part, loss + weight * part, start + width
         if self.region_head is not None and self.region_weight > 0:
             visual = batch.regions >= 0
-            region_loss = F.cross_entropy(self.region_head(self._probe[visual]).float(), batch.regions[visual])
+            region_loss = F.cross_entropy(self.region_head(probe[visual]).float(), batch.regions[visual])
             aux = aux + region_loss
             loss = loss + self.region_weight * region_loss
         with torch.no_grad():

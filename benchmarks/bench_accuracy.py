@@ -209,8 +209,15 @@ def ttft_rows(policies, retentions, plan, base: PipelineConfig, device: torch.de
     return rows
 
 
-def calibrate_on_val(args, base: PipelineConfig, ladder: tuple[float, ...], workdir: Path, query_encoder,
-                     device: torch.device, result: dict) -> float:
+def run_config(args, *overrides: str) -> PipelineConfig:
+    """The pipeline config of every row: the VLM and device asked for, the front end at the VLM's
+    2 fps, the run's --set overrides, then a variant's own."""
+    return load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
+                                             "decode.fps=2", *args.overrides, *overrides])
+
+
+def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encoder, device: torch.device,
+                     result: dict) -> float:
     """Tempering's threshold: ARR-COC + pass 2 answers the validation split in one pass at the
     ladder's first rung (the candidates tempering uses), and eval --calibrate's rule picks the
     confidence that best separates its right answers from its wrong ones."""
@@ -218,8 +225,7 @@ def calibrate_on_val(args, base: PipelineConfig, ladder: tuple[float, ...], work
 
     ensure_split(args.val_root, args.val_make, "val")
     val = load_msrvtt(args.val_root, "val")
-    cfg = load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
-                                            "decode.fps=2", *args.overrides, *tempering_overrides(ladder, passes=1)])
+    cfg = run_config(args, *tempering_overrides(ladder, passes=1))
     row = run_row("arrcoc", ladder[-1], make_plan(val, limit=args.limit), val, cfg, load_answerer(cfg, device),
                   workdir, query_encoder, "tempering-calibration")
     calibration = calibrate_threshold(row.pop("_report"))
@@ -300,10 +306,9 @@ def main(argv=None) -> int:
     ensure_split(root, args.make)
     dataset = load_msrvtt(root, "test")
     plan = make_plan(dataset, limit=args.limit)
-    base = load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
-                                             "decode.fps=2", *args.overrides])
+    base = run_config(args)
     device = resolve_device(args.device)
-    vlm = load_answerer(base, device)
+    vlm = None if args.ttft_only else load_answerer(base, device)          # --ttft-only: ttft_rows loads its own
     query_encoder = None
     if args.query_embeddings is not None:
         table = torch.load(args.query_embeddings)
@@ -333,19 +338,19 @@ def main(argv=None) -> int:
         if variant == "tempering":
             threshold = args.threshold
             if threshold is None:
-                threshold = calibrate_on_val(args, base, ladder, workdir, query_encoder, device, result)
+                threshold = calibrate_on_val(args, ladder, workdir, query_encoder, device, result)
             overrides = tempering_overrides(ladder, threshold)
             variant_retentions = [ladder[-1]]                # the ladder replaces the retention
-        cfg = load_config(PipelineConfig, None, [f"runtime.vlm={args.vlm}", f"runtime.device={args.device}",
-                                                "decode.fps=2", *args.overrides, *overrides])
-        variant_vlm = load_answerer(cfg, device)
-        for retention in variant_retentions if not args.ttft_only else ():
-            add(run_row("arrcoc", retention, plan, dataset, cfg, variant_vlm, workdir, query_encoder, variant))
+        cfg = run_config(args, *overrides)
+        if not args.ttft_only:
+            variant_vlm = load_answerer(cfg, device)
+            for retention in variant_retentions:
+                add(run_row("arrcoc", retention, plan, dataset, cfg, variant_vlm, workdir, query_encoder, variant))
+            del variant_vlm
         result.setdefault("variants", {})[variant] = overrides
         if args.ttft:
             ttft_cfg = replace(cfg.vlm, max_new_tokens=1)
             variant_vlms[variant] = (load_answerer(replace(cfg, vlm=ttft_cfg), device), variant_retentions)
-        del variant_vlm
     if rows:
         print_table(rows)
     if args.ttft:

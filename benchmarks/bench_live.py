@@ -28,7 +28,7 @@ import platform
 import sys
 import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import fixed_query  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
+from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.live_stages import LiveOptions
 from pipeline.runners.live import run_live  # noqa: E402
 from pipeline.core.live_status import snapshot  # noqa: E402
@@ -135,7 +136,7 @@ class TSServer:
         self.httpd.server_close()
 
 
-def build_vlm(arch: str, device: torch.device, new_tokens: int):
+def build_vlm(arch: str, device: torch.device, vlm_cfg: VLMConfig):
     """Qwen2-VL architecture with random weights (or the tiny one for --quick), EOS disabled."""
     from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer, tiny_config
     from pipeline.vlm.loading import _wrap
@@ -144,17 +145,22 @@ def build_vlm(arch: str, device: torch.device, new_tokens: int):
     tokenizer = build_tokenizer("bytes" if arch == "tiny" else "english")
     config = tiny_config("qwen2_vl", tokenizer) if arch == "tiny" else arch_config(arch, tokenizer)
     model = build_model(config, device=device, dtype=dtype)
-    vlm_cfg = VLMConfig(max_new_tokens=new_tokens, max_batch=16, max_wait_s=0.01)
     vlm = _wrap(model, tokenizer, "qwen2_vl", f"{arch} (random weights)", vlm_cfg, {}, "random weights (benchmark)")
     vlm.eos_ids = torch.empty(0, dtype=torch.long, device=device)   # every answer decodes new_tokens
     return vlm
 
 
+def load_settings(args, new_tokens: int) -> PipelineConfig:
+    """The bench's VLM settings (answers of new_tokens, batches of up to 16 requests), then --set."""
+    overrides = [f"vlm.max_new_tokens={new_tokens}", "vlm.max_batch=16", "vlm.max_wait_s=0.01", *args.overrides]
+    return load_config(PipelineConfig, None, overrides)
+
+
 def pipeline_config(vlm, args, device: torch.device) -> PipelineConfig:
     # Speed does not depend on the relevance weights' values: the initial ones need no weights file.
     untrained = {"model_weights": "none"} if "model_weights" in {f.name for f in fields(RuntimeConfig)} else {}
-    return PipelineConfig(runtime=RuntimeConfig(device=device.type, vlm=vlm.name, batch_size=args.batch_size,
-                                                **untrained), vlm=vlm.config)
+    return replace(args.settings, runtime=replace(args.settings.runtime, device=device.type, vlm=vlm.name,
+                                                  batch_size=args.batch_size, **untrained), vlm=vlm.config)
 
 
 def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict:
@@ -200,7 +206,9 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             "answer_latency_p50_ms": round(percentile(marks["lat"], 50) * 1e3, 1),
             "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1),
             # cumulative over the runs so far: decoders made, evicted, graphs captured
-            "vlm_counters": dict(getattr(vlm, "counters", {}))}
+            "vlm_counters": dict(getattr(vlm, "counters", {})),
+            # encode: kept: cells through the tower and reused from the streams' caches (cumulative)
+            "kept_counters": dict(vlm.kept_encoder.counters) if hasattr(vlm, "kept_encoder") else {}}
 
 
 def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
@@ -251,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="answer length in tokens (default 16; quick 4)")
     p.add_argument("--batch-size", type=int, default=16, help="frames per batch through the GPU stages (runtime default)")
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. vlm.encode=kept (repeatable; as on the CLI)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/bench_live_<device>.json)")
     args = p.parse_args(argv)
+    command = " ".join(["python3 benchmarks/bench_live.py", *(sys.argv[1:] if argv is None else argv)])
     quick = args.quick
     w, h, fps = (320, 180, 15) if quick else (1280, 720, 30)
     streams = args.streams or ("1,2" if quick else "1,4,16")
@@ -266,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     clip = encode_clip(work / "clip.ts", w, h, fps, seconds=4.0)
     server = TSServer(clip)
-    vlm = build_vlm("tiny" if quick else "qwen2-vl-2b", device, new_tokens)
+    args.settings = load_settings(args, new_tokens)
+    vlm = build_vlm("tiny" if quick else "qwen2-vl-2b", device, args.settings.vlm)
     rows = []
     try:
         for n in counts:
@@ -278,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"soak": soak_row}), flush=True)
     finally:
         server.close()
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+    result = {"command": command, "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
-              "vlm": vlm.name, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
+              "vlm": vlm.name, "overrides": args.overrides, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row,
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bench_live_{device.type}{'_quick' if quick else ''}.json"

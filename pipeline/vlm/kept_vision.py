@@ -22,10 +22,11 @@ cells an allocation keeps, instead of over every patch with the tokens picked af
 - Live reuse: with a stream key, cells unchanged since that stream last encoded them are not encoded
   again; their tokens come from pipeline.vlm.feature_cache (see there for what "unchanged" is).
 
-Speed: the batched attention (vision_attention) runs with ragged blocks (one host read of the block
-lengths per boundary tensor) and the fast blocks (vision_blocks) as for every patch; the replayed
-vision graphs (vision_graph) are not used, since their shapes are fixed per grid and the kept set
-changes with every window.
+Speed: on CUDA with vlm.cuda_graphs the tower replays a graph captured at a padded shape (kept_graph:
+cells, blocks and windows rounded up to buckets, varlen flash attention within the blocks), since the
+kept set changes with every window and the full-frame graphs (vision_graph) are fixed per grid.
+Otherwise the batched attention (vision_attention) runs with ragged blocks (one host read of the
+block lengths per boundary tensor) and the fast blocks (vision_blocks) as for every patch.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from arr_coc.lod import pad_to_pairs
 from pipeline.core.cuda import to_device
 from pipeline.vlm import hf
 from pipeline.vlm.feature_cache import FeatureCache
+from pipeline.vlm.kept_graph import KeptGraphs, TowerCall
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.vision_attention import batched_attention
 
@@ -114,11 +116,12 @@ class _Job:
 
 class KeptEncoder:
     """The vision tower over chosen cells of videos (see the module doc): `dim`, its tokens' width
-    (the LM's); `cache`: live reuse."""
+    (the LM's); `cache`: live reuse; `graphs`: the tower replayed at padded shapes (kept_graph)."""
 
     def __init__(self, visual: nn.Module, preprocessor: VideoPreprocessor, dtype: torch.dtype, dim: int,
-                 cache: FeatureCache | None = None) -> None:
+                 cache: FeatureCache | None = None, graphs: KeptGraphs | None = None) -> None:
         self.visual, self.preprocessor, self.dtype, self.dim, self.cache = visual, preprocessor, dtype, dim, cache
+        self.graphs = graphs
         self.geometry = preprocessor.geometry
         self.window = hf.vision_window_cells(visual)
         self.device = next(visual.parameters()).device
@@ -223,12 +226,19 @@ class KeptEncoder:
         sizes = [job.encoded.numel() for job in jobs]
         if not rows:
             return [torch.empty(0, self.dim, dtype=self.dtype, device=self.device) for _ in jobs]
-        cu_seqlens = F.pad(torch.cat(lengths).cumsum(0, dtype=torch.int32), (1, 0))
+        blocks = torch.cat(lengths)
+        cu_seqlens = F.pad(blocks.cumsum(0, dtype=torch.int32), (1, 0))
         window_index = cu_window_seqlens = None
         if self.window is not None:
             window_index = torch.cat(order)
             cu_window_seqlens = F.pad(torch.cat(windows).cumsum(0, dtype=torch.int32), (1, 0))
-        with batched_attention(None):             # blocks of unequal length: one host read per boundary tensor
-            merged = hf.vision_forward_on(self.visual, torch.cat(rows), torch.tensor(grids, device=self.device),
-                                          torch.cat(positions), cu_seqlens, window_index, cu_window_seqlens)
+        pixels, positions = torch.cat(rows), torch.cat(positions)
+        merged = None
+        if self.graphs is not None and self.graphs.enabled:                  # replayed at a padded shape
+            merged = self.graphs(TowerCall(pixels, positions, cu_seqlens, int(blocks.max()), window_index,
+                                           cu_window_seqlens))
+        if merged is None:
+            with batched_attention(None):         # blocks of unequal length: one host read per boundary tensor
+                merged = hf.vision_forward_on(self.visual, pixels, torch.tensor(grids, device=self.device),
+                                              positions, cu_seqlens, window_index, cu_window_seqlens)
         return list(merged.split(sizes))                                     # (n, D) each

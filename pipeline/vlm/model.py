@@ -25,6 +25,7 @@ from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph
 from pipeline.vlm import hf
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.geometry import VLMGeometry
+from pipeline.vlm.kept_graph import KeptGraphs
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
@@ -244,8 +245,10 @@ class VLM:
         cache = (FeatureCache(config.reuse_cells, config.reuse_threshold, preprocessor.image_std,
                               preprocessor.geometry.temporal_patch_size)
                  if config.encode == "kept" and config.reuse_cells else None)
+        kept_graphs = (KeptGraphs(self._visual, self.dtype, self._pool)     # needs the patched attention
+                       if self.device.type == "cuda" and config.cuda_graphs and version_warning is None else None)
         self.kept_encoder = KeptEncoder(self._visual, preprocessor, self.dtype, self.lm.embed_tokens.embedding_dim,
-                                        cache)
+                                        cache, kept_graphs)
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
         self._pad_embed: torch.Tensor | None = None

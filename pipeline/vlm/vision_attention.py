@@ -80,6 +80,33 @@ def _plan(cu_seqlens: torch.Tensor, N: int, length: int | None, plans: dict) -> 
     return plan
 
 
+def varlen_available() -> bool:
+    """Whether this torch has varlen flash attention (torch.nn.attention.varlen, CUDA)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
+                     scale: float) -> torch.Tensor:
+    """Attention within the blocks cu_seqlens bounds: q, k, v (N, heads, head_dim) packed, longest
+    a bound on the blocks' lengths -> (N, heads, head_dim); rows outside every block are left
+    undefined (CUDA, flash attention: no host read, graph-safe) or zero (elsewhere: one SDPA per
+    block, after reading the bounds)."""
+    if q.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scale)
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if b > a:
+            block = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))      # (1, heads, L, head_dim)
+            out[a:b] = F.scaled_dot_product_attention(*block, scale=scale)[0].transpose(0, 1)
+    return out
+
+
 def _batched_forward(module: nn.Module, original: Any, rotary: Any):
     def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, *args: Any,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
@@ -94,6 +121,9 @@ def _batched_forward(module: nn.Module, original: Any, rotary: Any):
         else:
             q, k = rotary(qkv[:, 0], qkv[:, 1], *position_embeddings)
         v = qkv[:, 2]
+        if plan[0] == "varlen":                                             # kept_graph's packed blocks
+            out = varlen_attention(q, k, v, cu_seqlens, plan[1], module.scaling)  # (N, heads, head_dim)
+            return module.proj(out.reshape(N, -1))
         if plan[0] == "uniform":
             L = plan[1]
             q, k, v = (t.reshape(N // L, L, H, -1).transpose(1, 2) for t in (q, k, v))

@@ -14,8 +14,10 @@ from arr_coc._validate import ConfigError
 from pipeline.vlm import hf
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
 from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.kept_graph import CELL_BUCKETS, KeptGraphs, cell_bucket
 from pipeline.vlm.kept_vision import patch_positions, window_order
 from pipeline.vlm.loading import _wrap
+from pipeline.vlm.vision_attention import varlen_attention
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 ATOL = 1e-4                  # float32 tokens of magnitude ~1 (the towers below)
@@ -131,6 +133,27 @@ def test_on_cuda_every_cell_kept_equals_the_graphed_tower(cuda_pair):
     assert graphed._vision_graphs.captured == 1                              # kept: no graph
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_cuda_kept_graphs_equal_the_eager_kept_tower(family):
+    """bf16 on CUDA: kept windows of one padded shape replay one captured graph (varlen flash
+    attention) and give the eager ragged tower's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    vlm = tiny(family, **({"fullatt_block_indexes": [1]} if family == "qwen2_5_vl" else {}))
+    vlm.model.to("cuda", torch.bfloat16)
+    graphed = rewrap(vlm, encode="kept", dtype="bfloat16")
+    eager = rewrap(vlm, encode="kept", dtype="bfloat16", cuda_graphs=False)
+    assert graphed.kept_encoder.graphs is not None and graphed.kept_encoder.graphs.enabled
+    frames = make_frames(8, 112, 168, seed=50)
+    for seed in (51, 52, 53):
+        keep = random_keep(vlm, frames, seed=seed, p=(0.6, 0.3, 0.1))
+        want, got = eager.encode_cells(frames, keep), graphed.encode_cells(frames, keep)
+        assert torch.equal(got.index, want.index)
+        torch.testing.assert_close(got.tokens.float(), want.tokens.float(), rtol=3e-2, atol=3e-2)
+    assert graphed.kept_encoder.graphs.captured == 1                         # one shape for all three
+
+
 class TestSelection:
     def test_only_the_kept_cells_go_through_the_tower(self):
         vlm = tiny("qwen2_vl")
@@ -190,6 +213,58 @@ class TestSelection:
     def test_a_keep_map_off_the_grid_is_one_clear_error(self, vlm):
         with pytest.raises(ValueError, match=r"keep map shape \(2, 3, 3\) does not match the VLM grid \(2, 2, 2\)"):
             kept(vlm).encode_cells(make_frames(2, 56, 56), np.ones((2, 3, 3), dtype=np.int64))
+
+
+class TestPaddedGraphShapes:
+    """The kept tower at a padded shape (pipeline.vlm.kept_graph), run eagerly here (capture=False):
+    the same tokens as the ragged eager tower, for windows of several sizes sharing one shape."""
+
+    @staticmethod
+    def padded(vlm):
+        k = kept(vlm)
+        k.kept_encoder.graphs = KeptGraphs(k._visual, k.dtype, None, capture_graphs=False)
+        return k
+
+    @pytest.mark.parametrize("family, vision", [("qwen2_vl", {}), ("qwen2_5_vl", {"fullatt_block_indexes": [1]})])
+    def test_padded_tokens_equal_the_ragged_towers(self, family, vision):
+        vlm = tiny(family, **vision)
+        ragged, padded = kept(vlm), self.padded(vlm)
+        frames = make_frames(6, 112, 168, seed=30)
+        for seed, p in [(31, (0.6, 0.3, 0.1)), (32, (0.7, 0.2, 0.1)), (33, (0.0, 1.0, 0.0)), (34, (0.9, 0.1, 0.0))]:
+            keep = random_keep(vlm, frames, seed=seed, p=p)
+            want = ragged.encode_cells(frames, keep)
+            got = padded.encode_cells(frames, keep)
+            assert torch.equal(got.index, want.index)
+            assert close(got.tokens, want.tokens)
+        graphs = padded.kept_encoder.graphs
+        assert graphs.enabled and 1 <= graphs.captured < 4 and len(graphs.graphs) == graphs.captured
+
+    def test_several_videos_of_several_sizes_in_one_padded_call(self):
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[0])
+        ragged, padded = kept(vlm), self.padded(vlm)
+        videos = [make_frames(4, 112, 168, seed=40), make_frames(2, 84, 112, seed=41), make_frames(4, 56, 84, seed=42)]
+        keeps = [random_keep(vlm, v, seed=43 + i) for i, v in enumerate(videos)]
+        keeps[2] = None                                                      # every cell
+        for want, got in zip(ragged.kept_encoder.encode_many(videos, keeps),
+                             padded.kept_encoder.encode_many(videos, keeps)):
+            assert close(got.tokens, want.tokens)
+        assert padded.kept_encoder.graphs.captured == 1
+
+    def test_buckets(self):
+        assert CELL_BUCKETS[:8] == [64, 96, 128, 192, 256, 384, 512, 736]
+        assert [cell_bucket(n) for n in (1, 64, 65, 416, 1024, 1025)] == [64, 64, 96, 512, 1024, 1472]
+        assert all(b / a <= 1.5 for a, b in zip(CELL_BUCKETS, CELL_BUCKETS[1:]))
+
+    def test_varlen_attention_is_blockwise_sdpa(self):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(10, 2, 8, generator=g) for _ in range(3))
+        cu = torch.tensor([0, 3, 3, 7, 7], dtype=torch.int32)                # an empty block; rows 7-9 in none
+        out = varlen_attention(q, k, v, cu, 4, 0.5)
+        for a, b in [(0, 3), (3, 7)]:
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=0.5).transpose(0, 1)
+            assert torch.allclose(out[a:b], ref, atol=1e-6)
+        assert not out[7:].any()
 
 
 def static_then_changed(T: int = 4):

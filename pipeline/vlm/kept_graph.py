@@ -1,0 +1,184 @@
+"""The kept-cells vision tower (vlm.encode: kept) replayed as CUDA graphs at padded shapes.
+
+Eager, the tower over a few hundred kept cells is bound by kernel launches, not by the GPU: on an
+H100 the 2B architecture's 32 blocks took 17.8 ms for 416 cells (1664 patches) against 52 ms for
+all 4096, and the 7B's 24 ms for 1024 (bench_vlm_kept_h100.json). The full-frame tower replays a
+graph per grid (vision_graph); the kept set changes with every window, so its graphs are keyed by
+padded sizes instead, and every window of about the same size replays the same one:
+
+- patches: the encoded cells rounded up to a bucket (CELL_BUCKETS: steps of about sqrt(2));
+- attention: the blocks (frame pairs; Qwen2.5-VL: also its windows) as cumulative bounds into the
+  packed patches, one varlen flash-attention call per layer (torch.nn.attention.varlen: no padding
+  inside a block, no host read), their count rounded up to a power of two and the longest block's
+  length bounded by a power of two; unused bounds repeat the last one (empty blocks).
+
+The padding rows lie outside every block: no real patch attends to them, every other operation of
+the tower is per row (norms, MLPs) or per merge block (the merger), and their tokens are dropped.
+Qwen2.5-VL's window permutation maps them to themselves.
+
+Built with capture=False (CPU, tests), the same padded forward runs eagerly each call; attention
+then runs one SDPA per block (vision_attention.varlen_attention).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.core.cuda import capture
+from pipeline.vlm import hf
+from pipeline.vlm.vision_attention import batched_attention, varlen_available
+
+MAX_GRAPHS = 16       # graphs kept per VLM (least recently used dropped first): live windows' kept
+                      # counts move between a few buckets
+
+
+def _cell_buckets(limit: int = 1 << 20) -> list[int]:
+    """64 * 2^(k/2) rounded up to a multiple of 32: 64, 96, 128, 192, 256, 384, 512, 736, ..."""
+    out, k = [], 0
+    while not out or out[-1] < limit:
+        size = 64 * 2 ** (k / 2)
+        out.append(int(-(-size // 32) * 32))
+        k += 1
+    return out
+
+
+CELL_BUCKETS = _cell_buckets()
+
+
+def cell_bucket(cells: int) -> int:
+    """The padded cell count a tower call of `cells` cells runs at (at most ~41% extra)."""
+    for size in CELL_BUCKETS:
+        if size >= cells:
+            return size
+    raise ValueError(f"{cells} cells is more than a kept graph holds ({CELL_BUCKETS[-1]})")
+
+
+def pow2_at_least(n: int, least: int) -> int:
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TowerCall:
+    """One kept tower call, packed (KeptEncoder._tower builds it): pixels (n, F) of whole merge
+    blocks, positions (n, 2) their (row, column) in the patch grid, cu (S + 1,) int32 bounds of the
+    full-attention blocks, longest the largest of those blocks; Qwen2.5-VL: window_index (n / m^2,),
+    cu_window (W + 1,) int32 window bounds (see hf.vision_forward_on)."""
+
+    pixels: torch.Tensor
+    positions: torch.Tensor
+    cu: torch.Tensor
+    longest: int
+    window_index: torch.Tensor | None = None
+    cu_window: torch.Tensor | None = None
+
+    def key(self, merge_units: int) -> tuple[int, int, int, int]:
+        cells = cell_bucket(self.pixels.shape[0] // merge_units)
+        windows = 0 if self.cu_window is None else pow2_at_least(self.cu_window.numel() - 1, 8)
+        return (cells, pow2_at_least(self.cu.numel() - 1, 2), pow2_at_least(self.longest, 64), windows)
+
+
+class KeptGraph:
+    """The tower at one padded shape (cells, blocks, longest block, windows): static inputs, one
+    captured forward (or, capture=False, the same forward run eagerly)."""
+
+    def __init__(self, visual: nn.Module, key: tuple[int, int, int, int], dtype: torch.dtype, window_cells: int,
+                 pool: Any, first: TowerCall, capture_graph: bool = True) -> None:
+        cells, blocks, longest, windows = key
+        device = next(visual.parameters()).device
+        units = visual.spatial_merge_size ** 2
+        n = cells * units
+        features = visual.patch_embed.proj.weight[0].numel()             # C x temporal x patch x patch
+        self.units = units
+        self.pixels = torch.zeros(n, features, dtype=dtype, device=device)
+        self.positions = torch.zeros(n, 2, dtype=first.positions.dtype, device=device)
+        self.cu = torch.zeros(blocks + 1, dtype=torch.int32, device=device)
+        self.grid = torch.tensor([[1, 1, n]], device=device)             # unused: every grid input is given
+        self.plans: dict = {(self.cu.data_ptr(), self.cu.numel(), n): ("varlen", longest)}
+        self.window_index = self.cu_window = None
+        if windows:
+            self.window_index = torch.arange(cells, device=device)
+            self.cu_window = torch.zeros(windows + 1, dtype=torch.int32, device=device)
+            self.plans[(self.cu_window.data_ptr(), self.cu_window.numel(), n)] = (
+                "varlen", window_cells * units)
+
+        def forward() -> torch.Tensor:
+            with batched_attention(None, self.plans):
+                return hf.vision_forward_on(visual, self.pixels, self.grid, self.positions, self.cu,
+                                            self.window_index, self.cu_window)
+        self._forward = forward
+        self._fill(first)
+        self.graph = None
+        if capture_graph:
+            self.graph, self.merged = capture(forward, torch.cuda.Stream(device), pool)
+
+    def _fill(self, call: TowerCall) -> None:
+        n, S = call.pixels.shape[0], call.cu.numel()
+        self.pixels[:n].copy_(call.pixels)
+        self.positions[:n].copy_(call.positions)
+        self.cu[:S].copy_(call.cu)
+        self.cu[S:].fill_(n)                                             # empty blocks; padding rows in none
+        if self.window_index is not None:
+            c, W = n // self.units, call.cu_window.numel()
+            self.window_index[:c].copy_(call.window_index)
+            self.window_index[c:].copy_(torch.arange(c, self.window_index.numel(), device=self.pixels.device))
+            self.cu_window[:W].copy_(call.cu_window)
+            self.cu_window[W:].fill_(n)
+
+    def __call__(self, call: TowerCall, filled: bool = False) -> torch.Tensor:
+        """-> the merged tokens (n / m^2, D) of call's patches, a copy."""
+        if not filled:
+            self._fill(call)
+        cells = call.pixels.shape[0] // self.units
+        if self.graph is None:
+            return self._forward()[:cells]
+        self.graph.replay()
+        return self.merged[:cells].clone()
+
+
+class KeptGraphs:
+    """A VLM's kept-tower graphs by padded shape; `enabled` turns off for good where varlen
+    attention is missing or a capture fails (the tower then runs eagerly, as before)."""
+
+    def __init__(self, visual: nn.Module, dtype: torch.dtype, pool_fn, capture_graphs: bool = True) -> None:
+        self.visual, self.dtype, self.pool_fn, self.capture_graphs = visual, dtype, pool_fn, capture_graphs
+        self.window = hf.vision_window_cells(visual)
+        self.graphs: OrderedDict[tuple[int, int, int, int], KeptGraph] = OrderedDict()
+        device = next(visual.parameters()).device
+        # flash attention: half precision on CUDA (the eager reference serves any dtype, on the CPU)
+        self.enabled = (hf.vision_utils() is not None and
+                        (not capture_graphs or (varlen_available() and device.type == "cuda"
+                                                and dtype in (torch.float16, torch.bfloat16))))
+        self.captured = 0
+
+    def __call__(self, call: TowerCall) -> torch.Tensor | None:
+        """call's merged tokens (n / m^2, D), or None where no graph runs it (the caller runs the tower)."""
+        if not self.enabled:
+            return None
+        units = self.visual.spatial_merge_size ** 2
+        try:
+            key = call.key(units)
+        except ValueError:
+            return None
+        graph = self.graphs.pop(key, None)
+        filled = False
+        if graph is None:
+            try:
+                pool = self.pool_fn() if self.capture_graphs else None
+                graph = KeptGraph(self.visual, key, self.dtype, (self.window or 1) ** 2, pool, call,
+                                  self.capture_graphs)
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
+                self.enabled = False
+                warnings.warn(f"kept vision tower CUDA graph capture failed, it runs eagerly: {e}", RuntimeWarning,
+                              stacklevel=2)
+                return None
+            filled = True
+            self.captured += 1
+            if len(self.graphs) >= MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        self.graphs[key] = graph                                         # most recently used last
+        return graph(call, filled)

@@ -23,10 +23,13 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
     kept             vlm.encode=kept: the vision tower encodes only the kept cells' patches
     finetuned        ARR-COC with the weights --arrcoc-weights names (configs/train_vlm_qa.yaml
                      fine-tunes the shipped ones through arrcoc-synth-qa's answer loss)
-    tempering        pass 2 with the budget ladder --ladder: answer at its first rung, again at the
-                     next while the first answer token's confidence is below the threshold, which is
-                     calibrated on the validation split (--val-root; eval --calibrate's rule) unless
-                     --threshold gives it; one row, its tokens are every pass's (tokens_spent)
+    tempering        the budget ladder --ladder: answer at its first rung, again at the next while
+                     the first answer token's confidence is below the threshold, which is calibrated
+                     on the validation split (--val-root; eval --calibrate's rule, over the first
+                     pass's answers) unless --threshold gives it; one row, its tokens are every
+                     pass's (tokens_spent). --rank relevance: each rung keeps the tokens ARR-COC rates
+                     best (pass 2 off); attention: pass 2's (vlm.pass2=attention). --fallback: which
+                     pass answers when none is confident (vlm.tempering.fallback)
 
     python benchmarks/bench_accuracy.py --root data/synthqa --make 200 --vlm arrcoc-synth-qa
     python benchmarks/bench_accuracy.py --quick                    # CPU smoke: tiny-random, 3 clips
@@ -59,11 +62,12 @@ from pipeline.core.setup import load_answerer, resolve_device  # noqa: E402
 from pipeline.runners.batch import make_plan, run_batch  # noqa: E402
 from pipeline.runners.evaluate import evaluate  # noqa: E402
 from pipeline.vlm.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
+from pipeline.vlm.config import TemperingConfig  # noqa: E402
 from sources.msrvtt import load_msrvtt  # noqa: E402
 
 POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
 VARIANTS: dict[str, tuple[str, ...]] = {"pass2": ("vlm.pass2=attention",), "kept": ("vlm.encode=kept",),
-                                        "tempering": ("vlm.pass2=attention",)}
+                                        "tempering": ()}
 LADDER = (0.05, 0.1, 0.25)
 RETENTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
 # the families whose question names one object (by colour and shape): where query-awareness counts
@@ -78,9 +82,16 @@ def ensure_split(root: Path, count: int, split: str = "test") -> None:
     write_split(root, split, count, progress=sys.stderr.isatty())
 
 
-def tempering_overrides(ladder: tuple[float, ...], threshold: float | None = None, passes: int | None = None) -> list[str]:
+def tempering_overrides(ladder: tuple[float, ...], threshold: float | None = None, passes: int | None = None,
+                        rank: str | None = None, fallback: str | None = None) -> list[str]:
+    """The tempering variant's settings; rank attention turns pass 2 on, relevance (or None: the
+    config's default rank) leaves it as configured."""
     out = [*VARIANTS["tempering"], f"vlm.tempering.ladder=[{','.join(f'{r:g}' for r in ladder)}]",
            f"vlm.tempering.max_passes={passes or len(ladder)}"]
+    if rank is not None:
+        out += [f"vlm.tempering.rank={rank}"] + (["vlm.pass2=attention"] if rank == "attention" else ["vlm.pass2=off"])
+    if fallback is not None:
+        out.append(f"vlm.tempering.fallback={fallback}")
     return out + ([f"vlm.tempering.threshold={threshold:g}"] if threshold is not None else [])
 
 
@@ -185,19 +196,20 @@ def ttft_rows(policies, retentions, plan, base: PipelineConfig, device: torch.de
 
         def arrcoc_lod(q=query):
             allocation, _, _ = model.realize(model.extract(video, None, grid), q)
-            return allocation.lod.cpu().numpy()
+            return allocation.lod.cpu().numpy(), allocation.relevance.float().cpu().numpy()
         with torch.inference_mode():
             for policy in job_policies:
                 if policy == "stock" and retention != retentions[0]:
                     continue
+                scores = None                                                  # pass 1's relevance: ARR-COC's rows
                 if policy in ("arrcoc", "arrcoc-noquery"):
-                    select_s, keep = timed(arrcoc_lod)
+                    select_s, (keep, scores) = timed(arrcoc_lod)
                 elif policy == "stock":
                     select_s, keep = 0.0, None
                 else:
                     merged = vlm.visual_tokens(frames).unflatten(1, grid) if policy in NEEDS_FEATURES else None
                     select_s, keep = timed(lambda: baseline_keep(policy, frames, retention, grid=grid, merged=merged))
-                request = AnswerRequest("ttft", frames, keep, question, 0.0, len(frames) / base.vlm.fps)
+                request = AnswerRequest("ttft", frames, keep, question, 0.0, len(frames) / base.vlm.fps, scores=scores)
                 answer_s, _ = timed(lambda: answerer.answer([request]))
                 rows.append({"policy": f"{policy}+{variant}" if variant else policy,
                              "retention": 1.0 if policy == "stock" else retention,
@@ -218,14 +230,15 @@ def run_config(args, *overrides: str) -> PipelineConfig:
 
 def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encoder, device: torch.device,
                      result: dict) -> float:
-    """Tempering's threshold: ARR-COC + pass 2 answers the validation split in one pass at the
-    ladder's first rung (the candidates tempering uses), and eval --calibrate's rule picks the
-    confidence that best separates its right answers from its wrong ones."""
+    """Tempering's threshold: the tempering variant answers the validation split with threshold 0,
+    so every answer comes from its first pass exactly as tempering's first pass makes it (the same
+    candidates and ranking), and eval --calibrate's rule picks the confidence that best separates
+    its right answers from its wrong ones."""
     from pipeline.runners.evaluate import calibrate_threshold
 
     ensure_split(args.val_root, args.val_make, "val")
     val = load_msrvtt(args.val_root, "val")
-    cfg = run_config(args, *tempering_overrides(ladder, passes=1))
+    cfg = run_config(args, *tempering_overrides(ladder, 0.0, rank=args.rank, fallback=args.fallback))
     row = run_row("arrcoc", ladder[-1], make_plan(val, limit=args.limit), val, cfg, load_answerer(cfg, device),
                   workdir, query_encoder, "tempering-calibration")
     calibration = calibrate_threshold(row.pop("_report"))
@@ -268,6 +281,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variant-retentions", help="the variants' retentions (default: --retentions)")
     ap.add_argument("--ladder", default=",".join(f"{r:g}" for r in LADDER),
                     help="tempering's budget ladder (default: %(default)s)")
+    ap.add_argument("--rank", choices=("relevance", "attention"),
+                    help="tempering's ranking of each rung's tokens (default: vlm.tempering.rank's default)")
+    ap.add_argument("--fallback", choices=("last", "most_confident"),
+                    help="tempering's answer when no pass is confident (default: vlm.tempering.fallback's)")
     ap.add_argument("--threshold", type=float, help="tempering's confidence threshold (default: calibrated on "
                                                     "--val-root)")
     ap.add_argument("--val-root", type=Path, help="validation split root for the tempering threshold "
@@ -292,6 +309,7 @@ def main(argv=None) -> int:
     if unknown := [v for v in variants if v not in VARIANTS]:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     ladder = tuple(float(r) for r in args.ladder.split(",") if r)
+    args.rank = args.rank or TemperingConfig().rank                       # explicit: it decides vlm.pass2
     if args.arrcoc_weights is not None:
         if not args.arrcoc_weights.is_file():
             ap.error(f"--arrcoc-weights {args.arrcoc_weights}: no such file")
@@ -339,7 +357,7 @@ def main(argv=None) -> int:
             threshold = args.threshold
             if threshold is None:
                 threshold = calibrate_on_val(args, ladder, workdir, query_encoder, device, result)
-            overrides = tempering_overrides(ladder, threshold)
+            overrides = tempering_overrides(ladder, threshold, rank=args.rank, fallback=args.fallback)
             variant_retentions = [ladder[-1]]                # the ladder replaces the retention
         cfg = run_config(args, *overrides)
         if not args.ttft_only:

@@ -49,6 +49,9 @@ def _qualify(message: str, prefix: str) -> str:
     return f"{prefix}: {message}"
 
 
+YAML_FALSE, YAML_TRUE = ("off", "no", "false"), ("on", "yes", "true")
+
+
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -68,6 +71,10 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         raise ConfigError(errors[0] if errors else f"{name}: bad value {value!r}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and value not in allowed:
+            # YAML 1.1 reads off/no/false (on/yes/true) as booleans: back to the word a choice spells
+            words = [w for w in (YAML_FALSE if value is False else YAML_TRUE) if w in allowed]
+            value = words[0] if words else value
         if value not in allowed:
             raise ConfigError(f"{name}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
         return value

@@ -130,7 +130,7 @@ class LiveRealizeStage(RealizeStage):
 
 @dataclass
 class _Window:
-    rgb: collections.deque = field(default_factory=collections.deque)     # (pts, arrival_s, rgb, lod)
+    rgb: collections.deque = field(default_factory=collections.deque)     # (pts, arrival_s, rgb, lod, relevance)
     next_due: float | None = None
     pending: Future | None = None
     pending_meta: tuple[float, float] | None = None
@@ -150,7 +150,7 @@ def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: Pipelin
     g = vlm.geometry
     frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
     pairs = token_frames(frames, g.temporal_patch_size)
-    tempering = cfg.vlm.pass2 != "off" and cfg.vlm.tempering.ladder
+    tempering = bool(cfg.vlm.tempering.ladder)
     retentions = cfg.vlm.tempering.rungs if tempering else (cfg.model.attending.retention,)
     lengths = set()
     for (height, width), retention in itertools.product(sizes, retentions):
@@ -187,11 +187,12 @@ class LiveVLMStage(Stage):
             win.next_due = None
             win.cut = True
         marks = item.vlm_frames or [True] * len(item.batch.frames)
-        for frame, lod, take, cut in zip(item.batch.frames, allocation.lod.numpy(), marks,
-                                         allocation.scene_change.numpy()):
+        for frame, lod, relevance, take, cut in zip(item.batch.frames, allocation.lod.numpy(),
+                                                    allocation.relevance.float().numpy(), marks,
+                                                    allocation.scene_change.numpy()):
             win.cut |= bool(cut)
             if take or cut:
-                self._add(win, frame, lod)
+                self._add(win, frame, lod, relevance)
             if self.options.on_scene_change:
                 # the first frame that reaches this stage opens the stream, whatever its index
                 # (in realtime mode the first frames may have been dropped): no change to answer
@@ -218,8 +219,8 @@ class LiveVLMStage(Stage):
     def close(self) -> None:
         self.batcher.close()
 
-    def _add(self, win: _Window, frame: Frame, lod: np.ndarray) -> None:
-        win.rgb.append((frame.pts_s, frame.arrival_s, frame.rgb, lod))
+    def _add(self, win: _Window, frame: Frame, lod: np.ndarray, relevance: np.ndarray) -> None:
+        win.rgb.append((frame.pts_s, frame.arrival_s, frame.rgb, lod, relevance))
         while win.rgb and win.rgb[0][0] < frame.pts_s - self.options.every_s:
             win.rgb.popleft()
         if len(win.rgb) > self.options.window_frames:  # keep an even spread of a long window
@@ -235,7 +236,8 @@ class LiveVLMStage(Stage):
         # AnswerRequest.arrival_s is on the monotonic clock; the frame's arrival is wall-clock
         arrival_mono = time.monotonic() - (time.time() - last_arrival)
         request = AnswerRequest(stream_id=sid, frames=np.stack([f[2] for f in frames]),
-                                keep=np.stack([f[3] for f in frames]), question=self.question,
+                                keep=np.stack([f[3] for f in frames]), scores=np.stack([f[4] for f in frames]),
+                                question=self.question,
                                 t_start=float(frames[0][0]), t_end=float(frames[-1][0]), arrival_s=arrival_mono,
                                 reuse_key=sid, scene_change=win.cut)   # cells unchanged since the last window: reused
         win.pending, win.pending_meta = self.batcher.submit(request), (request.t_start, request.t_end)

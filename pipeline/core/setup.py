@@ -39,12 +39,13 @@ def build_model(cfg: PipelineConfig, device: torch.device, *, answering: bool = 
 
 
 def candidate_attending(cfg: PipelineConfig) -> AttendingConfig:
-    """Pass 1's budget when a VLM answers. With vlm.pass2 off: model.attending as configured. On:
-    candidate_factor times the final budget (pass 2 keeps 1 / candidate_factor of it: the
-    configured retention or top_k); with tempering: candidate_factor times the ladder's top rung,
-    as a fraction of the cells (the ladder replaces the retention), at most every cell."""
+    """Pass 1's budget when a VLM answers. With vlm.pass2 off and no tempering: model.attending as
+    configured. Pass 2 on: candidate_factor times the final budget (pass 2 keeps 1 / candidate_factor
+    of it: the configured retention or top_k). With tempering: its candidate_fraction as a fraction
+    of the cells (the ladder replaces the retention): the ladder's top rung (rank: relevance), or
+    candidate_factor times it (rank: attention), at most every cell."""
     attending, v = cfg.model.attending, cfg.vlm
-    if v.pass2 == "off" or v.candidate_factor == 1 and not v.tempering.ladder:
+    if not v.tempering.ladder and (v.pass2 == "off" or v.candidate_factor == 1):
         return attending
     if v.tempering.ladder:
         return replace(attending, selection="fraction", retention=v.candidate_fraction())

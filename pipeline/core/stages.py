@@ -422,6 +422,7 @@ class VLMStage(Stage):
         self.vlm, self.question, self.every_s, self.max_frames = vlm, question, every_s, max_frames
         self.rgb: list[np.ndarray] = []
         self.lod: list[np.ndarray] = []
+        self.relevance: list[np.ndarray] = []   # pass 1's realized relevance of each kept frame (gh, gw)
         self.stride = 1                       # the window keeps every stride-th of its VLM frames
         self.offered = 0                      # VLM frames of this window so far, kept or not
         self.last_pts: float | None = None    # the newest of them
@@ -433,7 +434,8 @@ class VLMStage(Stage):
         out: list[Any] = [item]
         allocation = item.wait()
         self.stream_id = item.batch.stream_id
-        for frame, lod, take in zip(item.batch.frames, allocation.lod.numpy(), item.vlm_frames or []):
+        for frame, lod, relevance, take in zip(item.batch.frames, allocation.lod.numpy(),
+                                               allocation.relevance.float().numpy(), item.vlm_frames or []):
             if self.window_start is None:
                 self.window_start = frame.pts_s
             if self.every_s is not None and frame.pts_s >= self.window_start + self.every_s and self.rgb:
@@ -441,17 +443,18 @@ class VLMStage(Stage):
                 # the window this frame falls in (after a jump in pts, the windows between are empty)
                 self.window_start += self.every_s * ((frame.pts_s - self.window_start) // self.every_s)
             if take:
-                self._take(frame, lod)
+                self._take(frame, lod, relevance)
         return out
 
-    def _take(self, frame: Frame, lod: np.ndarray) -> None:
+    def _take(self, frame: Frame, lod: np.ndarray, relevance: np.ndarray) -> None:
         if self.offered % self.stride == 0:
             if len(self.rgb) == self.max_frames:  # keep frames 0, 2, 4 ... of those kept: the stride doubles
-                del self.rgb[1::2], self.lod[1::2]
+                del self.rgb[1::2], self.lod[1::2], self.relevance[1::2]
                 self.stride *= 2
             if self.offered % self.stride == 0:
                 self.rgb.append(frame.rgb)
                 self.lod.append(lod)
+                self.relevance.append(relevance)
         self.offered += 1
         self.last_pts = frame.pts_s
 
@@ -465,9 +468,9 @@ class VLMStage(Stage):
 
         request = AnswerRequest(stream_id=self.stream_id, frames=np.stack(self.rgb), keep=np.stack(self.lod),
                                 question=self.question, t_start=float(self.window_start), t_end=float(end),
-                                arrival_s=time.monotonic())
+                                arrival_s=time.monotonic(), scores=np.stack(self.relevance))
         result = self.vlm.answer([request])[0]
-        self.rgb, self.lod, self.stride, self.offered = [], [], 1, 0
+        self.rgb, self.lod, self.relevance, self.stride, self.offered = [], [], [], 1, 0
         self.answered += 1
         return AnswerItem.of(self.stream_id, request.t_start, request.t_end, self.question, result)
 

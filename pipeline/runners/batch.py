@@ -134,11 +134,13 @@ class QuestionsStage(VLMStage):
         keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
         questions = [q.question for q in self.work.questions]
         frames = np.stack(self.rgb)                                          # (T, H, W, 3)
+        # pass 1's relevance ranks tempering's tokens: only with ARR-COC's own keep map
+        scores = np.stack(self.relevance) if keep is not None and self.keep_policy is None else None
 
         def answer() -> list:
             with self.vlm_lock:                                              # a policy may run the VLM's tower
                 chosen = keep if self.keep_policy is None or keep is None else self.keep_policy(frames, keep)
-                return self.vlm.answer_questions(frames, chosen, questions)
+                return self.vlm.answer_questions(frames, chosen, questions, scores=scores)
         results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
         t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)

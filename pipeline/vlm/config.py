@@ -10,12 +10,15 @@ DTYPES = ("bfloat16", "float16", "float32")
 ENCODE_MODES = ("all", "kept")
 PASS2 = ("off", "attention")
 CONFIDENCE = ("margin", "entropy")
+RANKS = ("relevance", "attention")
+FALLBACKS = ("last", "most_confident")
 
 
 @dataclass(frozen=True)
 class TemperingConfig:
     """Multi-pass answering (pipeline/vlm/passes.py): answer with the ladder's first budget; while the
-    VLM is unsure of the answer's first token, answer again with the next one (pass 2's best tokens)."""
+    VLM is unsure of the answer's first token, answer again with the next one (the best tokens as
+    `rank` orders them)."""
 
     # budgets as fractions of the window's full visual tokens, strictly increasing; () = one pass
     ladder: tuple[float, ...] = ()
@@ -25,6 +28,14 @@ class TemperingConfig:
     max_passes: int = 3                # the most rungs of the ladder one answer may use
     # margin: top-1 minus top-2 probability; entropy: 1 - entropy / log(vocabulary size)
     confidence: Literal["margin", "entropy"] = "margin"
+    # which of pass 1's candidates each rung keeps: relevance, the cells ARR-COC itself rates best
+    # (its realized relevance; works with vlm.pass2=off, pass 1 keeping the top rung's budget);
+    # attention, those the question attends to most in the VLM (needs vlm.pass2=attention, pass 1
+    # keeping candidate_factor times the top rung)
+    rank: Literal["relevance", "attention"] = "relevance"
+    # no rung confident enough: answer from the last pass (the largest budget), or from the pass
+    # whose first answer token was the most confident
+    fallback: Literal["last", "most_confident"] = "last"
 
     def __post_init__(self) -> None:
         if not isinstance(self.ladder, tuple):
@@ -37,6 +48,8 @@ class TemperingConfig:
         check_int("vlm.tempering.max_passes", self.max_passes)
         check_range("vlm.tempering.max_passes", self.max_passes, 1, 255)
         check_choice("vlm.tempering.confidence", self.confidence, CONFIDENCE)
+        check_choice("vlm.tempering.rank", self.rank, RANKS)
+        check_choice("vlm.tempering.fallback", self.fallback, FALLBACKS)
 
     @property
     def rungs(self) -> tuple[float, ...]:
@@ -113,19 +126,31 @@ class VLMConfig:
         check_range("vlm.pass2_layers", self.pass2_layers, 0, 255)
         if not isinstance(self.tempering, TemperingConfig):
             raise ConfigError(f"vlm.tempering must be a mapping of tempering settings, got {self.tempering!r}")
-        if self.tempering.ladder and self.pass2 == "off":
-            raise ConfigError("vlm.tempering.ladder needs vlm.pass2=attention: each pass after the first "
-                              "keeps the tokens pass 2 ranked best")
+        t = self.tempering
+        if t.ladder and t.rank == "attention" and self.pass2 == "off":
+            raise ConfigError("vlm.tempering.rank=attention needs vlm.pass2=attention: each pass keeps the "
+                              "tokens pass 2 ranked best (or rank them by pass 1's relevance: "
+                              "vlm.tempering.rank=relevance)")
+        if t.ladder and t.rank == "relevance" and self.pass2 != "off":
+            raise ConfigError(f"vlm.tempering.rank=relevance ranks every pass's tokens by pass 1's relevance, so "
+                              f"vlm.pass2={self.pass2} would go unused: set vlm.pass2=off, or "
+                              f"vlm.tempering.rank=attention")
+
+    @property
+    def multipass(self) -> bool:
+        """Whether pipeline/vlm/passes.py answers (pass 2, or a tempering ladder)."""
+        return self.pass2 != "off" or bool(self.tempering.ladder)
 
     def candidate_fraction(self) -> float:
-        """With tempering: the share of the cells pass 1 keeps as candidates (candidate_factor times
-        the top rung, at most all)."""
-        return min(1.0, self.candidate_factor * self.tempering.rungs[-1])
+        """With tempering: the share of the cells pass 1 keeps as candidates: the top rung (rank:
+        relevance), candidate_factor times it (rank: attention), at most all."""
+        factor = self.candidate_factor if self.tempering.rank == "attention" else 1.0
+        return min(1.0, factor * self.tempering.rungs[-1])
 
     def keep_shares(self) -> tuple[float, ...]:
         """The share of pass 1's candidates each answering pass keeps: (1 / candidate_factor,) for
-        pass 2 alone; with tempering, each rung over candidate_fraction. () with pass 2 off."""
-        if self.pass2 == "off":
+        pass 2 alone; with tempering, each rung over candidate_fraction. () with neither."""
+        if not self.multipass:
             return ()
         if not self.tempering.ladder:
             return (1.0 / self.candidate_factor,)

@@ -29,7 +29,7 @@ from pipeline.vlm.kept_graph import KeptGraphs
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
-from pipeline.vlm.selection import pair_lod, select_tokens
+from pipeline.vlm.selection import pair_lod, select_tokens, token_relevance
 from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
@@ -78,6 +78,9 @@ class AnswerRequest:
     arrival_s: float | None = None      # time.monotonic() when the window was complete; latency starts here
     reuse_key: str | None = None        # live stream whose cached vision features may serve (encode: kept)
     scene_change: bool = False          # a cut since reuse_key's previous request: its cache is dropped first
+    # (T, gh, gw) float pass 1's realized relevance of each cell (ARR-COC's, as the keep map's): the
+    # tempering ladder's passes keep the best-scored tokens (vlm.tempering.rank: relevance); None: none
+    scores: np.ndarray | torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.frames.shape)
@@ -91,6 +94,25 @@ class AnswerRequest:
             raise ValueError("AnswerRequest.question is empty")
         if self.reuse_key is not None and not isinstance(self.reuse_key, str):
             raise ValueError(f"AnswerRequest.reuse_key must be a string or None, got {self.reuse_key!r}")
+        if self.scores is not None:
+            check_scores(self.scores, shape[0] if self.keep is None else tuple(self.keep.shape))
+
+
+def check_scores(scores: np.ndarray | torch.Tensor, expected: int | tuple[int, ...]) -> None:
+    """Pass 1's relevance map: (T, gh, gw) finite floats, T frames (an int) or the keep map's shape."""
+    if not isinstance(scores, (np.ndarray, torch.Tensor)):
+        raise ValueError(f"AnswerRequest.scores must be a (T, gh, gw) float array, got {type(scores).__name__}")
+    shape = tuple(scores.shape)
+    fits = len(shape) == 3 and (shape[0] == expected if isinstance(expected, int) else shape == expected)
+    if not fits:
+        want = f"(T={expected}, gh, gw)" if isinstance(expected, int) else f"the keep map's shape {expected}"
+        raise ValueError(f"AnswerRequest.scores must be {want}, got {shape}")
+    floating = scores.is_floating_point() if isinstance(scores, torch.Tensor) else np.issubdtype(scores.dtype, np.floating)
+    if not floating:
+        raise ValueError(f"AnswerRequest.scores must be floats, got {scores.dtype}")
+    finite = bool(torch.isfinite(scores).all()) if isinstance(scores, torch.Tensor) else bool(np.isfinite(scores).all())
+    if not finite:
+        raise ValueError("AnswerRequest.scores must be finite (pass 1's relevance), got NaN or inf")
 
 
 @dataclass(frozen=True)
@@ -127,13 +149,16 @@ class Prefix:
 class WindowPrefix:
     """What every question about one window shares: the system prompt and the kept visual tokens,
     embeds (S, D) and positions (3, S); text_start, the M-RoPE position of the first token after the
-    video; max_position, the largest position of the full (unpruned) prompt up to there."""
+    video; max_position, the largest position of the full (unpruned) prompt up to there; scores
+    (tokens_kept,) float32 pass 1's relevance of each kept visual token, in their order (None: none
+    given): a frame pair's token the higher of its two cells, a pooled token its block's best."""
     embeds: torch.Tensor
     positions: torch.Tensor
     text_start: int
     max_position: int
     tokens_kept: int
     tokens_full: int
+    scores: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -253,7 +278,7 @@ class VLM:
         self._before_ids: list[int] | None = None
         self._pad_embed: torch.Tensor | None = None
         # pass 2 and tempering (vlm.pass2, vlm.tempering): None while pass 2 is off
-        self.passes = Passes(self) if config.pass2 != "off" else None
+        self.passes = Passes(self) if config.multipass else None
         self.video_token_id = model.config.video_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -344,13 +369,14 @@ class VLM:
     @torch.no_grad()
     def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:
         """Selection: merged tokens (T', gh, gw, D) of req's frames -> its pruned LM prefix."""
-        return self.question_prefix(self.window_prefix(req.frames, req.keep, merged), req.question)
+        return self.question_prefix(self.window_prefix(req.frames, req.keep, merged, req.scores), req.question)
 
     @torch.no_grad()
     def window_prefix(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
-                      merged: torch.Tensor) -> WindowPrefix:
+                      merged: torch.Tensor, scores: np.ndarray | torch.Tensor | None = None) -> WindowPrefix:
         """The question-independent part of the prefix: frames (T, H, W, 3) (only their shape is
-        used), keep (T, gh, gw) LOD or None (all tokens), merged tokens (T', gh, gw, D) of them."""
+        used), keep (T, gh, gw) LOD or None (all tokens), merged tokens (T', gh, gw, D) of them,
+        scores (T, gh, gw) pass 1's relevance or None (WindowPrefix.scores)."""
         Tp, gh, gw, _ = merged.shape
         if keep is None:
             lod = torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
@@ -366,8 +392,16 @@ class VLM:
         v0 = layout.before.shape[0]
         embeds = torch.cat([layout.before, tokens.to(layout.before.dtype)])  # (v0 + K, D)
         positions = torch.cat([layout.positions[:, :v0], layout.positions[:, v0 + index]], 1)  # (3, v0 + K)
+        token_scores = None
+        if scores is not None:
+            expected = (frames.shape[0], gh, gw)
+            if tuple(scores.shape) != expected:
+                raise ValueError(f"scores shape {tuple(scores.shape)} does not match the VLM grid {expected} "
+                                 f"for {frames.shape[2]}x{frames.shape[1]} frames")
+            token_scores = token_relevance(to_device(scores, self.device).float(), lod, index,
+                                           self.geometry.temporal_patch_size)  # (K,)
         return WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),
-                            Tp * gh * gw)
+                            Tp * gh * gw, token_scores)
 
     @torch.no_grad()
     def question_prefix(self, window: WindowPrefix, question: str) -> Prefix:
@@ -732,17 +766,18 @@ class VLM:
 
     @torch.no_grad()
     def answer_questions(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
-                         questions: list[str], *, max_batch: int | None = None) -> list[AnswerResult]:
+                         questions: list[str], *, max_batch: int | None = None,
+                         scores: np.ndarray | torch.Tensor | None = None) -> list[AnswerResult]:
         """Several questions about one window: the vision tower, the selection and the M-RoPE positions
         run once, each question adds only its own text to the shared prefix (prefilled once), and they
         decode together (`max_batch` per generate call, None: all at once). latency_s is the time from
-        this call to each answer."""
+        this call to each answer. scores: pass 1's relevance (T, gh, gw), as AnswerRequest.scores."""
         if not questions:
             return []
         started = time.monotonic()
-        requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0) for q in questions]  # validates them
+        requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0, scores=scores) for q in questions]  # validates them
         merged = self._window_tokens(requests[:1])[0]                        # (T', gh, gw, D)
-        window = self.window_prefix(frames, keep, merged)                    # selection and positions once
+        window = self.window_prefix(frames, keep, merged, scores)            # selection and positions once
         step = len(questions) if max_batch is None else max_batch
         if self.passes is not None:                                          # pass 2 (and tempering)
             chunks = [questions[i:i + step] for i in range(0, len(questions), step)]

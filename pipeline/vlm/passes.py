@@ -12,9 +12,15 @@ position the full video gives it, and decoded as usual (pipeline/vlm/model.py).
 
 Tempering (`vlm.tempering.ladder`) answers from the ladder's first budget; while the first answer
 token's confidence (pipeline/vlm/tempering.py) is below `vlm.tempering.threshold` it answers
-again from the next budget, the best-scored candidates again, up to `max_passes`. Only the first
-token of a rejected pass is computed (its prefill); the accepted pass is decoded. Budgets count
-tokens as the LM gets them: a pooled 2x2 token (arr_coc/lod.py) is one candidate and one token.
+again from the next budget, the best-ranked candidates again, up to `max_passes`. Candidates are
+ranked (`vlm.tempering.rank`) by pass 1's own realized relevance (`relevance`: pass 1 keeps the
+top rung's budget and hands its relevance map over with the keep map, AnswerRequest.scores; no
+pass 2 runs; each rung keeps the same share of every frame pair's candidates, the most relevant,
+as ARR-COC budgets every frame) or by pass 2's attention (`attention`). Only the first token of a rejected pass is
+computed (its prefill); the accepted pass is decoded. When no pass is confident enough, the
+answer comes from the last pass, or (`vlm.tempering.fallback: most_confident`) from the pass
+whose first token was the most confident. Budgets count tokens as the LM gets them: a pooled 2x2
+token (arr_coc/lod.py) is one candidate and one token, scored by its block's best relevance.
 
 Everything here runs inside VLM.answer / VLM.answer_questions, so its cost is in each answer's
 latency (time to first token), and batches across streams (pipeline/vlm/batcher.py) as before.
@@ -45,6 +51,28 @@ def keep_best(scores: torch.Tensor, n: int) -> torch.Tensor:
     return scores.topk(n).indices.sort().values                              # (n,)
 
 
+def per_frame_order(scores: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
+    """(K,) relevance and (K,) frame (pair) of each token -> (K,) keys whose best n (keep_best) are
+    about the same share n / K of every frame's tokens, each frame's most relevant first: tokens
+    ordered by their rank's quantile within their frame, then by relevance. ARR-COC budgets each
+    frame on its own (arr_coc/attending.py), and so does every rung: a global top-n would spend a
+    small rung on the few frames whose relevance runs high and leave the others blind."""
+    K = scores.numel()
+    if K == 0:
+        return scores.float()
+    by_score = scores.float().argsort(descending=True, stable=True)           # (K,)
+    grouped = by_score[frame[by_score].argsort(stable=True)]                  # by frame, best first in each
+    _, counts = frame[grouped].unique_consecutive(return_counts=True)
+    starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)       # (K,) each one's frame start
+    sizes = torch.repeat_interleave(counts, counts)
+    quantile = torch.empty(K, device=scores.device)
+    quantile[grouped] = ((torch.arange(K, device=scores.device) - starts).float() + 0.5) / sizes.float()
+    order = by_score[quantile[by_score].argsort(stable=True)]                # quantile, then relevance
+    keys = torch.empty(K, device=scores.device)
+    keys[order] = -torch.arange(K, device=scores.device, dtype=torch.float32)
+    return keys
+
+
 def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
     """The window with only the candidates `keep` (ascending positions among its visual tokens):
     the text before the video and every position stay as they are (the full video's M-RoPE)."""
@@ -54,24 +82,29 @@ def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
     v0 = window.embeds.shape[0] - K
     rows = torch.cat([torch.arange(v0, device=keep.device), v0 + keep])     # (v0 + n,)
     return dataclasses.replace(window, embeds=window.embeds[rows], positions=window.positions[:, rows],
-                               tokens_kept=int(keep.numel()))
+                               tokens_kept=int(keep.numel()),
+                               scores=None if window.scores is None else window.scores[keep])
 
 
 class Passes:
-    """Pass 2 and tempering for one VLM (built by it when vlm.pass2 is on)."""
+    """Pass 2 and tempering for one VLM (built by it when vlm.pass2 is on or a tempering ladder set)."""
 
     def __init__(self, vlm: VLM) -> None:
         cfg = vlm.config
-        reason = unsupported(vlm.lm)
-        if reason is not None:
-            raise ConfigError(f"vlm.pass2={cfg.pass2} needs the LM's queries and keys, which this model does "
-                              f"not expose: {reason}")
         self.vlm = vlm
-        self.layer = min(cfg.pass2_layers, len(vlm.lm.layers) - 1)           # an LM of fewer layers: its last
         self.shares = cfg.keep_shares()                                      # one per answering pass
         self.tempering = cfg.tempering
-        # the fast forward's modules are the LM's own (a second one over them shares the fused weights)
-        self.text_model = FastTextModel(vlm.lm, vlm.attn_impl)
+        # relevance: pass 1's scores rank the candidates; attention: pass 2's (the VLM's own)
+        self.rank = "attention" if cfg.pass2 != "off" else "relevance"
+        self.layer, self.text_model = 0, None
+        if self.rank == "attention":
+            reason = unsupported(vlm.lm)
+            if reason is not None:
+                raise ConfigError(f"vlm.pass2={cfg.pass2} needs the LM's queries and keys, which this model does "
+                                  f"not expose: {reason}")
+            self.layer = min(cfg.pass2_layers, len(vlm.lm.layers) - 1)       # an LM of fewer layers: its last
+            # the fast forward's modules are the LM's own (a second one over them shares the fused weights)
+            self.text_model = FastTextModel(vlm.lm, vlm.attn_impl)
 
     def rung_sizes(self, candidates: int) -> list[int]:
         """Tokens each answering pass keeps of `candidates`: max(1, round(share * candidates)) per
@@ -127,10 +160,10 @@ class Passes:
         repeat (several questions about one window)."""
         vlm, n = self.vlm, len(questions)
         sizes = [self.rung_sizes(w.tokens_kept) for w in windows]           # per answer, increasing
-        scores = (self.scores(windows, questions) if any(s[0] < w.tokens_kept for s, w in zip(sizes, windows))
-                  else [torch.zeros(w.tokens_kept, device=vlm.device) for w in windows])  # all kept: no ranking
+        scores = self.ranking(windows, questions, sizes)
+        most_confident = self.tempering.fallback == "most_confident"
         final: list[Prefix | None] = [None] * n
-        passes, spent, confidence = [0] * n, [0] * n, [math.nan] * n
+        passes, spent, confidence = [0] * n, [0] * n, [-math.inf] * n
         undecided, out, k = list(range(n)), None, 0
         while undecided:                                # pass k + 1 of every answer still unsure
             prefixes = [vlm.question_prefix(narrow(windows[i], keep_best(scores[i], sizes[i][k])), questions[i])
@@ -139,16 +172,39 @@ class Passes:
             sure = first_token_confidence(logits, self.tempering.confidence).tolist()
             accepted = [k == len(sizes[i]) - 1 or c >= self.tempering.threshold for i, c in zip(undecided, sure)]
             for j, i in enumerate(undecided):
-                passes[i], spent[i], confidence[i] = k + 1, spent[i] + prefixes[j].tokens_kept, sure[j]
-                if accepted[j]:
-                    final[i] = prefixes[j]
-            if all(accepted) and len(undecided) == n:   # every answer from this prefill: decode on from it
-                out = vlm.generate_from(decoder, logits, n)
+                passes[i], spent[i] = k + 1, spent[i] + prefixes[j].tokens_kept
+                # the answer's pass: the last one tried (the accepted one, or the last rung); with
+                # fallback most_confident the most confident so far (an accepted pass is: those
+                # before it were below the threshold; ties: the larger budget)
+                if not most_confident or sure[j] >= confidence[i]:
+                    final[i], confidence[i] = prefixes[j], sure[j]
+            if all(accepted) and len(undecided) == n and all(final[i] is prefixes[j] for j, i in enumerate(undecided)):
+                out = vlm.generate_from(decoder, logits, n)   # every answer from this prefill: decode on from it
             undecided, k = [i for i, a in zip(undecided, accepted) if not a], k + 1
-        if out is None:                                 # accepted in different passes: one generate for all
+        if out is None:                                 # answered from different passes: one generate for all
             out = vlm.generate(final)
         ready = time.monotonic()                        # generate's lengths came back to the host: done
         return [dict(text=vlm.decode(out.tokens[i], out.lengths[i]), tokens_kept=p.tokens_kept,
                      tokens_full=p.tokens_full, latency_s=ready - arrivals[i], passes=passes[i],
                      tokens_spent=spent[i], confidence=confidence[i])
                 for i, p in enumerate(final)]
+
+    def ranking(self, windows: list[WindowPrefix], questions: list[str], sizes: list[list[int]]) -> list[torch.Tensor]:
+        """(K,) score per candidate of each window, higher kept first: pass 1's relevance
+        (WindowPrefix.scores) or pass 2's attention; zeros where every pass keeps all of them."""
+        if not any(s[0] < w.tokens_kept for s, w in zip(sizes, windows)):
+            return [torch.zeros(w.tokens_kept, device=self.vlm.device) for w in windows]  # all kept: no ranking
+        if self.rank == "attention":
+            return self.scores(windows, questions)
+        if any(w.scores is None for s, w in zip(sizes, windows) if s[0] < w.tokens_kept):
+            raise ValueError("vlm.tempering.rank=relevance ranks the visual tokens by pass 1's relevance, and "
+                             "this request has none: pass scores= (T, gh, gw) with the keep map (AnswerRequest."
+                             "scores, VLM.answer_questions(..., scores=))")
+        out = []
+        for w in windows:
+            if w.scores is None:                                             # every pass keeps all of them
+                out.append(torch.zeros(w.tokens_kept, device=self.vlm.device))
+                continue
+            frame = w.positions[0, w.embeds.shape[0] - w.tokens_kept:]       # (K,) M-RoPE t: its frame pair
+            out.append(per_frame_order(w.scores, frame))
+        return out

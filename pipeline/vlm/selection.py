@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from arr_coc.lod import FULL, POOLED, pair_lod
+from arr_coc.lod import FULL, POOLED, pad_to_pairs, pair_lod
 
-__all__ = ["pair_lod", "select_tokens"]
+__all__ = ["pair_lod", "select_tokens", "token_relevance"]
 
 
 def select_tokens(merged: torch.Tensor, lod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,3 +37,20 @@ def select_tokens(merged: torch.Tensor, lod: torch.Tensor) -> tuple[torch.Tensor
     cell_tokens = torch.where(full[..., None], merged, pooled_at_cell)
     index = (full | anchor).flatten().nonzero().squeeze(1)                 # (K,)
     return cell_tokens.reshape(-1, D)[index], index
+
+
+def token_relevance(scores: torch.Tensor, lod: torch.Tensor, index: torch.Tensor,
+                    temporal_patch: int) -> torch.Tensor:
+    """Pass 1's relevance of each kept token: scores (T, gh, gw) per frame cell, lod (T', gh, gw)
+    and index (K,) as select_tokens got and gave them -> (K,) float32. A video token scores the
+    higher of its frame pair's cells; a pooled token the highest of its block's pooled cells."""
+    s = pad_to_pairs(scores.float(), temporal_patch).amax(1)               # (T', gh, gw)
+    Tp, gh, gw = s.shape
+    ph, pw = gh % 2, gw % 2
+    pooled = F.pad(lod == POOLED, (0, pw, 0, ph))                            # (T', gh2, gw2)
+    x = F.pad(s, (0, pw, 0, ph)).masked_fill(~pooled, float("-inf"))
+    bh, bw = (gh + ph) // 2, (gw + pw) // 2
+    block_max = x.view(Tp, bh, 2, bw, 2).amax((2, 4))                       # (T', bh, bw)
+    at_cell = block_max.repeat_interleave(2, 1).repeat_interleave(2, 2)[:, :gh, :gw]
+    cell = torch.where(lod == FULL, s, at_cell)                              # (T', gh, gw)
+    return cell.flatten()[index]                                             # (K,)

@@ -186,9 +186,11 @@ class TestAnswer:
         assert result.tokens_spent == result.tokens_kept
         assert any("meaningless" in note for note in result.notes)
 
-    def test_tempering_answers_record_their_passes(self, video):
+    @pytest.mark.parametrize("ranking", [{"vlm.pass2": "attention", "vlm.tempering.rank": "attention"}, {}])
+    def test_tempering_answers_record_their_passes(self, video, ranking):
+        """Either ranking (pass 2's attention; pass 1's relevance, handed over by run's VLM stage)."""
         pipe = Pipeline(vlm="tiny-random", device="cpu",
-                        overrides={"vlm.max_new_tokens": 2, "vlm.pass2": "attention",
+                        overrides={"vlm.max_new_tokens": 2, **ranking,
                                    "vlm.tempering.ladder": (0.05, 0.1, 0.25), "vlm.tempering.threshold": 1.0})
         result = pipe.answer(video, "what moves?")
         assert all(a.passes == 3 and a.tokens_spent > a.tokens_kept for a in result.answers)

@@ -33,11 +33,13 @@ class RecordingBatcher:
 
 def live_batch(pts: list[float], first_index: int, gap: Gap | None = None,
                cuts: list[bool] | None = None) -> AllocationBatch:
-    """Frames whose pixels hold their index, all sampled for the VLM."""
+    """Frames whose pixels hold their index, all sampled for the VLM; relevance index / 1000."""
     frames = [Frame("s", first_index + k, t, np.full((4, 4, 3), first_index + k, np.uint8), arrival_s=t)
               for k, t in enumerate(pts)]
     cuts = cuts or [False] * len(frames)
-    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), scene_change=torch.tensor(cuts))
+    relevance = torch.arange(first_index, first_index + len(frames)).float()[:, None, None].expand(-1, 2, 2) / 1000
+    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), relevance=relevance,
+                                 scene_change=torch.tensor(cuts))
     batch = LiveBatch("s", frames, torch.zeros(len(frames), 4, 4, 3, dtype=torch.uint8), gap=gap)
     return AllocationBatch(batch, allocation, None)
 
@@ -67,6 +69,9 @@ class TestWindowAfterAGap:
         # due one --every after the first frame after the gap (1.3 + 1.0), not at 1.0 (the old schedule)
         assert [(r.t_start, r.t_end) for r in requests] == [(pytest.approx(1.3), pytest.approx(2.3))]
         assert answer_frames(requests[0]) == list(range(10, 21))
+        # pass 1's relevance travels with its frames (tempering ranks by it)
+        assert requests[0].scores.shape == requests[0].keep.shape
+        np.testing.assert_allclose(requests[0].scores[:, 0, 0] * 1000, range(10, 21), atol=1e-3)
 
     def test_a_cut_right_after_the_gap_sees_no_frame_from_before(self):
         cuts = [True] + [False] * 12                         # the first frame after a gap is a new fixation
@@ -106,7 +111,8 @@ def still_batch(pts: list[float], cuts: list[bool] | None = None, gap: Gap | Non
     rgb = np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8)
     frames = [Frame("s", round(t * 4), t, rgb, arrival_s=t) for t in pts]
     cuts = cuts or [False] * len(frames)
-    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), scene_change=torch.tensor(cuts))
+    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), relevance=torch.rand(len(frames), 2, 2),
+                                 scene_change=torch.tensor(cuts))
     return AllocationBatch(LiveBatch("s", frames, torch.zeros(len(frames), 56, 56, 3, dtype=torch.uint8), gap=gap),
                            allocation, None)
 

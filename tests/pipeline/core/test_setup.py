@@ -30,7 +30,9 @@ def test_the_query_is_minilm_whatever_the_vlm():
 @pytest.mark.skipif(not DEFAULT_WEIGHTS.is_file(), reason="the shipped checkpoint is not built yet")
 @pytest.mark.parametrize("overrides", [(), ("runtime.vlm=tiny-random",),
                                        ("runtime.vlm=Qwen/Qwen2.5-VL-7B-Instruct", "vlm.pass2=attention"),
-                                       ("runtime.vlm=tiny-random", "vlm.pass2=attention", "vlm.tempering.ladder=[0.05,0.1]")])
+                                       ("runtime.vlm=tiny-random", "vlm.pass2=attention", "vlm.tempering.ladder=[0.05,0.1]",
+                                        "vlm.tempering.rank=attention"),
+                                       ("runtime.vlm=tiny-random", "vlm.tempering.ladder=[0.05,0.1]")])
 def test_the_shipped_checkpoint_loads_every_tensor_under_any_vlm(overrides):
     """No query-facing layer keeps its initial values, and nothing warns about it."""
     tensors, _ = read_weights(DEFAULT_WEIGHTS)
@@ -61,9 +63,18 @@ class TestCandidates:
 
     def test_tempering_keeps_candidate_factor_times_the_top_rung(self):
         cfg = config("model.attending.selection=topk", "vlm.pass2=attention", "vlm.candidate_factor=2",
-                     "vlm.tempering.ladder=[0.05,0.1,0.2,0.4]", "vlm.tempering.max_passes=3")
+                     "vlm.tempering.ladder=[0.05,0.1,0.2,0.4]", "vlm.tempering.max_passes=3",
+                     "vlm.tempering.rank=attention")
         a = candidate_attending(cfg)
         assert (a.selection, a.retention) == ("fraction", pytest.approx(0.4))   # 2 x 0.2, the third rung
+
+    def test_relevance_tempering_keeps_the_top_rung(self):
+        """rank relevance (pass 2 off): pass 1 keeps the top rung used, whatever candidate_factor."""
+        cfg = config("model.attending.selection=topk", "vlm.pass2=off", "vlm.candidate_factor=2",
+                     "vlm.tempering.ladder=[0.05,0.1,0.2,0.4]", "vlm.tempering.max_passes=3")
+        a = candidate_attending(cfg)
+        assert (a.selection, a.retention) == ("fraction", pytest.approx(0.2))
+        assert build_model(cfg, CPU, answering=True).allocator.cfg.retention == pytest.approx(0.2)
 
     def test_more_candidates_than_cells_is_refused(self):
         with pytest.raises(ConfigError, match=r"model.attending.retention=0.5 times vlm.candidate_factor=3.0 is "

@@ -41,7 +41,8 @@ def allocations(indices: list[int], fps: float = 10.0, pts: list[float] | None =
     pts = [i / fps for i in indices] if pts is None else pts
     frames = [Frame("s", i, t, np.broadcast_to(np.array([i % 256, i // 256, 0], np.uint8), (4, 4, 3)))
               for i, t in zip(indices, pts)]
-    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8))
+    relevance = torch.tensor(indices, dtype=torch.float64)[:, None, None].expand(-1, 2, 2) / 10000  # index / 1e4
+    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), relevance=relevance)
     return AllocationBatch(FrameBatch("s", frames, torch.zeros(len(frames), 4, 4, 3, dtype=torch.uint8)),
                            allocation, None, vlm_frames=[True] * len(frames))
 
@@ -77,6 +78,8 @@ class TestVLMWindows:
         assert len(answers) == 1 and answers[0].t_start == 0.0 and answers[0].t_end == (n - 1) / 2
         indices = np.array(vlm.frames(0))
         assert max_frames // 2 < len(indices) <= max_frames
+        # pass 1's relevance is kept and thinned with its frames
+        np.testing.assert_allclose(vlm.requests[0].scores[:, 0, 0] * 10000, indices, atol=1e-3)
         steps = np.diff(indices)
         assert indices[0] == 0 and len(set(steps.tolist())) == 1      # evenly spaced from the window's start
         assert n - indices[-1] <= steps[0]                            # ... to its end

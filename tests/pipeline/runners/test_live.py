@@ -249,7 +249,8 @@ def test_scene_change_answers_skip_the_streams_first_frame_whatever_its_index():
     stage = LiveVLMStage(Batcher(), "what changed?", LiveOptions(every_s=1.0, on_scene_change=True))
     indices, cuts = [3, 4, 5, 6, 7], [True, False, False, True, False]
     frames = [Frame("s", i, i / 10, np.zeros((8, 8, 3), np.uint8)) for i in indices]
-    allocation = SimpleNamespace(lod=torch.ones(5, 2, 2, dtype=torch.int8), scene_change=torch.tensor(cuts))
+    allocation = SimpleNamespace(lod=torch.ones(5, 2, 2, dtype=torch.int8), relevance=torch.rand(5, 2, 2),
+                                 scene_change=torch.tensor(cuts))
     item = AllocationBatch(FrameBatch("s", frames, torch.zeros(5, 8, 8, 3, dtype=torch.uint8)), allocation, None)
     out = list(stage.process(item)) + list(stage.finish())
     answers = [x for x in out if not isinstance(x, AllocationBatch)]

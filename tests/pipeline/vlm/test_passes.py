@@ -207,7 +207,7 @@ class TestTempering:
 
     def tempered(self, vlm, threshold=0.5, **tempering):
         return on(vlm, candidate_factor=3.0, tempering=TemperingConfig(ladder=self.LADDER, threshold=threshold,
-                                                                       **tempering))
+                                                                       rank="attention", **tempering))
 
     def rung_sizes(self, v, window) -> list[int]:
         return v.passes.rung_sizes(window.tokens_kept)
@@ -273,7 +273,8 @@ class TestTempering:
         cfg = PipelineConfig(runtime=RuntimeConfig(device="cpu", vlm=vlm.name, batch_size=4, every_s=1.0),
                              decode=DecodeConfig(process=False),
                              vlm=VLMConfig(max_new_tokens=3, pass2="attention",
-                                           tempering=TemperingConfig(ladder=self.LADDER, threshold=1.0)))
+                                           tempering=TemperingConfig(ladder=self.LADDER, threshold=1.0,
+                                                                     rank="attention")))
         v = rewrap(vlm, **{k: getattr(cfg.vlm, k) for k in ("max_new_tokens", "pass2", "tempering")})
         result = run_video(video, "where is the square?", tmp_path / "out.zarr", cfg, vlm=v,
                            query_embedding=torch.nn.functional.normalize(torch.ones(384), dim=0))

@@ -89,7 +89,15 @@ class TestConfig:
     @pytest.mark.parametrize("values, match", [
         (dict(tempering=dict(ladder=[0.1, 0.05])), r"vlm.tempering.ladder must increase strictly, got \[0.1, 0.05\]"),
         (dict(tempering=dict(ladder=[0.0, 0.1])), r"vlm.tempering.ladder\[0\]=0.0 is out of range"),
-        (dict(tempering=dict(ladder=[0.1])), r"vlm.tempering.ladder needs vlm.pass2=attention"),
+        (dict(tempering=dict(ladder=[0.1], rank="attention")), r"vlm.tempering.rank=attention needs "
+                                                               r"vlm.pass2=attention"),
+        (dict(pass2="attention", tempering=dict(ladder=[0.1], rank="relevance")),
+         r"vlm.tempering.rank=relevance ranks every pass's tokens by pass 1's relevance, so vlm.pass2=attention "
+         r"would go unused: set vlm.pass2=off, or vlm.tempering.rank=attention"),
+        (dict(tempering=dict(rank="saliency")), r"vlm.tempering.rank='saliency' is not supported; allowed: "
+                                                 r"relevance, attention"),
+        (dict(tempering=dict(fallback="best")), r"vlm.tempering.fallback='best' is not supported; allowed: "
+                                                 r"last, most_confident"),
         (dict(pass2="attention", tempering=dict(threshold=1.5)), r"vlm.tempering.threshold=1.5 is out of range"),
         (dict(pass2="attention", tempering=dict(max_passes=0)), r"vlm.tempering.max_passes=0 is out of range"),
         (dict(pass2="attention", tempering=dict(confidence="top1")), r"vlm.tempering.confidence='top1' is not supported"),
@@ -110,8 +118,18 @@ class TestConfig:
         assert VLMConfig().keep_shares() == ()
         assert VLMConfig(pass2="attention", candidate_factor=4.0).keep_shares() == (0.25,)
         v = VLMConfig(pass2="attention", candidate_factor=3.0,
-                      tempering=TemperingConfig(ladder=(0.05, 0.1, 0.25, 0.5), max_passes=3))
+                      tempering=TemperingConfig(ladder=(0.05, 0.1, 0.25, 0.5), max_passes=3, rank="attention"))
         assert v.candidate_fraction() == pytest.approx(0.75)                 # 3 x the top rung used (0.25)
         assert v.keep_shares() == pytest.approx((0.05 / 0.75, 0.1 / 0.75, 0.25 / 0.75))
-        v = VLMConfig(pass2="attention", candidate_factor=3.0, tempering=TemperingConfig(ladder=(0.2, 0.5)))
+        v = VLMConfig(pass2="attention", candidate_factor=3.0,
+                      tempering=TemperingConfig(ladder=(0.2, 0.5), rank="attention"))
         assert v.candidate_fraction() == 1.0 and v.keep_shares() == pytest.approx((0.2, 0.5))
+
+    def test_relevance_keeps_the_top_rung_as_candidates(self):
+        """rank relevance: pass 1 keeps the top rung used (no candidate_factor), each rung a share of it."""
+        from pipeline.vlm.config import TemperingConfig, VLMConfig
+
+        v = VLMConfig(candidate_factor=3.0, tempering=TemperingConfig(ladder=(0.05, 0.1, 0.25, 0.5), max_passes=3))
+        assert v.pass2 == "off" and v.multipass and not VLMConfig().multipass
+        assert v.candidate_fraction() == pytest.approx(0.25)
+        assert v.keep_shares() == pytest.approx((0.2, 0.4, 1.0))

@@ -1,0 +1,221 @@
+"""Tempering ranked by pass 1's relevance (vlm.tempering.rank: relevance) and the most-confident
+fallback (vlm.tempering.fallback), on tiny random Qwen2-VL and Qwen2.5-VL models.
+
+Pass 1's realized relevance travels with the keep map (AnswerRequest.scores,
+VLM.answer_questions(scores=)), becomes one score per kept visual token (WindowPrefix.scores: a
+frame pair's token the higher of its cells, a pooled token its block's best) and decides which
+tokens each rung keeps: the same share of every frame pair, the most relevant first."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_frames, random_keep, rewrap
+
+from pipeline.vlm import passes as passes_module
+from pipeline.vlm.config import TemperingConfig
+from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm.passes import keep_best, per_frame_order
+from pipeline.vlm.selection import pair_lod, select_tokens, token_relevance
+
+QUESTION = "what colour is the car on the left?"
+
+
+def tempered(vlm, ladder=(0.05, 0.1, 0.25), threshold=0.5, **tempering):
+    """Relevance tempering: pass 2 off, each rung the best-ranked of pass 1's candidates."""
+    return rewrap(vlm, tempering=TemperingConfig(ladder=ladder, threshold=threshold, **tempering))
+
+
+def visual_positions(prefix) -> set[tuple[int, int, int]]:
+    w = prefix.window
+    v0 = w.embeds.shape[0] - w.tokens_kept
+    return {tuple(c) for c in w.positions[:, v0:].T.tolist()}
+
+
+def record_prefills(vlm, monkeypatch) -> list:
+    calls = []
+    prefill = vlm.prefill
+
+    def recording(prefixes, *args, **kwargs):
+        calls.append(list(prefixes))
+        return prefill(prefixes, *args, **kwargs)
+    monkeypatch.setattr(vlm, "prefill", recording)
+    return calls
+
+
+def scored(frames, keep, seed=0):
+    return AnswerRequest("s0", frames, keep, QUESTION, 0.0, 1.0,
+                         scores=np.random.default_rng(seed).random(keep.shape).astype(np.float32))
+
+
+class TestTokenRelevance:
+    def test_pair_max_and_pooled_block_max_in_token_order(self):
+        """A 2x3 grid, one frame pair: a full token scores the higher of its two frames' cells, a
+        pooled token the best pooled cell of its block (the odd column is a 2x1 block)."""
+        frame_lod = torch.tensor([[[1, 2, 0], [2, 2, 2]], [[0, 0, 0], [0, 0, 0]]], dtype=torch.int8)
+        lod = frame_lod.amax(0, keepdim=True)                               # (1, 2, 3): the pair's LOD
+        scores = torch.tensor([[[0.1, 0.2, 0.9], [0.3, 0.4, 0.5]],
+                               [[0.6, 0.1, 0.8], [0.2, 0.7, 0.1]]])
+        _, index = select_tokens(torch.zeros(1, 2, 3, 4), lod)
+        assert index.tolist() == [0, 1, 5]                                   # full (0,0), anchors (0,1), (1,2)
+        got = token_relevance(scores, lod, index, temporal_patch=2)
+        # (0,0): max(0.1, 0.6); block {(0,1),(1,0),(1,1)} pair maxima 0.2, 0.3, 0.7; (1,2): 0.5
+        torch.testing.assert_close(got, torch.tensor([0.6, 0.7, 0.5]))
+
+    def test_window_prefix_carries_one_score_per_kept_token(self, vlm):
+        frames = make_frames(4, 112, 140, seed=1)
+        keep = random_keep(vlm, frames, seed=2, p=(0.4, 0.4, 0.2))
+        req = scored(frames, keep)
+        merged = vlm._merged_tokens([frames])[0]
+        window = vlm.window_prefix(frames, keep, merged, req.scores)
+        assert window.scores.shape == (window.tokens_kept,) and window.scores.dtype == torch.float32
+        assert vlm.window_prefix(frames, keep, merged).scores is None
+        tp = vlm.geometry.temporal_patch_size
+        paired = pair_lod(torch.as_tensor(keep), tp)
+        _, index = select_tokens(merged, paired)
+        torch.testing.assert_close(window.scores, token_relevance(torch.as_tensor(req.scores), paired, index, tp))
+
+    def test_scores_off_the_grid_are_refused(self, vlm):
+        frames = make_frames(2, 112, 112)
+        gh, gw = vlm.geometry.grid(112, 112)
+        keep = np.ones((2, gh, gw), np.int64)
+        with pytest.raises(ValueError, match=r"scores shape \(2, 1, 1\) does not match the VLM grid"):
+            vlm.window_prefix(frames, None, vlm._merged_tokens([frames])[0], np.zeros((2, 1, 1), np.float32))
+        with pytest.raises(ValueError, match=r"AnswerRequest.scores must be the keep map's shape"):
+            vlm.answer_questions(frames, keep, [QUESTION], scores=np.zeros((2, gh, gw + 1), np.float32))
+
+
+class TestRequestValidation:
+    @pytest.mark.parametrize("scores, match", [
+        (np.zeros((3, 2, 2), np.float32), r"AnswerRequest.scores must be the keep map's shape \(2, 2, 2\), got \(3, 2, 2\)"),
+        (np.zeros((2, 2, 2), np.int64), r"AnswerRequest.scores must be floats, got int64"),
+        (np.full((2, 2, 2), np.nan, np.float32), r"AnswerRequest.scores must be finite"),
+        (torch.full((2, 2, 2), float("inf")), r"AnswerRequest.scores must be finite"),
+        ([[[0.5]]], r"AnswerRequest.scores must be a \(T, gh, gw\) float array, got list"),
+    ])
+    def test_bad_scores(self, scores, match):
+        frames = np.zeros((2, 8, 8, 3), np.uint8)
+        with pytest.raises(ValueError, match=match):
+            AnswerRequest("s", frames, np.ones((2, 2, 2), np.int64), "q?", 0.0, 1.0, scores=scores)
+
+    def test_scores_without_a_keep_map_follow_the_frames(self):
+        frames = np.zeros((2, 8, 8, 3), np.uint8)
+        AnswerRequest("s", frames, None, "q?", 0.0, 1.0, scores=torch.zeros(2, 3, 3))
+        with pytest.raises(ValueError, match=r"AnswerRequest.scores must be \(T=2, gh, gw\), got \(1, 3, 3\)"):
+            AnswerRequest("s", frames, None, "q?", 0.0, 1.0, scores=torch.zeros(1, 3, 3))
+
+
+class TestPerFrameOrder:
+    def test_each_frame_gives_the_same_share_best_first(self):
+        scores = torch.tensor([0.9, 0.8, 0.7, 0.1, 0.2, 0.3, 0.05, 0.5])
+        frame = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+        keys = per_frame_order(scores, frame)
+        assert keep_best(keys, 3).tolist() == [0, 5, 7]                      # each frame's best
+        assert keep_best(keys, 6).tolist() == [0, 1, 4, 5, 6, 7]             # two of each
+        assert keep_best(keys, 8).tolist() == list(range(8))
+
+    def test_one_frame_is_plain_relevance_order(self):
+        scores = torch.tensor([0.3, 0.9, 0.1, 0.5])
+        keys = per_frame_order(scores, torch.zeros(4, dtype=torch.long))
+        assert keep_best(keys, 2).tolist() == [1, 3]
+
+
+class TestRelevanceRanking:
+    def test_each_rung_keeps_the_most_relevant_tokens_of_every_frame_pair(self, vlm, monkeypatch):
+        """Every cell full, frame pair 0 far more relevant than pair 1: the first rung keeps the
+        same number of tokens of each pair, each pair's most relevant cells (not pair 0's only)."""
+        frames = make_frames(4, 112, 140, seed=5)
+        gh, gw = vlm.geometry.grid(112, 140)
+        keep = np.ones((4, gh, gw), np.int64)
+        scores = np.random.default_rng(6).random((4, gh, gw)).astype(np.float32)
+        scores[:2] += 10.0                                                   # pair 0 outranks pair 1 everywhere
+        v = tempered(vlm, ladder=(0.2, 1.0), threshold=0.0)                  # share 0.2 of the candidates
+        calls = record_prefills(v, monkeypatch)
+        result = v.answer([AnswerRequest("s", frames, keep, QUESTION, 0.0, 1.0, scores=scores)])[0]
+        n = result.tokens_kept
+        assert n == round(0.2 * 2 * gh * gw) and n % 2 == 0 and result.passes == 1
+        pair = scores.reshape(2, 2, gh, gw).max(1)                           # (2, gh, gw) a token's score
+        expected = np.zeros_like(keep)
+        for t in range(2):
+            best = np.argsort(-pair[t].ravel(), kind="stable")[: n // 2]
+            expected[2 * t: 2 * t + 2].reshape(2, -1)[:, best] = 1
+        merged = vlm._merged_tokens([frames])[0]
+        want = vlm.question_prefix(vlm.window_prefix(frames, expected, merged), QUESTION)
+        assert visual_positions(calls[0][0]) == visual_positions(want)
+
+    def test_answer_questions_takes_the_scores(self, vlm, monkeypatch):
+        """answer_questions(scores=) ranks as answer([AnswerRequest(scores=)]) does, for every question."""
+        frames = make_frames(4, 112, 140, seed=7)
+        keep = random_keep(vlm, frames, seed=8, p=(0.2, 0.6, 0.2))
+        req = scored(frames, keep, seed=9)
+        v = tempered(vlm, threshold=0.0)
+        calls = record_prefills(v, monkeypatch)
+        both = v.answer_questions(frames, keep, [QUESTION, "how many?"], scores=req.scores)
+        single = v.answer([req])[0]
+        assert len(calls) == 2
+        assert visual_positions(calls[0][0]) == visual_positions(calls[0][1]) == visual_positions(calls[1][0])
+        assert (both[0].text, both[0].tokens_kept) == (single.text, single.tokens_kept)
+        other = scored(frames, keep, seed=10)                               # other relevance: other tokens
+        v.answer([other])
+        assert visual_positions(calls[2][0]) != visual_positions(calls[1][0])
+
+    def test_without_scores_is_one_clear_error(self, vlm):
+        frames = make_frames(4, 112, 140, seed=7)
+        keep = random_keep(vlm, frames, seed=8, p=(0.2, 0.6, 0.2))
+        with pytest.raises(ValueError, match=r"vlm.tempering.rank=relevance ranks the visual tokens by pass 1's "
+                                             r"relevance, and this request has none: pass scores="):
+            tempered(vlm).answer_questions(frames, keep, [QUESTION])
+
+    def test_pass2_off_builds_no_attention_forward(self, vlm):
+        v = tempered(vlm)
+        assert v.config.pass2 == "off" and v.passes is not None and v.passes.text_model is None
+        assert rewrap(vlm).passes is None                                    # neither pass 2 nor a ladder
+
+
+class TestFallback:
+    """No rung reaches the threshold (confidences stubbed 0.3, 0.6, 0.2 against 0.9)."""
+
+    def run(self, vlm, monkeypatch, fallback):
+        frames = make_frames(4, 112, 140, seed=11)
+        keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
+        v = tempered(vlm, threshold=0.9, fallback=fallback)
+        sure = iter([[0.3], [0.6], [0.2]])
+        monkeypatch.setattr(passes_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        calls = record_prefills(v, monkeypatch)
+        return v, v.answer([scored(frames, keep, seed=13)])[0], calls
+
+    def test_last_answers_from_the_largest_budget(self, vlm, monkeypatch):
+        _, result, calls = self.run(vlm, monkeypatch, "last")
+        sizes = [c[0].tokens_kept for c in calls[:3]]
+        assert sizes == sorted(sizes) and len(set(sizes)) == 3
+        assert (result.passes, result.tokens_kept, result.tokens_spent) == (3, sizes[2], sum(sizes))
+        assert result.confidence == pytest.approx(0.2)
+
+    def test_most_confident_answers_from_that_pass(self, vlm, monkeypatch):
+        v, result, calls = self.run(vlm, monkeypatch, "most_confident")
+        sizes = [c[0].tokens_kept for c in calls[:3]]
+        assert (result.passes, result.tokens_kept, result.tokens_spent) == (3, sizes[1], sum(sizes))
+        assert result.confidence == pytest.approx(0.6)
+        assert calls[-1][0] is calls[1][0]                                   # decoded from pass 2's prefix
+        direct = vlm.generate([calls[1][0]])
+        assert result.text == vlm.decode(direct.tokens[0], direct.lengths[0])
+
+    def test_an_accepted_pass_is_the_answer_either_way(self, vlm, monkeypatch):
+        frames = make_frames(4, 112, 140, seed=11)
+        keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
+        v = tempered(vlm, threshold=0.5, fallback="most_confident")
+        sure = iter([[0.3], [0.6]])
+        monkeypatch.setattr(passes_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        calls = record_prefills(v, monkeypatch)
+        result = v.answer([scored(frames, keep, seed=13)])[0]
+        assert (result.passes, result.tokens_kept) == (2, calls[1][0].tokens_kept)
+        assert result.confidence == pytest.approx(0.6)
+
+
+def test_yaml_off_names_the_choice():
+    """--set vlm.pass2=off: YAML reads off as false, the config takes it as the choice it spells."""
+    from pipeline.config import PipelineConfig
+    from pipeline.configio import load_config
+
+    cfg = load_config(PipelineConfig, None, ["vlm.pass2=off", "vlm.tempering.ladder=[0.1,0.25]"])
+    assert cfg.vlm.pass2 == "off" and cfg.vlm.tempering.rank == "relevance"

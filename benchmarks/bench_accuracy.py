@@ -241,7 +241,7 @@ def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encod
     cfg = run_config(args, *tempering_overrides(ladder, 0.0, rank=args.rank, fallback=args.fallback))
     row = run_row("arrcoc", ladder[-1], make_plan(val, limit=args.limit), val, cfg, load_answerer(cfg, device),
                   workdir, query_encoder, "tempering-calibration")
-    calibration = calibrate_threshold(row.pop("_report"))
+    calibration = calibrate_threshold(row.pop("_report"), precision=args.precision)
     calibration.update(split="val", clips=row["videos"], first_rung_accuracy=row["accuracy"])
     result["tempering_calibration"] = calibration
     print(f"tempering threshold {calibration['threshold']:g} calibrated on {calibration['answers']} val answers",
@@ -287,6 +287,11 @@ def main(argv=None) -> int:
                     help="tempering's answer when no pass is confident (default: vlm.tempering.fallback's)")
     ap.add_argument("--threshold", type=float, help="tempering's confidence threshold (default: calibrated on "
                                                     "--val-root)")
+    ap.add_argument("--precision", type=float,
+                    help="calibrate the threshold as the lowest whose accepted first-pass answers on the "
+                         "validation split are right this often (eval --calibrate's precision rule, e.g. the "
+                         "top rung's own validation accuracy); default: the threshold that best separates "
+                         "right answers from wrong ones")
     ap.add_argument("--val-root", type=Path, help="validation split root for the tempering threshold "
                                                   "(generated with --val-make clips when it has none)")
     ap.add_argument("--val-make", type=int, default=100, help="validation clips to generate (default 100)")

@@ -11,6 +11,7 @@ ENCODE_MODES = ("all", "kept")
 PASS2 = ("off", "attention")
 CONFIDENCE = ("margin", "entropy")
 RANKS = ("relevance", "attention")
+DEFAULT_PASS2_LAYERS = 2               # FastV's: a VLM whose snapshot names no layer of its own
 FALLBACKS = ("last", "most_confident")
 
 
@@ -93,10 +94,12 @@ class VLMConfig:
     # pass 2 (pipeline/vlm/passes.py): off, or attention: pass 1 (ARR-COC) keeps candidate_factor
     # times the final budget, and the VLM keeps the final budget among them, the tokens its question
     # attends to most at LM layer pass2_layers (the layers before it run over the candidates; an LM
-    # with no such layer: its last)
+    # with no such layer: its last). None: the layer the VLM's snapshot names (config.json
+    # "arrcoc_pass2_layers", measured for that model: the shipped arrcoc-synth-qa names 4), else
+    # DEFAULT_PASS2_LAYERS (FastV's 2)
     pass2: Literal["off", "attention"] = "off"
     candidate_factor: float = 3.0
-    pass2_layers: int = 2
+    pass2_layers: int | None = None
     tempering: TemperingConfig = field(default_factory=TemperingConfig)
 
     def __post_init__(self) -> None:
@@ -122,8 +125,9 @@ class VLMConfig:
                 raise ConfigError(f"vlm.{name} must be true or false, got {getattr(self, name)!r}")
         check_choice("vlm.pass2", self.pass2, PASS2)
         check_range("vlm.candidate_factor", self.candidate_factor, 1.0, 64.0)
-        check_int("vlm.pass2_layers", self.pass2_layers)
-        check_range("vlm.pass2_layers", self.pass2_layers, 0, 255)
+        if self.pass2_layers is not None:
+            check_int("vlm.pass2_layers", self.pass2_layers)
+            check_range("vlm.pass2_layers", self.pass2_layers, 0, 255)
         if not isinstance(self.tempering, TemperingConfig):
             raise ConfigError(f"vlm.tempering must be a mapping of tempering settings, got {self.tempering!r}")
         t = self.tempering

@@ -35,11 +35,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from arr_coc._validate import ConfigError
+from pipeline.vlm.config import DEFAULT_PASS2_LAYERS
 from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 
 if TYPE_CHECKING:
     from pipeline.vlm.model import VLM, Prefix, WindowPrefix
+
+
+def pass2_layer(vlm: VLM) -> int:
+    """The LM layer pass 2 reads: vlm.pass2_layers when set, else the one the model's snapshot
+    names (config.json "arrcoc_pass2_layers", measured for that model), else DEFAULT_PASS2_LAYERS."""
+    if vlm.config.pass2_layers is not None:
+        return vlm.config.pass2_layers
+    named = getattr(vlm.model.config, "arrcoc_pass2_layers", None)
+    if named is None:
+        return DEFAULT_PASS2_LAYERS
+    if isinstance(named, bool) or not isinstance(named, int) or named < 0:
+        raise ConfigError(f"the VLM snapshot's config.json names arrcoc_pass2_layers={named!r}: it must be a "
+                          f"layer index >= 0 (or set vlm.pass2_layers)")
+    return named
 
 
 def keep_best(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -102,7 +117,7 @@ class Passes:
             if reason is not None:
                 raise ConfigError(f"vlm.pass2={cfg.pass2} needs the LM's queries and keys, which this model does "
                                   f"not expose: {reason}")
-            self.layer = min(cfg.pass2_layers, len(vlm.lm.layers) - 1)       # an LM of fewer layers: its last
+            self.layer = min(pass2_layer(vlm), len(vlm.lm.layers) - 1)       # an LM of fewer layers: its last
             # the fast forward's modules are the LM's own (a second one over them shares the fused weights)
             self.text_model = FastTextModel(vlm.lm, vlm.attn_impl)
 

@@ -219,3 +219,22 @@ def test_yaml_off_names_the_choice():
 
     cfg = load_config(PipelineConfig, None, ["vlm.pass2=off", "vlm.tempering.ladder=[0.1,0.25]"])
     assert cfg.vlm.pass2 == "off" and cfg.vlm.tempering.rank == "relevance"
+
+
+class TestPass2Layer:
+    """vlm.pass2_layers None: the layer the snapshot names (config.json arrcoc_pass2_layers), else 2."""
+
+    def test_resolution(self, vlm, monkeypatch):
+        from arr_coc._validate import ConfigError
+        from pipeline.vlm.passes import pass2_layer
+
+        assert rewrap(vlm).config.pass2_layers is None
+        assert pass2_layer(rewrap(vlm)) == 2                                # no snapshot setting: FastV's
+        monkeypatch.setattr(vlm.model.config, "arrcoc_pass2_layers", 1, raising=False)
+        assert pass2_layer(rewrap(vlm)) == 1
+        assert rewrap(vlm, pass2="attention").passes.layer == 1
+        assert pass2_layer(rewrap(vlm, pass2_layers=0)) == 0                # the config wins
+        monkeypatch.setattr(vlm.model.config, "arrcoc_pass2_layers", "last")
+        with pytest.raises(ConfigError, match=r"config.json names arrcoc_pass2_layers='last': it must be a layer "
+                                              r"index >= 0 \(or set vlm.pass2_layers\)"):
+            pass2_layer(rewrap(vlm))

@@ -177,6 +177,9 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         time.sleep(args.seconds)
         marks["t1"], marks["s1"] = time.monotonic(), snapshot(sources, sink.counters)
         marks["lat"] = [lat for sid, c in sink.counters.items() for lat in list(c.answer_latency)[marks["lat0"][sid]:]]
+        marks["frame_lat"] = [lat for c in sink.counters.values() for lat in list(c.frame_latency)[-64:]]
+        batcher = next(s.batcher for s in graphs[0].stages if hasattr(s, "batcher"))
+        marks["batches"] = [b for b in list(batcher.timings) if marks["t0"] <= b.started <= marks["t1"]]
         stop.set()
 
     def on_graph(graph):
@@ -205,10 +208,29 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             "answers": int(sum(p["answers"] for p in per.values())),
             "answer_latency_p50_ms": round(percentile(marks["lat"], 50) * 1e3, 1),
             "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1),
+            **latency_parts(marks["batches"], marks["frame_lat"]),
             # cumulative over the runs so far: decoders made, evicted, graphs captured
             "vlm_counters": dict(getattr(vlm, "counters", {})),
             # encode: kept: cells through the tower and reused from the streams' caches (cumulative)
             "kept_counters": dict(vlm.kept_encoder.counters) if hasattr(vlm, "kept_encoder") else {}}
+
+
+def latency_parts(batches: list, frame_latency: list[float]) -> dict:
+    """Where an answer's latency goes: window complete -> submitted to the VLM (the front end and
+    the VLM stage's turn), submitted -> its batch starts (queued behind other batches), the batch's
+    VLM call; and a frame's arrival -> written (the last 64 of each stream)."""
+    def ms(values, q):
+        values = [v for v in values if v == v]                                # NaN: arrival unknown
+        return round(percentile(values, q) * 1e3, 1) if values else None
+    ready = [v for b in batches for v in b.ready_s]
+    queued = [v for b in batches for v in b.queued_s]
+    calls = [b.answer_s for b in batches]
+    return {"batches": len(batches), "batch_size_mean": round(float(np.mean([len(b.queued_s) for b in batches])), 2)
+            if batches else None,
+            "submit_delay_p50_ms": ms(ready, 50), "submit_delay_p95_ms": ms(ready, 95),
+            "queued_p50_ms": ms(queued, 50), "queued_p95_ms": ms(queued, 95),
+            "vlm_call_p50_ms": ms(calls, 50), "vlm_call_p95_ms": ms(calls, 95),
+            "frame_latency_p50_ms": ms(frame_latency, 50), "frame_latency_p95_ms": ms(frame_latency, 95)}
 
 
 def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
@@ -304,11 +326,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], soak_row: dict | None) -> None:
-    print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} {'p95 ms':>7}")
+    print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} {'p95 ms':>7}"
+          f" {'batch':>5} {'submit p95':>10} {'queued p95':>10} {'call p95':>8} {'frame p95':>9}")
     for r in rows:
         print(f"{r['streams']:>7} {r['fps_processed_per_stream_mean']:>10.1f} {r['fps_processed_per_stream_min']:>6.1f} "
               f"{r['fps_in_per_stream_mean']:>6.1f} {100 * r['drop_share']:>6.1f} {r['answers']:>7} "
-              f"{r['answer_latency_p50_ms']:>7.0f} {r['answer_latency_p95_ms']:>7.0f}")
+              f"{r['answer_latency_p50_ms']:>7.0f} {r['answer_latency_p95_ms']:>7.0f} {r['batch_size_mean'] or 0:>5.1f} "
+              f"{r['submit_delay_p95_ms'] or 0:>10.0f} {r['queued_p95_ms'] or 0:>10.0f} {r['vlm_call_p95_ms'] or 0:>8.0f} "
+              f"{r['frame_latency_p95_ms'] or 0:>9.0f}")
     if soak_row:
         print(f"soak {soak_row['seconds']:.0f} s: RSS {soak_row['rss_mb_ref']:.0f} -> {soak_row['rss_mb_end']:.0f} MB "
               f"({100 * soak_row['rss_change']:+.1f}%), CUDA {soak_row['cuda_mb_ref']:.0f} -> "

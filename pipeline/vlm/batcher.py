@@ -1,14 +1,29 @@
 """Groups answer requests from several streams into batches for one VLM (thread-safe)."""
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from pipeline.vlm.model import VLM, AnswerRequest, AnswerResult
 
 _STOP = object()
+_TIMINGS_KEPT = 4096      # recent batches whose timings are kept
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    """Where one batch's time went (seconds, time.monotonic()): started, when the VLM call began;
+    answer_s, the call; queued_s, per request the wait from submit to the call; ready_s, per request
+    from its window being complete (AnswerRequest.arrival_s; NaN where unknown) to its submit."""
+
+    started: float
+    answer_s: float
+    queued_s: tuple[float, ...]
+    ready_s: tuple[float, ...]
 
 
 class VLMBatcher:
@@ -28,6 +43,7 @@ class VLMBatcher:
         self._closed = False
         self._lock = threading.Lock()
         self.batch_sizes: list[int] = []        # sizes of the batches answered so far (observability)
+        self.timings: collections.deque[BatchTiming] = collections.deque(maxlen=_TIMINGS_KEPT)
         self._worker = threading.Thread(target=self._run, name="vlm-batcher", daemon=True)
         self._worker.start()
 
@@ -36,7 +52,7 @@ class VLMBatcher:
         with self._lock:
             if self._closed:
                 raise RuntimeError("VLMBatcher is closed")
-            self._queue.put((request, future))
+            self._queue.put((request, future, time.monotonic()))
         return future
 
     def close(self) -> None:
@@ -73,15 +89,19 @@ class VLMBatcher:
             if first is _STOP:
                 break
             batch, stop = self._gather(first)
-            live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
+            live = [(r, f, t) for r, f, t in batch if f.set_running_or_notify_cancel()]
             if not live:
                 continue
             self.batch_sizes.append(len(live))
+            started = time.monotonic()
             try:
-                results: list[AnswerResult] = self.vlm.answer([r for r, _ in live])
+                results: list[AnswerResult] = self.vlm.answer([r for r, _, _ in live])
             except BaseException as e:  # the caller sees it on its future, naming the streams
-                for _, f in live:
+                for _, f, _ in live:
                     f.set_exception(e)
                 continue
-            for (_, f), res in zip(live, results):
+            self.timings.append(BatchTiming(
+                started, time.monotonic() - started, tuple(started - t for _, _, t in live),
+                tuple(t - r.arrival_s if r.arrival_s is not None else float("nan") for r, _, t in live)))
+            for (_, f, _), res in zip(live, results):
                 f.set_result(res)

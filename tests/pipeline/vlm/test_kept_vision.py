@@ -23,7 +23,7 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 ATOL = 1e-4                  # float32 tokens of magnitude ~1 (the towers below)
 
 
-def tiny(family: str, **vision):
+def tiny(family: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **vision):
     """A tiny VLM with `vlm.encode: kept` whose vision weights have std 0.3, not 0.02: attention
     then depends on each patch's position and company, so a wrong position or a missing
     neighbour shows in the tokens. `vision` overrides the vision config."""
@@ -31,7 +31,7 @@ def tiny(family: str, **vision):
     cfg = tiny_config(family, tokenizer)
     for k, v in vision.items():
         setattr(cfg.vision_config, k, v)
-    model = build_model(cfg)
+    model = build_model(cfg, device=device, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in hf.vision_tower(model).named_parameters():
@@ -140,8 +140,7 @@ def test_on_cuda_kept_graphs_equal_the_eager_kept_tower(family):
     attention) and give the eager ragged tower's tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    vlm = tiny(family, **({"fullatt_block_indexes": [1]} if family == "qwen2_5_vl" else {}))
-    vlm.model.to("cuda", torch.bfloat16)
+    vlm = tiny(family, "cuda", torch.bfloat16, **({"fullatt_block_indexes": [1]} if family == "qwen2_5_vl" else {}))
     graphed = rewrap(vlm, encode="kept", dtype="bfloat16")
     eager = rewrap(vlm, encode="kept", dtype="bfloat16", cuda_graphs=False)
     assert graphed.kept_encoder.graphs is not None and graphed.kept_encoder.graphs.enabled

@@ -1,5 +1,8 @@
 import json
+import math
 import threading
+import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -92,6 +95,25 @@ class TestBatcher:
         assert sum(batcher.batch_sizes) == 5 and max(batcher.batch_sizes) == 3   # waited to fill a batch
         for got, want in zip(results, direct):
             assert (got.text, got.tokens_kept, got.tokens_full) == (want.text, want.tokens_kept, want.tokens_full)
+
+    def test_timings_say_where_each_batch_waited(self):
+        vlm = build_tiny_vlm("qwen2_vl", config=VLMConfig(max_new_tokens=2))
+        frames = make_frames(2, 56, 84)
+        arrived = time.monotonic() - 0.25                                   # windows complete 250 ms ago
+        reqs = [replace(request(frames, None, f"q{i}?", stream=f"s{i}"), arrival_s=arrived) for i in range(3)]
+        reqs.append(request(frames, None, "no arrival?", stream="s3"))
+        with VLMBatcher(vlm, max_batch=2, max_wait_s=0.2) as batcher:
+            futures = [batcher.submit(r) for r in reqs]
+            for f in futures:
+                f.result(timeout=60)
+        timings = list(batcher.timings)
+        assert [len(t.queued_s) for t in timings] == batcher.batch_sizes == [2, 2]
+        first, second = timings
+        assert second.started >= first.started + first.answer_s               # one batch after the other
+        assert all(q >= 0 for t in timings for q in t.queued_s)
+        assert min(second.queued_s) >= first.answer_s                         # waited for the first batch
+        assert all(0.25 <= r < 5 for r in first.ready_s + second.ready_s[:1])
+        assert math.isnan(second.ready_s[1])                                  # no arrival time: unknown
 
     def test_error_reaches_the_future_and_closed_batcher_refuses(self):
         vlm = build_tiny_vlm("qwen2_vl", config=VLMConfig(max_new_tokens=2))

@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the LM's layers through HF's own forward (VLMConfig.fast_lm off)")
     ap.add_argument("--encode", choices=("all", "kept", "both"), default="both",
                     help="vlm.encode of the ARR-COC rows (default: both, one row each)")
+    ap.add_argument("--kept-windows", choices=("whole", "cells", "both"), default="whole",
+                    help="vlm.kept_windows of the kept rows (Qwen2.5-VL; default: whole; both: a row each)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
     args = ap.parse_args(argv)
@@ -297,14 +299,19 @@ def main(argv: list[str] | None = None) -> int:
         relevance, source, arrcoc_ms, arrcoc_eager_ms = relevance_map(vlm, frames, reps)
         maps = keep_maps(relevance, args.retention, vlm.geometry.temporal_patch_size)
         modes = ["all", "kept"] if args.encode == "both" else [args.encode]
-        settings = [("stock", None, "all")] + [(f"arr-coc {int(r * 100)}%" + (", kept" if mode == "kept" else ""),
+        if vlm.kept_encoder.window is not None and "kept" in modes and args.kept_windows != "whole":
+            # Qwen2.5-VL: the kept cells only (vlm.kept_windows: cells), after or instead of whole windows
+            modes = [m for m in modes if m != "kept" or args.kept_windows == "both"] + ["kept cells"]
+        settings = [("stock", None, "all")] + [(f"arr-coc {int(r * 100)}%" + (f", {mode}" if mode != "all" else ""),
                                                 maps[r], mode) for r in args.retention for mode in modes]
         if vlm._fast_lm is not None:          # the real alternative: the stock model through HF's own forward
             settings.insert(0, (HF_STOCK, None, "all"))
         arch_rows = []
         for label, keep, mode in settings:
+            vlm.kept_encoder.whole_windows = mode != "kept cells"
             with hf_forward(vlm, label == HF_STOCK):
-                r = bench_setting(vlm, frames, keep, new_tokens, reps, mode)
+                r = bench_setting(vlm, frames, keep, new_tokens, reps, mode.split()[0])
+            r["kept_windows"] = None if mode == "all" else ("cells" if mode == "kept cells" else "whole")
             # the VLM's time for the window: vision tower + prefill + the decoded tokens
             vlm_ms = r["vision_ms"] + r["prefill_ms"] + 1e3 * (r["decode_tokens"] - 1) / r["decode_tok_s"]
             r.update(arch=arch, setting=label, keep_source=None if keep is None else source, build_s=build_s,

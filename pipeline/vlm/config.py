@@ -8,6 +8,7 @@ from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 
 DTYPES = ("bfloat16", "float16", "float32")
 ENCODE_MODES = ("all", "kept")
+KEPT_WINDOWS = ("whole", "cells")
 PASS2 = ("off", "attention")
 CONFIDENCE = ("margin", "entropy")
 RANKS = ("relevance", "attention")
@@ -86,6 +87,10 @@ class VLMConfig:
     # are picked from the merged grid) or "kept" (only the patches of the cells the allocation
     # keeps, Qwen2.5-VL: of the attention windows holding one; pipeline.vlm.kept_vision)
     encode: str = "all"
+    # encode: kept, Qwen2.5-VL: "whole" (every cell of an attention window holding a kept cell goes
+    # through the tower, so the windowed layers compute what the stock tower does) or "cells" (the
+    # kept cells only: fewer cells encoded, and each windowed layer sees only the window's kept cells)
+    kept_windows: str = "whole"
     # encode: kept, live streams: at most this many cells' vision features (and pixels, to tell
     # a change) kept per stream, reused for a cell unchanged since it was encoded (0: no reuse)
     reuse_cells: int = 1024
@@ -118,6 +123,7 @@ class VLMConfig:
         check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
         check_choice("vlm.dtype", self.dtype, DTYPES)
         check_choice("vlm.encode", self.encode, ENCODE_MODES)
+        check_choice("vlm.kept_windows", self.kept_windows, KEPT_WINDOWS)
         check_range("vlm.reuse_cells", self.reuse_cells, 0, 1 << 20)
         check_range("vlm.reuse_threshold", self.reuse_threshold, 0.0, 1.0)
         for name in ("cuda_graphs", "fast_lm", "fast_vision"):

@@ -145,12 +145,14 @@ def test_on_cuda_kept_graphs_equal_the_eager_kept_tower(family):
     eager = rewrap(vlm, encode="kept", dtype="bfloat16", cuda_graphs=False)
     assert graphed.kept_encoder.graphs is not None and graphed.kept_encoder.graphs.enabled
     frames = make_frames(8, 112, 168, seed=50)
-    for seed in (51, 52, 53):
+    graphs = graphed.kept_encoder.graphs
+    for seed in (51, 52, 53, 51):
         keep = random_keep(vlm, frames, seed=seed, p=(0.6, 0.3, 0.1))
+        captured = graphs.captured
         want, got = eager.encode_cells(frames, keep), graphed.encode_cells(frames, keep)
         assert torch.equal(got.index, want.index)
         torch.testing.assert_close(got.tokens.float(), want.tokens.float(), rtol=3e-2, atol=3e-2)
-    assert graphed.kept_encoder.graphs.captured == 1                         # one shape for all three
+    assert captured == graphs.captured == len(graphs.graphs) <= 3            # the repeated shape: replayed
 
 
 class TestSelection:
@@ -200,6 +202,23 @@ class TestSelection:
         stock = stock_tokens(vlm, frames).flatten(0, 2)
         assert not close(vlm.encode_cells(frames, keep).tokens, stock[[1]])
         assert close(vlm.encode_cells(frames, np.ones_like(keep)).tokens, stock)
+
+    def test_qwen2_5_kept_windows_cells_encodes_the_kept_cells_only(self):
+        """vlm.kept_windows: cells: no window is completed; a window kept whole is still the stock
+        one in windowed-only blocks, a lone kept cell sees itself only."""
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[])
+        cells = kept(vlm, kept_windows="cells")
+        frames = make_frames(4, 112, 168, seed=6)                            # (T'=2, 4, 6): windows of 2x2 cells
+        keep = np.zeros((4, 4, 6), dtype=np.int64)
+        keep[0, 0:2, 0:2] = 1                                                # one window whole
+        keep[1, 3, 4] = 1                                                    # one cell of another
+        features = cells.encode_cells(frames, keep)
+        assert cells.kept_encoder.counters["cells_encoded"] == 5 == features.index.numel()
+        stock = stock_tokens(vlm, frames).flatten(0, 2)
+        whole = [0, 1, 6, 7]
+        assert close(features.tokens[:4], stock[whole])
+        assert features.index[4] == 22 and not close(features.tokens[4], stock[22])
+        assert kept(vlm).encode_cells(frames, keep).index.numel() == 5       # whole: 8 encoded, 5 returned
 
     def test_nothing_kept_encodes_nothing(self, vlm):
         k = kept(vlm)
@@ -371,6 +390,11 @@ class TestConfig:
     def test_bad_values_name_the_field(self, field, value, message):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             VLMConfig(**{field: value})
+
+    def test_kept_windows_is_checked(self):
+        with pytest.raises(ConfigError, match="vlm.kept_windows"):
+            VLMConfig(kept_windows="some")
+        assert VLMConfig().kept_windows == "whole"
 
     def test_default_encodes_every_patch(self):
         assert VLMConfig().encode == "all"

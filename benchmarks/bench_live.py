@@ -189,7 +189,8 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     cfg = pipeline_config(vlm, args, device)
     live = LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0)
     run_live(urls, "what is moving, and where?", out, cfg, live=live,
-             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0), stop=stop, on_graph=on_graph,
+             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0,
+                                 switch_interval_ms=args.switch_interval_ms), stop=stop, on_graph=on_graph,
              vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query())
     span = marks["t1"] - marks["t0"]
     s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]
@@ -251,7 +252,8 @@ def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
     threading.Thread(target=sample, daemon=True).start()
     run_live([url], "what is moving, and where?", out, cfg,
              live=LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0),
-             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0), stop=stop, vlm=vlm,
+             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0,
+                                 switch_interval_ms=args.switch_interval_ms), stop=stop, vlm=vlm,
              status_out=open(os.devnull, "w"), query_embedding=fixed_query())
     minute = min(60.0, args.soak / 5)   # "minute one" (scaled down for --quick)
     first = [s for s in samples if s[0] <= minute][-1]
@@ -281,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="answer length in tokens (default 16; quick 4)")
     p.add_argument("--batch-size", type=int, default=16, help="frames per batch through the GPU stages (runtime default)")
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. vlm.encode=kept (repeatable; as on the CLI)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/bench_live_<device>.json)")
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
     result = {"command": command, "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
-              "vlm": vlm.name, "overrides": args.overrides, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
+              "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row,
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bench_live_{device.type}{'_quick' if quick else ''}.json"

@@ -40,6 +40,10 @@ class LiveOptions:
     duration_s: float | None = None    # stop after this long (None: until Ctrl-C / SIGTERM)
     metrics_every_s: float = 5.0       # JSON metrics period when stderr is not a terminal
     window_frames: int = 32            # most VLM frames per answer window
+    # the interpreter's thread switch interval while live runs (sys.setswitchinterval; None: leave
+    # Python's 5 ms): the VLM thread releases the GIL at every CUDA sync and, with the capture and
+    # stage threads busy, waits up to this long to get it back each time
+    switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         check_range("--every", self.every_s, 0.0, None, lo_open=True)
@@ -47,6 +51,8 @@ class LiveOptions:
             check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
         check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
         check_range("window_frames", self.window_frames, 1, 4096)
+        if self.switch_interval_ms is not None:
+            check_range("switch_interval_ms", self.switch_interval_ms, 0.01, 1000.0)
 
 
 @dataclass

@@ -6,6 +6,7 @@ lines otherwise).
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -139,9 +140,13 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         timer.daemon = True
         timer.start()
     start = time.perf_counter()
+    switch_interval = sys.getswitchinterval()
+    if options.switch_interval_ms is not None:
+        sys.setswitchinterval(options.switch_interval_ms / 1e3)
     try:
         graph.run(on_interrupt=lambda: (setattr(sink, "interrupted", True), stop.set()))
     finally:
+        sys.setswitchinterval(switch_interval)
         if timer is not None:
             timer.cancel()
         reporter.close()

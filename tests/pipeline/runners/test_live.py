@@ -193,6 +193,20 @@ class TestStartUp:
         assert result.streams["cuts"]["frames_in"] == 75
 
 
+    def test_switch_interval_applies_while_live_runs(self, tmp_path, videos):
+        """LiveOptions.switch_interval_ms sets the interpreter's thread switch interval for the run
+        only (the VLM thread then waits less for the GIL after each CUDA sync), restored after."""
+        before, seen = sys.getswitchinterval(), []
+        run_live([str(videos["cuts"])], "q", tmp_path / "o.zarr", cfg(), live=LiveConfig(realtime=True, buffer_frames=8),
+                 options=LiveOptions(switch_interval_ms=0.5), status_out=io.StringIO(),
+                 on_graph=lambda graph: when(lambda: graph.stages[-1].counters["cuts"].frames_out > 0,
+                                             lambda: seen.append(sys.getswitchinterval())))
+        assert seen and seen[0] == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == before
+        with pytest.raises(Exception, match="switch_interval_ms"):
+            LiveOptions(switch_interval_ms=0.0)
+
+
 class TestAnswers:
     def test_every_window_is_answered_and_streamed(self, tmp_path, videos):
         out = io.StringIO()

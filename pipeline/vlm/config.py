@@ -11,7 +11,7 @@ ENCODE_MODES = ("all", "kept")
 KEPT_WINDOWS = ("whole", "cells")
 PASS2 = ("off", "attention")
 CONFIDENCE = ("margin", "entropy")
-RANKS = ("relevance", "attention")
+RANKS = ("allocation", "relevance", "attention")
 DEFAULT_PASS2_LAYERS = 2               # FastV's: a VLM whose snapshot names no layer of its own
 FALLBACKS = ("last", "most_confident")
 
@@ -30,11 +30,12 @@ class TemperingConfig:
     max_passes: int = 3                # the most rungs of the ladder one answer may use
     # margin: top-1 minus top-2 probability; entropy: 1 - entropy / log(vocabulary size)
     confidence: Literal["margin", "entropy"] = "margin"
-    # which of pass 1's candidates each rung keeps: relevance, the cells ARR-COC itself rates best
-    # (its realized relevance; works with vlm.pass2=off, pass 1 keeping the top rung's budget);
-    # attention, those the question attends to most in the VLM (needs vlm.pass2=attention, pass 1
-    # keeping candidate_factor times the top rung)
-    rank: Literal["relevance", "attention"] = "relevance"
+    # which of pass 1's candidates each rung keeps (pass 1 keeping the top rung's budget, vlm.pass2
+    # off): allocation, what ARR-COC's own allocation at the rung's retention keeps (each frame's
+    # best cells, as many as that retention buys); relevance, the same share of every frame pair's
+    # candidates, the best rated first; attention, those the question attends to most in the VLM
+    # (needs vlm.pass2=attention, pass 1 keeping candidate_factor times the top rung)
+    rank: Literal["allocation", "relevance", "attention"] = "relevance"
     # no rung confident enough: answer from the last pass (the largest budget), or from the pass
     # whose first answer token was the most confident
     fallback: Literal["last", "most_confident"] = "last"
@@ -141,8 +142,8 @@ class VLMConfig:
             raise ConfigError("vlm.tempering.rank=attention needs vlm.pass2=attention: each pass keeps the "
                               "tokens pass 2 ranked best (or rank them by pass 1's relevance: "
                               "vlm.tempering.rank=relevance)")
-        if t.ladder and t.rank == "relevance" and self.pass2 != "off":
-            raise ConfigError(f"vlm.tempering.rank=relevance ranks every pass's tokens by pass 1's relevance, so "
+        if t.ladder and t.rank in ("relevance", "allocation") and self.pass2 != "off":
+            raise ConfigError(f"vlm.tempering.rank={t.rank} ranks every pass's tokens by pass 1's relevance, so "
                               f"vlm.pass2={self.pass2} would go unused: set vlm.pass2=off, or "
                               f"vlm.tempering.rank=attention")
 

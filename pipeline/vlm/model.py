@@ -29,7 +29,7 @@ from pipeline.vlm.kept_graph import KeptGraphs
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
-from pipeline.vlm.selection import pair_lod, select_tokens, token_relevance
+from pipeline.vlm.selection import allocation_keys, pair_lod, select_tokens, token_relevance
 from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
@@ -398,8 +398,11 @@ class VLM:
             if tuple(scores.shape) != expected:
                 raise ValueError(f"scores shape {tuple(scores.shape)} does not match the VLM grid {expected} "
                                  f"for {frames.shape[2]}x{frames.shape[1]} frames")
-            token_scores = token_relevance(to_device(scores, self.device).float(), lod, index,
-                                           self.geometry.temporal_patch_size)  # (K,)
+            scores = to_device(scores, self.device).float()
+            tempering = self.config.tempering
+            if tempering.ladder and tempering.rank == "allocation" and keep is not None:
+                scores = allocation_keys(keep, scores, tempering.rungs)      # each rung's own allocation
+            token_scores = token_relevance(scores, lod, index, self.geometry.temporal_patch_size)  # (K,)
         return WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),
                             Tp * gh * gw, token_scores)
 

@@ -36,6 +36,7 @@ import torch
 
 from arr_coc._validate import ConfigError
 from pipeline.vlm.config import DEFAULT_PASS2_LAYERS
+from pipeline.vlm.selection import allocation_sizes
 from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 
@@ -110,7 +111,7 @@ class Passes:
         self.shares = cfg.keep_shares()                                      # one per answering pass
         self.tempering = cfg.tempering
         # relevance: pass 1's scores rank the candidates; attention: pass 2's (the VLM's own)
-        self.rank = "attention" if cfg.pass2 != "off" else "relevance"
+        self.rank = "attention" if cfg.pass2 != "off" else cfg.tempering.rank
         self.layer, self.text_model = 0, None
         if self.rank == "attention":
             reason = unsupported(vlm.lm)
@@ -174,7 +175,11 @@ class Passes:
         (pipeline/vlm/model.py); arrivals: time.monotonic() each latency counts from. Windows may
         repeat (several questions about one window)."""
         vlm, n = self.vlm, len(questions)
-        sizes = [self.rung_sizes(w.tokens_kept) for w in windows]           # per answer, increasing
+        if self.rank == "allocation":                                        # each rung: its own allocation
+            sizes = [allocation_sizes(w.scores, len(self.tempering.rungs)) if w.scores is not None
+                     else [w.tokens_kept] for w in windows]
+        else:
+            sizes = [self.rung_sizes(w.tokens_kept) for w in windows]       # per answer, increasing
         scores = self.ranking(windows, questions, sizes)
         most_confident = self.tempering.fallback == "most_confident"
         final: list[Prefix | None] = [None] * n
@@ -211,6 +216,9 @@ class Passes:
             return [torch.zeros(w.tokens_kept, device=self.vlm.device) for w in windows]  # all kept: no ranking
         if self.rank == "attention":
             return self.scores(windows, questions)
+        if self.rank == "allocation":                                        # keys: level first, then relevance
+            return [w.scores if w.scores is not None else torch.zeros(w.tokens_kept, device=self.vlm.device)
+                    for w in windows]
         if any(w.scores is None for s, w in zip(sizes, windows) if s[0] < w.tokens_kept):
             raise ValueError("vlm.tempering.rank=relevance ranks the visual tokens by pass 1's relevance, and "
                              "this request has none: pass scores= (T, gh, gw) with the keep map (AnswerRequest."

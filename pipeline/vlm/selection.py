@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from arr_coc.lod import FULL, POOLED, pad_to_pairs, pair_lod
 
-__all__ = ["pair_lod", "select_tokens", "token_relevance"]
+__all__ = ["allocation_keys", "pair_lod", "select_tokens", "token_relevance"]
 
 
 def select_tokens(merged: torch.Tensor, lod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,3 +54,41 @@ def token_relevance(scores: torch.Tensor, lod: torch.Tensor, index: torch.Tensor
     at_cell = block_max.repeat_interleave(2, 1).repeat_interleave(2, 2)[:, :gh, :gw]
     cell = torch.where(lod == FULL, s, at_cell)                              # (T', gh, gw)
     return cell.flatten()[index]                                             # (K,)
+
+
+def allocation_keys(keep: torch.Tensor, scores: torch.Tensor, rungs: tuple[float, ...]) -> torch.Tensor:
+    """keep (T, gh, gw) LOD of pass 1's allocation at the top rung, scores (T, gh, gw) its relevance,
+    rungs the tempering ladder (fractions, increasing) -> (T, gh, gw) float32 keys: R - level plus a
+    relevance tiebreak in [0, 0.5), where level is the first rung whose own allocation keeps the
+    cell and R = len(rungs); -1 for cells not kept at all.
+
+    ARR-COC spends round(retention * available) tokens on each frame's most relevant cells
+    (arr_coc/attending.py), so its allocation at a lower rung r is, per frame, the best
+    round(r / top * K) of the K cells the top rung keeps (at least one): a rung answers from what
+    pass 1 run at that rung's retention would have kept. token_relevance then gives a frame pair's
+    token the better key of its two cells, as the pairing rule keeps a token either frame wants."""
+    kept = keep.reshape(keep.shape[0], -1) != 0                              # (T, N)
+    s = scores.float().reshape(kept.shape)
+    order = s.masked_fill(~kept, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    top_k = kept.sum(1, keepdim=True).float()                                # (T, 1)
+    level = torch.zeros_like(s)
+    for rung in rungs[:-1]:
+        k = torch.where(top_k > 0, (top_k * (rung / rungs[-1])).round().clamp(min=1), top_k)
+        level += (rank >= k).float()
+    real = s[kept]
+    lo, span = (real.min(), (real.max() - real.min()).clamp(min=1e-12)) if real.numel() else (0.0, 1.0)
+    tiebreak = 0.4999 * (s - lo) / span                                      # [0, 0.5)
+    keys = (len(rungs) - level + tiebreak).masked_fill(~kept, -1.0)
+    return keys.reshape(keep.shape)
+
+
+def allocation_sizes(keys: torch.Tensor, rungs: int) -> list[int]:
+    """(K,) token keys (allocation_keys through token_relevance) -> how many tokens each rung keeps:
+    those whose level is at most the rung's, increasing (a rung adding nothing is dropped)."""
+    levels = rungs - keys.floor()                                            # (K,) 0 = the first rung's
+    sizes: list[int] = []
+    for n in (int((levels <= k).sum()) for k in range(rungs)):
+        if n and (not sizes or n > sizes[-1]):
+            sizes.append(n)
+    return sizes or [0]

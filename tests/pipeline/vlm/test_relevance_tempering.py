@@ -16,7 +16,7 @@ from pipeline.vlm import passes as passes_module
 from pipeline.vlm.config import TemperingConfig
 from pipeline.vlm.model import AnswerRequest
 from pipeline.vlm.passes import keep_best, per_frame_order
-from pipeline.vlm.selection import pair_lod, select_tokens, token_relevance
+from pipeline.vlm.selection import allocation_keys, allocation_sizes, pair_lod, select_tokens, token_relevance
 
 QUESTION = "what colour is the car on the left?"
 
@@ -170,6 +170,51 @@ class TestRelevanceRanking:
         v = tempered(vlm)
         assert v.config.pass2 == "off" and v.passes is not None and v.passes.text_model is None
         assert rewrap(vlm).passes is None                                    # neither pass 2 nor a ladder
+
+
+class TestAllocationRanking:
+    """vlm.tempering.rank: allocation: each rung answers from what ARR-COC's own allocation at that
+    rung's retention keeps (arr_coc/attending.py's TokenAllocator, hard: each frame's best cells)."""
+
+    @staticmethod
+    def allocate(relevance: torch.Tensor, retention: float) -> torch.Tensor:
+        from arr_coc.attending import AttendingConfig, TokenAllocator
+        return TokenAllocator(AttendingConfig(retention=retention)).eval()(relevance).lod   # (T, gh, gw)
+
+    def test_each_level_is_the_allocation_at_that_rung(self):
+        g = torch.Generator().manual_seed(3)
+        relevance = torch.rand(4, 6, 8, generator=g)
+        relevance[1] *= 0.1                                                  # a dull frame keeps its own budget
+        rungs = (0.05, 0.1, 0.25)
+        keys = allocation_keys(self.allocate(relevance, 0.25), relevance, rungs)
+        for k, rung in enumerate(rungs):
+            own = self.allocate(relevance, rung) != 0
+            assert torch.equal(keys >= len(rungs) - k, own), rung            # level <= k: kept at rung k
+        assert (keys[self.allocate(relevance, 0.25) == 0] == -1).all()
+        kept = keys[keys >= 0]
+        assert torch.equal(kept.floor() >= 1, torch.ones_like(kept, dtype=torch.bool))
+
+    def test_sizes_count_each_rungs_tokens(self):
+        keys = torch.tensor([3.2, 3.1, 2.4, 2.0, 1.3, 1.0])
+        assert allocation_sizes(keys, 3) == [2, 4, 6]
+        assert allocation_sizes(torch.tensor([3.0, 3.1]), 3) == [2]         # every rung keeps both: one pass
+        assert allocation_sizes(torch.empty(0), 2) == [0]
+
+    def test_rungs_answer_from_their_own_allocations(self, vlm, monkeypatch):
+        frames = make_frames(4, 112, 140, seed=7)
+        gh, gw = vlm.geometry.grid(112, 140)
+        relevance = torch.rand(4, gh, gw, generator=torch.Generator().manual_seed(8))
+        keep = self.allocate(relevance, 0.5).numpy()
+        v = tempered(vlm, ladder=(0.2, 0.5), threshold=1.0, rank="allocation")   # never sure: both rungs
+        calls = record_prefills(v, monkeypatch)
+        result = v.answer([AnswerRequest("s", frames, keep, QUESTION, 0.0, 1.0, scores=relevance.numpy())])[0]
+        assert result.passes == 2
+        merged = v._merged_tokens([frames])[0]
+        for call, retention in zip(calls, (0.2, 0.5)):
+            own = self.allocate(relevance, retention).numpy()
+            want = v.question_prefix(v.window_prefix(frames, own, merged), QUESTION)
+            assert visual_positions(call[0]) == visual_positions(want), retention
+        assert result.tokens_spent == sum(c[0].tokens_kept for c in calls)
 
 
 class TestFallback:

@@ -241,7 +241,7 @@ def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encod
     cfg = run_config(args, *tempering_overrides(ladder, 0.0, rank=args.rank, fallback=args.fallback))
     row = run_row("arrcoc", ladder[-1], make_plan(val, limit=args.limit), val, cfg, load_answerer(cfg, device),
                   workdir, query_encoder, "tempering-calibration")
-    calibration = calibrate_threshold(row.pop("_report"), precision=args.precision)
+    calibration = calibrate_threshold(row.pop("_report"), precision=args.precision, escalate=args.escalate)
     calibration.update(split="val", clips=row["videos"], first_rung_accuracy=row["accuracy"])
     result["tempering_calibration"] = calibration
     print(f"tempering threshold {calibration['threshold']:g} calibrated on {calibration['answers']} val answers",
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant-retentions", help="the variants' retentions (default: --retentions)")
     ap.add_argument("--ladder", default=",".join(f"{r:g}" for r in LADDER),
                     help="tempering's budget ladder (default: %(default)s)")
-    ap.add_argument("--rank", choices=("relevance", "attention"),
+    ap.add_argument("--rank", choices=("allocation", "relevance", "attention"),
                     help="tempering's ranking of each rung's tokens (default: vlm.tempering.rank's default)")
     ap.add_argument("--fallback", choices=("last", "most_confident"),
                     help="tempering's answer when no pass is confident (default: vlm.tempering.fallback's)")
@@ -292,6 +292,9 @@ def main(argv=None) -> int:
                          "validation split are right this often (eval --calibrate's precision rule, e.g. the "
                          "top rung's own validation accuracy); default: the threshold that best separates "
                          "right answers from wrong ones")
+    ap.add_argument("--escalate", type=float,
+                    help="calibrate the threshold as a token budget: at most this share of the validation "
+                         "split's first-pass answers (the least confident) is asked again")
     ap.add_argument("--val-root", type=Path, help="validation split root for the tempering threshold "
                                                   "(generated with --val-make clips when it has none)")
     ap.add_argument("--val-make", type=int, default=100, help="validation clips to generate (default 100)")

@@ -124,7 +124,8 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
     return report
 
 
-def calibrate_threshold(report: EvalReport, precision: float | None = None) -> dict[str, Any]:
+def calibrate_threshold(report: EvalReport, precision: float | None = None,
+                        escalate: float | None = None) -> dict[str, Any]:
     """vlm.tempering.threshold from a run on a validation split (one pass at the budget tempering
     starts with): pipeline.vlm.tempering.calibrate over the answers' stored confidences and
     correctness, with how the split's answers fall on either side of it."""
@@ -134,9 +135,11 @@ def calibrate_threshold(report: EvalReport, precision: float | None = None) -> d
     if not scored:
         raise ValueError("no answer of this store has a confidence (stores written before answers kept one, "
                          "or no answers): run batch again to calibrate")
-    threshold = calibrate([p.confidence for p in scored], [p.correct for p in scored], precision=precision)
+    threshold = calibrate([p.confidence for p in scored], [p.correct for p in scored], precision=precision,
+                          escalate=escalate)
     accepted = [p.correct for p in scored if p.confidence >= threshold]
     return {"threshold": round(threshold, 6), "answers": len(scored), "precision_target": precision,
+            "escalate_target": escalate,
             "accepted": len(accepted), "accepted_accuracy": round(sum(accepted) / len(accepted), 6) if accepted else None,
             "asked_again": len(scored) - len(accepted),
             "accuracy": round(sum(p.correct for p in scored) / len(scored), 6)}

@@ -37,7 +37,8 @@ def first_token_confidence(logits: torch.Tensor, measure: Measure = "margin") ->
     return (1.0 - entropy / math.log(logits.shape[1])).clamp(0.0, 1.0)
 
 
-def calibrate(confidence: Sequence[float], correct: Sequence[bool], *, precision: float | None = None) -> float:
+def calibrate(confidence: Sequence[float], correct: Sequence[bool], *, precision: float | None = None,
+              escalate: float | None = None) -> float:
     """The tempering threshold from a validation split's answers: their confidences (as
     first_token_confidence measures them, in one pass at the budget tempering starts with) and
     whether each was correct. An answer is accepted (not asked again) when confidence >= threshold.
@@ -46,7 +47,9 @@ def calibrate(confidence: Sequence[float], correct: Sequence[bool], *, precision
     on the right side: correct ones accepted, wrong ones asked again). precision p: the lowest
     threshold whose accepted answers are correct at least p of the time (as few passes as that
     allows); when none reaches p, just above the highest confidence (at most 1: every answer asked
-    again).
+    again). escalate q: a token budget instead: the threshold under which at most a share q of the
+    answers fall (those asked again are the least confident; q = 0: none), whatever their
+    correctness (the mean tokens spent then follow: first rung + q x the next).
     Thresholds lie halfway between neighbouring confidences; ties favour the lower one."""
     conf = [float(c) for c in confidence]
     right = [bool(c) for c in correct]
@@ -57,6 +60,17 @@ def calibrate(confidence: Sequence[float], correct: Sequence[bool], *, precision
         check_range("confidence", c, 0.0, 1.0)
     if precision is not None:
         check_range("precision", precision, 0.0, 1.0, lo_open=True)
+    if escalate is not None:
+        if precision is not None:
+            raise ValueError("calibrate takes a precision or an escalate share, not both")
+        check_range("escalate", escalate, 0.0, 1.0)
+        ordered = sorted(conf)
+        k = math.floor(escalate * len(ordered) + 1e-9)                     # answers that may be asked again
+        if k == 0:
+            return 0.0
+        if k >= len(ordered):
+            return min(1.0, ordered[-1] + 1e-6)
+        return (ordered[k - 1] + ordered[k]) / 2
     levels = sorted(set(conf))
     # candidates: accept all, between each pair of neighbours, accept none
     thresholds = [0.0] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [min(1.0, levels[-1] + 1e-6)]

@@ -68,6 +68,17 @@ class TestCalibrate:
         assert calibrate(conf, correct, precision=0.5) == 0.0                    # 3 of 5
         assert calibrate([0.3, 0.6], [False, False], precision=0.5) > 0.6       # none reaches it: ask again
 
+    def test_escalate_asks_again_the_least_confident_share(self):
+        conf = [0.9, 0.2, 0.5, 0.4, 0.8, 0.1, 0.7, 0.3, 0.6, 0.05]
+        right = [True] * 10                                                  # correctness plays no part
+        t = calibrate(conf, right, escalate=0.3)
+        assert t == pytest.approx(0.25) and sum(c < t for c in conf) == 3
+        assert calibrate(conf, right, escalate=0.0) == 0.0
+        assert all(c < calibrate(conf, right, escalate=1.0) for c in conf)
+        assert sum(c < calibrate(conf, right, escalate=0.15) for c in conf) == 1   # at most 15%: one of ten
+        with pytest.raises(ValueError, match="not both"):
+            calibrate(conf, right, precision=0.5, escalate=0.2)
+
     def test_the_threshold_works_as_the_config_reads_it(self):
         from pipeline.vlm.config import TemperingConfig
 
@@ -95,7 +106,7 @@ class TestConfig:
          r"vlm.tempering.rank=relevance ranks every pass's tokens by pass 1's relevance, so vlm.pass2=attention "
          r"would go unused: set vlm.pass2=off, or vlm.tempering.rank=attention"),
         (dict(tempering=dict(rank="saliency")), r"vlm.tempering.rank='saliency' is not supported; allowed: "
-                                                 r"relevance, attention"),
+                                                 r"allocation, relevance, attention"),
         (dict(tempering=dict(fallback="best")), r"vlm.tempering.fallback='best' is not supported; allowed: "
                                                  r"last, most_confident"),
         (dict(pass2="attention", tempering=dict(threshold=1.5)), r"vlm.tempering.threshold=1.5 is out of range"),

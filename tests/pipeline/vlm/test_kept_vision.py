@@ -268,6 +268,25 @@ class TestPaddedGraphShapes:
             assert close(got.tokens, want.tokens)
         assert padded.kept_encoder.graphs.captured == 1
 
+    def test_a_larger_graph_serves_a_smaller_call(self):
+        """Fewer cells, blocks or windows than a captured graph's (within MAX_PAD of its cells):
+        that graph replays, padded, with the ragged tower's tokens; far fewer cells: a graph of their own."""
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[1])
+        ragged, padded = kept(vlm), self.padded(vlm)
+        frames = make_frames(16, 112, 168, seed=60)                          # (T'=8, 4, 6): 192 cells
+        graphs = padded.kept_encoder.graphs
+        everything = np.ones((16, 4, 6), dtype=np.int64)
+        assert close(padded.encode_cells(frames, everything).tokens, ragged.encode_cells(frames, everything).tokens)
+        assert graphs.captured == 1 and next(iter(graphs.graphs))[0] == 192
+        fewer = everything.copy()
+        fewer[:6] = 0                                                        # three pairs less: 120 cells (bucket 128)
+        got, want = padded.encode_cells(frames, fewer), ragged.encode_cells(frames, fewer)
+        assert close(got.tokens, want.tokens) and graphs.captured == 1        # the 192-cell graph, padded
+        few = np.zeros_like(everything)
+        few[0, 0, 0] = 1                                                     # one window: 4 cells (bucket 64)
+        got, want = padded.encode_cells(frames, few), ragged.encode_cells(frames, few)
+        assert close(got.tokens, want.tokens) and graphs.captured == 2        # a 64-cell graph of its own
+
     def test_buckets(self):
         assert CELL_BUCKETS[:8] == [64, 96, 128, 192, 256, 384, 512, 736]
         assert [cell_bucket(n) for n in (1, 64, 65, 416, 1024, 1025)] == [64, 64, 96, 512, 1024, 1472]

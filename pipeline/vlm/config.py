@@ -35,7 +35,7 @@ class TemperingConfig:
     # best cells, as many as that retention buys); relevance, the same share of every frame pair's
     # candidates, the best rated first; attention, those the question attends to most in the VLM
     # (needs vlm.pass2=attention, pass 1 keeping candidate_factor times the top rung)
-    rank: Literal["allocation", "relevance", "attention"] = "relevance"
+    rank: Literal["allocation", "relevance", "attention"] = "allocation"
     # no rung confident enough: answer from the last pass (the largest budget), or from the pass
     # whose first answer token was the most confident
     fallback: Literal["last", "most_confident"] = "last"

@@ -400,9 +400,11 @@ class VLM:
                                  f"for {frames.shape[2]}x{frames.shape[1]} frames")
             scores = to_device(scores, self.device).float()
             tempering = self.config.tempering
-            if tempering.ladder and tempering.rank == "allocation" and keep is not None:
+            allocation = tempering.ladder and tempering.rank == "allocation" and self.config.pass2 == "off"
+            if allocation and keep is not None:
                 scores = allocation_keys(keep, scores, tempering.rungs)      # each rung's own allocation
-            token_scores = token_relevance(scores, lod, index, self.geometry.temporal_patch_size)  # (K,)
+            if not (allocation and keep is None):                            # every token, no allocation: one pass
+                token_scores = token_relevance(scores, lod, index, self.geometry.temporal_patch_size)  # (K,)
         return WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),
                             Tp * gh * gw, token_scores)
 

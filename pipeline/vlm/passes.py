@@ -176,8 +176,12 @@ class Passes:
         repeat (several questions about one window)."""
         vlm, n = self.vlm, len(questions)
         if self.rank == "allocation":                                        # each rung: its own allocation
+            if any(w.scores is None and w.tokens_kept < w.tokens_full for w in windows):
+                raise ValueError("vlm.tempering.rank=allocation answers each rung from pass 1's allocation at "
+                                 "that rung, and this request carries no relevance: pass scores= (T, gh, gw) "
+                                 "with the keep map (AnswerRequest.scores, VLM.answer_questions(..., scores=))")
             sizes = [allocation_sizes(w.scores, len(self.tempering.rungs)) if w.scores is not None
-                     else [w.tokens_kept] for w in windows]
+                     else [w.tokens_kept] for w in windows]                  # every token: one pass
         else:
             sizes = [self.rung_sizes(w.tokens_kept) for w in windows]       # per answer, increasing
         scores = self.ranking(windows, questions, sizes)

@@ -22,7 +22,9 @@ QUESTION = "what colour is the car on the left?"
 
 
 def tempered(vlm, ladder=(0.05, 0.1, 0.25), threshold=0.5, **tempering):
-    """Relevance tempering: pass 2 off, each rung the best-ranked of pass 1's candidates."""
+    """Relevance tempering (unless `rank` says otherwise): pass 2 off, each rung the best-ranked of
+    pass 1's candidates."""
+    tempering.setdefault("rank", "relevance")
     return rewrap(vlm, tempering=TemperingConfig(ladder=ladder, threshold=threshold, **tempering))
 
 
@@ -194,6 +196,15 @@ class TestAllocationRanking:
         kept = keys[keys >= 0]
         assert torch.equal(kept.floor() >= 1, torch.ones_like(kept, dtype=torch.bool))
 
+    def test_without_scores_is_one_clear_error_and_stock_is_one_pass(self, vlm):
+        frames = make_frames(4, 112, 140, seed=9)
+        keep = random_keep(vlm, frames, seed=10)
+        v = tempered(vlm, ladder=(0.2, 0.5), threshold=1.0, rank="allocation")
+        with pytest.raises(ValueError, match="rank=allocation answers each rung from pass 1's allocation"):
+            v.answer([AnswerRequest("s", frames, keep, QUESTION, 0.0, 1.0)])
+        stock = v.answer([AnswerRequest("s", frames, None, QUESTION, 0.0, 1.0)])[0]   # every token: one pass
+        assert stock.passes == 1 and stock.tokens_kept == stock.tokens_full
+
     def test_sizes_count_each_rungs_tokens(self):
         keys = torch.tensor([3.2, 3.1, 2.4, 2.0, 1.3, 1.0])
         assert allocation_sizes(keys, 3) == [2, 4, 6]
@@ -263,7 +274,7 @@ def test_yaml_off_names_the_choice():
     from pipeline.configio import load_config
 
     cfg = load_config(PipelineConfig, None, ["vlm.pass2=off", "vlm.tempering.ladder=[0.1,0.25]"])
-    assert cfg.vlm.pass2 == "off" and cfg.vlm.tempering.rank == "relevance"
+    assert cfg.vlm.pass2 == "off" and cfg.vlm.tempering.rank == "allocation"
 
 
 class TestPass2Layer:

@@ -59,11 +59,8 @@ from benchmarks.common import device_name, write_result  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.setup import load_answerer, resolve_device  # noqa: E402
-from pipeline.runners.batch import make_plan, run_batch  # noqa: E402
-from pipeline.runners.evaluate import evaluate  # noqa: E402
 from pipeline.vlm.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
 from pipeline.vlm.config import TemperingConfig  # noqa: E402
-from sources.msrvtt import load_msrvtt  # noqa: E402
 
 POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
 VARIANTS: dict[str, tuple[str, ...]] = {"pass2": ("vlm.pass2=attention",), "kept": ("vlm.encode=kept",),
@@ -126,6 +123,9 @@ def run_row(policy: str, retention: float, plan, dataset, base: PipelineConfig, 
         kwargs["query_encoder"] = lambda question: torch.zeros(384)
     elif query_encoder is not None:
         kwargs["query_encoder"] = query_encoder
+    from pipeline.runners.batch import run_batch
+    from pipeline.runners.evaluate import evaluate
+
     start = time.perf_counter()
     summary = run_batch(plan, store, cfg, **kwargs)
     scored = evaluate(store, dataset)
@@ -152,22 +152,47 @@ def _passes(store: Path) -> list[float]:
     return [float(p) for sid in z.stream_ids() for p in z.read(sid)["answers"]["passes"].tolist()] or [1.0]
 
 
-def ttft_rows(policies, retentions, plan, base: PipelineConfig, device: torch.device, reps: int = 5,
-              variants: dict[str, tuple[Any, list[float]]] | None = None) -> list[dict]:
-    """Per policy and retention, on the plan's first clip: the selection's own cost, then the VLM's
-    answer up to its first token (vision, selection, pass 2 and every tempering pass included;
-    median of reps after a warm-up). variants: label -> (a VLM answering one token with the
-    variant's settings, its retentions)."""
+def ttft_window(plan, fps: float) -> tuple[np.ndarray, str]:
+    """The plan's first clip as the VLM samples it (frames (T, H, W, 3) uint8 at `fps`) and its
+    first question: the window --ttft times."""
+    from sources import open_video
+
+    work = plan[0]
+    with open_video(work.path, fps=fps) as source:
+        frames = np.stack([f.rgb for f in source])
+    return frames, work.questions[0].question
+
+
+def save_window(path: Path, frames: np.ndarray, question: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, frames=frames, question=np.array(question))
+
+
+def load_window(path: Path) -> tuple[np.ndarray, str]:
+    try:
+        with np.load(path) as data:
+            frames, question = data["frames"], str(data["question"])
+    except (OSError, KeyError, ValueError) as e:
+        raise SystemExit(f"bench_accuracy: --ttft-window {path}: not a window file written by "
+                         f"--save-ttft-window ({e})") from None
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise SystemExit(f"bench_accuracy: --ttft-window {path}: frames must be (T, H, W, 3) uint8, "
+                         f"got {frames.shape} {frames.dtype}")
+    return frames, question
+
+
+def ttft_rows(policies, retentions, window: tuple[np.ndarray, str], base: PipelineConfig, device: torch.device,
+              reps: int = 5, variants: dict[str, tuple[Any, list[float]]] | None = None) -> list[dict]:
+    """Per policy and retention, on one window (frames at the VLM's fps and a question, as
+    ttft_window gives them): the selection's own cost, then the VLM's answer up to its first token
+    (vision, selection, pass 2 and every tempering pass included; median of reps after a warm-up).
+    variants: label -> (a VLM answering one token with the variant's settings, its retentions)."""
     from arr_coc.model import ARRCOC
     from pipeline.core.setup import build_model
     from pipeline.vlm.model import AnswerRequest
-    from sources import open_video
 
     vlm = load_answerer(replace(base, vlm=replace(base.vlm, max_new_tokens=1)), device)
-    work = plan[0]
-    with open_video(work.path, fps=base.vlm.fps) as source:
-        frames = np.stack([f.rgb for f in source])                            # the frames the VLM samples
-    question = work.questions[0].question
+    frames, question = window
     grid = vlm.geometry.grid(*frames.shape[1:3])
     rows = []
 
@@ -234,7 +259,9 @@ def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encod
     so every answer comes from its first pass exactly as tempering's first pass makes it (the same
     candidates and ranking), and eval --calibrate's rule picks the confidence that best separates
     its right answers from its wrong ones."""
+    from pipeline.runners.batch import make_plan
     from pipeline.runners.evaluate import calibrate_threshold
+    from sources.msrvtt import load_msrvtt
 
     ensure_split(args.val_root, args.val_make, "val")
     val = load_msrvtt(args.val_root, "val")
@@ -301,6 +328,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft", action="store_true", help="also time each policy's time to first token")
     ap.add_argument("--ttft-only", action="store_true", help="only the time to first token (no accuracy rows; "
                                                              "tempering then needs --threshold)")
+    ap.add_argument("--ttft-window", type=Path,
+                    help="time --ttft on this window file (--save-ttft-window's) instead of the split's first "
+                         "clip: with --ttft-only no split is read, so neither PyAV nor zarr is needed")
+    ap.add_argument("--save-ttft-window", type=Path, help="write the split's first clip and question as --ttft "
+                                                          "times them, for --ttft-window elsewhere")
     ap.add_argument("--quick", action="store_true", help="CPU smoke: tiny-random, 3 clips, 2 retentions")
     ap.add_argument("--out", type=Path, help="JSON result (default: print only)")
     args = ap.parse_args(argv)
@@ -327,12 +359,24 @@ def main(argv=None) -> int:
         ap.error("--ttft-only with the tempering variant needs --threshold (no split is answered to calibrate it)")
     if "tempering" in variants and args.threshold is None and args.val_root is None:
         ap.error("the tempering variant needs --threshold or --val-root (the split its threshold is calibrated on)")
+    if args.ttft_window is not None and not args.ttft_window.is_file():
+        ap.error(f"--ttft-window {args.ttft_window}: no such file")
     workdir = Path(tempfile.mkdtemp(prefix="bench_accuracy_"))
-    root = args.root or workdir / "data"
-    ensure_split(root, args.make)
-    dataset = load_msrvtt(root, "test")
-    plan = make_plan(dataset, limit=args.limit)
+    plan, dataset, window = [], None, None
+    if args.ttft_window is not None:
+        window = load_window(args.ttft_window)
+    if not (args.ttft_only and window is not None):                      # the split: accuracy rows, or its window
+        from pipeline.runners.batch import make_plan
+        from sources.msrvtt import load_msrvtt
+
+        root = args.root or workdir / "data"
+        ensure_split(root, args.make)
+        dataset = load_msrvtt(root, "test")
+        plan = make_plan(dataset, limit=args.limit)
     base = run_config(args)
+    if args.save_ttft_window is not None:
+        save_window(args.save_ttft_window, *ttft_window(plan, base.vlm.fps))
+        print(f"wrote {args.save_ttft_window}", file=sys.stderr)
     device = resolve_device(args.device)
     vlm = None if args.ttft_only else load_answerer(base, device)          # --ttft-only: ttft_rows loads its own
     query_encoder = None
@@ -380,7 +424,8 @@ def main(argv=None) -> int:
     if rows:
         print_table(rows)
     if args.ttft:
-        result["ttft"] = ttft_rows(policies, retentions, plan, base, device, variants=variant_vlms)
+        result["ttft"] = ttft_rows(policies, retentions, window or ttft_window(plan, base.vlm.fps), base, device,
+                                   variants=variant_vlms)
         for r in result["ttft"]:
             print(f"ttft {r['policy']:>15} {r['retention']:>5g}  select {r['select_ms']:.2f} ms  "
                   f"total {r['ttft_ms']:.2f} ms  x{r['ttft_x_stock']}")

@@ -67,3 +67,33 @@ def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
     assert rows["arrcoc+pass2", 0.25]["mean_tokens_kept"] <= 1.5 * rows["arrcoc", 0.25]["mean_tokens_kept"] + 4
     assert {r["policy"] for r in result["ttft"]} == {"arrcoc", "arrcoc+pass2", "arrcoc+kept", "arrcoc+tempering",
                                                      "arrcoc+finetuned"}
+
+
+def test_ttft_window_runs_without_pyav_or_zarr(tmp_path):
+    """--save-ttft-window writes the window --ttft times; --ttft-only --ttft-window times it with
+    neither PyAV nor zarr importable (a GPU machine carrying the shipped model but no wheels)."""
+    window = tmp_path / "w.npz"
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--policies", "stock", "--limit", "1", "--ttft-only", "--save-ttft-window", str(window)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    blocked = ("import runpy, sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('av', 'zarr', 'numcodecs', 'decord'):\n"
+               "            raise ImportError('blocked ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "sys.argv = sys.argv[1:]\n"
+               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = tmp_path / "ttft.json"
+    done = subprocess.run([sys.executable, "-c", blocked, "benchmarks/bench_accuracy.py", "--vlm", "tiny-random",
+                           "--device", "cpu", "--policies", "stock,arrcoc", "--retentions", "0.25", "--ttft-only",
+                           "--ttft-window", str(window), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {r["policy"] for r in json.loads(out.read_text())["ttft"]} == {"stock", "arrcoc"}
+    (tmp_path / "bad.npz").write_bytes(b"not a window")
+    bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--vlm", "tiny-random", "--device", "cpu",
+                          "--ttft-only", "--ttft-window", str(tmp_path / "bad.npz")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "not a window file" in bad.stderr and "Traceback" not in bad.stderr

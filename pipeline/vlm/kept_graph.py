@@ -4,8 +4,8 @@ Eager, the tower over a few hundred kept cells is bound by kernel launches, not 
 H100 the 2B architecture's 32 blocks took 17.8 ms for 416 cells (1664 patches) against 52 ms for
 all 4096, and the 7B's 24 ms for 1024 (bench_vlm_kept_h100.json). The full-frame tower replays a
 graph per grid (vision_graph); the kept set changes with every window, so its graphs are keyed by
-padded sizes instead, and every window of about the same size replays the same one (or a larger
-graph already captured, the smallest that fits: KeptGraphs._fitting):
+padded sizes instead, and every window of about the same size replays the same one (past a few
+shapes, a larger graph already captured, the smallest that fits: KeptGraphs._fitting):
 
 - patches: the encoded cells rounded up to a bucket (CELL_BUCKETS: steps of about sqrt(2));
 - attention: the blocks (frame pairs; Qwen2.5-VL: also its windows) as cumulative bounds into the
@@ -36,7 +36,8 @@ from pipeline.vlm.vision_attention import batched_attention, varlen_available
 
 MAX_GRAPHS = 16       # graphs kept per VLM (least recently used dropped first): live windows' kept
                       # counts move between a few buckets
-MAX_PAD = 2           # a captured graph serves a call of up to this many times fewer cells
+MAX_PAD = 2           # a captured graph serves a call of up to this many times fewer cells ...
+FREE_CAPTURES = 8     # ... once this many graphs exist (before, every new shape gets its own)
 
 
 def _cell_buckets(limit: int = 1 << 20) -> list[int]:
@@ -156,12 +157,19 @@ class KeptGraphs:
                         (not capture_graphs or (varlen_available() and device.type == "cuda"
                                                 and dtype in (torch.float16, torch.bfloat16))))
         self.captured = 0
+        self.free_captures = FREE_CAPTURES
 
     def _fitting(self, key: tuple[int, int, int, int]) -> tuple[tuple[int, int, int, int], KeptGraph | None]:
-        """The captured graph that runs a call of padded shape `key` with the least padding: its own,
-        else the smallest one at least as large in every dimension and of at most MAX_PAD times its
-        cells (taken out of the LRU order), else none. Live windows' kept counts move with what changed in each stream, and a capture costs a
-        few forward passes: a larger graph serving a smaller call bounds how many get captured."""
+        """The captured graph that runs a call of padded shape `key` (taken out of the LRU order): its
+        own; else none while fewer than `free_captures` graphs exist (a shape that recurs gets its
+        own, unpadded); else the smallest one at least as large in every dimension and of at most
+        MAX_PAD times its cells; else none. Live windows' kept counts move with what changed in each
+        stream, and a capture costs a few forward passes: past a few shapes, a larger graph serving
+        a smaller call bounds how many get captured."""
+        if key in self.graphs:
+            return key, self.graphs.pop(key)
+        if len(self.graphs) < self.free_captures:
+            return key, None
         fits = [k for k in self.graphs if all(a >= b for a, b in zip(k, key)) and k[0] <= MAX_PAD * key[0]]
         if not fits:
             return key, None

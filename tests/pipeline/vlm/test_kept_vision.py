@@ -275,6 +275,7 @@ class TestPaddedGraphShapes:
         ragged, padded = kept(vlm), self.padded(vlm)
         frames = make_frames(16, 112, 168, seed=60)                          # (T'=8, 4, 6): 192 cells
         graphs = padded.kept_encoder.graphs
+        graphs.free_captures = 1                                             # reuse from the second shape on
         everything = np.ones((16, 4, 6), dtype=np.int64)
         assert close(padded.encode_cells(frames, everything).tokens, ragged.encode_cells(frames, everything).tokens)
         assert graphs.captured == 1 and next(iter(graphs.graphs))[0] == 192
@@ -286,6 +287,19 @@ class TestPaddedGraphShapes:
         few[0, 0, 0] = 1                                                     # one window: 4 cells (bucket 64)
         got, want = padded.encode_cells(frames, few), ragged.encode_cells(frames, few)
         assert close(got.tokens, want.tokens) and graphs.captured == 2        # a 64-cell graph of its own
+
+    def test_the_first_shapes_get_graphs_of_their_own(self):
+        """Below free_captures graphs a smaller shape is captured unpadded (a recurring window of
+        one size should not replay a larger graph forever)."""
+        vlm = tiny("qwen2_vl")
+        padded = self.padded(vlm)
+        frames = make_frames(16, 112, 168, seed=61)
+        everything = np.ones((16, 4, 6), dtype=np.int64)
+        fewer = everything.copy()
+        fewer[:6] = 0
+        padded.encode_cells(frames, everything), padded.encode_cells(frames, fewer)
+        graphs = padded.kept_encoder.graphs
+        assert graphs.captured == 2 and sorted(k[0] for k in graphs.graphs) == [128, 192]
 
     def test_buckets(self):
         assert CELL_BUCKETS[:8] == [64, 96, 128, 192, 256, 384, 512, 736]

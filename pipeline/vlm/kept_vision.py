@@ -32,6 +32,7 @@ block lengths per boundary tensor) and the fast blocks (vision_blocks) as for ev
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,17 @@ class KeptFeatures:
         out = self.tokens.new_zeros(Tp * gh * gw, self.tokens.shape[-1])     # (T' gh gw, D)
         out[self.index] = self.tokens
         return out.view(Tp, gh, gw, -1)
+
+
+def nonzero_each(masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[mask.nonzero().squeeze(1) for mask in masks] (1-D bool masks) with two host reads in all,
+    not one per mask."""
+    if len(masks) <= 1:
+        return [mask.nonzero().squeeze(1) for mask in masks]
+    starts = [0, *itertools.accumulate(mask.numel() for mask in masks)]
+    index = torch.cat(masks).nonzero().squeeze(1)                            # (sum n,) ascending
+    cuts = torch.searchsorted(index, torch.tensor(starts, device=index.device)).tolist()
+    return [index[a:b] - start for a, b, start in zip(cuts, cuts[1:], starts)]
 
 
 def pair_cells(cells: torch.Tensor, temporal_patch: int) -> torch.Tensor:
@@ -158,7 +170,7 @@ class KeptEncoder:
         """encode_many() of preprocessed videos: pixels (N, F) and patch grid (3,) each (as
         VideoPreprocessor returns them), cell maps checked against the frames already."""
         reuse = reuse or [None] * len(pixels)
-        jobs = [self._job(*args) for args in zip(pixels, grids, cell_maps, reuse)]
+        jobs = self._jobs(pixels, grids, cell_maps, reuse)
         fresh = self._tower(jobs)
         return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
 
@@ -167,29 +179,38 @@ class KeptEncoder:
         all), zeros elsewhere: what VLM.window_prefix selects from."""
         return [f.dense() for f in self.encode_many(videos, keeps, reuse)]
 
-    def _job(self, pixels, grid_thw, cells, reuse) -> _Job:
+    def _jobs(self, pixels: list, grids: list, cell_maps: list, reuse: list) -> list[_Job]:
+        """Each video's part of the tower call: its cells wanted and to encode. The index lists of
+        all videos come from one nonzero each (each is a host sync, which under live load also
+        waits for the interpreter lock: one per batch, not one per video)."""
         m = self.geometry.merge_size
-        Tp, gh, gw = grid_thw[0].item(), grid_thw[1].item() // m, grid_thw[2].item() // m
-        blocks = pixels.to(self.dtype).view(Tp * gh * gw, m * m, -1)         # (T' gh gw, m^2, F)
-        if cells is None:
-            wanted = torch.ones(Tp, gh, gw, dtype=torch.bool, device=self.device)
-        else:
-            wanted = pair_cells(to_device(cells, self.device), self.geometry.temporal_patch_size)  # (T', gh, gw)
-        todo = wanted.flatten()
-        wanted_idx = todo.nonzero().squeeze(1)                               # (K,)
-        job = _Job(blocks, (Tp, gh, gw), wanted_idx, wanted_idx)
-        if reuse is not None and self.cache is not None:
-            job.key, scene_change = reuse
-            if scene_change:
-                self.cache.drop(job.key)
-            hit, job.cached = self.cache.lookup(job.key, (gh, gw), wanted_idx, blocks[wanted_idx])
-            todo = todo.clone()
-            todo[wanted_idx[hit]] = False
-        todo = todo.view(Tp, gh, gw)
-        if self.window is not None and self.whole_windows:
-            todo = window_cells(todo, self.window)
-        job.encoded = todo.flatten().nonzero().squeeze(1)                    # (n,)
-        return job
+        shapes, blocks, wanted = [], [], []
+        for px, grid_thw, cells in zip(pixels, grids, cell_maps):
+            Tp, gh, gw = grid_thw[0].item(), grid_thw[1].item() // m, grid_thw[2].item() // m
+            shapes.append((Tp, gh, gw))
+            blocks.append(px.to(self.dtype).view(Tp * gh * gw, m * m, -1))  # (T' gh gw, m^2, F)
+            if cells is None:
+                wanted.append(torch.ones(Tp * gh * gw, dtype=torch.bool, device=self.device))
+            else:
+                paired = pair_cells(to_device(cells, self.device), self.geometry.temporal_patch_size)
+                wanted.append(paired.flatten())                              # (T' gh gw,)
+        jobs, todo = [], []
+        for b, grid, mask, index, use in zip(blocks, shapes, wanted, nonzero_each(wanted), reuse):
+            job = _Job(b, grid, index, index)
+            if use is not None and self.cache is not None:
+                job.key, scene_change = use
+                if scene_change:
+                    self.cache.drop(job.key)
+                hit, job.cached = self.cache.lookup(job.key, grid[1:], index, b[index])
+                mask = mask.clone()
+                mask[index[hit]] = False
+            if self.window is not None and self.whole_windows:
+                mask = window_cells(mask.view(grid), self.window).flatten()
+            jobs.append(job)
+            todo.append(mask)
+        for job, encoded in zip(jobs, nonzero_each(todo)):
+            job.encoded = encoded                                            # (n,)
+        return jobs
 
     def _finish(self, job: _Job, fresh: torch.Tensor) -> KeptFeatures:
         """The wanted cells' tokens: fresh where encoded, else cached; the fresh ones are cached."""
@@ -205,7 +226,8 @@ class KeptEncoder:
         if job.key is not None and self.cache is not None:
             self.cache.store(job.key, job.grid[1:], job.encoded, job.blocks[job.encoded], fresh)
         self.counters["cells_encoded"] += job.encoded.numel()
-        self.counters["cells_reused"] += int((at < 0).sum())
+        if job.cached is not None:                                           # without the cache all are encoded
+            self.counters["cells_reused"] += int((at < 0).sum())
         return KeptFeatures(tokens, job.wanted, job.grid)
 
     def _tower(self, jobs: list[_Job]) -> list[torch.Tensor]:
@@ -220,8 +242,7 @@ class KeptEncoder:
             Tp, gh, gw = job.grid
             rows.append(job.blocks[cells].flatten(0, 1))                     # (n m^2, F)
             positions.append(patch_positions(cells, gh, gw, m))              # (n m^2, 2)
-            per_pair = torch.bincount(cells // (gh * gw), minlength=Tp)      # (T',) cells per frame pair
-            lengths.append(per_pair[per_pair > 0] * m * m)
+            lengths.append(torch.bincount(cells // (gh * gw), minlength=Tp))  # (T',) cells per frame pair
             if self.window is not None:
                 o, w = window_order(cells, gh, gw, self.window)
                 order.append(o + offset)
@@ -231,8 +252,8 @@ class KeptEncoder:
         sizes = [job.encoded.numel() for job in jobs]
         if not rows:
             return [torch.empty(0, self.dim, dtype=self.dtype, device=self.device) for _ in jobs]
-        blocks = torch.cat(lengths)
-        cu_seqlens = F.pad(blocks.cumsum(0, dtype=torch.int32), (1, 0))
+        per_pair = [n * m * m for n in torch.cat(lengths).tolist() if n]     # one host read: the blocks
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(per_pair)], dtype=torch.int32, device=self.device)
         window_index = cu_window_seqlens = None
         if self.window is not None:
             window_index = torch.cat(order)
@@ -240,7 +261,7 @@ class KeptEncoder:
         pixels, positions = torch.cat(rows), torch.cat(positions)
         merged = None
         if self.graphs is not None and self.graphs.enabled:                  # replayed at a padded shape
-            merged = self.graphs(TowerCall(pixels, positions, cu_seqlens, int(blocks.max()), window_index,
+            merged = self.graphs(TowerCall(pixels, positions, cu_seqlens, max(per_pair), window_index,
                                            cu_window_seqlens))
         if merged is None:
             with batched_attention(None):         # blocks of unequal length: one host read per boundary tensor

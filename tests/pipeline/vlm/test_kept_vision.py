@@ -15,7 +15,7 @@ from pipeline.vlm import hf
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.kept_graph import CELL_BUCKETS, KeptGraphs, cell_bucket
-from pipeline.vlm.kept_vision import patch_positions, window_order
+from pipeline.vlm.kept_vision import nonzero_each, patch_positions, window_order
 from pipeline.vlm.loading import _wrap
 from pipeline.vlm.vision_attention import varlen_attention
 
@@ -439,3 +439,34 @@ class TestConfig:
         assert cfg.vlm == replace(VLMConfig(), encode="kept", reuse_cells=64)
         with pytest.raises(ConfigError, match="vlm.encode='both' is not supported; allowed: all, kept"):
             load_config(PipelineConfig, overrides=["vlm.encode=both"])
+
+
+def test_nonzero_each_splits_one_nonzero_per_mask():
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.rand(n, generator=g) < 0.4 for n in (7, 0, 12, 5)] + [torch.zeros(3, dtype=torch.bool)]
+    got = nonzero_each(masks)
+    assert len(got) == len(masks)
+    for mask, index in zip(masks, got):
+        assert torch.equal(index, mask.nonzero().squeeze(1))
+    assert nonzero_each([]) == [] and torch.equal(nonzero_each(masks[:1])[0], masks[0].nonzero().squeeze(1))
+
+
+def test_a_batch_of_videos_reads_their_indices_back_once():
+    """Each nonzero is a host sync on a GPU (and, under live load, a wait for the interpreter lock):
+    the kept encoder makes two for a batch, not two per video."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.nonzero.default:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    vlm = TestPaddedGraphShapes.padded(tiny("qwen2_vl"))                 # the GPU's path: the graphed tower
+    videos = [make_frames(4, 84, 112, seed=70 + i) for i in range(6)]
+    keeps = [random_keep(vlm, v, seed=80 + i) for i, v in enumerate(videos)]
+    with torch.no_grad(), Count():
+        vlm.kept_encoder.encode_many(videos, keeps)
+    assert Count.calls == 2

@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live default)")
+    p.add_argument("--vlm-process", action="store_true",
+                   help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. vlm.encode=kept (repeatable; as on the CLI)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/bench_live_<device>.json)")
@@ -304,7 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     clip = encode_clip(work / "clip.ts", w, h, fps, seconds=4.0)
     server = TSServer(clip)
     args.settings = load_settings(args, new_tokens)
-    vlm = build_vlm("tiny" if quick else "qwen2-vl-2b", device, args.settings.vlm)
+    arch = "tiny" if quick else "qwen2-vl-2b"
+    if args.vlm_process:                                  # the same VLM, built in a process of its own
+        from functools import partial
+
+        from pipeline.vlm.remote import RemoteVLM
+        vlm = RemoteVLM(partial(build_vlm, arch, device, args.settings.vlm))
+    else:
+        vlm = build_vlm(arch, device, args.settings.vlm)
     rows = []
     try:
         for n in counts:
@@ -316,9 +325,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"soak": soak_row}), flush=True)
     finally:
         server.close()
+        if args.vlm_process:
+            vlm.close()
     result = {"command": command, "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
-              "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
+              "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
+              "vlm_process": args.vlm_process, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row,
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bench_live_{device.type}{'_quick' if quick else ''}.json"

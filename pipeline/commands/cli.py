@@ -172,6 +172,9 @@ def _add_live(sub: Any) -> None:
                    help="newest frames kept per source; older ones are dropped and counted (default: %(default)s)")
     p.add_argument("--metrics-every", type=float, default=5.0, metavar="SECONDS",
                    help="period of the JSON metrics on stderr when it is not a terminal (default: 5)")
+    p.add_argument("--vlm-process", action="store_true",
+                   help="run the VLM in a process of its own (no interpreter lock shared with the capture and "
+                        "front-end threads; not yet measured on a GPU)")
     p.set_defaults(func=_lazy("live", "cmd_live"))
 
 

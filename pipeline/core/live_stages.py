@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from arr_coc._validate import check_range
+from arr_coc._validate import ConfigError, check_range
 from arr_coc.lod import token_frames
 from sources.frame import Frame
 from sources.live import Gap, LiveSource
@@ -44,6 +44,9 @@ class LiveOptions:
     # Python's 5 ms): the VLM thread releases the GIL at every CUDA sync and, with the capture and
     # stage threads busy, waits up to this long to get it back each time
     switch_interval_ms: float | None = None
+    # the VLM in a process of its own (pipeline/vlm/remote.py), so that the capture, front-end and
+    # sink threads do not share the interpreter lock with it (run_live loads it there from the config)
+    vlm_process: bool = False
 
     def __post_init__(self) -> None:
         check_range("--every", self.every_s, 0.0, None, lo_open=True)
@@ -51,6 +54,8 @@ class LiveOptions:
             check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
         check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
         check_range("window_frames", self.window_frames, 1, 4096)
+        if not isinstance(self.vlm_process, bool):
+            raise ConfigError(f"vlm_process must be true or false, got {self.vlm_process!r}")
         if self.switch_interval_ms is not None:
             check_range("switch_interval_ms", self.switch_interval_ms, 0.01, 1000.0)
 

@@ -6,6 +6,7 @@ lines otherwise).
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -100,7 +101,11 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     if query_embedding is not None:
         check_query(query_embedding)
     sources = open_sources(specs, live, stream_ids)
+    remote = None
     try:
+        if vlm is None and options.vlm_process and cfg.runtime.vlm != "none":
+            from ..vlm.remote import RemoteVLM
+            vlm = remote = RemoteVLM(functools.partial(load_answerer, cfg, device))
         vlm = load_answerer(cfg, device) if vlm is None else vlm
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
@@ -117,6 +122,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     except BaseException:
         for source in sources:
             source.close()
+        if remote is not None:
+            remote.close()
         raise
     vlm_stage = None
     if vlm is not None:
@@ -150,6 +157,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         if timer is not None:
             timer.cancel()
         reporter.close()
+        if remote is not None:
+            remote.close()
     errors = [str(s.error) for s in sources if s.error is not None]
     damaged = [s.stream_id for s in sources if s.truncated and s.error is None]
     return LiveResult(out=store_location(out), stream_ids=[s.stream_id for s in sources],

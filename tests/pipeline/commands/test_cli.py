@@ -367,3 +367,22 @@ def test_help_and_configuration_do_not_import_transformers():
             "print(sorted(m for m in ('transformers', 'pipeline.vlm.model', 'pipeline.vlm.loading') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_live_vlm_process_flag_reaches_the_api(monkeypatch):
+    """`live --vlm-process` asks Pipeline.live for the VLM in its own process (off by default)."""
+    from pipeline.api import Pipeline
+    from pipeline.commands.cli import build_parser
+    from pipeline.commands.live import cmd_live
+
+    seen = []
+
+    def fake_live(self, sources, question, **kwargs):
+        seen.append(kwargs["vlm_process"])
+        raise SystemExit(0)
+    monkeypatch.setattr(Pipeline, "live", fake_live)
+    for argv, want in ((["live", "0", "--query", "q", "--vlm-process"], True), (["live", "0", "--query", "q"], False)):
+        args = build_parser().parse_args(argv)
+        with pytest.raises(SystemExit):
+            cmd_live(args)
+        assert seen[-1] is want

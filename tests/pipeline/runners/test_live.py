@@ -225,6 +225,21 @@ class TestAnswers:
         assert np.all(answers["tokens_kept"] <= answers["tokens_full"])
         assert data["attrs"]["complete"] is True and validate_store(tmp_path / "o.zarr") == []
 
+    def test_the_vlm_in_its_own_process_answers_the_same_way(self, tmp_path, videos):
+        """LiveOptions.vlm_process: the VLM is loaded in a spawned process from the config and
+        answers through the same batcher; the process is gone when the run returns."""
+        import multiprocessing
+
+        out = io.StringIO()
+        result = run_live([str(videos["cuts"])], "what moves?", tmp_path / "o.zarr", cfg(vlm="tiny-random"),
+                          live=LiveConfig(realtime=True, buffer_frames=32),
+                          options=LiveOptions(every_s=1.0, vlm_process=True), answers_out=out,
+                          status_out=io.StringIO())
+        answers = read_stream(tmp_path / "o.zarr", "cuts")["answers"]
+        assert len(result.answers) == len(answers["text"]) >= 2
+        assert np.all(answers["tokens_kept"] <= answers["tokens_full"]) and result.complete
+        assert not [p for p in multiprocessing.active_children() if p.name == "vlm-process"]
+
     def test_on_scene_change(self, tmp_path, videos):
         out = io.StringIO()
         run_live([str(videos["cuts"])], "what changed?", tmp_path / "o.zarr", cfg(vlm="tiny-random"),

@@ -10,9 +10,10 @@ the answers come back the same way.
 RemoteVLM has the parts of VLM that VLMBatcher and the live runner use (answer, warm_up,
 prefix_length, geometry, config, name, warning, counters), so either runs it unchanged. The child
 is started with the "spawn" method (CUDA cannot be forked) and builds its VLM with `factory`, a
-picklable callable (a module-level function, or functools.partial of one). An error inside an
-answer reaches the caller as VLMProcessError naming the original; a child that dies fails every
-later call with the same error, and close() stops it.
+picklable callable (a module-level function, or functools.partial of one). An error inside the
+child (loading the model, or an answer) reaches the caller as itself where it pickles (a bad model
+path is the same VLMLoadError as in-process), else as VLMProcessError with its type and message; a
+child that dies fails every later call with VLMProcessError, and close() stops it.
 """
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ class VLMProcessError(RuntimeError):
     """The VLM process failed: an answer's error (its type and message), or the process itself."""
 
 
+def _send_error(conn: Any, error: BaseException) -> None:
+    """The error itself where it pickles (the parent raises the same type: a bad model path stays a
+    VLMLoadError), else its type and message."""
+    text = f"{type(error).__name__}: {error}"
+    try:
+        conn.send(("error", (error if isinstance(error, Exception) else None, text)))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+        conn.send(("error", (None, text)))
+
+
 def _serve(factory: Callable[[], Any], conn: Any) -> None:
     """The child: build the VLM, say what it is, then answer calls until told to stop."""
     try:
@@ -35,7 +46,7 @@ def _serve(factory: Callable[[], Any], conn: Any) -> None:
         conn.send(("ready", {"geometry": vlm.geometry, "config": vlm.config, "name": vlm.name,
                              "warning": vlm.warning}))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        _send_error(conn, e)
         return
     while True:
         try:
@@ -53,7 +64,7 @@ def _serve(factory: Callable[[], Any], conn: Any) -> None:
                 result = getattr(vlm, method)(*args, **kwargs)
             conn.send(("ok", result))
         except BaseException as e:  # noqa: BLE001 - the caller's future gets it
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            _send_error(conn, e)
 
 
 class RemoteVLM:
@@ -73,7 +84,10 @@ class RemoteVLM:
         status, info = self._receive()
         if status != "ready":
             self.close()
-            raise VLMProcessError(f"the VLM process could not load its model: {info}")
+            error, text = info
+            if error is not None:
+                raise error                                              # e.g. VLMLoadError: as in-process
+            raise VLMProcessError(f"the VLM process could not load its model: {text}")
         self.geometry, self.config = info["geometry"], info["config"]
         self.name, self.warning = info["name"], info["warning"]
 
@@ -98,7 +112,10 @@ class RemoteVLM:
                 raise VLMProcessError(self._failed) from None
             status, result = self._receive()
         if status == "error":
-            raise VLMProcessError(f"in the VLM process: {result}")
+            error, text = result
+            if error is not None:
+                raise error                                              # the answer's own error, as in-process
+            raise VLMProcessError(f"in the VLM process: {text}")
         return result
 
     def answer(self, requests: list) -> list:

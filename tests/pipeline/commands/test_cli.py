@@ -295,9 +295,12 @@ def _cmdline(pid: int) -> str:
 class TestInterruptions:
     def _start(self, video: Path, out: Path, *extra: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # SIGINT at its default in the child, whatever this run inherited (a background job of a
+        # non-interactive shell has it ignored, and so would the CLI under test)
         return subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(video), "--query", "q", "--out", str(out),
                                  "--device", "cpu", "--set", "output.chunk_frames=16", "--set", "runtime.batch_size=8",
-                                 *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def test_sigkill_leaves_a_readable_incomplete_store(self, tmp_path, videos):
         out = tmp_path / "killed.zarr"

@@ -218,6 +218,14 @@ class TestInterrupts:
     """Ctrl-C in the thread that runs the graph: the first drains, a second aborts the drain, and
     run() returns only after every stage thread ended and every stage closed."""
 
+    @pytest.fixture(autouse=True)
+    def _ctrl_c_raises(self):
+        """A run started in the background of a non-interactive shell inherits SIGINT ignored, and
+        Python then installs no KeyboardInterrupt handler: give these tests Ctrl-C's default."""
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        yield
+        signal.signal(signal.SIGINT, previous)
+
     def _interrupt_main(self, when: threading.Event, delay: float = 0.0) -> threading.Thread:
         main = threading.main_thread().ident
 

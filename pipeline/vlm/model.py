@@ -26,10 +26,10 @@ from pipeline.vlm import hf
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.kept_graph import KeptGraphs
-from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
+from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures, nonzero_each
 from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
-from pipeline.vlm.selection import allocation_keys, pair_lod, select_tokens, token_relevance
+from pipeline.vlm.selection import allocation_keys, pair_lod, select_tokens, token_cells, token_relevance
 from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
@@ -364,30 +364,43 @@ class VLM:
     @torch.no_grad()
     def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
         merged_all = self._window_tokens(requests)
-        return [self.build_prefix(req, merged) for req, merged in zip(requests, merged_all)]
+        # every window's token positions from one nonzero (a host read, and under live load a wait
+        # for the interpreter lock: one per batch, not one per request)
+        cells = [token_cells(self._window_lod(r.frames, r.keep, m.shape[:3])).flatten()
+                 for r, m in zip(requests, merged_all)]
+        return [self.question_prefix(self.window_prefix(r.frames, r.keep, m, r.scores, index=index), r.question)
+                for r, m, index in zip(requests, merged_all, nonzero_each(cells))]
 
     @torch.no_grad()
     def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:
         """Selection: merged tokens (T', gh, gw, D) of req's frames -> its pruned LM prefix."""
         return self.question_prefix(self.window_prefix(req.frames, req.keep, merged, req.scores), req.question)
 
+    def _window_lod(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
+                    grid: tuple[int, int, int]) -> torch.Tensor:
+        """keep (T, gh, gw) LOD or None (all), checked against the frames' grid -> (T', gh, gw) LOD
+        per video token (the pairing rule)."""
+        Tp, gh, gw = grid
+        if keep is None:
+            return torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
+        keep = to_device(keep, self.device)
+        expected = (frames.shape[0], gh, gw)
+        if tuple(keep.shape) != expected:
+            raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
+                             f"for {frames.shape[2]}x{frames.shape[1]} frames")
+        return pair_lod(keep, self.geometry.temporal_patch_size)
+
     @torch.no_grad()
     def window_prefix(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
-                      merged: torch.Tensor, scores: np.ndarray | torch.Tensor | None = None) -> WindowPrefix:
+                      merged: torch.Tensor, scores: np.ndarray | torch.Tensor | None = None, *,
+                      index: torch.Tensor | None = None) -> WindowPrefix:
         """The question-independent part of the prefix: frames (T, H, W, 3) (only their shape is
         used), keep (T, gh, gw) LOD or None (all tokens), merged tokens (T', gh, gw, D) of them,
-        scores (T, gh, gw) pass 1's relevance or None (WindowPrefix.scores)."""
+        scores (T, gh, gw) pass 1's relevance or None (WindowPrefix.scores); index: the kept tokens'
+        cells when the caller read them already (selection.token_cells' nonzero)."""
         Tp, gh, gw, _ = merged.shape
-        if keep is None:
-            lod = torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
-        else:
-            keep = to_device(keep, self.device)
-            expected = (frames.shape[0], gh, gw)
-            if tuple(keep.shape) != expected:
-                raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
-                                 f"for {frames.shape[2]}x{frames.shape[1]} frames")
-            lod = pair_lod(keep, self.geometry.temporal_patch_size)
-        tokens, index = select_tokens(merged, lod)                           # (K, D), (K,)
+        lod = self._window_lod(frames, keep, (Tp, gh, gw))
+        tokens, index = select_tokens(merged, lod, index)                    # (K, D), (K,)
         layout = self._layout(Tp, gh, gw)
         v0 = layout.before.shape[0]
         embeds = torch.cat([layout.before, tokens.to(layout.before.dtype)])  # (v0 + K, D)
@@ -402,7 +415,7 @@ class VLM:
             tempering = self.config.tempering
             allocation = tempering.ladder and tempering.rank == "allocation" and self.config.pass2 == "off"
             if allocation and keep is not None:
-                scores = allocation_keys(keep, scores, tempering.rungs)      # each rung's own allocation
+                scores = allocation_keys(to_device(keep, self.device), scores, tempering.rungs)  # each rung's own
             if not (allocation and keep is None):                            # every token, no allocation: one pass
                 token_scores = token_relevance(scores, lod, index, self.geometry.temporal_patch_size)  # (K,)
         return WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),

@@ -14,28 +14,42 @@ import torch.nn.functional as F
 
 from arr_coc.lod import FULL, POOLED, pad_to_pairs, pair_lod
 
-__all__ = ["allocation_keys", "pair_lod", "select_tokens", "token_relevance"]
+__all__ = ["allocation_keys", "pair_lod", "select_tokens", "token_cells", "token_relevance"]
 
 
-def select_tokens(merged: torch.Tensor, lod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_cells(lod: torch.Tensor) -> torch.Tensor:
+    """lod (T', gh, gw) -> (T', gh, gw) bool: the cells that carry a token (full ones, and each
+    pooled block's anchor); their flat nonzero positions are select_tokens' index."""
+    Tp, gh, gw = lod.shape
+    ph, pw = gh % 2, gw % 2                      # odd grids: the edge blocks are 2x1 / 1x2 / 1x1
+    m = F.pad(lod == POOLED, (0, pw, 0, ph))     # (T', gh2, gw2) bool
+    bh, bw = (gh + ph) // 2, (gw + pw) // 2
+    in_block = m.view(Tp, bh, 2, bw, 2).permute(0, 1, 3, 2, 4).reshape(Tp, bh, bw, 4)
+    first = in_block & (in_block.cumsum(-1) == 1)                          # (T', bh, bw, 4) anchor
+    anchor = first.view(Tp, bh, bw, 2, 2).permute(0, 1, 3, 2, 4).reshape(Tp, bh * 2, bw * 2)[:, :gh, :gw]
+    return (lod == FULL) | anchor
+
+
+def select_tokens(merged: torch.Tensor, lod: torch.Tensor,
+                  index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """merged (T', gh, gw, D) visual tokens, lod (T', gh, gw) -> kept tokens (K, D) and the flat
-    cell index (K,) of each in the (T', gh, gw) raster, in raster order (the model's token order)."""
+    cell index (K,) of each in the (T', gh, gw) raster, in raster order (the model's token order).
+    index: that index when the caller has it already (token_cells' nonzero: a host read, which
+    VLM.prepare makes once for a batch)."""
     Tp, gh, gw, D = merged.shape
     full = lod == FULL
     pooled = lod == POOLED
-    ph, pw = gh % 2, gw % 2                      # odd grids: the edge blocks are 2x1 / 1x2 / 1x1
+    ph, pw = gh % 2, gw % 2
     m = F.pad(pooled, (0, pw, 0, ph))            # (T', gh2, gw2) bool
     x = F.pad(merged * pooled[..., None], (0, 0, 0, pw, 0, ph))  # (T', gh2, gw2, D)
     bh, bw = (gh + ph) // 2, (gw + pw) // 2
     block_sum = x.view(Tp, bh, 2, bw, 2, D).sum((2, 4))                     # (T', bh, bw, D)
     block_cnt = m.view(Tp, bh, 2, bw, 2).sum((2, 4))                        # (T', bh, bw)
     block_mean = block_sum / block_cnt.clamp(min=1)[..., None].to(merged.dtype)
-    in_block = m.view(Tp, bh, 2, bw, 2).permute(0, 1, 3, 2, 4).reshape(Tp, bh, bw, 4)
-    first = in_block & (in_block.cumsum(-1) == 1)                          # (T', bh, bw, 4) anchor
-    anchor = first.view(Tp, bh, bw, 2, 2).permute(0, 1, 3, 2, 4).reshape(Tp, bh * 2, bw * 2)[:, :gh, :gw]
     pooled_at_cell = block_mean.repeat_interleave(2, 1).repeat_interleave(2, 2)[:, :gh, :gw]  # (T', gh, gw, D)
     cell_tokens = torch.where(full[..., None], merged, pooled_at_cell)
-    index = (full | anchor).flatten().nonzero().squeeze(1)                 # (K,)
+    if index is None:
+        index = token_cells(lod).flatten().nonzero().squeeze(1)             # (K,)
     return cell_tokens.reshape(-1, D)[index], index
 
 

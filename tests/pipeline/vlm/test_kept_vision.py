@@ -451,22 +451,49 @@ def test_nonzero_each_splits_one_nonzero_per_mask():
     assert nonzero_each([]) == [] and torch.equal(nonzero_each(masks[:1])[0], masks[0].nonzero().squeeze(1))
 
 
+class CountNonzero:
+    """Counts aten.nonzero calls (each one is a host sync on a GPU) while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.nonzero.default:
+                    counter.calls += 1
+                return func(*args, **(kwargs or {}))
+        self.calls, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
 def test_a_batch_of_videos_reads_their_indices_back_once():
     """Each nonzero is a host sync on a GPU (and, under live load, a wait for the interpreter lock):
     the kept encoder makes two for a batch, not two per video."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.nonzero.default:
-                Count.calls += 1
-            return func(*args, **(kwargs or {}))
-
     vlm = TestPaddedGraphShapes.padded(tiny("qwen2_vl"))                 # the GPU's path: the graphed tower
     videos = [make_frames(4, 84, 112, seed=70 + i) for i in range(6)]
     keeps = [random_keep(vlm, v, seed=80 + i) for i, v in enumerate(videos)]
-    with torch.no_grad(), Count():
+    with torch.no_grad(), CountNonzero() as count:
         vlm.kept_encoder.encode_many(videos, keeps)
-    assert Count.calls == 2
+    assert count.calls == 2
+
+
+def test_prepare_selects_every_windows_tokens_with_one_read():
+    """VLM.prepare reads the kept tokens' positions of all its requests back at once, and the
+    prefixes are those built one request at a time."""
+    vlm = every_patch(tiny("qwen2_vl"))
+    frames = [make_frames(4, 84, 112, seed=90 + i) for i in range(5)]
+    reqs = [request(f, random_keep(vlm, f, seed=95 + i) if i else None) for i, f in enumerate(frames)]
+    with torch.no_grad():
+        merged = vlm._window_tokens(reqs)
+        with CountNonzero() as count:
+            batched = vlm.prepare(reqs)
+    assert count.calls == 1
+    for req, m, got in zip(reqs, merged, batched):
+        want = vlm.build_prefix(req, m)
+        assert torch.equal(got.positions, want.positions) and torch.equal(got.embeds, want.embeds)

@@ -106,6 +106,9 @@ class VLMConfig:
     pass2: Literal["off", "attention"] = "off"
     candidate_factor: float = 3.0
     pass2_layers: int | None = None
+    # pass 2 keeps the same share of every frame pair's candidates (each pair's best-attended first,
+    # as pass 1 budgets every frame) instead of the window's best-attended candidates wherever they are
+    pass2_per_frame: bool = False
     tempering: TemperingConfig = field(default_factory=TemperingConfig)
 
     def __post_init__(self) -> None:
@@ -127,7 +130,7 @@ class VLMConfig:
         check_choice("vlm.kept_windows", self.kept_windows, KEPT_WINDOWS)
         check_range("vlm.reuse_cells", self.reuse_cells, 0, 1 << 20)
         check_range("vlm.reuse_threshold", self.reuse_threshold, 0.0, 1.0)
-        for name in ("cuda_graphs", "fast_lm", "fast_vision"):
+        for name in ("cuda_graphs", "fast_lm", "fast_vision", "pass2_per_frame"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"vlm.{name} must be true or false, got {getattr(self, name)!r}")
         check_choice("vlm.pass2", self.pass2, PASS2)

@@ -219,7 +219,11 @@ class Passes:
         if not any(s[0] < w.tokens_kept for s, w in zip(sizes, windows)):
             return [torch.zeros(w.tokens_kept, device=self.vlm.device) for w in windows]  # all kept: no ranking
         if self.rank == "attention":
-            return self.scores(windows, questions)
+            attention = self.scores(windows, questions)
+            if not self.vlm.config.pass2_per_frame:
+                return attention
+            return [per_frame_order(a, w.positions[0, w.embeds.shape[0] - w.tokens_kept:])   # M-RoPE t: the pair
+                    for a, w in zip(attention, windows)]
         if self.rank == "allocation":                                        # keys: level first, then relevance
             return [w.scores if w.scores is not None else torch.zeros(w.tokens_kept, device=self.vlm.device)
                     for w in windows]

@@ -146,6 +146,28 @@ class TestSelection:
         expected = narrow(window, keep_best(scores, round(K / 3)))
         assert visual_positions(calls[-1][0]) == visual_positions(v2.question_prefix(expected, QUESTIONS[0]))
 
+    def test_per_frame_keeps_each_pairs_share_of_the_best_attended(self, vlm, window_case, monkeypatch):
+        """vlm.pass2_per_frame: attention that favours frame pair 0 everywhere still leaves pair 1 its
+        share (per_frame_order's keys); without it the window's best-attended win wherever they are."""
+        frames, keep, window = window_case
+        S, K = window.embeds.shape[0], window.tokens_kept
+        pair = window.positions[0, S - K:]                                   # (K,) M-RoPE t of each candidate
+        first = pair == pair.min()
+        favour_first = torch.rand(K, generator=torch.Generator().manual_seed(0)) + 10.0 * first
+
+        def kept_pairs(**config):
+            v2 = on(vlm, candidate_factor=3.0, **config)
+            monkeypatch.setattr(v2.passes, "scores", lambda windows, questions: [favour_first for _ in windows])
+            calls = record_prefills(v2, monkeypatch)
+            v2.answer([request(frames, keep, QUESTIONS[0])])
+            return [t for t, _, _ in visual_positions(calls[-1][0])], int(pair.min())
+        n = round(K / 3)
+        assert n <= int(first.sum())                                         # the global pick fits in pair 0
+        picked, t0 = kept_pairs()
+        assert all(t == t0 for t in picked)
+        picked, t0 = kept_pairs(pass2_per_frame=True)
+        assert 0 < sum(t == t0 for t in picked) < len(picked)                # both pairs keep tokens
+
     def test_attention_favouring_a_cell_gets_it_selected(self, vlm, window_case, monkeypatch):
         """Make the pass-2 layer's key of one candidate point where the question's queries do: that
         candidate is kept, though its own score was among the lowest."""

@@ -107,12 +107,26 @@ def window_order(cells: torch.Tensor, gh: int, gw: int, side: int) -> tuple[torc
     """cells (n,) flat in (T', gh, gw), ascending -> (order (n,), lengths (W,)): the cells in
     Qwen2.5-VL's window order (pair, window row, window column, then row-major inside the window)
     and how many cells each non-empty window holds, in that order."""
-    t, spatial = cells // (gh * gw), cells % (gh * gw)
-    h, w = spatial // gw, spatial % gw
-    windows_h, windows_w = -(-gh // side), -(-gw // side)
-    window = (t * windows_h + h // side) * windows_w + w // side            # (n,)
-    order = (window * side * side + (h % side) * side + w % side).argsort()
-    _, lengths = torch.unique_consecutive(window[order], return_counts=True)
+    Tp = int(cells.max()) // (gh * gw) + 1 if cells.numel() else 1
+    return window_order_many([cells], [(Tp, gh, gw)], side)
+
+
+def window_order_many(cells: list[torch.Tensor], grids: list[tuple[int, int, int]], side: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """window_order of several videos' cells ((T', gh, gw) grids) at once, as if concatenated
+    video after video: order (sum n,) indexes the concatenated cells, lengths (W,) counts the
+    non-empty windows of every video in turn, with one host read for all."""
+    keys, windows, start = [], [], 0
+    for c, (Tp, gh, gw) in zip(cells, grids):
+        t, spatial = c // (gh * gw), c % (gh * gw)
+        h, w = spatial // gw, spatial % gw
+        windows_h, windows_w = -(-gh // side), -(-gw // side)
+        window = start + (t * windows_h + h // side) * windows_w + w // side  # (n,) after earlier videos' ids
+        keys.append(window * side * side + (h % side) * side + w % side)
+        windows.append(window)
+        start += Tp * windows_h * windows_w
+    order = torch.cat(keys).argsort()
+    _, lengths = torch.unique_consecutive(torch.cat(windows)[order], return_counts=True)
     return order, lengths
 
 
@@ -143,6 +157,8 @@ class KeptEncoder:
         self.window = hf.vision_window_cells(visual)
         self.device = next(visual.parameters()).device
         self.counters = {"cells_encoded": 0, "cells_reused": 0}
+        if graphs is not None:                     # captures so far (a live run should stop adding them)
+            self.counters["graphs_captured"] = 0
 
     @torch.no_grad()
     def encode(self, frames: np.ndarray | torch.Tensor, cells: np.ndarray | torch.Tensor | None) -> KeptFeatures:
@@ -234,7 +250,6 @@ class KeptEncoder:
         """The encoded cells of every job through the tower in one call -> per job (n, D)."""
         m = self.geometry.merge_size
         rows, positions, lengths, order, windows, grids = [], [], [], [], [], []
-        offset = 0
         for job in jobs:
             cells = job.encoded
             if cells.numel() == 0:
@@ -244,25 +259,24 @@ class KeptEncoder:
             positions.append(patch_positions(cells, gh, gw, m))              # (n m^2, 2)
             lengths.append(torch.bincount(cells // (gh * gw), minlength=Tp))  # (T',) cells per frame pair
             if self.window is not None:
-                o, w = window_order(cells, gh, gw, self.window)
-                order.append(o + offset)
-                windows.append(w * m * m)
+                order.append(cells)
+                windows.append((Tp, gh, gw))
             grids.append([Tp, gh * m, gw * m])
-            offset += cells.numel()
         sizes = [job.encoded.numel() for job in jobs]
         if not rows:
             return [torch.empty(0, self.dim, dtype=self.dtype, device=self.device) for _ in jobs]
         per_pair = [n * m * m for n in torch.cat(lengths).tolist() if n]     # one host read: the blocks
         cu_seqlens = torch.tensor([0, *itertools.accumulate(per_pair)], dtype=torch.int32, device=self.device)
         window_index = cu_window_seqlens = None
-        if self.window is not None:
-            window_index = torch.cat(order)
-            cu_window_seqlens = F.pad(torch.cat(windows).cumsum(0, dtype=torch.int32), (1, 0))
+        if self.window is not None:                                          # every video's windows, one read
+            window_index, window_lengths = window_order_many(order, windows, self.window)
+            cu_window_seqlens = F.pad((window_lengths * m * m).cumsum(0, dtype=torch.int32), (1, 0))
         pixels, positions = torch.cat(rows), torch.cat(positions)
         merged = None
         if self.graphs is not None and self.graphs.enabled:                  # replayed at a padded shape
             merged = self.graphs(TowerCall(pixels, positions, cu_seqlens, max(per_pair), window_index,
                                            cu_window_seqlens))
+            self.counters["graphs_captured"] = self.graphs.captured
         if merged is None:
             with batched_attention(None):         # blocks of unequal length: one host read per boundary tensor
                 merged = hf.vision_forward_on(self.visual, pixels, torch.tensor(grids, device=self.device),

@@ -15,7 +15,7 @@ from pipeline.vlm import hf
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.kept_graph import CELL_BUCKETS, KeptGraphs, cell_bucket
-from pipeline.vlm.kept_vision import nonzero_each, patch_positions, window_order
+from pipeline.vlm.kept_vision import nonzero_each, patch_positions, window_order, window_order_many
 from pipeline.vlm.loading import _wrap
 from pipeline.vlm.vision_attention import varlen_attention
 
@@ -256,6 +256,7 @@ class TestPaddedGraphShapes:
             assert close(got.tokens, want.tokens)
         graphs = padded.kept_encoder.graphs
         assert graphs.enabled and 1 <= graphs.captured < 4 and len(graphs.graphs) == graphs.captured
+        assert padded.kept_encoder.counters["graphs_captured"] == graphs.captured
 
     def test_several_videos_of_several_sizes_in_one_padded_call(self):
         vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[0])
@@ -481,6 +482,38 @@ def test_a_batch_of_videos_reads_their_indices_back_once():
     with torch.no_grad(), CountNonzero() as count:
         vlm.kept_encoder.encode_many(videos, keeps)
     assert count.calls == 2
+
+
+def test_window_order_of_several_videos_is_each_ones_in_turn():
+    g = torch.Generator().manual_seed(2)
+    grids = [(2, 4, 6), (3, 5, 7), (1, 9, 8)]
+    cells = [torch.randperm(t * h * w, generator=g)[: (t * h * w) // 2].sort().values for t, h, w in grids]
+    order, lengths = window_order_many(cells, grids, 2)
+    offsets = [0, *np.cumsum([c.numel() for c in cells])[:-1]]
+    parts = [window_order(c, h, w, 2) for c, (_, h, w) in zip(cells, grids)]
+    assert torch.equal(order, torch.cat([o + off for (o, _), off in zip(parts, offsets)]))
+    assert torch.equal(lengths, torch.cat([n for _, n in parts]))
+
+
+def test_qwen2_5_kept_videos_read_their_windows_back_once():
+    vlm = TestPaddedGraphShapes.padded(tiny("qwen2_5_vl", fullatt_block_indexes=[1]))
+    videos = [make_frames(4, 112, 168, seed=100 + i) for i in range(4)]
+    keeps = [random_keep(vlm, v, seed=110 + i) for i, v in enumerate(videos)]
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.unique_consecutive.default:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+    with torch.no_grad(), Count():
+        got = vlm.kept_encoder.encode_many(videos, keeps)
+    assert Count.calls == 1
+    want = kept(tiny("qwen2_5_vl", fullatt_block_indexes=[1])).kept_encoder.encode_many(videos, keeps)
+    for a, b in zip(got, want):
+        assert close(a.tokens, b.tokens)
 
 
 def test_prepare_selects_every_windows_tokens_with_one_read():

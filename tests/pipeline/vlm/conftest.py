@@ -72,3 +72,22 @@ def stock_inputs(vlm, frames, question):
     if vlm.family == "qwen2_5_vl":
         inputs["second_per_grid_ts"] = torch.tensor([vlm.geometry.temporal_patch_size / vlm.config.fps])
     return inputs
+
+
+def visual_positions(prefix) -> set[tuple[int, int, int]]:
+    """The (t, h, w) M-RoPE positions of a prefix's visual tokens: which cells it kept."""
+    w = prefix.window
+    v0 = w.embeds.shape[0] - w.tokens_kept
+    return {tuple(c) for c in w.positions[:, v0:].T.tolist()}
+
+
+def record_prefills(vlm, monkeypatch) -> list:
+    """Every prefill's prefixes, in order (pass by pass, then a final generate's)."""
+    calls = []
+    prefill = vlm.prefill
+
+    def recording(prefixes, *args, **kwargs):
+        calls.append(list(prefixes))
+        return prefill(prefixes, *args, **kwargs)
+    monkeypatch.setattr(vlm, "prefill", recording)
+    return calls

@@ -452,8 +452,12 @@ def test_nonzero_each_splits_one_nonzero_per_mask():
     assert nonzero_each([]) == [] and torch.equal(nonzero_each(masks[:1])[0], masks[0].nonzero().squeeze(1))
 
 
-class CountNonzero:
-    """Counts aten.nonzero calls (each one is a host sync on a GPU) while active."""
+class CountOps:
+    """Counts calls of one aten op (aten.nonzero by default: each one is a host sync on a GPU)
+    while active."""
+
+    def __init__(self, op=torch.ops.aten.nonzero.default):
+        self.op, self.calls = op, 0
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -462,10 +466,10 @@ class CountNonzero:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten.nonzero.default:
+                if func is counter.op:
                     counter.calls += 1
                 return func(*args, **(kwargs or {}))
-        self.calls, self.mode = 0, Mode()
+        self.mode = Mode()
         self.mode.__enter__()
         return self
 
@@ -479,7 +483,7 @@ def test_a_batch_of_videos_reads_their_indices_back_once():
     vlm = TestPaddedGraphShapes.padded(tiny("qwen2_vl"))                 # the GPU's path: the graphed tower
     videos = [make_frames(4, 84, 112, seed=70 + i) for i in range(6)]
     keeps = [random_keep(vlm, v, seed=80 + i) for i, v in enumerate(videos)]
-    with torch.no_grad(), CountNonzero() as count:
+    with torch.no_grad(), CountOps() as count:
         vlm.kept_encoder.encode_many(videos, keeps)
     assert count.calls == 2
 
@@ -499,18 +503,9 @@ def test_qwen2_5_kept_videos_read_their_windows_back_once():
     vlm = TestPaddedGraphShapes.padded(tiny("qwen2_5_vl", fullatt_block_indexes=[1]))
     videos = [make_frames(4, 112, 168, seed=100 + i) for i in range(4)]
     keeps = [random_keep(vlm, v, seed=110 + i) for i, v in enumerate(videos)]
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.unique_consecutive.default:
-                Count.calls += 1
-            return func(*args, **(kwargs or {}))
-    with torch.no_grad(), Count():
+    with torch.no_grad(), CountOps(torch.ops.aten.unique_consecutive.default) as count:
         got = vlm.kept_encoder.encode_many(videos, keeps)
-    assert Count.calls == 1
+    assert count.calls == 1
     want = kept(tiny("qwen2_5_vl", fullatt_block_indexes=[1])).kept_encoder.encode_many(videos, keeps)
     for a, b in zip(got, want):
         assert close(a.tokens, b.tokens)
@@ -524,7 +519,7 @@ def test_prepare_selects_every_windows_tokens_with_one_read():
     reqs = [request(f, random_keep(vlm, f, seed=95 + i) if i else None) for i, f in enumerate(frames)]
     with torch.no_grad():
         merged = vlm._window_tokens(reqs)
-        with CountNonzero() as count:
+        with CountOps() as count:
             batched = vlm.prepare(reqs)
     assert count.calls == 1
     for req, m, got in zip(reqs, merged, batched):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_frames, random_keep, request, rewrap
+from conftest import make_frames, random_keep, record_prefills, request, rewrap, visual_positions
 
 from pipeline.vlm import passes as passes_module
 from pipeline.vlm.config import TemperingConfig
@@ -30,25 +30,6 @@ def window_case(vlm):
 
 def on(vlm, **config):
     return rewrap(vlm, pass2="attention", **config)
-
-
-def visual_positions(prefix) -> set[tuple[int, int, int]]:
-    """The (t, h, w) M-RoPE positions of a prefix's visual tokens: which cells it kept."""
-    w = prefix.window
-    v0 = w.embeds.shape[0] - w.tokens_kept
-    return {tuple(c) for c in w.positions[:, v0:].T.tolist()}
-
-
-def record_prefills(vlm, monkeypatch) -> list:
-    """Every prefill's prefixes, in order (pass by pass, then a final generate's)."""
-    calls = []
-    prefill = vlm.prefill
-
-    def recording(prefixes, *args, **kwargs):
-        calls.append(list(prefixes))
-        return prefill(prefixes, *args, **kwargs)
-    monkeypatch.setattr(vlm, "prefill", recording)
-    return calls
 
 
 class TestAttentionInputs:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_frames, random_keep, rewrap
+from conftest import make_frames, random_keep, record_prefills, rewrap, visual_positions
 
 from pipeline.vlm import passes as passes_module
 from pipeline.vlm.config import TemperingConfig
@@ -26,23 +26,6 @@ def tempered(vlm, ladder=(0.05, 0.1, 0.25), threshold=0.5, **tempering):
     pass 1's candidates."""
     tempering.setdefault("rank", "relevance")
     return rewrap(vlm, tempering=TemperingConfig(ladder=ladder, threshold=threshold, **tempering))
-
-
-def visual_positions(prefix) -> set[tuple[int, int, int]]:
-    w = prefix.window
-    v0 = w.embeds.shape[0] - w.tokens_kept
-    return {tuple(c) for c in w.positions[:, v0:].T.tolist()}
-
-
-def record_prefills(vlm, monkeypatch) -> list:
-    calls = []
-    prefill = vlm.prefill
-
-    def recording(prefixes, *args, **kwargs):
-        calls.append(list(prefixes))
-        return prefill(prefixes, *args, **kwargs)
-    monkeypatch.setattr(vlm, "prefill", recording)
-    return calls
 
 
 def scored(frames, keep, seed=0):

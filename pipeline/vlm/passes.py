@@ -89,6 +89,17 @@ def per_frame_order(scores: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
     return keys
 
 
+def token_pairs(window: WindowPrefix) -> torch.Tensor:
+    """(K,) the frame pair of each of the window's visual tokens (its M-RoPE t)."""
+    return window.positions[0, window.embeds.shape[0] - window.tokens_kept:]
+
+
+def missing_scores(rank: str, what: str) -> ValueError:
+    """The error of a ranking by pass 1's relevance for a request that carries none."""
+    return ValueError(f"vlm.tempering.rank={rank} {what}, and this request has none: pass scores= (T, gh, gw) "
+                      f"with the keep map (AnswerRequest.scores, VLM.answer_questions(..., scores=))")
+
+
 def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
     """The window with only the candidates `keep` (ascending positions among its visual tokens):
     the text before the video and every position stay as they are (the full video's M-RoPE)."""
@@ -177,9 +188,7 @@ class Passes:
         vlm, n = self.vlm, len(questions)
         if self.rank == "allocation":                                        # each rung: its own allocation
             if any(w.scores is None and w.tokens_kept < w.tokens_full for w in windows):
-                raise ValueError("vlm.tempering.rank=allocation answers each rung from pass 1's allocation at "
-                                 "that rung, and this request carries no relevance: pass scores= (T, gh, gw) "
-                                 "with the keep map (AnswerRequest.scores, VLM.answer_questions(..., scores=))")
+                raise missing_scores("allocation", "answers each rung from pass 1's allocation at that rung")
             sizes = [allocation_sizes(w.scores, len(self.tempering.rungs)) if w.scores is not None
                      else [w.tokens_kept] for w in windows]                  # every token: one pass
         else:
@@ -222,20 +231,11 @@ class Passes:
             attention = self.scores(windows, questions)
             if not self.vlm.config.pass2_per_frame:
                 return attention
-            return [per_frame_order(a, w.positions[0, w.embeds.shape[0] - w.tokens_kept:])   # M-RoPE t: the pair
-                    for a, w in zip(attention, windows)]
+            return [per_frame_order(a, token_pairs(w)) for a, w in zip(attention, windows)]
         if self.rank == "allocation":                                        # keys: level first, then relevance
             return [w.scores if w.scores is not None else torch.zeros(w.tokens_kept, device=self.vlm.device)
                     for w in windows]
         if any(w.scores is None for s, w in zip(sizes, windows) if s[0] < w.tokens_kept):
-            raise ValueError("vlm.tempering.rank=relevance ranks the visual tokens by pass 1's relevance, and "
-                             "this request has none: pass scores= (T, gh, gw) with the keep map (AnswerRequest."
-                             "scores, VLM.answer_questions(..., scores=))")
-        out = []
-        for w in windows:
-            if w.scores is None:                                             # every pass keeps all of them
-                out.append(torch.zeros(w.tokens_kept, device=self.vlm.device))
-                continue
-            frame = w.positions[0, w.embeds.shape[0] - w.tokens_kept:]       # (K,) M-RoPE t: its frame pair
-            out.append(per_frame_order(w.scores, frame))
-        return out
+            raise missing_scores("relevance", "ranks the visual tokens by pass 1's relevance")
+        return [torch.zeros(w.tokens_kept, device=self.vlm.device) if w.scores is None   # every pass keeps all
+                else per_frame_order(w.scores, token_pairs(w)) for w in windows]

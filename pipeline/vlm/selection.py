@@ -90,8 +90,9 @@ def allocation_keys(keep: torch.Tensor, scores: torch.Tensor, rungs: tuple[float
     for rung in rungs[:-1]:
         k = torch.where(top_k > 0, (top_k * (rung / rungs[-1])).round().clamp(min=1), top_k)
         level += (rank >= k).float()
-    real = s[kept]
-    lo, span = (real.min(), (real.max() - real.min()).clamp(min=1e-12)) if real.numel() else (0.0, 1.0)
+    # the kept cells' range without reading it back (no kept cell: every key is -1 below anyway)
+    lo = s.masked_fill(~kept, float("inf")).min()
+    span = (s.masked_fill(~kept, float("-inf")).max() - lo).clamp(min=1e-12)
     tiebreak = 0.4999 * (s - lo) / span                                      # [0, 0.5)
     keys = (len(rungs) - level + tiebreak).masked_fill(~kept, -1.0)
     return keys.reshape(keep.shape)
@@ -100,9 +101,9 @@ def allocation_keys(keep: torch.Tensor, scores: torch.Tensor, rungs: tuple[float
 def allocation_sizes(keys: torch.Tensor, rungs: int) -> list[int]:
     """(K,) token keys (allocation_keys through token_relevance) -> how many tokens each rung keeps:
     those whose level is at most the rung's, increasing (a rung adding nothing is dropped)."""
-    levels = rungs - keys.floor()                                            # (K,) 0 = the first rung's
+    levels = (rungs - keys.floor()).long()                                   # (K,) 0 = the first rung's
     sizes: list[int] = []
-    for n in (int((levels <= k).sum()) for k in range(rungs)):
+    for n in torch.bincount(levels, minlength=rungs)[:rungs].cumsum(0).tolist():   # one read for every rung
         if n and (not sizes or n > sizes[-1]):
             sizes.append(n)
     return sizes or [0]

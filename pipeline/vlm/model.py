@@ -353,23 +353,26 @@ class VLM:
         where wanted (e.g. a pass's candidates) -> their merged tokens (pipeline.vlm.kept_vision)."""
         return self.kept_encoder.encode(frames, cells)
 
-    def _window_tokens(self, requests: list[AnswerRequest]) -> list[torch.Tensor]:
+    def _window_tokens(self, requests: list[AnswerRequest], keeps: list | None = None) -> list[torch.Tensor]:
         """Per request merged tokens (T', gh, gw, D) to select from: every cell's (encode: all), or
-        the kept cells' only, zeros elsewhere (encode: kept)."""
+        the kept cells' only, zeros elsewhere (encode: kept); keeps: the requests' keep maps already
+        on the device (default: theirs)."""
         if self.config.encode == "all":
             return self._merged_tokens([r.frames for r in requests])
         reuse = [(r.reuse_key, r.scene_change) if r.reuse_key is not None else None for r in requests]
-        return self.kept_encoder.merged([r.frames for r in requests], [r.keep for r in requests], reuse)
+        keeps = [r.keep for r in requests] if keeps is None else keeps
+        return self.kept_encoder.merged([r.frames for r in requests], keeps, reuse)
 
     @torch.no_grad()
     def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
-        merged_all = self._window_tokens(requests)
+        keeps = [None if r.keep is None else to_device(r.keep, self.device) for r in requests]  # uploaded once
+        merged_all = self._window_tokens(requests, keeps)
         # every window's token positions from one nonzero (a host read, and under live load a wait
         # for the interpreter lock: one per batch, not one per request)
-        cells = [token_cells(self._window_lod(r.frames, r.keep, m.shape[:3])).flatten()
-                 for r, m in zip(requests, merged_all)]
-        return [self.question_prefix(self.window_prefix(r.frames, r.keep, m, r.scores, index=index), r.question)
-                for r, m, index in zip(requests, merged_all, nonzero_each(cells))]
+        cells = [token_cells(self._window_lod(r.frames, keep, m.shape[:3])).flatten()
+                 for r, keep, m in zip(requests, keeps, merged_all)]
+        return [self.question_prefix(self.window_prefix(r.frames, keep, m, r.scores, index=index), r.question)
+                for r, keep, m, index in zip(requests, keeps, merged_all, nonzero_each(cells))]
 
     @torch.no_grad()
     def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:
@@ -383,7 +386,7 @@ class VLM:
         Tp, gh, gw = grid
         if keep is None:
             return torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
-        keep = to_device(keep, self.device)
+        keep = to_device(keep, self.device)                                  # a no-op for a device tensor
         expected = (frames.shape[0], gh, gw)
         if tuple(keep.shape) != expected:
             raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "
@@ -399,6 +402,7 @@ class VLM:
         scores (T, gh, gw) pass 1's relevance or None (WindowPrefix.scores); index: the kept tokens'
         cells when the caller read them already (selection.token_cells' nonzero)."""
         Tp, gh, gw, _ = merged.shape
+        keep = None if keep is None else to_device(keep, self.device)       # (already there from prepare)
         lod = self._window_lod(frames, keep, (Tp, gh, gw))
         tokens, index = select_tokens(merged, lod, index)                    # (K, D), (K,)
         layout = self._layout(Tp, gh, gw)
@@ -415,7 +419,7 @@ class VLM:
             tempering = self.config.tempering
             allocation = tempering.ladder and tempering.rank == "allocation" and self.config.pass2 == "off"
             if allocation and keep is not None:
-                scores = allocation_keys(to_device(keep, self.device), scores, tempering.rungs)  # each rung's own
+                scores = allocation_keys(keep, scores, tempering.rungs)      # each rung's own allocation
             if not (allocation and keep is None):                            # every token, no allocation: one pass
                 token_scores = token_relevance(scores, lod, index, self.geometry.temporal_patch_size)  # (K,)
         return WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),

@@ -27,9 +27,11 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
                      the first answer token's confidence is below the threshold, which is calibrated
                      on the validation split (--val-root; eval --calibrate's rule, over the first
                      pass's answers) unless --threshold gives it; one row, its tokens are every
-                     pass's (tokens_spent). --rank relevance: each rung keeps the tokens ARR-COC rates
-                     best (pass 2 off); attention: pass 2's (vlm.pass2=attention). --fallback: which
-                     pass answers when none is confident (vlm.tempering.fallback)
+                     pass's (tokens_spent). --rank allocation: each rung answers from ARR-COC's own
+                     allocation at that rung; relevance: the same share of every frame pair's tokens,
+                     the best rated first (both pass 2 off); attention: pass 2's (vlm.pass2=attention).
+                     --fallback: which pass answers when none is confident (vlm.tempering.fallback);
+                     --precision / --escalate: the calibration rule
 
     python benchmarks/bench_accuracy.py --root data/synthqa --make 200 --vlm arrcoc-synth-qa
     python benchmarks/bench_accuracy.py --quick                    # CPU smoke: tiny-random, 3 clips
@@ -375,7 +377,8 @@ def main(argv=None) -> int:
         plan = make_plan(dataset, limit=args.limit)
     base = run_config(args)
     if args.save_ttft_window is not None:
-        save_window(args.save_ttft_window, *ttft_window(plan, base.vlm.fps))
+        window = ttft_window(plan, base.vlm.fps)                         # --ttft times this same window
+        save_window(args.save_ttft_window, *window)
         print(f"wrote {args.save_ttft_window}", file=sys.stderr)
     device = resolve_device(args.device)
     vlm = None if args.ttft_only else load_answerer(base, device)          # --ttft-only: ttft_rows loads its own

@@ -163,6 +163,11 @@ def pipeline_config(vlm, args, device: torch.device) -> PipelineConfig:
                                                   batch_size=args.batch_size, **untrained), vlm=vlm.config)
 
 
+def live_options(args) -> LiveOptions:
+    """Answers every --every s, no periodic metrics, the switch interval asked for."""
+    return LiveOptions(every_s=args.every, metrics_every_s=3600.0, switch_interval_ms=args.switch_interval_ms)
+
+
 def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict:
     """One live run over `urls`; metrics over the `args.seconds` after `args.warmup` seconds."""
     graphs: list = []
@@ -189,8 +194,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     cfg = pipeline_config(vlm, args, device)
     live = LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0)
     run_live(urls, "what is moving, and where?", out, cfg, live=live,
-             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0,
-                                 switch_interval_ms=args.switch_interval_ms), stop=stop, on_graph=on_graph,
+             options=live_options(args), stop=stop, on_graph=on_graph,
              vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query())
     span = marks["t1"] - marks["t0"]
     s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]
@@ -252,8 +256,7 @@ def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
     threading.Thread(target=sample, daemon=True).start()
     run_live([url], "what is moving, and where?", out, cfg,
              live=LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0),
-             options=LiveOptions(every_s=args.every, metrics_every_s=3600.0,
-                                 switch_interval_ms=args.switch_interval_ms), stop=stop, vlm=vlm,
+             options=live_options(args), stop=stop, vlm=vlm,
              status_out=open(os.devnull, "w"), query_embedding=fixed_query())
     minute = min(60.0, args.soak / 5)   # "minute one" (scaled down for --quick)
     first = [s for s in samples if s[0] <= minute][-1]

@@ -119,33 +119,33 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
                    for s in sources}
         query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device)
         model = build_model(cfg, device, answering=vlm is not None) if model is None else model
-    except BaseException:
+        vlm_stage = None
+        if vlm is not None:
+            from ..vlm.batcher import VLMBatcher
+            if device.type == "cuda" and cfg.vlm.cuda_graphs:
+                warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
+            vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options)
+        counters = {s.stream_id: StreamCounters() for s in sources}
+        graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
+                             vlm_stage=vlm_stage, answers_out=answers_out)
+        sink: SinkStage = graph.stages[-1]
+        sink.on_answer, sink.on_gap = on_answer, on_gap
+        if slow_stage_s > 0:
+            _slow_down(graph.stages[1], slow_stage_s)
+        if on_graph is not None:
+            on_graph(graph)
+        reporter = StatusReporter(sources, counters, every_s=options.metrics_every_s, stream=status_out,
+                                  tty=status_tty).start()
+        timer = threading.Timer(options.duration_s, stop.set) if options.duration_s is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+    except BaseException:                  # a failed setup leaves no source open and no VLM process
         for source in sources:
             source.close()
         if remote is not None:
             remote.close()
         raise
-    vlm_stage = None
-    if vlm is not None:
-        from ..vlm.batcher import VLMBatcher
-        if device.type == "cuda" and cfg.vlm.cuda_graphs:
-            warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
-        vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options)
-    counters = {s.stream_id: StreamCounters() for s in sources}
-    graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
-                         vlm_stage=vlm_stage, answers_out=answers_out)
-    sink: SinkStage = graph.stages[-1]
-    sink.on_answer, sink.on_gap = on_answer, on_gap
-    if slow_stage_s > 0:
-        _slow_down(graph.stages[1], slow_stage_s)
-    if on_graph is not None:
-        on_graph(graph)
-    reporter = StatusReporter(sources, counters, every_s=options.metrics_every_s, stream=status_out,
-                              tty=status_tty).start()
-    timer = threading.Timer(options.duration_s, stop.set) if options.duration_s is not None else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
     start = time.perf_counter()
     switch_interval = sys.getswitchinterval()
     if options.switch_interval_ms is not None:

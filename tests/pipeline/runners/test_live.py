@@ -240,6 +240,17 @@ class TestAnswers:
         assert np.all(answers["tokens_kept"] <= answers["tokens_full"]) and result.complete
         assert not [p for p in multiprocessing.active_children() if p.name == "vlm-process"]
 
+    def test_a_setup_that_fails_after_the_vlm_process_started_stops_it(self, tmp_path, videos):
+        import multiprocessing
+
+        def refuse(graph):
+            raise RuntimeError("the caller gives up before the run")
+        with pytest.raises(RuntimeError, match="gives up"):
+            run_live([str(videos["cuts"])], "what moves?", tmp_path / "o.zarr", cfg(vlm="tiny-random"),
+                     live=LiveConfig(realtime=True), options=LiveOptions(vlm_process=True), on_graph=refuse,
+                     status_out=io.StringIO())
+        assert not [p for p in multiprocessing.active_children() if p.name == "vlm-process"]
+
     def test_on_scene_change(self, tmp_path, videos):
         out = io.StringIO()
         run_live([str(videos["cuts"])], "what changed?", tmp_path / "o.zarr", cfg(vlm="tiny-random"),

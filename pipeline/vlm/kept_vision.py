@@ -107,8 +107,7 @@ def window_order(cells: torch.Tensor, gh: int, gw: int, side: int) -> tuple[torc
     """cells (n,) flat in (T', gh, gw), ascending -> (order (n,), lengths (W,)): the cells in
     Qwen2.5-VL's window order (pair, window row, window column, then row-major inside the window)
     and how many cells each non-empty window holds, in that order."""
-    Tp = int(cells.max()) // (gh * gw) + 1 if cells.numel() else 1
-    return window_order_many([cells], [(Tp, gh, gw)], side)
+    return window_order_many([cells], [(1, gh, gw)], side)                 # T' only offsets a next video's ids
 
 
 def window_order_many(cells: list[torch.Tensor], grids: list[tuple[int, int, int]], side: int

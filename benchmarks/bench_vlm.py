@@ -22,6 +22,9 @@ Each retention runs twice (--encode both, the default): "arr-coc N%" with `vlm.e
 vision tower on every patch, the kept tokens picked afterwards) and "arr-coc N%, kept" with
 `vlm.encode: kept` (the tower on the kept cells only; Qwen2.5-VL: the windows holding them);
 vision_cells counts the cells the tower encoded, ttft_x_stock the time-to-first-token speed-up.
+Every setting gets the window as the VLM stages hand one over (core/stages.py window_frames): on
+CUDA stacked in page-locked memory, so the upload needs no host copy first (--pageable-frames: a
+numpy array, which the preprocessor copies into page-locked memory before uploading).
 
     python benchmarks/bench_vlm.py                 # GPU: qwen2-vl-2b and qwen2.5-vl-7b, bf16
     python benchmarks/bench_vlm.py --tiny          # CPU smoke test with the tiny random models
@@ -49,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.core.stages import window_frames  # noqa: E402
 from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
 from pipeline.vlm.config import VLMConfig  # noqa: E402
 from pipeline.vlm.loading import _wrap  # noqa: E402
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="vlm.encode of the ARR-COC rows (default: both, one row each)")
     ap.add_argument("--kept-windows", choices=("whole", "cells", "both"), default="whole",
                     help="vlm.kept_windows of the kept rows (Qwen2.5-VL; default: whole; both: a row each)")
+    ap.add_argument("--pageable-frames", action="store_true",
+                    help="hand the window over as a numpy array (pageable), not stacked in page-locked memory")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
     args = ap.parse_args(argv)
@@ -291,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     graph_prefill_max_tokens=0 if args.eager_prefill else args.graph_prefill_max_tokens,
                     fast_lm=not args.hf_lm)
     frames = synthetic_window(T, size, size)
+    window = window_frames(list(frames), device.type == "cuda" and not args.pageable_frames)
     results = []
     for arch in archs:
         t0 = time.perf_counter()
@@ -310,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, keep, mode in settings:
             vlm.kept_encoder.whole_windows = mode != "kept cells"
             with hf_forward(vlm, label == HF_STOCK):
-                r = bench_setting(vlm, frames, keep, new_tokens, reps, mode.split()[0])
+                r = bench_setting(vlm, window, keep, new_tokens, reps, mode.split()[0])
             r["kept_windows"] = None if mode == "all" else ("cells" if mode == "kept cells" else "whole")
             # the VLM's time for the window: vision tower + prefill + the decoded tokens
             vlm_ms = r["vision_ms"] + r["prefill_ms"] + 1e3 * (r["decode_tokens"] - 1) / r["decode_tok_s"]
@@ -337,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype),
                   frames=T, size=size, new_tokens=new_tokens, reps=reps,
+                  frames_pinned=bool(device.type == "cuda" and not args.pageable_frames),
                   cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
                   graph_prefill_max_tokens=cfg.graph_prefill_max_tokens if cfg.cuda_graphs else 0,
                   fast_lm=cfg.fast_lm,

@@ -27,7 +27,8 @@ from sources.live import Gap, LiveSource
 
 from ..config import PipelineConfig
 from .graph import Channel, Stage
-from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
+from .stages import (AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, pins_frames, stack_frames,
+                     window_frames)
 
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame
@@ -186,6 +187,7 @@ class LiveVLMStage(Stage):
 
     def __init__(self, batcher: Any, question: str, options: LiveOptions) -> None:
         self.batcher, self.question, self.options = batcher, question, options
+        self.pin = pins_frames(getattr(batcher, "vlm", None))
         self.windows: dict[str, _Window] = collections.defaultdict(_Window)
 
     def process(self, item: AllocationBatch) -> Iterable[Any]:
@@ -246,7 +248,7 @@ class LiveVLMStage(Stage):
         last_arrival = frames[-1][1] if frames[-1][1] is not None else time.time()
         # AnswerRequest.arrival_s is on the monotonic clock; the frame's arrival is wall-clock
         arrival_mono = time.monotonic() - (time.time() - last_arrival)
-        request = AnswerRequest(stream_id=sid, frames=np.stack([f[2] for f in frames]),
+        request = AnswerRequest(stream_id=sid, frames=window_frames([f[2] for f in frames], self.pin),
                                 keep=np.stack([f[3] for f in frames]), scores=np.stack([f[4] for f in frames]),
                                 question=self.question,
                                 t_start=float(frames[0][0]), t_end=float(frames[-1][0]), arrival_s=arrival_mono,

@@ -17,7 +17,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, TextIO
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, TextIO
 
 import numpy as np
 import torch
@@ -181,12 +181,31 @@ def host_uint8(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
 
 
+def stack_host(arrays: Sequence[np.ndarray], pin: bool) -> torch.Tensor:
+    """Same-shaped uint8 arrays -> one (n, ...) uint8 host tensor, written straight into pinned
+    memory when `pin` (no second copy into page-locked memory before an upload)."""
+    out = host_uint8((len(arrays), *arrays[0].shape), pin)
+    np.stack(arrays, out=out.numpy())
+    return out
+
+
 def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
     """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`."""
-    h, w = frames[0].rgb.shape[:2]
-    out = host_uint8((len(frames), h, w, 3), pin)
-    np.stack([f.rgb for f in frames], out=out.numpy())
-    return out
+    return stack_host([f.rgb for f in frames], pin)
+
+
+def window_frames(arrays: Sequence[np.ndarray], pin: bool) -> np.ndarray | torch.Tensor:
+    """An answer window's (T, H, W, 3) frames for an AnswerRequest: stacked straight into pinned
+    memory when `pin` (see pins_frames), else a numpy array."""
+    return stack_host(arrays, True) if pin else np.stack(arrays)
+
+
+def pins_frames(vlm: Any) -> bool:
+    """Whether answer windows go to `vlm` in page-locked memory: an in-process VLM on a GPU then
+    uploads a window without first copying it into page-locked memory itself (to_device). A VLM
+    in a process of its own (vlm/remote.py) has no device here and gets pageable arrays, pickled."""
+    device = getattr(vlm, "device", None)
+    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 class DecodeStage(Stage):
@@ -420,6 +439,7 @@ class VLMStage(Stage):
         if max_frames < 2:
             raise ValueError(f"max_frames must be >= 2 (a full window keeps every other frame), got {max_frames}")
         self.vlm, self.question, self.every_s, self.max_frames = vlm, question, every_s, max_frames
+        self.pin = pins_frames(vlm)
         self.rgb: list[np.ndarray] = []
         self.lod: list[np.ndarray] = []
         self.relevance: list[np.ndarray] = []   # pass 1's realized relevance of each kept frame (gh, gw)
@@ -466,7 +486,8 @@ class VLMStage(Stage):
     def _answer(self, end: float) -> AnswerItem:
         from ..vlm import AnswerRequest
 
-        request = AnswerRequest(stream_id=self.stream_id, frames=np.stack(self.rgb), keep=np.stack(self.lod),
+        request = AnswerRequest(stream_id=self.stream_id, frames=window_frames(self.rgb, self.pin),
+                                keep=np.stack(self.lod),
                                 question=self.question, t_start=float(self.window_start), t_end=float(end),
                                 arrival_s=time.monotonic(), scores=np.stack(self.relevance))
         result = self.vlm.answer([request])[0]

@@ -149,3 +149,24 @@ class TestFeatureReuse:
         assert [c["cells_encoded"] for c in counts] == [12, 12, 24]
         assert [c["cells_reused"] for c in counts] == [0, 12, 12]
         assert len(answers) == 3 and answers[0] == answers[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+def test_live_windows_reach_a_gpu_vlm_pinned():
+    batcher = RecordingBatcher()
+    batcher.vlm = SimpleNamespace(device=torch.device("cuda"))
+    stage = LiveVLMStage(batcher, "what is there?", LiveOptions(every_s=1.0))
+    list(stage.process(live_batch([k / 10 for k in range(15)], 0))) + list(stage.finish())
+    frames = batcher.requests[0].frames
+    assert isinstance(frames, torch.Tensor) and frames.is_pinned()
+    assert answer_frames(batcher.requests[0]) == list(range(len(frames)))
+
+
+def test_live_windows_reach_a_cpu_vlm_as_numpy():
+    batcher = RecordingBatcher()
+    batcher.vlm = SimpleNamespace(device=torch.device("cpu"))
+    stage = LiveVLMStage(batcher, "what is there?", LiveOptions(every_s=1.0))
+    list(stage.process(live_batch([k / 10 for k in range(15)], 0))) + list(stage.finish())
+    assert isinstance(batcher.requests[0].frames, np.ndarray)
+    assert answer_frames(batcher.requests[0]) == list(range(len(batcher.requests[0].frames)))

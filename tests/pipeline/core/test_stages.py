@@ -12,7 +12,8 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
 from pipeline.runners.run import run_video
-from pipeline.core.stages import AllocationBatch, AnswerItem, DecodeStage, FrameBatch, FrameRef, VLMStage
+from pipeline.core.stages import (AllocationBatch, AnswerItem, DecodeStage, FrameBatch, FrameRef, VLMStage, pins_frames,
+                                  window_frames)
 from pipeline.vlm.model import AnswerResult
 from sinks import read_stream
 from sources.frame import Frame
@@ -134,3 +135,41 @@ def test_device_batches_carry_frame_refs(clip):
     assert [b.frames_count for b in batches] == [16, 16, 16, 12]
     assert all(isinstance(f, FrameRef) for b in batches for f in b.frames)
     assert all(b.pixels.is_cuda and b.pixels.shape[1:] == (144, 256, 3) for b in batches)
+
+
+class TestWindowHandOver:
+    """An answer window reaches an in-process VLM on a GPU stacked in page-locked memory (its upload
+    then needs no host copy first); any other VLM gets a numpy array, as before."""
+
+    def test_which_vlms_get_pinned_windows(self):
+        assert pins_frames(SimpleNamespace(device=torch.device("cuda")))
+        assert pins_frames(SimpleNamespace(device=torch.device("cuda", 0)))
+        assert not pins_frames(SimpleNamespace(device=torch.device("cpu")))
+        assert not pins_frames(SimpleNamespace())            # a VLM in its own process (vlm/remote.py)
+        assert not pins_frames(None)                         # a batcher without a VLM (tests)
+
+    def test_a_cpu_vlm_gets_a_numpy_window(self):
+        vlm = RecordingVLM()
+        vlm.device = torch.device("cpu")
+        run_stage(VLMStage(vlm, "q", every_s=1.0), [allocations(list(range(12)))])
+        frames = vlm.requests[0].frames
+        assert isinstance(frames, np.ndarray) and frames.shape == (10, 4, 4, 3)
+        assert vlm.frames(0) == list(range(10))
+
+    def test_window_frames_equals_stacking(self):
+        arrays = [np.random.default_rng(i).integers(0, 255, (5, 7, 3), dtype=np.uint8) for i in range(4)]
+        out = window_frames(arrays, False)
+        assert isinstance(out, np.ndarray) and np.array_equal(out, np.stack(arrays))
+
+    @cuda
+    @pytest.mark.cuda
+    def test_a_gpu_vlm_gets_the_window_pinned(self):
+        vlm = RecordingVLM()
+        vlm.device = torch.device("cuda")
+        run_stage(VLMStage(vlm, "q", every_s=1.0), [allocations(list(range(12)))])
+        frames = vlm.requests[0].frames
+        assert isinstance(frames, torch.Tensor) and frames.is_pinned() and frames.dtype == torch.uint8
+        assert vlm.frames(0) == list(range(10))
+        arrays = [np.full((5, 7, 3), i, np.uint8) for i in range(3)]
+        pinned = window_frames(arrays, True)
+        assert pinned.is_pinned() and np.array_equal(pinned.numpy(), np.stack(arrays))

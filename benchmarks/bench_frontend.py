@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from arr_coc.model import ARRCOC
-from benchmarks.common import device_name, write_result
+from benchmarks.common import device_name, scratch_result, write_result
 from pipeline.core.frontend_graphs import FrontendGraphs, graphable
 from pipeline.vlm.geometry import VLMGeometry
 from sources.synthetic import Shot, render_clip
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the model's stages (off by default)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="on CUDA, skip the CUDA-graph rows (the pipeline's default steady state)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_frontend_<device>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: $TMPDIR/arrcoc-bench/bench_frontend_<device>.json; name benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     args.sizes = [parse_size(s) for s in (args.sizes or ("112,224" if args.quick else "448,1024")).split(",")]
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     result = run(args)
-    out = Path(args.out or Path(__file__).parent / "results" / f"bench_frontend_{result['device']}.json")
+    out = Path(args.out or scratch_result(f"bench_frontend_{result['device']}.json"))
     write_result(result, out)
 
 

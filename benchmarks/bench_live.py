@@ -39,7 +39,7 @@ import av  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import fixed_query  # noqa: E402
+from benchmarks.common import fixed_query, host_topology, scratch_result  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.live_stages import LiveOptions
@@ -163,6 +163,11 @@ def pipeline_config(vlm, args, device: torch.device) -> PipelineConfig:
                                                   batch_size=args.batch_size, **untrained), vlm=vlm.config)
 
 
+def live_config(args) -> LiveConfig:
+    """The capture settings of every run: --buffer frames per source, 10 s to open or stall."""
+    return LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0)
+
+
 def live_options(args) -> LiveOptions:
     """Answers every --every s, no periodic metrics, the switch interval asked for."""
     return LiveOptions(every_s=args.every, metrics_every_s=3600.0, switch_interval_ms=args.switch_interval_ms)
@@ -192,8 +197,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         threading.Thread(target=mark, daemon=True).start()
 
     cfg = pipeline_config(vlm, args, device)
-    live = LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0)
-    run_live(urls, "what is moving, and where?", out, cfg, live=live,
+    run_live(urls, "what is moving, and where?", out, cfg, live=live_config(args),
              options=live_options(args), stop=stop, on_graph=on_graph,
              vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query())
     span = marks["t1"] - marks["t0"]
@@ -255,11 +259,14 @@ def soak(url: str, vlm, args, device: torch.device, out: Path) -> dict:
     cfg = pipeline_config(vlm, args, device)
     threading.Thread(target=sample, daemon=True).start()
     run_live([url], "what is moving, and where?", out, cfg,
-             live=LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0),
+             live=live_config(args),
              options=live_options(args), stop=stop, vlm=vlm,
              status_out=open(os.devnull, "w"), query_embedding=fixed_query())
+    if not samples:
+        raise SystemExit(f"bench_live: the soak ended before its first memory sample ({period:g} s)")
     minute = min(60.0, args.soak / 5)   # "minute one" (scaled down for --quick)
-    first = [s for s in samples if s[0] <= minute][-1]
+    early = [s for s in samples if s[0] <= minute]
+    first = early[-1] if early else samples[0]   # a soak of a few seconds: its first sample
     last = samples[-1]
     return {"seconds": round(last[0], 1), "reference_s": round(first[0], 1),
             "rss_mb_ref": round(first[1], 1), "rss_mb_end": round(last[1], 1),
@@ -292,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. vlm.encode=kept (repeatable; as on the CLI)")
-    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/bench_live_<device>.json)")
+    p.add_argument("--out", default=None, help="results JSON (default: $TMPDIR/arrcoc-bench/bench_live_<device>.json; name benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
     command = " ".join(["python3 benchmarks/bench_live.py", *(sys.argv[1:] if argv is None else argv)])
     quick = args.quick
@@ -302,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     args.seconds = args.seconds or (6.0 if quick else 30.0)
     args.warmup = args.warmup if args.warmup is not None else (3.0 if quick else 10.0)
     args.soak = args.soak if args.soak is not None else (20.0 if quick else 600.0)
+    if 0 < args.soak < 2:
+        p.error(f"--soak {args.soak:g}: 0 (no soak) or at least 2 seconds (memory is sampled every second)")
     new_tokens = args.new_tokens or (4 if quick else 16)
     device = torch.device(args.device)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_live_{os.getpid()}"
@@ -334,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
               "vlm_process": args.vlm_process, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
-              "rows": rows, "soak": soak_row,
+              "rows": rows, "soak": soak_row, "host": host_topology(),
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bench_live_{device.type}{'_quick' if quick else ''}.json"
+    out = Path(args.out) if args.out else scratch_result(f"bench_live_{device.type}{'_quick' if quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(rows, soak_row)

@@ -40,7 +40,7 @@ import torch
 
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
-from benchmarks.common import cpu_name, device_name, write_result
+from benchmarks.common import cpu_name, device_name, scratch_result, write_result
 from pipeline.core.query import QueryEncoderError
 from pipeline.core.setup import encode_query, resolve_device
 from pipeline.runners.run import run_video
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed runs of each (median; default 3 on CUDA, 1 on CPU)")
     p.add_argument("--workdir", default=None, help="where test videos are cached (default: a temp dir, removed after)")
     p.add_argument("--quick", action="store_true", help="240p, 48 frames: a smoke run for CI")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_pipeline_<device>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: $TMPDIR/arrcoc-bench/bench_pipeline_<device>.json; name benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
 
     device = resolve_device(args.device)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         "target": {"cuda_pipeline_over_decode": TARGET_RATIO},
         "rows": [asdict(r) for r in rows],
     }
-    out = Path(args.out or Path(__file__).parent / "results" / f"bench_pipeline_{device.type}.json")
+    out = Path(args.out or scratch_result(f"bench_pipeline_{device.type}.json"))
     write_result(result, out)
 
 

@@ -4,7 +4,7 @@ The seeds' three claims (adaptive allocation, query awareness, temporal coherenc
 PySceneDetect) scored by pipeline.training.evaluate_relevance. Scenes and clips come from seeds the
 training never uses (configs/train_default.yaml: data.seed 1..5; here 1000..1002).
 
-    python benchmarks/bench_quality.py                  # CPU, writes benchmarks/results/bench_quality_cpu.json
+    python benchmarks/bench_quality.py                  # CPU, writes $TMPDIR/arrcoc-bench/bench_quality_cpu.json
     python benchmarks/bench_quality.py --device cuda    # same numbers up to float round-off
     python benchmarks/bench_quality.py --quick          # smoke test (small benchmark, not written)
 """
@@ -21,6 +21,8 @@ import platform
 
 import torch
 
+from benchmarks.common import scratch_result
+
 
 def main() -> int:
     from pipeline.training.evaluate_relevance import EvalConfig, evaluate, quick_config, summary
@@ -30,7 +32,7 @@ def main() -> int:
     p.add_argument("--weights", default="default", help="default, none or a .safetensors path")
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--quick", action="store_true", help="small benchmark; prints, writes only with --out")
-    p.add_argument("--out", help="result JSON (default: benchmarks/results/bench_quality_<device>.json)")
+    p.add_argument("--out", help="result JSON (default: $TMPDIR/arrcoc-bench/bench_quality_<device>.json; name benchmarks/results/... to commit a result)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda was asked for, but no CUDA GPU is available", file=sys.stderr)
@@ -58,7 +60,7 @@ def main() -> int:
     }
     print(json.dumps(summary(result), indent=1))
     if not args.quick or args.out:
-        out = Path(args.out or Path(__file__).parent / "results" / f"bench_quality_{args.device}.json")
+        out = Path(args.out or scratch_result(f"bench_quality_{args.device}.json"))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}", file=sys.stderr)

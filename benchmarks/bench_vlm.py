@@ -52,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import host_topology, scratch_result  # noqa: E402
 from pipeline.core.stages import window_frames  # noqa: E402
 from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
 from pipeline.vlm.config import VLMConfig  # noqa: E402
@@ -281,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pageable-frames", action="store_true",
                     help="hand the window over as a numpy array (pageable), not stacked in page-locked memory")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_vlm.json"))
+    ap.add_argument("--out", default=str(scratch_result("bench_vlm.json")),
+                    help="JSON path (default: %(default)s; name benchmarks/results/... to commit a result)")
     args = ap.parse_args(argv)
     tiny = args.tiny
     device = torch.device(args.device or ("cpu" if tiny else "cuda"))
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype),
                   frames=T, size=size, new_tokens=new_tokens, reps=reps,
-                  frames_pinned=bool(device.type == "cuda" and not args.pageable_frames),
+                  frames_pinned=bool(device.type == "cuda" and not args.pageable_frames), host=host_topology(),
                   cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
                   graph_prefill_max_tokens=cfg.graph_prefill_max_tokens if cfg.cuda_graphs else 0,
                   fast_lm=cfg.fast_lm,

@@ -44,6 +44,14 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
+def scratch_result(name: str) -> Path:
+    """Where a benchmark writes its JSON when no --out is given: outside the repository (the
+    committed results under benchmarks/results/ change only when --out names them)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "arrcoc-bench" / name
+
+
 def write_result(result: dict[str, Any], out: Path) -> None:
     """Write a benchmark's JSON result (creating its folder) and say where."""
     out.parent.mkdir(parents=True, exist_ok=True)

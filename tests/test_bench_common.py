@@ -19,3 +19,38 @@ def test_host_topology_names_cpus_and_numa_nodes():
                 cpus |= set(range(int(lo), int(hi or lo) + 1))
         assert len(cpus) >= 1 and "node0" in info["numa_nodes"]
     assert all(isinstance(line, str) for line in info.get("nvidia_smi_topo", []))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_results_without_out_land_outside_the_repository():
+    from benchmarks.common import scratch_result
+
+    path = scratch_result("bench_x_cpu.json").resolve()
+    assert path.name == "bench_x_cpu.json" and ROOT not in path.parents
+
+
+def test_no_benchmark_defaults_to_the_committed_results():
+    # the committed results change only when --out (or bench_serve's --save) names them
+    import re
+
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = script.read_text()
+        for line in text.splitlines():
+            if re.search(r'["\']results["\']\s*/|/ *"results" */|results/bench_', line) and "help=" not in line \
+                    and not line.lstrip().startswith(("#", "python")) and 'add_argument("--save"' not in text:
+                raise AssertionError(f"{script.name} builds a path into benchmarks/results by default: {line.strip()}")
+
+
+def test_bench_live_refuses_a_soak_too_short_to_sample(capsys):
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("bench_live", ROOT / "benchmarks" / "bench_live.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--soak", "1"])
+    assert e.value.code == 2 and "at least 2 seconds" in capsys.readouterr().err

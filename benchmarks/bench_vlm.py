@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="vlm.encode of the ARR-COC rows (default: both, one row each)")
     ap.add_argument("--kept-windows", choices=("whole", "cells", "both"), default="whole",
                     help="vlm.kept_windows of the kept rows (Qwen2.5-VL; default: whole; both: a row each)")
+    ap.add_argument("--kept-context", type=int, nargs="+", default=[0], metavar="R",
+                    help="vlm.kept_context of the kept rows (cells within R of a kept one encoded as context; "
+                         "default 0; several: a row each)")
     ap.add_argument("--pageable-frames", action="store_true",
                     help="hand the window over as a numpy array (pageable), not stacked in page-locked memory")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
@@ -311,16 +314,21 @@ def main(argv: list[str] | None = None) -> int:
         if vlm.kept_encoder.window is not None and "kept" in modes and args.kept_windows != "whole":
             # Qwen2.5-VL: the kept cells only (vlm.kept_windows: cells), after or instead of whole windows
             modes = [m for m in modes if m != "kept" or args.kept_windows == "both"] + ["kept cells"]
-        settings = [("stock", None, "all")] + [(f"arr-coc {int(r * 100)}%" + (f", {mode}" if mode != "all" else ""),
-                                                maps[r], mode) for r in args.retention for mode in modes]
+        # kept rows: one per --kept-context radius (vlm.kept_context: context cells encoded, then dropped)
+        modes = [(m, c) for m in modes for c in (args.kept_context if m != "all" else [0])]
+        settings = [("stock", None, "all", 0)] + [
+            (f"arr-coc {int(r * 100)}%" + (f", {mode}" if mode != "all" else "") + (f", context {c}" if c else ""),
+             maps[r], mode, c) for r in args.retention for mode, c in modes]
         if vlm._fast_lm is not None:          # the real alternative: the stock model through HF's own forward
-            settings.insert(0, (HF_STOCK, None, "all"))
+            settings.insert(0, (HF_STOCK, None, "all", 0))
         arch_rows = []
-        for label, keep, mode in settings:
+        for label, keep, mode, context in settings:
             vlm.kept_encoder.whole_windows = mode != "kept cells"
+            vlm.kept_encoder.context = context
             with hf_forward(vlm, label == HF_STOCK):
                 r = bench_setting(vlm, window, keep, new_tokens, reps, mode.split()[0])
             r["kept_windows"] = None if mode == "all" else ("cells" if mode == "kept cells" else "whole")
+            r["kept_context"] = None if mode == "all" else context
             # the VLM's time for the window: vision tower + prefill + the decoded tokens
             vlm_ms = r["vision_ms"] + r["prefill_ms"] + 1e3 * (r["decode_tokens"] - 1) / r["decode_tok_s"]
             r.update(arch=arch, setting=label, keep_source=None if keep is None else source, build_s=build_s,

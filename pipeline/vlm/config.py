@@ -92,6 +92,10 @@ class VLMConfig:
     # through the tower, so the windowed layers compute what the stock tower does) or "cells" (the
     # kept cells only: fewer cells encoded, and each windowed layer sees only the window's kept cells)
     kept_windows: str = "whole"
+    # encode: kept: cells within this many cells (in each direction, per frame pair) of a kept cell
+    # go through the tower too, as context the kept cells attend to, and are then dropped: the LM
+    # gets the same tokens, computed with more of their surroundings (0: the kept cells only)
+    kept_context: int = 0
     # encode: kept, live streams: at most this many cells' vision features (and pixels, to tell
     # a change) kept per stream, reused for a cell unchanged since it was encoded (0: no reuse)
     reuse_cells: int = 1024
@@ -114,7 +118,7 @@ class VLMConfig:
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
         for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed", "graph_prefill_max_tokens",
-                     "reuse_cells"):
+                     "reuse_cells", "kept_context"):
             check_int(f"vlm.{name}", getattr(self, name))
         check_range("vlm.max_new_tokens", self.max_new_tokens, 1, 8192)
         check_range("vlm.temperature", self.temperature, 0.0, 10.0)
@@ -128,6 +132,7 @@ class VLMConfig:
         check_choice("vlm.dtype", self.dtype, DTYPES)
         check_choice("vlm.encode", self.encode, ENCODE_MODES)
         check_choice("vlm.kept_windows", self.kept_windows, KEPT_WINDOWS)
+        check_range("vlm.kept_context", self.kept_context, 0, 16)
         check_range("vlm.reuse_cells", self.reuse_cells, 0, 1 << 20)
         check_range("vlm.reuse_threshold", self.reuse_threshold, 0.0, 1.0)
         for name in ("cuda_graphs", "fast_lm", "fast_vision", "pass2_per_frame"):

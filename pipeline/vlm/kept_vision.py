@@ -92,6 +92,15 @@ def window_cells(wanted: torch.Tensor, side: int) -> torch.Tensor:
     return hit.repeat_interleave(side, 1).repeat_interleave(side, 2)[:, :gh, :gw]
 
 
+def context_cells(wanted: torch.Tensor, radius: int) -> torch.Tensor:
+    """(T', gh, gw) bool -> wanted, and every cell within `radius` cells of a wanted one (a square
+    neighbourhood in the same frame pair, cut by the grid): vlm.kept_context."""
+    if radius <= 0:
+        return wanted
+    size = 2 * radius + 1
+    return F.max_pool2d(wanted[:, None].float(), size, stride=1, padding=radius)[:, 0] > 0
+
+
 def patch_positions(cells: torch.Tensor, gh: int, gw: int, merge: int) -> torch.Tensor:
     """cells (n,) flat in (T', gh, gw) -> (n * merge^2, 2) (row, column) of their patches in the
     patch grid, in the tower's row order (cell by cell, each merge block row-major)."""
@@ -145,13 +154,15 @@ class KeptEncoder:
     """The vision tower over chosen cells of videos (see the module doc): `dim`, its tokens' width
     (the LM's); `cache`: live reuse; `graphs`: the tower replayed at padded shapes (kept_graph);
     `whole_windows` (Qwen2.5-VL, vlm.kept_windows): every cell of a window holding a kept cell is
-    encoded (false: the kept cells only, which then see each other only in the windowed layers)."""
+    encoded (false: the kept cells only, which then see each other only in the windowed layers);
+    `context` (vlm.kept_context): cells within this many cells of a kept one are encoded too, as
+    context, and not returned."""
 
     def __init__(self, visual: nn.Module, preprocessor: VideoPreprocessor, dtype: torch.dtype, dim: int,
                  cache: FeatureCache | None = None, graphs: KeptGraphs | None = None,
-                 whole_windows: bool = True) -> None:
+                 whole_windows: bool = True, context: int = 0) -> None:
         self.visual, self.preprocessor, self.dtype, self.dim, self.cache = visual, preprocessor, dtype, dim, cache
-        self.graphs, self.whole_windows = graphs, whole_windows
+        self.graphs, self.whole_windows, self.context = graphs, whole_windows, context
         self.geometry = preprocessor.geometry
         self.window = hf.vision_window_cells(visual)
         self.device = next(visual.parameters()).device
@@ -219,6 +230,8 @@ class KeptEncoder:
                 hit, job.cached = self.cache.lookup(job.key, grid[1:], index, b[index])
                 mask = mask.clone()
                 mask[index[hit]] = False
+            if self.context:
+                mask = context_cells(mask.view(grid), self.context).flatten()
             if self.window is not None and self.whole_windows:
                 mask = window_cells(mask.view(grid), self.window).flatten()
             jobs.append(job)

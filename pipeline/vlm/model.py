@@ -273,7 +273,8 @@ class VLM:
         kept_graphs = (KeptGraphs(self._visual, self.dtype, self._pool)     # needs the patched attention
                        if self.device.type == "cuda" and config.cuda_graphs and version_warning is None else None)
         self.kept_encoder = KeptEncoder(self._visual, preprocessor, self.dtype, self.lm.embed_tokens.embedding_dim,
-                                        cache, kept_graphs, whole_windows=config.kept_windows == "whole")
+                                        cache, kept_graphs, whole_windows=config.kept_windows == "whole",
+                                        context=config.kept_context)
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
         self._pad_embed: torch.Tensor | None = None

@@ -15,7 +15,7 @@ from pipeline.vlm import hf
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.kept_graph import CELL_BUCKETS, KeptGraphs, cell_bucket
-from pipeline.vlm.kept_vision import nonzero_each, patch_positions, window_order, window_order_many
+from pipeline.vlm.kept_vision import context_cells, nonzero_each, patch_positions, window_order, window_order_many
 from pipeline.vlm.loading import _wrap
 from pipeline.vlm.vision_attention import varlen_attention
 
@@ -233,6 +233,56 @@ class TestSelection:
             kept(vlm).encode_cells(make_frames(2, 56, 56), np.ones((2, 3, 3), dtype=np.int64))
 
 
+class TestContext:
+    """vlm.kept_context: the cells around each kept cell go through the tower as context and are
+    dropped afterwards; the LM gets the kept cells' tokens, computed with their surroundings."""
+
+    def test_context_cells_are_a_clipped_square_around_each_kept_cell(self):
+        wanted = torch.zeros(2, 4, 5, dtype=torch.bool)
+        wanted[0, 0, 0] = wanted[1, 2, 3] = True
+        ring = context_cells(wanted, 1)
+        assert ring[0].nonzero().tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]          # cut by the corner
+        assert ring[1].sum() == 9 and ring[1, 1:4, 2:5].all()                           # no spill across pairs
+        assert torch.equal(context_cells(wanted, 0), wanted)
+        assert context_cells(wanted, 4).all(dim=(1, 2)).tolist() == [True, True]
+
+    def test_the_lm_gets_only_the_kept_cells(self):
+        vlm = tiny("qwen2_vl")
+        frames = make_frames(4, 84, 112, seed=3)                              # (T'=2, 3, 4)
+        keep = np.zeros((4, 3, 4), dtype=np.int64)
+        keep[0, 0, 0] = keep[3, 1, 2] = 1
+        ctx = kept(vlm, kept_context=1)
+        features = ctx.encode_cells(frames, keep)
+        assert features.index.tolist() == [0, 12 + 6]                          # the kept cells, no more
+        assert ctx.kept_encoder.counters["cells_encoded"] == 4 + 9            # with their rings
+        result = ctx.answer([request(frames, keep)])[0]
+        assert result.tokens_kept == 2
+
+    def test_context_brings_the_kept_tokens_to_the_stock_ones(self):
+        """Qwen2-VL attends within a frame pair: a ring covering the pair makes the kept tokens the
+        stock tokens exactly; a smaller ring moves them toward the stock ones."""
+        vlm = tiny("qwen2_vl")
+        frames = make_frames(2, 84, 112, seed=4)                              # (T'=1, 3, 4)
+        keep = np.zeros((2, 3, 4), dtype=np.int64)
+        keep[0, 1, 1] = 1
+        stock = stock_tokens(vlm, frames)[0, 1, 1]
+        alone = kept(vlm).encode_cells(frames, keep).tokens[0]
+        ring = kept(vlm, kept_context=1).encode_cells(frames, keep).tokens[0]
+        whole = kept(vlm, kept_context=3).encode_cells(frames, keep).tokens[0]
+        assert close(whole, stock) and not close(alone, stock)
+        assert (ring - stock).norm() < (alone - stock).norm()
+
+    def test_qwen2_5_completes_the_windows_of_the_ring(self):
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[])
+        frames = make_frames(2, 112, 168, seed=6)                             # (T'=1, 4, 6): windows of 2x2
+        keep = np.zeros((2, 4, 6), dtype=np.int64)
+        keep[0, 1, 1] = 1                                                     # ring 0-2 x 0-2: 4 windows
+        ctx = kept(vlm, kept_context=1)
+        features = ctx.encode_cells(frames, keep)
+        assert ctx.kept_encoder.counters["cells_encoded"] == 16 and features.index.tolist() == [7]
+        assert close(features.tokens, stock_tokens(vlm, frames).flatten(0, 2)[[7]])
+
+
 class TestPaddedGraphShapes:
     """The kept tower at a padded shape (pipeline.vlm.kept_graph), run eagerly here (capture=False):
     the same tokens as the ragged eager tower, for windows of several sizes sharing one shape."""
@@ -420,6 +470,8 @@ class TestConfig:
         ("reuse_cells", -1, "vlm.reuse_cells=-1 is out of range"),
         ("reuse_cells", 1.5, "vlm.reuse_cells must be an integer"),
         ("reuse_threshold", 2.0, "vlm.reuse_threshold=2.0 is out of range"),
+        ("kept_context", -1, "vlm.kept_context=-1 is out of range"),
+        ("kept_context", 1.5, "vlm.kept_context must be an integer"),
     ])
     def test_bad_values_name_the_field(self, field, value, message):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -46,3 +46,17 @@ def test_bench_hf_lm_has_one_stock_row(tmp_path):
     assert report["fast_lm"] is False
     assert [r["setting"] for r in report["results"]] == ["stock", "arr-coc 50%, kept"]   # --encode kept: no "all" row
     assert all(r["prefill_x_hf_stock"] is None for r in report["results"])
+
+
+def test_bench_kept_context_rows_encode_more_cells(tmp_path):
+    """--kept-context 0 1: a kept row per radius, the ring's cells encoded on top of the kept ones."""
+    spec = importlib.util.spec_from_file_location("bench_vlm", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--arch", "tiny-qwen2_vl", "--new-tokens", "2", "--retention", "0.25",
+                       "--encode", "kept", "--kept-context", "0", "1", "--out", str(out)]) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["results"]}
+    plain, ring = rows["arr-coc 25%, kept"], rows["arr-coc 25%, kept, context 1"]
+    assert plain["kept_context"] == 0 and ring["kept_context"] == 1 and rows["stock"]["kept_context"] is None
+    assert ring["tokens_kept"] == plain["tokens_kept"] and ring["vision_cells"] > plain["vision_cells"]

@@ -170,7 +170,8 @@ def live_config(args) -> LiveConfig:
 
 def live_options(args) -> LiveOptions:
     """Answers every --every s, no periodic metrics, the switch interval asked for."""
-    return LiveOptions(every_s=args.every, metrics_every_s=3600.0, switch_interval_ms=args.switch_interval_ms)
+    return LiveOptions(every_s=args.every, metrics_every_s=3600.0, switch_interval_ms=args.switch_interval_ms,
+                       stagger=args.stagger)
 
 
 def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict:
@@ -295,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live default)")
+    p.add_argument("--stagger", action="store_true",
+                   help="spread the streams' answer times over the period (LiveOptions.stagger)")
     p.add_argument("--vlm-process", action="store_true",
                    help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": command, "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
-              "vlm_process": args.vlm_process, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
+              "vlm_process": args.vlm_process, "stagger": args.stagger, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row, "host": host_topology(),
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
     out = Path(args.out) if args.out else scratch_result(f"bench_live_{device.type}{'_quick' if quick else ''}.json")

@@ -32,6 +32,7 @@ from .stages import (AllocationBatch, AnswerItem, FrameBatch, RealizeStage, Text
 
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame
+_GOLDEN = (5 ** 0.5 - 1) / 2   # LiveOptions.stagger's phase step
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class LiveOptions:
     # the VLM in a process of its own (pipeline/vlm/remote.py), so that the capture, front-end and
     # sink threads do not share the interpreter lock with it (run_live loads it there from the config)
     vlm_process: bool = False
+    # spread the streams' answer times over the `every_s` period, so that streams started together
+    # do not all fall due at once and queue behind each other's batch: the k-th stream seen answers
+    # (k mod n) / n of a period later, n the VLM frames per period (a due time on a VLM frame: the
+    # window ends at it), each still every `every_s` after that (LiveVLMStage._open)
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         check_range("--every", self.every_s, 0.0, None, lo_open=True)
@@ -55,8 +61,9 @@ class LiveOptions:
             check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
         check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
         check_range("window_frames", self.window_frames, 1, 4096)
-        if not isinstance(self.vlm_process, bool):
-            raise ConfigError(f"vlm_process must be true or false, got {self.vlm_process!r}")
+        for name in ("vlm_process", "stagger"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.switch_interval_ms is not None:
             check_range("switch_interval_ms", self.switch_interval_ms, 0.01, 1000.0)
 
@@ -147,6 +154,7 @@ class _Window:
     pending: Future | None = None
     pending_meta: tuple[float, float] | None = None
     seen: bool = False     # a frame of this stream has been through; the first one is no scene change
+    phase: float = 0.0     # LiveOptions.stagger: the share of every_s this stream's answers come later
     cut: bool = True       # a scene change (or a gap) since the last request: the VLM drops its cached features
 
 
@@ -185,16 +193,19 @@ class LiveVLMStage(Stage):
 
     name = "vlm"
 
-    def __init__(self, batcher: Any, question: str, options: LiveOptions) -> None:
+    def __init__(self, batcher: Any, question: str, options: LiveOptions, vlm_fps: float | None = None) -> None:
         self.batcher, self.question, self.options = batcher, question, options
+        self.vlm_fps = vlm_fps        # the VLM's frame rate (stagger: phases on its frames)
         self.pin = pins_frames(getattr(batcher, "vlm", None))
-        self.windows: dict[str, _Window] = collections.defaultdict(_Window)
+        self.windows: dict[str, _Window] = {}
 
     def process(self, item: AllocationBatch) -> Iterable[Any]:
         out: list[Any] = [item]
         allocation = item.wait()
         sid = item.batch.stream_id
-        win = self.windows[sid]
+        win = self.windows.get(sid)
+        if win is None:
+            win = self._open(sid)
         if getattr(item.batch, "gap", None) is not None:
             win.rgb.clear()   # frames from before the outage do not describe what is in view now
             win.next_due = None
@@ -211,7 +222,8 @@ class LiveVLMStage(Stage):
                 # (in realtime mode the first frames may have been dropped): no change to answer
                 due = bool(cut) and win.seen
             else:
-                win.next_due = frame.pts_s + self.options.every_s if win.next_due is None else win.next_due
+                if win.next_due is None:
+                    win.next_due = frame.pts_s + self.options.every_s * (1.0 + win.phase)
                 due = frame.pts_s >= win.next_due
             win.seen = True
             out += self._collect(sid, win)
@@ -220,6 +232,19 @@ class LiveVLMStage(Stage):
                 while not self.options.on_scene_change and win.next_due <= frame.pts_s:
                     win.next_due += self.options.every_s
         return out
+
+    def _open(self, sid: str) -> _Window:
+        """A stream's first batch: its window, and with stagger its phase. With the VLM's frame rate
+        known, the k-th stream takes slot k mod n of the n VLM frames in a period (round robin: as
+        even as n slots allow; the VLM samples frames from each stream's first one on, as its
+        schedule counts, so a due time lands on a sampled frame and the window ends there); without
+        it, the golden ratio's fractional multiples (any number of streams spread evenly)."""
+        phase, k = 0.0, len(self.windows)
+        if self.options.stagger:
+            slots = round(self.options.every_s * self.vlm_fps) if self.vlm_fps else 0
+            phase = (k % slots) / slots if slots >= 1 else (k * _GOLDEN) % 1.0
+        self.windows[sid] = win = _Window(phase=phase)
+        return win
 
     def finish(self) -> Iterable[Any]:
         out: list[Any] = []

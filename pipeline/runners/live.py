@@ -124,7 +124,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             from ..vlm.batcher import VLMBatcher
             if device.type == "cuda" and cfg.vlm.cuda_graphs:
                 warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
-            vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options)
+            vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options, vlm_fps=cfg.vlm.fps)
         counters = {s.stream_id: StreamCounters() for s in sources}
         graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
                              vlm_stage=vlm_stage, answers_out=answers_out)

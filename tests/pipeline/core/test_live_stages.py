@@ -32,15 +32,15 @@ class RecordingBatcher:
 
 
 def live_batch(pts: list[float], first_index: int, gap: Gap | None = None,
-               cuts: list[bool] | None = None) -> AllocationBatch:
+               cuts: list[bool] | None = None, sid: str = "s") -> AllocationBatch:
     """Frames whose pixels hold their index, all sampled for the VLM; relevance index / 1000."""
-    frames = [Frame("s", first_index + k, t, np.full((4, 4, 3), first_index + k, np.uint8), arrival_s=t)
+    frames = [Frame(sid, first_index + k, t, np.full((4, 4, 3), first_index + k, np.uint8), arrival_s=t)
               for k, t in enumerate(pts)]
     cuts = cuts or [False] * len(frames)
     relevance = torch.arange(first_index, first_index + len(frames)).float()[:, None, None].expand(-1, 2, 2) / 1000
     allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), relevance=relevance,
                                  scene_change=torch.tensor(cuts))
-    batch = LiveBatch("s", frames, torch.zeros(len(frames), 4, 4, 3, dtype=torch.uint8), gap=gap)
+    batch = LiveBatch(sid, frames, torch.zeros(len(frames), 4, 4, 3, dtype=torch.uint8), gap=gap)
     return AllocationBatch(batch, allocation, None)
 
 
@@ -170,3 +170,58 @@ def test_live_windows_reach_a_cpu_vlm_as_numpy():
     list(stage.process(live_batch([k / 10 for k in range(15)], 0))) + list(stage.finish())
     assert isinstance(batcher.requests[0].frames, np.ndarray)
     assert answer_frames(batcher.requests[0]) == list(range(len(batcher.requests[0].frames)))
+
+
+class TestStagger:
+    """LiveOptions.stagger: streams that start together answer at spread-out times, each still every
+    `every_s`; without it their windows all fall due at once (one batch queues behind another)."""
+
+    STREAMS = ["a", "b", "c", "d"]
+
+    def answer_times(self, stagger: bool, seconds: float = 6.0, gap_at: float | None = None,
+                     vlm_fps: float | None = None) -> dict[str, list[float]]:
+        batcher = RecordingBatcher()
+        stage = LiveVLMStage(batcher, "what is there?", LiveOptions(every_s=1.0, stagger=stagger), vlm_fps=vlm_fps)
+        pts = [k / 10 for k in range(int(seconds * 10))]
+        for start in range(0, len(pts), 5):                                 # batches of 5 frames, streams interleaved
+            for sid in self.STREAMS:
+                chunk = pts[start:start + 5]
+                gap = None
+                if gap_at is not None and sid == "b" and chunk[0] == gap_at:
+                    gap = Gap(sid, gap_at - 0.1, gap_at, gap_at - 0.1, gap_at, "test outage")
+                list(stage.process(live_batch(chunk, start, gap=gap, sid=sid)))
+        times: dict[str, list[float]] = {sid: [] for sid in self.STREAMS}
+        for r in batcher.requests:
+            times[r.stream_id].append(round(r.t_end, 3))
+        return times
+
+    def test_without_stagger_every_stream_falls_due_at_once(self):
+        times = self.answer_times(stagger=False)
+        assert len({tuple(t) for t in times.values()}) == 1
+
+    def test_with_stagger_first_answers_spread_over_the_period(self):
+        times = self.answer_times(stagger=True)
+        firsts = [t[0] for t in times.values()]
+        assert len(set(firsts)) == len(self.STREAMS)                          # no two together
+        assert all(1.0 <= f < 2.0 for f in firsts)                            # within one extra period
+        for t in times.values():                                              # then every second
+            assert np.allclose(np.diff(t), 1.0, atol=0.11)
+
+    def test_a_stream_keeps_its_phase_after_a_gap(self):
+        # b's phase is 0.618 of a period: answers at 1.7, 2.7, ... (the first frame at or after 1.618);
+        # after an outage ending at 3.0 its schedule restarts from there with the same phase
+        assert self.answer_times(stagger=True)["b"] == [1.7, 2.7, 3.7, 4.7, 5.7]
+        assert self.answer_times(stagger=True, gap_at=3.0)["b"] == [1.7, 2.7, 4.7, 5.7]
+
+    def test_with_the_vlm_rate_phases_fall_on_its_frames(self):
+        # 4 VLM frames a second (every 0.25 s from 0): four slots, one stream each, round robin
+        times = self.answer_times(stagger=True, vlm_fps=4.0)
+        assert [t[0] for t in times.values()] == [1.0, 1.3, 1.5, 1.8]         # 1.25 / 1.75: next 10 fps frame
+        five = TestStagger()
+        five.STREAMS = ["a", "b", "c", "d", "e"]
+        assert five.answer_times(stagger=True, vlm_fps=4.0)["e"][0] == 1.0    # slot 0 again
+
+    def test_stagger_is_checked(self):
+        from arr_coc._validate import ConfigError
+        with pytest.raises(ConfigError, match="stagger must be true or false"):
+            LiveOptions(stagger="yes")

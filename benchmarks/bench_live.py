@@ -164,8 +164,9 @@ def pipeline_config(vlm, args, device: torch.device) -> PipelineConfig:
 
 
 def live_config(args) -> LiveConfig:
-    """The capture settings of every run: --buffer frames per source, 10 s to open or stall."""
-    return LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0)
+    """The capture settings of every run: --buffer frames per source, --decode-threads, 10 s to open or stall."""
+    return LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0,
+                      decode_threads=args.decode_threads)
 
 
 def live_options(args) -> LiveOptions:
@@ -296,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live default)")
+    p.add_argument("--decode-threads", type=int, default=0,
+                   help="LiveConfig.decode_threads: FFmpeg threads per stream (0: FFmpeg's choice)")
     p.add_argument("--stagger", action="store_true",
                    help="spread the streams' answer times over the period (LiveOptions.stagger)")
     p.add_argument("--vlm-process", action="store_true",
@@ -345,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": command, "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
-              "vlm_process": args.vlm_process, "stagger": args.stagger, "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
+              "vlm_process": args.vlm_process, "stagger": args.stagger, "decode_threads": args.decode_threads,
+              "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row, "host": host_topology(),
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
     out = Path(args.out) if args.out else scratch_result(f"bench_live_{device.type}{'_quick' if quick else ''}.json")

@@ -57,6 +57,7 @@ SourceKind = Literal["camera", "network", "file"]
 NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
 TRANSPORTS = ("tcp", "udp")
 _FALLBACK_FPS = 30.0  # for streams that declare no frame rate (the store needs one)
+_RECEIVED_MAX = 256   # packet arrival times kept until their frame comes out of the decoder
 _RATE_WINDOW_S = 2.0  # rates (fps in, fps out) are measured over this many recent seconds
 _RATE_MIN_SPAN_S = 0.5  # ... and over at least this long just after the start (no spike from 2 frames)
 
@@ -76,6 +77,10 @@ class LiveConfig:
                        default, 5 s, would delay every reconnect by seconds).
     buffer_frames:     newest frames kept per source; older ones are dropped (and counted).
     realtime:          files are allowed and played at their frame rate (demos, tests).
+    decode_threads:    FFmpeg decoding threads per network stream; 0: FFmpeg's choice, frame
+                       threads up to one per core, each holding a frame back (16 threads: 15
+                       frames, half a second at 30 fps, counted in the latencies, which run from
+                       a frame's packet arrival); 1: no frame held back, one core's decode rate.
     """
 
     transport: Literal["tcp", "udp"] = "tcp"
@@ -88,9 +93,10 @@ class LiveConfig:
     probe_s: float = 0.5
     buffer_frames: int = 16
     realtime: bool = False
+    decode_threads: int = 0
 
     def __post_init__(self) -> None:
-        from arr_coc._validate import check_choice, check_range
+        from arr_coc._validate import check_choice, check_int, check_range
 
         check_choice("live.transport", self.transport, TRANSPORTS)
         check_range("live.open_timeout_s", self.open_timeout_s, 0.0, 3600.0, lo_open=True)
@@ -102,6 +108,8 @@ class LiveConfig:
             check_range("live.max_reconnects", self.max_reconnects, 0, None)
         check_range("live.probe_s", self.probe_s, 0.0, 60.0, lo_open=True)
         check_range("live.buffer_frames", self.buffer_frames, 1, 10_000)
+        check_int("live.decode_threads", self.decode_threads)
+        check_range("live.decode_threads", self.decode_threads, 0, 64)
 
     def backoff_s(self, attempt: int, rng: random.Random) -> float:
         """Delay before reconnect attempt `attempt` (0-based)."""
@@ -225,14 +233,16 @@ def parse_source(spec: str, *, realtime: bool = False) -> SourceSpec:
 
 
 class _Connection:
-    """One open connection to a source: `frames()` yields (stream pts or None, rgb) until it drops."""
+    """One open connection to a source: `frames()` yields (stream pts or None, rgb, arrival or None)
+    until it drops; arrival (time.time()) is when the frame's data came in, where the connection
+    knows it (a network stream: its packet), else None (the frame's own time out of the source)."""
 
     width: int
     height: int
     fps: float
     truncated = False   # a file whose decoding damage stopped early (set once frames() ended)
 
-    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -259,6 +269,8 @@ class _NetworkConnection(_Connection):
             raise _OpenError(spec.name, "the stream has no video track", "the stream has no video track")
         self.stream = self.container.streams.video[0]
         self.stream.thread_type = "AUTO"
+        if cfg.decode_threads:
+            self.stream.codec_context.thread_count = cfg.decode_threads
         rate = self.stream.average_rate or self.stream.guessed_rate
         self.fps = float(rate) if rate and 0 < float(rate) <= 1000 else _FALLBACK_FPS
         ctx = self.stream.codec_context
@@ -272,7 +284,7 @@ class _NetworkConnection(_Connection):
         self._reformatter = VideoReformatter()
         self._read_timeout_s = cfg.read_timeout_s
 
-    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
         """Frames until the server closes the connection (returns) or nothing comes for longer
         than the read timeout (_Stalled). PyAV's read timeout alone misses stalls up to twice the
         timeout: when it interrupts a read, FFmpeg flushes its parser and returns the held-back
@@ -280,6 +292,7 @@ class _NetworkConnection(_Connection):
         measured from the last frame, at every packet, too. Until a connection's first frame, the
         last packet counts: a camera with keyframes further apart than the timeout is waited for."""
         last, framed = time.monotonic(), False
+        received: dict[int, float] = {}   # packet pts -> its arrival (time.time()), until its frame is out
         try:
             for packet in self.container.demux(self.stream):
                 now = time.monotonic()
@@ -287,12 +300,19 @@ class _NetworkConnection(_Connection):
                     raise _Stalled(now - last)
                 if not framed:
                     last = now
+                if packet.pts is not None:
+                    received[packet.pts] = time.time()
+                    if len(received) > _RECEIVED_MAX:   # frames that never came out (corrupt, dropped)
+                        del received[next(iter(received))]
                 for frame in packet.decode():
                     if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
                         continue
                     rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
                                                      format="rgb24").to_ndarray()     # (H, W, 3)
-                    yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb
+                    # FFmpeg's frame threads hold frames back (about one per thread): the frame's
+                    # arrival is its packet's, so latencies count the decoder's delay too
+                    came = received.pop(frame.pts, None) if frame.pts is not None else None
+                    yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb, came
                     last, framed = time.monotonic(), True
         except av.ExitError:   # "Immediate exit requested": PyAV's read timeout interrupted FFmpeg
             raise _Stalled(time.monotonic() - last) from None
@@ -354,7 +374,7 @@ class _CameraConnection(_Connection):
             if bgr.shape[:2] != (self.height, self.width):
                 bgr = cv2.resize(bgr, (self.width, self.height), interpolation=cv2.INTER_AREA)
             msec = self.cap.get(cv2.CAP_PROP_POS_MSEC)
-            yield (msec / 1000.0 if msec > 0 else None), cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+            yield (msec / 1000.0 if msec > 0 else None), cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), None
             bgr = None
 
     def close(self) -> None:
@@ -378,7 +398,7 @@ class _FileConnection(_Connection):
             delay = start + (frame.pts_s - first_pts) - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            yield frame.pts_s, frame.rgb
+            yield frame.pts_s, frame.rgb, None
         raise _Lost("end of file")
 
     @property
@@ -588,10 +608,10 @@ class LiveSource:
         """Deliver frames from one connection until it drops; return why (None: stopped)."""
         segment: tuple[float, float] | None = None   # (session pts, stream pts) of the first timed frame
         try:
-            for stream_pts, rgb in conn.frames():
+            for stream_pts, rgb, came in conn.frames():
                 if self._stop.is_set():
                     return None
-                arrival = time.time()
+                arrival = time.time() if came is None else came
                 if segment is None and stream_pts is not None:
                     # a segment's clock may run ahead of arrival (frames buffered while the stream
                     # was probed): start it after the last frame so pts never go backwards

@@ -389,3 +389,28 @@ def test_live_vlm_process_flag_reaches_the_api(monkeypatch):
         with pytest.raises(SystemExit):
             cmd_live(args)
         assert seen[-1] is want
+
+
+def test_live_decode_threads_reach_the_live_config(monkeypatch):
+    """`live --decode-threads N` sets LiveConfig.decode_threads (0, FFmpeg's choice, by default); a
+    bad value is the config's one-line error."""
+    from arr_coc._validate import ConfigError
+    import pipeline.runners.live as live_runner
+    from pipeline.api import Pipeline
+    from pipeline.commands.cli import build_parser
+    from pipeline.commands.live import cmd_live
+
+    seen = []
+
+    def fake_run_live(specs, question, out, cfg, *, live, **kwargs):
+        seen.append(live.decode_threads)
+        raise SystemExit(0)
+    monkeypatch.setattr(live_runner, "run_live", fake_run_live)
+    monkeypatch.setattr(Pipeline, "_load_vlm", lambda self: None)
+    monkeypatch.setattr(Pipeline, "_query", lambda self, q: None)
+    for argv, want in ((["live", "0", "--query", "q", "--decode-threads", "2"], 2), (["live", "0", "--query", "q"], 0)):
+        with pytest.raises(SystemExit):
+            cmd_live(build_parser().parse_args(argv))
+        assert seen[-1] == want
+    with pytest.raises(ConfigError, match="live.decode_threads=-1 is out of range"):
+        cmd_live(build_parser().parse_args(["live", "0", "--query", "q", "--decode-threads", "-1"]))

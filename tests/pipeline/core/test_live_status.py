@@ -32,10 +32,10 @@ class Burst(sources.live._Connection):
         rgb = np.zeros((4, 4, 3), np.uint8)
         for _ in range(10):
             time.sleep(0.05)
-            yield None, rgb
+            yield None, rgb, None
         time.sleep(WINDOW_S + 0.3)
         for _ in range(30):
-            yield None, rgb
+            yield None, rgb, None
         Burst.burst_done.set()
         Burst.release.wait(10)
 

@@ -14,7 +14,8 @@ class Frame:
     index:     index of the frame in the decoded stream (before any fps sampling).
     pts_s:     presentation time in seconds.
     rgb:       uint8 array of shape (H, W, 3), C-contiguous.
-    arrival_s: wall-clock arrival time (time.time()) for live sources, else None.
+    arrival_s: wall-clock arrival time (time.time()) for live sources (a network stream's frame:
+               when its packet came in, before any decoder delay), else None.
     """
 
     stream_id: str

@@ -172,6 +172,9 @@ def _add_live(sub: Any) -> None:
                    help="newest frames kept per source; older ones are dropped and counted (default: %(default)s)")
     p.add_argument("--metrics-every", type=float, default=5.0, metavar="SECONDS",
                    help="period of the JSON metrics on stderr when it is not a terminal (default: 5)")
+    p.add_argument("--stagger", action="store_true",
+                   help="spread the sources' answer times over the --every period, so that sources started "
+                        "together do not queue behind each other's answers (not yet timed on a GPU)")
     p.add_argument("--decode-threads", type=int, default=0, metavar="N",
                    help="FFmpeg decoding threads per network stream; 0 (default): FFmpeg's choice, frame threads "
                         "that each hold a frame back (latencies count it); 1: none held back")

@@ -391,6 +391,24 @@ def test_live_vlm_process_flag_reaches_the_api(monkeypatch):
         assert seen[-1] is want
 
 
+def test_live_stagger_flag_reaches_the_api(monkeypatch):
+    """`live --stagger` asks Pipeline.live to spread the answer times (off by default)."""
+    from pipeline.api import Pipeline
+    from pipeline.commands.cli import build_parser
+    from pipeline.commands.live import cmd_live
+
+    seen = []
+
+    def fake_live(self, sources, question, **kwargs):
+        seen.append(kwargs["stagger"])
+        raise SystemExit(0)
+    monkeypatch.setattr(Pipeline, "live", fake_live)
+    for argv, want in ((["live", "0", "--query", "q", "--stagger"], True), (["live", "0", "--query", "q"], False)):
+        with pytest.raises(SystemExit):
+            cmd_live(build_parser().parse_args(argv))
+        assert seen[-1] is want
+
+
 def test_live_decode_threads_reach_the_live_config(monkeypatch):
     """`live --decode-threads N` sets LiveConfig.decode_threads (0, FFmpeg's choice, by default); a
     bad value is the config's one-line error."""

@@ -3,11 +3,9 @@
     python3 benchmarks/bench_live.py --device cuda                  # GPU: streams 1,4,16 + 10-minute soak
     python3 benchmarks/bench_live.py --quick                        # CPU smoke test (small, short)
 
-Streams are served from loopback by a small HTTP server in this file that sends MPEG-TS, remuxed
-with PyAV from one H.264 clip encoded at start-up and paced at its real frame rate (looped). Why
-not RTSP: the GPU machine has no GStreamer, and HTTP/MPEG-TS goes through exactly the same client
-path as an RTSP camera (PyAV demux -> decode -> the capture thread's latest-frame buffer); only
-the session protocol differs. Each client gets its own connection and its own paced copy.
+Streams are served from loopback over HTTP as MPEG-TS (benchmarks/loopback.py: one H.264 clip
+encoded at start-up, remuxed with PyAV and paced at its real frame rate, looped; it says why not
+RTSP). Each client gets its own connection and its own paced copy.
 
 The VLM is the Qwen2-VL-2B architecture with random weights (nothing is downloaded), answering
 every --every seconds per stream through one VLMBatcher; random weights stop at random, so EOS
@@ -29,17 +27,16 @@ import sys
 import threading
 import time
 from dataclasses import fields, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import av  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import fixed_query, host_topology, scratch_result  # noqa: E402
+from benchmarks.loopback import TSServer, encode_clip  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.live_stages import LiveOptions
@@ -47,93 +44,6 @@ from pipeline.runners.live import run_live  # noqa: E402
 from pipeline.core.live_status import snapshot  # noqa: E402
 from pipeline.vlm.config import VLMConfig  # noqa: E402
 from sources.live import LiveConfig, percentile  # noqa: E402
-
-
-def encode_clip(path: Path, width: int, height: int, fps: int, seconds: float) -> Path:
-    """A moving textured scene with a bright square, H.264 in MPEG-TS, a keyframe every second."""
-    rng = np.random.default_rng(0)
-    tex = rng.integers(0, 255, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
-    tex = np.repeat(np.repeat(tex, 8, 0), 8, 1)[:height, :width]             # (H, W, 3)
-    with av.open(str(path), "w", format="mpegts") as out:
-        stream = out.add_stream("libx264", rate=fps, options={"preset": "veryfast", "tune": "zerolatency",
-                                                              "g": str(fps), "bf": "0"})
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for t in range(int(seconds * fps)):
-            img = np.roll(tex, 3 * t, axis=1).copy()                          # a slow pan
-            y, x = (height // 3 + int(height / 4 * np.sin(t / 15))), (t * 11) % (width - 64)
-            img[y:y + 64, x:x + 64] = (255, 40, 40)                           # a moving object
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
-    return path
-
-
-def serve_ts(clip: Path, wfile, stop: threading.Event) -> None:
-    """Send the clip as one endless MPEG-TS stream, paced at its frame rate, looping."""
-    src = av.open(str(clip))
-    ins = src.streams.video[0]
-    out = av.open(wfile, "w", format="mpegts", options={"flush_packets": "1"})
-    ost = out.add_stream_from_template(ins)
-    tb = float(ins.time_base)
-    packets = [p for p in src.demux(ins) if p.dts is not None]
-    first = packets[0].pts
-    loop_ticks = round((packets[-1].pts - first) / max(1, len(packets) - 1) * len(packets))
-    start, loop = time.monotonic(), 0
-    try:
-        while not stop.is_set():
-            for p in packets:
-                due = start + (p.pts - first + loop * loop_ticks) * tb
-                delay = due - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                pkt = av.Packet(bytes(p))
-                pkt.pts, pkt.dts = p.pts + loop * loop_ticks, p.dts + loop * loop_ticks
-                pkt.time_base, pkt.stream, pkt.is_keyframe = ins.time_base, ost, p.is_keyframe
-                out.mux(pkt)
-                if stop.is_set():
-                    break
-            loop += 1
-    finally:
-        src.close()
-        try:
-            out.close()
-        except (OSError, av.FFmpegError):
-            pass
-
-
-class TSServer:
-    """http://127.0.0.1:PORT/<anything>.ts -> the clip, live. One thread per client."""
-
-    def __init__(self, clip: Path) -> None:
-        self.stop = threading.Event()
-        stop = self.stop
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                self.send_response(200)
-                self.send_header("Content-Type", "video/mp2t")
-                self.end_headers()
-                try:
-                    serve_ts(clip, self.wfile, stop)
-                except (BrokenPipeError, ConnectionResetError, av.FFmpegError, OSError):
-                    pass  # the client went away
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def url(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.port}/stream{i}.ts"
-
-    def close(self) -> None:
-        self.stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def build_vlm(arch: str, device: torch.device, vlm_cfg: VLMConfig):

@@ -2,17 +2,23 @@
 
 `RTSPServer` runs tests/live/rtsp_server.py under the system Python, which has GStreamer's
 bindings (see that file); `rtsp_or_skip` skips a test with the reason when they are missing.
+`http_ts_server` serves an HTTP MPEG-TS stream from this process (benchmarks/loopback.py), on any
+machine.
 """
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root: benchmarks/
+from benchmarks.loopback import TSServer, encode_clip  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("rtsp_server.py")
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -110,90 +116,8 @@ class SilentServer:
         self.sock.close()
 
 
-class HTTPTSServer:
-    """http://127.0.0.1:PORT/<name>.ts: an H.264 clip (a moving square, a keyframe every second)
-    as one endless MPEG-TS stream per client, each packet sent at its frame's time, looped.
-    In-process and GStreamer-free (PyAV encodes and remuxes), for tests that need a network stream
-    on any machine."""
-
-    def __init__(self, tmp: Path, *, size: tuple[int, int] = (160, 120), fps: int = 30, seconds: float = 2.0) -> None:
-        import av
-        import numpy as np
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        w, h = size
-        clip = Path(tmp) / "clip.ts"
-        with av.open(str(clip), "w", format="mpegts") as out:
-            stream = out.add_stream("libx264", rate=fps, options={"preset": "veryfast", "g": str(fps), "bf": "0"})
-            stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-            for t in range(int(seconds * fps)):
-                img = np.zeros((h, w, 3), np.uint8)
-                x = (t * 3) % (w - 16)
-                img[h // 3:h // 3 + 16, x:x + 16] = (255, 40, 40)
-                for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                    out.mux(packet)
-            for packet in stream.encode(None):
-                out.mux(packet)
-        self.stopping = threading.Event()
-        stopping = self.stopping
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                self.send_response(200)
-                self.send_header("Content-Type", "video/mp2t")
-                self.end_headers()
-                try:
-                    _serve_paced(clip, self.wfile, stopping)
-                except (OSError, av.FFmpegError):
-                    pass   # the client went away
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def url(self, name: str = "cam") -> str:
-        return f"http://127.0.0.1:{self.port}/{name}.ts"
-
-    def __enter__(self) -> "HTTPTSServer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def _serve_paced(clip: Path, wfile, stopping: threading.Event) -> None:
-    import av
-
-    src = av.open(str(clip))          # open while serving: its stream is the output's template
-    ins = src.streams.video[0]
-    packets = [p for p in src.demux(ins) if p.dts is not None]
-    first, tb = packets[0].pts, float(ins.time_base)
-    period = round((packets[-1].pts - first) / max(1, len(packets) - 1) * len(packets))
-    out = av.open(wfile, "w", format="mpegts", options={"flush_packets": "1"})
-    try:
-        ost = out.add_stream_from_template(ins)
-        start, loop = time.monotonic(), 0
-        while not stopping.is_set():
-            for p in packets:
-                delay = start + (p.pts - first + loop * period) * tb - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                pkt = av.Packet(bytes(p))
-                pkt.pts, pkt.dts = p.pts + loop * period, p.dts + loop * period
-                pkt.time_base, pkt.stream, pkt.is_keyframe = ins.time_base, ost, p.is_keyframe
-                out.mux(pkt)
-                if stopping.is_set():
-                    return
-            loop += 1
-    finally:
-        try:
-            out.close()
-        except (OSError, av.FFmpegError):
-            pass
-        src.close()
+def http_ts_server(tmp: Path, *, size: tuple[int, int] = (160, 120), fps: int = 30,
+                   seconds: float = 2.0) -> TSServer:
+    """A started loopback HTTP MPEG-TS server (benchmarks/loopback.py: bench_live's cameras) of a
+    clip encoded into `tmp`: a network stream on any machine, GStreamer-free; a context manager."""
+    return TSServer(encode_clip(Path(tmp) / "clip.ts", *size, fps, seconds))

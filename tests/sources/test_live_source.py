@@ -22,7 +22,7 @@ from sources.live import Gap, LatestFrames, LiveConfig, open_live, parse_source,
 from sources.synthetic import render_clip, Shot, write_video
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "live"))
-from live_servers import HTTPTSServer, SilentServer, free_port, rtsp_or_skip  # noqa: E402
+from live_servers import SilentServer, free_port, http_ts_server, rtsp_or_skip  # noqa: E402
 
 FAST = LiveConfig(open_timeout_s=2.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.4)
 
@@ -361,14 +361,14 @@ class TestDecodeDelay:
         return float(np.median(waits[15:]))                 # steady state, past the first keyframe
 
     def test_arrival_is_the_packets_so_the_decoders_hold_back_counts(self, tmp_path):
-        with HTTPTSServer(tmp_path, fps=30) as server:
+        with http_ts_server(tmp_path, fps=30) as server:
             one = self.held_back_s(server.url(), 1)
             eight = self.held_back_s(server.url(), 8)
         assert one < 0.1                                       # decoded as it comes
         assert eight > 0.15                                    # ~7 frames of 33 ms behind their packets
 
     def test_a_live_source_stamps_the_packet_arrival(self, tmp_path):
-        with HTTPTSServer(tmp_path, fps=30) as server:
+        with http_ts_server(tmp_path, fps=30) as server:
             with open_live(server.url(), config=LiveConfig(decode_threads=8, read_timeout_s=3.0)) as src:
                 frames, _ = drain(src, 2.0, until=lambda f: len(f) >= 30)
                 taken = time.time()

@@ -130,21 +130,10 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             "answer_latency_p50_ms": round(percentile(marks["lat"], 50) * 1e3, 1),
             "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1),
             **latency_parts(marks["batches"], marks["frame_lat"]),
-            **vlm_counters(vlm)}
-
-
-KEPT_COUNTERS = ("cells_encoded", "cells_reused", "graphs_captured")
-
-
-def vlm_counters(vlm) -> dict:
-    """Cumulative over the runs so far: the VLM's (decoders made, evicted, graphs captured) and, with
-    encode: kept, its kept encoder's (cells through the tower, reused from the streams' caches,
-    tower graphs captured). A VLM in its own process (RemoteVLM) reports both in one dict: split."""
-    counters = dict(getattr(vlm, "counters", {}))
-    if hasattr(vlm, "kept_encoder"):
-        return {"vlm_counters": counters, "kept_counters": dict(vlm.kept_encoder.counters)}
-    kept = {k: counters.pop(k) for k in KEPT_COUNTERS if k in counters}
-    return {"vlm_counters": counters, "kept_counters": kept}
+            # cumulative over the runs so far: decoders made, evicted, graphs captured
+            "vlm_counters": dict(getattr(vlm, "counters", {})),
+            # encode: kept: cells through the tower and reused from the streams' caches (cumulative)
+            "kept_counters": dict(vlm.kept_encoder.counters) if hasattr(vlm, "kept_encoder") else {}}
 
 
 def latency_parts(batches: list, frame_latency: list[float]) -> dict:

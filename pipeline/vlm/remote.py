@@ -8,7 +8,8 @@ an interpreter to itself; the requests (frames, keep maps, relevance) travel pic
 the answers come back the same way.
 
 RemoteVLM has the parts of VLM that VLMBatcher and the live runner use (answer, warm_up,
-prefix_length, geometry, config, name, warning, counters), so either runs it unchanged. The child
+prefix_length, geometry, config, name, warning, counters and kept_encoder.counters), so either
+runs it unchanged, and whoever reads counters finds them where a VLM has them. The child
 is started with the "spawn" method (CUDA cannot be forked) and builds its VLM with `factory`, a
 picklable callable (a module-level function, or functools.partial of one). An error inside the
 child (loading the model, or an answer) reaches the caller as itself where it pickles (a bad model
@@ -22,7 +23,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
-_METHODS = ("answer", "warm_up", "prefix_length", "counters")
+_METHODS = ("answer", "warm_up", "prefix_length", "counters", "kept_counters")
 
 
 class VLMProcessError(RuntimeError):
@@ -58,8 +59,9 @@ def _serve(factory: Callable[[], Any], conn: Any) -> None:
         method, args, kwargs = message
         try:
             if method == "counters":
-                result = {**getattr(vlm, "counters", {}),
-                          **getattr(getattr(vlm, "kept_encoder", None), "counters", {})}
+                result = dict(getattr(vlm, "counters", {}))
+            elif method == "kept_counters":
+                result = dict(getattr(getattr(vlm, "kept_encoder", None), "counters", {}))
             else:
                 result = getattr(vlm, method)(*args, **kwargs)
             conn.send(("ok", result))
@@ -90,6 +92,7 @@ class RemoteVLM:
             raise VLMProcessError(f"the VLM process could not load its model: {text}")
         self.geometry, self.config = info["geometry"], info["config"]
         self.name, self.warning = info["name"], info["warning"]
+        self.kept_encoder = _KeptCounters(self)
 
     def _receive(self) -> tuple[str, Any]:
         try:
@@ -129,9 +132,12 @@ class RemoteVLM:
 
     @property
     def counters(self) -> dict:
-        """The VLM's counters and its kept encoder's (cells encoded and reused), read from the child."""
+        """The VLM's counters (decoders, graphs), read from the child ({} once it is gone)."""
+        return self._read("counters")
+
+    def _read(self, method: str) -> dict:
         try:
-            return self._call("counters")
+            return self._call(method)
         except VLMProcessError:
             return {}
 
@@ -154,3 +160,15 @@ class RemoteVLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _KeptCounters:
+    """RemoteVLM.kept_encoder: the child's kept encoder's counters (cells encoded and reused, tower
+    graphs captured), where VLM.kept_encoder has them."""
+
+    def __init__(self, remote: RemoteVLM) -> None:
+        self._remote = remote
+
+    @property
+    def counters(self) -> dict:
+        return self._remote._read("kept_counters")

@@ -36,7 +36,8 @@ def test_answers_equal_the_in_process_vlms(remote):
                                                                       for r in want]
     assert remote.geometry == local.geometry and remote.config == local.config
     assert remote.prefix_length("q?", 10) == local.prefix_length("q?", 10)
-    assert remote.counters["cells_encoded"] > 0                             # the kept encoder's, from the child
+    assert remote.kept_encoder.counters["cells_encoded"] > 0                # the kept encoder's, from the child
+    assert "decoders" in remote.counters and "cells_encoded" not in remote.counters   # each where a VLM has it
 
 
 def test_an_answers_error_names_it_and_the_process_goes_on(remote):

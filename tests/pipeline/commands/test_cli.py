@@ -372,8 +372,10 @@ def test_help_and_configuration_do_not_import_transformers():
     assert out.strip() == "[]"
 
 
-def test_live_vlm_process_flag_reaches_the_api(monkeypatch):
-    """`live --vlm-process` asks Pipeline.live for the VLM in its own process (off by default)."""
+@pytest.mark.parametrize("flag, keyword", [("--vlm-process", "vlm_process"), ("--stagger", "stagger")])
+def test_live_flags_reach_the_api(monkeypatch, flag, keyword):
+    """`live --vlm-process` asks Pipeline.live for the VLM in its own process, `live --stagger` for
+    answer times spread over the period; both off by default."""
     from pipeline.api import Pipeline
     from pipeline.commands.cli import build_parser
     from pipeline.commands.live import cmd_live
@@ -381,29 +383,10 @@ def test_live_vlm_process_flag_reaches_the_api(monkeypatch):
     seen = []
 
     def fake_live(self, sources, question, **kwargs):
-        seen.append(kwargs["vlm_process"])
+        seen.append(kwargs[keyword])
         raise SystemExit(0)
     monkeypatch.setattr(Pipeline, "live", fake_live)
-    for argv, want in ((["live", "0", "--query", "q", "--vlm-process"], True), (["live", "0", "--query", "q"], False)):
-        args = build_parser().parse_args(argv)
-        with pytest.raises(SystemExit):
-            cmd_live(args)
-        assert seen[-1] is want
-
-
-def test_live_stagger_flag_reaches_the_api(monkeypatch):
-    """`live --stagger` asks Pipeline.live to spread the answer times (off by default)."""
-    from pipeline.api import Pipeline
-    from pipeline.commands.cli import build_parser
-    from pipeline.commands.live import cmd_live
-
-    seen = []
-
-    def fake_live(self, sources, question, **kwargs):
-        seen.append(kwargs["stagger"])
-        raise SystemExit(0)
-    monkeypatch.setattr(Pipeline, "live", fake_live)
-    for argv, want in ((["live", "0", "--query", "q", "--stagger"], True), (["live", "0", "--query", "q"], False)):
+    for argv, want in ((["live", "0", "--query", "q", flag], True), (["live", "0", "--query", "q"], False)):
         with pytest.raises(SystemExit):
             cmd_live(build_parser().parse_args(argv))
         assert seen[-1] is want

@@ -5,10 +5,16 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_vlm.py"
 
 
-def test_bench_tiny_smoke(tmp_path, capsys):
+def load_bench():
+    """benchmarks/bench_vlm.py as a module (a script, not in an installed package)."""
     spec = importlib.util.spec_from_file_location("bench_vlm", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_tiny_smoke(tmp_path, capsys):
+    bench = load_bench()
     out = tmp_path / "bench.json"
     assert bench.main(["--tiny", "--arch", "tiny-qwen2_5_vl", "--new-tokens", "4", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -36,9 +42,7 @@ def test_bench_tiny_smoke(tmp_path, capsys):
 
 def test_bench_hf_lm_has_one_stock_row(tmp_path):
     """--hf-lm: every setting through HF's forward already, so no separate HF stock row."""
-    spec = importlib.util.spec_from_file_location("bench_vlm", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench()
     out = tmp_path / "bench.json"
     assert bench.main(["--tiny", "--arch", "tiny-qwen2_vl", "--new-tokens", "2", "--retention", "0.5",
                        "--hf-lm", "--encode", "kept", "--out", str(out)]) == 0
@@ -50,9 +54,7 @@ def test_bench_hf_lm_has_one_stock_row(tmp_path):
 
 def test_bench_kept_context_rows_encode_more_cells(tmp_path):
     """--kept-context 0 1: a kept row per radius, the ring's cells encoded on top of the kept ones."""
-    spec = importlib.util.spec_from_file_location("bench_vlm", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench()
     out = tmp_path / "bench.json"
     assert bench.main(["--tiny", "--arch", "tiny-qwen2_vl", "--new-tokens", "2", "--retention", "0.25",
                        "--encode", "kept", "--kept-context", "0", "1", "--out", str(out)]) == 0

@@ -207,10 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live default)")
-    p.add_argument("--decode-threads", type=int, default=0,
-                   help="LiveConfig.decode_threads: FFmpeg threads per stream (0: FFmpeg's choice)")
-    p.add_argument("--stagger", action="store_true",
-                   help="spread the streams' answer times over the period (LiveOptions.stagger)")
+    p.add_argument("--decode-threads", type=int, default=LiveConfig.decode_threads,
+                   help="LiveConfig.decode_threads: FFmpeg threads per stream (default %(default)s; 0: FFmpeg's choice)")
+    p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=LiveOptions.stagger,
+                   help="spread the streams' answer times over the period (LiveOptions.stagger; default on)")
     p.add_argument("--vlm-process", action="store_true",
                    help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

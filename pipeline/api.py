@@ -211,16 +211,17 @@ class Pipeline:
              on_scene_change: bool = False, duration: float | None = None, realtime: bool = False,
              transport: Transport = "tcp", timeout: float = 5.0, buffer: int = 16,
              max_reconnects: int | None = None, metrics_every: float = 5.0, answers_out: TextIO | None = None,
-             stop: threading.Event | None = None, vlm_process: bool = False, stagger: bool = False,
-             decode_threads: int = 0) -> LiveResult:
+             stop: threading.Event | None = None, vlm_process: bool = False, stagger: bool = True,
+             decode_threads: int = 2) -> LiveResult:
         """Answer a question continuously over live sources, as `python -m pipeline live` does:
         one answer every `every` seconds (2 unless set) or at each scene change, until `duration`
         ends, the sources end, `stop` is set or Ctrl-C. sources: camera index, device, rtsp(s):// or
         http(s):// URL, or a file with realtime=True. Answers go to the store and, as JSON lines, to
         `answers_out`. vlm_process: the VLM runs in a process of its own, loaded there (this
-        Pipeline's loaded VLM, if any, is not used). stagger: the streams' answer times spread over
-        the period (LiveOptions.stagger), so streams started together do not queue behind each other.
-        decode_threads: FFmpeg's decoding threads per network stream (LiveConfig.decode_threads)."""
+        Pipeline's loaded VLM, if any, is not used). stagger (default on): the streams' answer times
+        spread over the period (LiveOptions.stagger), so streams started together do not queue
+        behind each other. decode_threads: FFmpeg's decoding threads per network stream
+        (LiveConfig.decode_threads, default 2; 0: FFmpeg's choice)."""
         from sinks import store_location
         from sources.live import LiveConfig
 

@@ -172,12 +172,13 @@ def _add_live(sub: Any) -> None:
                    help="newest frames kept per source; older ones are dropped and counted (default: %(default)s)")
     p.add_argument("--metrics-every", type=float, default=5.0, metavar="SECONDS",
                    help="period of the JSON metrics on stderr when it is not a terminal (default: 5)")
-    p.add_argument("--stagger", action="store_true",
+    p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=True,
                    help="spread the sources' answer times over the --every period, so that sources started "
-                        "together do not queue behind each other's answers (not yet timed on a GPU)")
-    p.add_argument("--decode-threads", type=int, default=0, metavar="N",
-                   help="FFmpeg decoding threads per network stream; 0 (default): FFmpeg's choice, frame threads "
-                        "that each hold a frame back (latencies count it); 1: none held back")
+                        "together do not queue behind each other's answers (default: on; --no-stagger: "
+                        "every source answers at once)")
+    p.add_argument("--decode-threads", type=int, default=2, metavar="N",
+                   help="FFmpeg decoding threads per network stream, each holding a frame back (latencies count "
+                        "it; default: %(default)s; 1: none held back; 0: FFmpeg's choice, up to one per core)")
     p.add_argument("--vlm-process", action="store_true",
                    help="run the VLM in a process of its own (no interpreter lock shared with the capture and "
                         "front-end threads; on an H100 at 16 streams no faster than the default thread)")

@@ -372,10 +372,11 @@ def test_help_and_configuration_do_not_import_transformers():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("flag, keyword", [("--vlm-process", "vlm_process"), ("--stagger", "stagger")])
-def test_live_flags_reach_the_api(monkeypatch, flag, keyword):
-    """`live --vlm-process` asks Pipeline.live for the VLM in its own process, `live --stagger` for
-    answer times spread over the period; both off by default."""
+@pytest.mark.parametrize("keyword, default, flag", [("vlm_process", False, "--vlm-process"),
+                                                     ("stagger", True, "--no-stagger")])
+def test_live_flags_reach_the_api(monkeypatch, keyword, default, flag):
+    """`live --vlm-process` asks Pipeline.live for the VLM in its own process (off by default);
+    answer times are spread over the period by default, and `--no-stagger` turns that off."""
     from pipeline.api import Pipeline
     from pipeline.commands.cli import build_parser
     from pipeline.commands.live import cmd_live
@@ -386,14 +387,14 @@ def test_live_flags_reach_the_api(monkeypatch, flag, keyword):
         seen.append(kwargs[keyword])
         raise SystemExit(0)
     monkeypatch.setattr(Pipeline, "live", fake_live)
-    for argv, want in ((["live", "0", "--query", "q", flag], True), (["live", "0", "--query", "q"], False)):
+    for argv, want in ((["live", "0", "--query", "q"], default), (["live", "0", "--query", "q", flag], not default)):
         with pytest.raises(SystemExit):
             cmd_live(build_parser().parse_args(argv))
         assert seen[-1] is want
 
 
 def test_live_decode_threads_reach_the_live_config(monkeypatch):
-    """`live --decode-threads N` sets LiveConfig.decode_threads (0, FFmpeg's choice, by default); a
+    """`live --decode-threads N` sets LiveConfig.decode_threads (2 by default, 0: FFmpeg's choice); a
     bad value is the config's one-line error."""
     from arr_coc._validate import ConfigError
     import pipeline.runners.live as live_runner
@@ -409,7 +410,7 @@ def test_live_decode_threads_reach_the_live_config(monkeypatch):
     monkeypatch.setattr(live_runner, "run_live", fake_run_live)
     monkeypatch.setattr(Pipeline, "_load_vlm", lambda self: None)
     monkeypatch.setattr(Pipeline, "_query", lambda self, q: None)
-    for argv, want in ((["live", "0", "--query", "q", "--decode-threads", "2"], 2), (["live", "0", "--query", "q"], 0)):
+    for argv, want in ((["live", "0", "--query", "q", "--decode-threads", "0"], 0), (["live", "0", "--query", "q"], 2)):
         with pytest.raises(SystemExit):
             cmd_live(build_parser().parse_args(argv))
         assert seen[-1] == want

@@ -1,12 +1,13 @@
 """CUDA helpers shared by the front end and the VLM: the device choice, host -> device copies that
-do not stall, and graph capture. CPU-safe: on a machine without CUDA only resolve_device and
-to_device run.
+do not stall, reading several device tensors back at once, and graph capture. CPU-safe: on a
+machine without CUDA all but capture run.
 """
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from arr_coc._validate import ConfigError
@@ -40,6 +41,22 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def upload(arrays: list, device: torch.device) -> list[torch.Tensor]:
+    """Integer host arrays -> int64 device tensors (views of one buffer) with one queued copy."""
+    flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]) if arrays else np.zeros(0, np.int64)
+    return list(to_device(flat, device).split([int(np.size(a)) for a in arrays]))
+
+
+def read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Device tensors of one dtype -> host numpy copies, read back together: one host read (one
+    sync on a GPU, waiting for the work queued before it) however many tensors there are."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu().numpy()
+    cuts = np.cumsum([t.numel() for t in tensors])[:-1]
+    return [part.reshape(t.shape) for part, t in zip(np.split(flat, cuts), tensors)]
 
 
 def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arr_coc.lod import pad_to_pairs
-from pipeline.core.cuda import to_device
+from pipeline.core.cuda import read_back, to_device, upload
 from pipeline.vlm import hf
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.kept_graph import KeptGraphs, TowerCall
@@ -112,29 +112,16 @@ def patch_positions(cells: torch.Tensor, gh: int, gw: int, merge: int) -> torch.
     return torch.stack([rows.flatten(), cols.flatten()], -1)                # (n m m, 2)
 
 
-def window_order(cells: torch.Tensor, gh: int, gw: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cells (n,) flat in (T', gh, gw), ascending -> (order (n,), lengths (W,)): the cells in
+def window_order(cells: np.ndarray, gh: int, gw: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """cells (n,) flat in (T', gh, gw), ascending (host) -> (order (n,), lengths (W,)): the cells in
     Qwen2.5-VL's window order (pair, window row, window column, then row-major inside the window)
     and how many cells each non-empty window holds, in that order."""
-    return window_order_many([cells], [(1, gh, gw)], side)                 # T' only offsets a next video's ids
-
-
-def window_order_many(cells: list[torch.Tensor], grids: list[tuple[int, int, int]], side: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """window_order of several videos' cells ((T', gh, gw) grids) at once, as if concatenated
-    video after video: order (sum n,) indexes the concatenated cells, lengths (W,) counts the
-    non-empty windows of every video in turn, with one host read for all."""
-    keys, windows, start = [], [], 0
-    for c, (Tp, gh, gw) in zip(cells, grids):
-        t, spatial = c // (gh * gw), c % (gh * gw)
-        h, w = spatial // gw, spatial % gw
-        windows_h, windows_w = -(-gh // side), -(-gw // side)
-        window = start + (t * windows_h + h // side) * windows_w + w // side  # (n,) after earlier videos' ids
-        keys.append(window * side * side + (h % side) * side + w % side)
-        windows.append(window)
-        start += Tp * windows_h * windows_w
-    order = torch.cat(keys).argsort()
-    _, lengths = torch.unique_consecutive(torch.cat(windows)[order], return_counts=True)
+    t, spatial = np.divmod(np.asarray(cells, dtype=np.int64), gh * gw)
+    h, w = np.divmod(spatial, gw)
+    windows_w = -(-gw // side)
+    window = (t * -(-gh // side) + h // side) * windows_w + w // side          # (n,)
+    order = np.argsort(window * side * side + (h % side) * side + w % side, kind="stable")
+    _, lengths = np.unique(window[order], return_counts=True)              # ascending: the windows in order
     return order, lengths
 
 
@@ -143,11 +130,23 @@ class _Job:
     """One video's part of a tower call."""
     blocks: torch.Tensor               # (T' gh gw, m^2, F) its patches, merge block by merge block
     grid: tuple[int, int, int]         # (T', gh, gw) merged grid
-    wanted: torch.Tensor               # (K,) cells asked for, ascending
-    encoded: torch.Tensor              # (n,) cells through the tower, ascending: wanted less reused,
+    wanted: torch.Tensor | None = None  # (K,) cells asked for, ascending
+    encoded: torch.Tensor | None = None  # (n,) cells through the tower, ascending: wanted less reused,
                                        # Qwen2.5-VL: completed to whole windows
+    cells: np.ndarray | None = None    # encoded, on the host
+    reused: int = 0                    # wanted cells taken from the cache
     key: str | None = None             # feature-cache stream
     cached: torch.Tensor | None = None  # (K, D) cached tokens of the wanted cells (valid where reused)
+
+
+@dataclass
+class _Plan:
+    """What a tower call needs besides the pixels (see TowerCall): the bounds of its full-attention
+    blocks, the longest, and for Qwen2.5-VL its window permutation and window bounds."""
+    cu: torch.Tensor
+    longest: int
+    window_index: torch.Tensor | None = None
+    cu_window: torch.Tensor | None = None
 
 
 class KeptEncoder:
@@ -196,8 +195,8 @@ class KeptEncoder:
         """encode_many() of preprocessed videos: pixels (N, F) and patch grid (3,) each (as
         VideoPreprocessor returns them), cell maps checked against the frames already."""
         reuse = reuse or [None] * len(pixels)
-        jobs = self._jobs(pixels, grids, cell_maps, reuse)
-        fresh = self._tower(jobs)
+        jobs, plan = self._jobs(pixels, grids, cell_maps, reuse)
+        fresh = self._tower(jobs, plan)
         return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
 
     def merged(self, videos: list, keeps: list, reuse: list | None = None) -> list[torch.Tensor]:
@@ -205,14 +204,18 @@ class KeptEncoder:
         all), zeros elsewhere: what VLM.window_prefix selects from."""
         return [f.dense() for f in self.encode_many(videos, keeps, reuse)]
 
-    def _jobs(self, pixels: list, grids: list, cell_maps: list, reuse: list) -> list[_Job]:
-        """Each video's part of the tower call: its cells wanted and to encode. The index lists of
-        all videos come from one nonzero each (each is a host sync, which under live load also
-        waits for the interpreter lock: one per batch, not one per video)."""
+    def _jobs(self, pixels: list, grids: list, cell_maps: list, reuse: list) -> tuple[list[_Job], _Plan | None]:
+        """Each video's part of the tower call (its cells wanted and to encode) and the call's plan.
+        The masks of the whole batch come back to the host in one read (a host sync, which under
+        live load also waits for the interpreter lock: one per batch, not several per video), the
+        plan is worked out there, and every index goes back in one copy. Live reuse compares the
+        wanted cells' patches with the cache's on the device, which needs their index first: one
+        read more."""
         m = self.geometry.merge_size
         shapes, blocks, wanted = [], [], []
         for px, grid_thw, cells in zip(pixels, grids, cell_maps):
-            Tp, gh, gw = grid_thw[0].item(), grid_thw[1].item() // m, grid_thw[2].item() // m
+            Tp, gh, gw = (int(v) for v in grid_thw.tolist())
+            gh, gw = gh // m, gw // m
             shapes.append((Tp, gh, gw))
             blocks.append(px.to(self.dtype).view(Tp * gh * gw, m * m, -1))  # (T' gh gw, m^2, F)
             if cells is None:
@@ -220,9 +223,11 @@ class KeptEncoder:
             else:
                 paired = pair_cells(to_device(cells, self.device), self.geometry.temporal_patch_size)
                 wanted.append(paired.flatten())                              # (T' gh gw,)
+        caching = self.cache is not None and any(use is not None for use in reuse)
+        indices = nonzero_each(wanted) if caching else [None] * len(wanted)
         jobs, todo = [], []
-        for b, grid, mask, index, use in zip(blocks, shapes, wanted, nonzero_each(wanted), reuse):
-            job = _Job(b, grid, index, index)
+        for b, grid, mask, index, use in zip(blocks, shapes, wanted, indices, reuse):
+            job = _Job(b, grid, index)
             if use is not None and self.cache is not None:
                 job.key, scene_change = use
                 if scene_change:
@@ -236,9 +241,50 @@ class KeptEncoder:
                 mask = window_cells(mask.view(grid), self.window).flatten()
             jobs.append(job)
             todo.append(mask)
-        for job, encoded in zip(jobs, nonzero_each(todo)):
-            job.encoded = encoded                                            # (n,)
-        return jobs
+        host = read_back(todo + wanted)                                      # the one read of the batch
+        for job, encode, want in zip(jobs, host, host[len(jobs):]):
+            job.cells = np.flatnonzero(encode)
+            job.reused = int(np.count_nonzero(want & ~encode)) if job.cached is not None else 0
+        arrays = [job.cells for job in jobs] + [np.flatnonzero(w) for w in host[len(jobs):] if not caching]
+        plan = self._plan(jobs)
+        if plan is not None:
+            arrays += plan
+        device = upload(arrays, self.device)
+        for i, job in enumerate(jobs):
+            job.encoded = device[i]
+            if not caching:
+                job.wanted = device[len(jobs) + i]
+        if plan is None:
+            return jobs, None
+        tail = device[len(device) - len(plan):]
+        longest = int(np.diff(plan[0]).max())
+        if self.window is None:
+            return jobs, _Plan(tail[0].int(), longest)
+        return jobs, _Plan(tail[0].int(), longest, tail[1], tail[2].int())
+
+    def _plan(self, jobs: list[_Job]) -> list[np.ndarray] | None:
+        """On the host, from the jobs' cells: the bounds of the tower's full-attention blocks (the
+        encoded patches of each frame pair, video after video), and for Qwen2.5-VL its window
+        permutation of the packed cells and the window bounds. None: nothing to encode."""
+        m = self.geometry.merge_size
+        per_pair, order, window_lengths, offset = [], [], [], 0
+        for job in jobs:
+            if not job.cells.size:
+                continue
+            Tp, gh, gw = job.grid
+            counts = np.bincount(job.cells // (gh * gw), minlength=Tp)
+            per_pair.append(counts[counts > 0] * m * m)
+            if self.window is not None:
+                o, lengths = window_order(job.cells, gh, gw, self.window)
+                order.append(o + offset)
+                window_lengths.append(lengths * m * m)
+            offset += job.cells.size
+        if not per_pair:
+            return None
+        plan = [np.concatenate([[0], np.cumsum(np.concatenate(per_pair))])]
+        if self.window is not None:
+            plan += [np.concatenate(order), np.concatenate([[0], np.cumsum(np.concatenate(window_lengths))])]
+        return plan
 
     def _finish(self, job: _Job, fresh: torch.Tensor) -> KeptFeatures:
         """The wanted cells' tokens: fresh where encoded, else cached; the fresh ones are cached."""
@@ -255,42 +301,31 @@ class KeptEncoder:
             self.cache.store(job.key, job.grid[1:], job.encoded, job.blocks[job.encoded], fresh)
         self.counters["cells_encoded"] += job.encoded.numel()
         if job.cached is not None:                                           # without the cache all are encoded
-            self.counters["cells_reused"] += int((at < 0).sum())
+            self.counters["cells_reused"] += job.reused
         return KeptFeatures(tokens, job.wanted, job.grid)
 
-    def _tower(self, jobs: list[_Job]) -> list[torch.Tensor]:
+    def _tower(self, jobs: list[_Job], plan: _Plan | None) -> list[torch.Tensor]:
         """The encoded cells of every job through the tower in one call -> per job (n, D)."""
         m = self.geometry.merge_size
-        rows, positions, lengths, order, windows, grids = [], [], [], [], [], []
+        sizes = [job.encoded.numel() for job in jobs]
+        if plan is None:
+            return [torch.empty(0, self.dim, dtype=self.dtype, device=self.device) for _ in jobs]
+        rows, positions, grids = [], [], []
         for job in jobs:
-            cells = job.encoded
-            if cells.numel() == 0:
+            if job.encoded.numel() == 0:
                 continue
             Tp, gh, gw = job.grid
-            rows.append(job.blocks[cells].flatten(0, 1))                     # (n m^2, F)
-            positions.append(patch_positions(cells, gh, gw, m))              # (n m^2, 2)
-            lengths.append(torch.bincount(cells // (gh * gw), minlength=Tp))  # (T',) cells per frame pair
-            if self.window is not None:
-                order.append(cells)
-                windows.append((Tp, gh, gw))
+            rows.append(job.blocks[job.encoded].flatten(0, 1))               # (n m^2, F)
+            positions.append(patch_positions(job.encoded, gh, gw, m))        # (n m^2, 2)
             grids.append([Tp, gh * m, gw * m])
-        sizes = [job.encoded.numel() for job in jobs]
-        if not rows:
-            return [torch.empty(0, self.dim, dtype=self.dtype, device=self.device) for _ in jobs]
-        per_pair = [n * m * m for n in torch.cat(lengths).tolist() if n]     # one host read: the blocks
-        cu_seqlens = torch.tensor([0, *itertools.accumulate(per_pair)], dtype=torch.int32, device=self.device)
-        window_index = cu_window_seqlens = None
-        if self.window is not None:                                          # every video's windows, one read
-            window_index, window_lengths = window_order_many(order, windows, self.window)
-            cu_window_seqlens = F.pad((window_lengths * m * m).cumsum(0, dtype=torch.int32), (1, 0))
         pixels, positions = torch.cat(rows), torch.cat(positions)
         merged = None
         if self.graphs is not None and self.graphs.enabled:                  # replayed at a padded shape
-            merged = self.graphs(TowerCall(pixels, positions, cu_seqlens, max(per_pair), window_index,
-                                           cu_window_seqlens))
+            merged = self.graphs(TowerCall(pixels, positions, plan.cu, plan.longest, plan.window_index,
+                                           plan.cu_window))
             self.counters["graphs_captured"] = self.graphs.captured
         if merged is None:
             with batched_attention(None):         # blocks of unequal length: one host read per boundary tensor
                 merged = hf.vision_forward_on(self.visual, pixels, torch.tensor(grids, device=self.device),
-                                              positions, cu_seqlens, window_index, cu_window_seqlens)
+                                              positions, plan.cu, plan.window_index, plan.cu_window)
         return list(merged.split(sizes))                                     # (n, D) each

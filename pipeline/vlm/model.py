@@ -367,13 +367,21 @@ class VLM:
     @torch.no_grad()
     def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
         keeps = [None if r.keep is None else to_device(r.keep, self.device) for r in requests]  # uploaded once
-        merged_all = self._window_tokens(requests, keeps)
         # every window's token positions from one nonzero (a host read, and under live load a wait
-        # for the interpreter lock: one per batch, not one per request)
-        cells = [token_cells(self._window_lod(r.frames, keep, m.shape[:3])).flatten()
-                 for r, keep, m in zip(requests, keeps, merged_all)]
+        # for the interpreter lock: one per batch, not one per request), read before the vision
+        # tower is queued: read after, it waited for the tower, and the host then built the
+        # prefixes while the GPU idled
+        cells = [token_cells(self._window_lod(r.frames, keep, self._token_grid(r.frames))).flatten()
+                 for r, keep in zip(requests, keeps)]
+        indices = nonzero_each(cells)
+        merged_all = self._window_tokens(requests, keeps)
         return [self.question_prefix(self.window_prefix(r.frames, keep, m, r.scores, index=index), r.question)
-                for r, keep, m, index in zip(requests, keeps, merged_all, nonzero_each(cells))]
+                for r, keep, m, index in zip(requests, keeps, merged_all, indices)]
+
+    def _token_grid(self, frames: np.ndarray | torch.Tensor) -> tuple[int, int, int]:
+        """(T', gh, gw): the video tokens' grid of frames (T, H, W, 3), before any encoding."""
+        tp = self.geometry.temporal_patch_size
+        return (-(-frames.shape[0] // tp), *self.geometry.grid(*frames.shape[1:3]))
 
     @torch.no_grad()
     def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:

@@ -11,12 +11,15 @@ from conftest import make_frames, mixed_requests, random_keep, request, rewrap
 from transformers import vision_utils
 
 from arr_coc._validate import ConfigError
+from arr_coc.lod import pair_lod
+from pipeline.core.cuda import read_back
 from pipeline.vlm import hf
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.kept_graph import CELL_BUCKETS, KeptGraphs, cell_bucket
-from pipeline.vlm.kept_vision import context_cells, nonzero_each, patch_positions, window_order, window_order_many
+from pipeline.vlm.kept_vision import context_cells, nonzero_each, patch_positions, window_order
 from pipeline.vlm.loading import _wrap
+from pipeline.vlm.selection import token_cells
 from pipeline.vlm.vision_attention import varlen_attention
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -80,9 +83,9 @@ class TestPositions:
     def test_window_order_is_hfs(self, grid, side):
         Tp, gh, gw = grid
         index, cu = vision_utils.get_vision_window_index(torch.tensor([[Tp, 2 * gh, 2 * gw]]), 2, side * 28, 14)
-        order, lengths = window_order(torch.arange(Tp * gh * gw), gh, gw, side)
-        assert torch.equal(order, index)
-        assert torch.equal(torch.nn.functional.pad(lengths.cumsum(0) * 4, (1, 0)).int(), cu)
+        order, lengths = window_order(np.arange(Tp * gh * gw), gh, gw, side)
+        assert torch.equal(torch.from_numpy(order), index)
+        assert torch.equal(torch.nn.functional.pad(torch.from_numpy(lengths).cumsum(0) * 4, (1, 0)).int(), cu)
 
 
 class TestEveryCellKept:
@@ -505,11 +508,11 @@ def test_nonzero_each_splits_one_nonzero_per_mask():
 
 
 class CountOps:
-    """Counts calls of one aten op (aten.nonzero by default: each one is a host sync on a GPU)
-    while active."""
+    """Counts calls of aten ops (one or a list; aten.nonzero by default: each one is a host sync on
+    a GPU) while active."""
 
     def __init__(self, op=torch.ops.aten.nonzero.default):
-        self.op, self.calls = op, 0
+        self.ops, self.calls = (op if isinstance(op, list) else [op]), 0
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -518,7 +521,7 @@ class CountOps:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is counter.op:
+                if func in counter.ops:
                     counter.calls += 1
                 return func(*args, **(kwargs or {}))
         self.mode = Mode()
@@ -529,38 +532,41 @@ class CountOps:
         self.mode.__exit__(*exc)
 
 
-def test_a_batch_of_videos_reads_their_indices_back_once():
-    """Each nonzero is a host sync on a GPU (and, under live load, a wait for the interpreter lock):
-    the kept encoder makes two for a batch, not two per video."""
-    vlm = TestPaddedGraphShapes.padded(tiny("qwen2_vl"))                 # the GPU's path: the graphed tower
-    videos = [make_frames(4, 84, 112, seed=70 + i) for i in range(6)]
+@pytest.mark.parametrize("family, size", [("qwen2_vl", (84, 112)), ("qwen2_5_vl", (112, 168))])
+def test_a_batch_of_videos_reads_the_host_once(monkeypatch, family, size):
+    """Each host read is a sync on a GPU (and, under live load, a wait for the interpreter lock):
+    the kept encoder reads a whole batch's masks back once and plans the call (blocks, Qwen2.5-VL's
+    windows) on the host, with no nonzero, item or unique_consecutive on the device."""
+    import pipeline.vlm.kept_vision as kv
+    extra = {"fullatt_block_indexes": [1]} if family == "qwen2_5_vl" else {}
+    vlm = TestPaddedGraphShapes.padded(tiny(family, **extra))           # the GPU's path: the graphed tower
+    videos = [make_frames(4, *size, seed=70 + i) for i in range(5)]
     keeps = [random_keep(vlm, v, seed=80 + i) for i, v in enumerate(videos)]
-    with torch.no_grad(), CountOps() as count:
-        vlm.kept_encoder.encode_many(videos, keeps)
-    assert count.calls == 2
-
-
-def test_window_order_of_several_videos_is_each_ones_in_turn():
-    g = torch.Generator().manual_seed(2)
-    grids = [(2, 4, 6), (3, 5, 7), (1, 9, 8)]
-    cells = [torch.randperm(t * h * w, generator=g)[: (t * h * w) // 2].sort().values for t, h, w in grids]
-    order, lengths = window_order_many(cells, grids, 2)
-    offsets = [0, *np.cumsum([c.numel() for c in cells])[:-1]]
-    parts = [window_order(c, h, w, 2) for c, (_, h, w) in zip(cells, grids)]
-    assert torch.equal(order, torch.cat([o + off for (o, _), off in zip(parts, offsets)]))
-    assert torch.equal(lengths, torch.cat([n for _, n in parts]))
-
-
-def test_qwen2_5_kept_videos_read_their_windows_back_once():
-    vlm = TestPaddedGraphShapes.padded(tiny("qwen2_5_vl", fullatt_block_indexes=[1]))
-    videos = [make_frames(4, 112, 168, seed=100 + i) for i in range(4)]
-    keeps = [random_keep(vlm, v, seed=110 + i) for i, v in enumerate(videos)]
-    with torch.no_grad(), CountOps(torch.ops.aten.unique_consecutive.default) as count:
+    reads = []
+    monkeypatch.setattr(kv, "read_back", lambda tensors: reads.append(len(tensors)) or read_back(tensors))
+    ops = [torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+           torch.ops.aten.unique_consecutive.default]
+    with torch.no_grad(), CountOps(ops) as count:
         got = vlm.kept_encoder.encode_many(videos, keeps)
-    assert count.calls == 1
-    want = kept(tiny("qwen2_5_vl", fullatt_block_indexes=[1])).kept_encoder.encode_many(videos, keeps)
-    for a, b in zip(got, want):
-        assert close(a.tokens, b.tokens)
+    assert count.calls == 0 and reads == [10]
+    for features, video, keep in zip(got, videos, keeps):                # what each video alone gets
+        alone = vlm.kept_encoder.encode(video, keep)
+        assert torch.equal(features.index, alone.index) and close(features.tokens, alone.tokens)
+
+
+def test_prepare_reads_the_token_index_before_the_tower_runs(monkeypatch):
+    """VLM.prepare's one read of the kept tokens' cells comes before the vision tower is queued:
+    read after it, the host waited for the tower and then built the prefix with the GPU idle."""
+    import pipeline.vlm.model as model_mod
+    vlm = kept(tiny("qwen2_vl"))
+    frames = make_frames(4, 84, 112, seed=5)
+    events = []
+    index_of, tokens_of = model_mod.nonzero_each, vlm._window_tokens
+    monkeypatch.setattr(model_mod, "nonzero_each", lambda masks: events.append("index") or index_of(masks))
+    monkeypatch.setattr(vlm, "_window_tokens", lambda *a, **k: events.append("tower") or tokens_of(*a, **k))
+    prefix, = vlm.prepare([request(frames, random_keep(vlm, frames, seed=6))])
+    assert events == ["index", "tower"]
+    assert prefix.tokens_kept == int(token_cells(pair_lod(torch.as_tensor(random_keep(vlm, frames, seed=6)))).sum())
 
 
 def test_prepare_selects_every_windows_tokens_with_one_read():

@@ -54,7 +54,9 @@ def test_tower_equals_hf_blocks(family, vision):
     assert all(b._arr_coc_fast for b in fast._visual.blocks)
     frames = make_frames(4, 56, 84, seed=3)
     for got, want in zip(tower_outputs(fast, frames), tower_outputs(hf, frames)):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # float32 rounding: the patch embedding's GEMM sums in another order than the convolution,
+        # and the std-0.3 weights amplify that through the blocks (largest difference seen 1.7e-5)
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
 
 
 def test_padded_mlp_weights_are_views_and_state_dict_is_unchanged():
@@ -79,6 +81,27 @@ def test_patching_twice_changes_nothing():
     assert patch_vision_blocks(fast._visual) == len(forwards)
     assert [b.forward for b in fast._visual.blocks] == forwards
     torch.testing.assert_close(tower_outputs(fast, frames)[0], first, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_patch_embedding_as_a_gemm_equals_the_convolution(family):
+    """The fast patch embedding (one GEMM over the patch rows) gives what HF's Conv3d gives; in
+    training the module keeps HF's forward."""
+    hf, fast = tiny_pair(family)
+    embed = fast._visual.patch_embed
+    assert embed._arr_coc_fast and not getattr(hf._visual.patch_embed, "_arr_coc_fast", False)
+    rows = torch.randn(12, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf._visual.patch_embed(rows)
+        got = embed(rows)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    seen = []
+    handle = embed.proj.register_forward_hook(lambda *a: seen.append(1))      # the convolution module runs
+    embed.train()
+    embed(rows)
+    handle.remove()
+    assert seen
 
 
 def test_training_runs_hf_forward():

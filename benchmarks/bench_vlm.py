@@ -63,9 +63,10 @@ HF_STOCK = "stock, HF forward"         # every token, the LM through transformer
 
 
 @contextlib.contextmanager
-def encoding(vlm, encode: str):
-    """While inside: the VLM's prepare() encodes `encode` ("all" | "kept") patches."""
-    previous, vlm.config = vlm.config, replace(vlm.config, encode=encode)
+def encoding(vlm, encode: str, snap_windows: int = 0):
+    """While inside: the VLM's prepare() encodes `encode` ("all" | "kept") patches, its kept tokens
+    snapped to windows of `snap_windows` cells (vlm.snap_windows; 0: not)."""
+    previous, vlm.config = vlm.config, replace(vlm.config, encode=encode, snap_windows=snap_windows)
     try:
         yield
     finally:
@@ -183,9 +184,12 @@ def keep_maps(relevance: torch.Tensor, retentions: list[float], tp: int = 2) -> 
 
 
 @torch.no_grad()  # as VLM.prepare: without it the vision tower's activations stay alive for autograd
-def bench_setting(vlm, frames, keep, new_tokens: int, reps: int, encode: str = "all") -> dict:
-    with encoding(vlm, encode):
-        return _bench_setting(vlm, frames, keep, new_tokens, reps)
+def bench_setting(vlm, frames, keep, new_tokens: int, reps: int, encode: str = "all",
+                  scores: torch.Tensor | None = None, snap_windows: int = 0) -> dict:
+    """One row. scores: pass 1's relevance, given to the VLM with snap_windows (the phases then
+    time the snapped map; time to first token includes the snapping)."""
+    with encoding(vlm, encode, snap_windows):
+        return _bench_setting(vlm, frames, keep, new_tokens, reps, scores if snap_windows else None)
 
 
 def _vision(vlm, pixels, grid, keep) -> tuple[torch.Tensor, int]:
@@ -198,9 +202,11 @@ def _vision(vlm, pixels, grid, keep) -> tuple[torch.Tensor, int]:
     return merged, vlm.kept_encoder.counters["cells_encoded"] - before
 
 
-def _bench_setting(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
+def _bench_setting(vlm, frames, keep, new_tokens: int, reps: int, scores: torch.Tensor | None = None) -> dict:
     device = vlm.device
-    req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps)
+    req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps, scores=scores)
+    if scores is not None:                            # the phases below take the map prepare() makes
+        keep = vlm._snapped(keep, scores)
     phases = {"preprocess": [], "vision": [], "selection": []}
     for _ in range(reps + 1):                        # the first round warms up
         marks = [time.perf_counter()]
@@ -282,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kept-context", type=int, nargs="+", default=[0], metavar="R",
                     help="vlm.kept_context of the kept rows (cells within R of a kept one encoded as context; "
                          "default 0; several: a row each)")
+    ap.add_argument("--snap-windows", action="store_true",
+                    help="also kept rows with vlm.snap_windows at the model's attention window (Qwen2.5-VL: the "
+                         "kept tokens gathered into whole windows, so none is encoded only to complete one)")
     ap.add_argument("--pageable-frames", action="store_true",
                     help="hand the window over as a numpy array (pageable), not stacked in page-locked memory")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
@@ -314,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         if vlm.kept_encoder.window is not None and "kept" in modes and args.kept_windows != "whole":
             # Qwen2.5-VL: the kept cells only (vlm.kept_windows: cells), after or instead of whole windows
             modes = [m for m in modes if m != "kept" or args.kept_windows == "both"] + ["kept cells"]
+        if vlm.kept_encoder.window is not None and "kept" in modes and args.snap_windows:
+            modes.append("kept snapped")                   # whole windows of the snapped map
         # kept rows: one per --kept-context radius (vlm.kept_context: context cells encoded, then dropped)
         modes = [(m, c) for m in modes for c in (args.kept_context if m != "all" else [0])]
         settings = [("stock", None, "all", 0)] + [
@@ -325,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         for label, keep, mode, context in settings:
             vlm.kept_encoder.whole_windows = mode != "kept cells"
             vlm.kept_encoder.context = context
+            snap = vlm.kept_encoder.window if mode == "kept snapped" else 0
             with hf_forward(vlm, label == HF_STOCK):
-                r = bench_setting(vlm, window, keep, new_tokens, reps, mode.split()[0])
+                r = bench_setting(vlm, window, keep, new_tokens, reps, mode.split()[0], relevance, snap)
             r["kept_windows"] = None if mode == "all" else ("cells" if mode == "kept cells" else "whole")
+            r["snap_windows"] = snap
             r["kept_context"] = None if mode == "all" else context
             # the VLM's time for the window: vision tower + prefill + the decoded tokens
             vlm_ms = r["vision_ms"] + r["prefill_ms"] + 1e3 * (r["decode_tokens"] - 1) / r["decode_tok_s"]

@@ -92,6 +92,12 @@ class VLMConfig:
     # through the tower, so the windowed layers compute what the stock tower does) or "cells" (the
     # kept cells only: fewer cells encoded, and each windowed layer sees only the window's kept cells)
     kept_windows: str = "whole"
+    # 0: off; N: before selection, each frame pair's kept tokens (as many as the allocation gives it)
+    # are moved into whole N x N-cell windows, the windows of highest mean relevance first
+    # (selection.snap_to_windows). Qwen2.5-VL attends within 4 x 4-cell windows: with 4 and
+    # encode: kept (whole windows) no cell goes through the tower only to complete a window.
+    # Needs pass 1's relevance (requests without it keep their map)
+    snap_windows: int = 0
     # encode: kept: cells within this many cells (in each direction, per frame pair) of a kept cell
     # go through the tower too, as context the kept cells attend to, and are then dropped: the LM
     # gets the same tokens, computed with more of their surroundings (0: the kept cells only)
@@ -118,7 +124,7 @@ class VLMConfig:
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
         for name in ("max_new_tokens", "max_batch", "min_pixels", "max_pixels", "seed", "graph_prefill_max_tokens",
-                     "reuse_cells", "kept_context"):
+                     "reuse_cells", "kept_context", "snap_windows"):
             check_int(f"vlm.{name}", getattr(self, name))
         check_range("vlm.max_new_tokens", self.max_new_tokens, 1, 8192)
         check_range("vlm.temperature", self.temperature, 0.0, 10.0)
@@ -133,6 +139,7 @@ class VLMConfig:
         check_choice("vlm.encode", self.encode, ENCODE_MODES)
         check_choice("vlm.kept_windows", self.kept_windows, KEPT_WINDOWS)
         check_range("vlm.kept_context", self.kept_context, 0, 16)
+        check_range("vlm.snap_windows", self.snap_windows, 0, 64)
         check_range("vlm.reuse_cells", self.reuse_cells, 0, 1 << 20)
         check_range("vlm.reuse_threshold", self.reuse_threshold, 0.0, 1.0)
         for name in ("cuda_graphs", "fast_lm", "fast_vision", "pass2_per_frame"):

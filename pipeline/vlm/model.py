@@ -29,7 +29,8 @@ from pipeline.vlm.kept_graph import KeptGraphs
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures, nonzero_each
 from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
-from pipeline.vlm.selection import allocation_keys, pair_lod, select_tokens, token_cells, token_relevance
+from pipeline.vlm.selection import (allocation_keys, pair_lod, select_tokens, snap_to_windows, token_cells,
+                                    token_relevance)
 from pipeline.vlm.tempering import first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
@@ -366,7 +367,7 @@ class VLM:
 
     @torch.no_grad()
     def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
-        keeps = [None if r.keep is None else to_device(r.keep, self.device) for r in requests]  # uploaded once
+        keeps = [self._snapped(r.keep, r.scores) for r in requests]          # uploaded once
         # every window's token positions from one nonzero (a host read, and under live load a wait
         # for the interpreter lock: one per batch, not one per request), read before the vision
         # tower is queued: read after, it waited for the tower, and the host then built the
@@ -377,6 +378,18 @@ class VLM:
         merged_all = self._window_tokens(requests, keeps)
         return [self.question_prefix(self.window_prefix(r.frames, keep, m, r.scores, index=index), r.question)
                 for r, keep, m, index in zip(requests, keeps, merged_all, indices)]
+
+    def _snapped(self, keep: np.ndarray | torch.Tensor | None,
+                 scores: np.ndarray | torch.Tensor | None) -> torch.Tensor | None:
+        """A request's keep map on the device, its tokens moved into whole windows when
+        vlm.snap_windows asks for it and pass 1's relevance is there (selection.snap_to_windows)."""
+        if keep is None:
+            return None
+        keep = to_device(keep, self.device)
+        side = self.config.snap_windows
+        if not side or scores is None:
+            return keep
+        return snap_to_windows(keep, to_device(scores, self.device), side, self.geometry.temporal_patch_size)
 
     def _token_grid(self, frames: np.ndarray | torch.Tensor) -> tuple[int, int, int]:
         """(T', gh, gw): the video tokens' grid of frames (T, H, W, 3), before any encoding."""
@@ -807,8 +820,11 @@ class VLM:
             return []
         started = time.monotonic()
         requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0, scores=scores) for q in questions]  # validates them
-        merged = self._window_tokens(requests[:1])[0]                        # (T', gh, gw, D)
-        window = self.window_prefix(frames, keep, merged, scores)            # selection and positions once
+        keep = self._snapped(keep, scores)
+        # the kept tokens' cells read before the vision tower is queued (see prepare)
+        index, = nonzero_each([token_cells(self._window_lod(frames, keep, self._token_grid(frames))).flatten()])
+        merged = self._window_tokens(requests[:1], [keep])[0]                # (T', gh, gw, D)
+        window = self.window_prefix(frames, keep, merged, scores, index=index)  # selection and positions once
         step = len(questions) if max_batch is None else max_batch
         if self.passes is not None:                                          # pass 2 (and tempering)
             chunks = [questions[i:i + step] for i in range(0, len(questions), step)]

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from arr_coc.lod import FULL, POOLED, pad_to_pairs, pair_lod
+from arr_coc.lod import DROPPED, FULL, POOLED, pad_to_pairs, pair_lod
 
-__all__ = ["allocation_keys", "pair_lod", "select_tokens", "token_cells", "token_relevance"]
+__all__ = ["allocation_keys", "pair_lod", "select_tokens", "snap_to_windows", "token_cells", "token_relevance"]
 
 
 def token_cells(lod: torch.Tensor) -> torch.Tensor:
@@ -107,3 +107,40 @@ def allocation_sizes(keys: torch.Tensor, rungs: int) -> list[int]:
         if n and (not sizes or n > sizes[-1]):
             sizes.append(n)
     return sizes or [0]
+
+
+def snap_to_windows(keep: torch.Tensor, scores: torch.Tensor, side: int, temporal_patch: int = 2) -> torch.Tensor:
+    """vlm.snap_windows: keep (T, gh, gw) LOD per frame, scores (T, gh, gw) pass 1's relevance ->
+    (T, gh, gw) LOD per frame in which each frame pair keeps as many tokens as before (full cells
+    and pooled blocks, one token each), all full, gathered into whole side x side windows (anchored
+    at the top left, edge windows cut by the grid): the pair's windows by mean relevance, best
+    first, each window's cells by relevance, until the pair's count is reached (so at most one
+    window per pair is partly kept). Both frames of a pair get the pair's map. Qwen2.5-VL's
+    windowed vision layers attend within 4 x 4-cell windows: a kept window then costs its cells
+    and no more where `encode: kept` with whole windows encodes every cell of each touched window.
+    No host read (device ops only)."""
+    if side < 1:
+        raise ValueError(f"snap_to_windows: side must be >= 1, got {side}")
+    T = keep.shape[0]
+    lod = pair_lod(keep, temporal_patch)                                     # (T', gh, gw)
+    Tp, gh, gw = lod.shape
+    budget = token_cells(lod).flatten(1).sum(1)                              # (T',) tokens per pair
+    relevance = pad_to_pairs(scores.to(torch.float32), temporal_patch).amax(1)  # (T', gh, gw)
+    ph, pw = -gh % side, -gw % side
+    valid = F.pad(torch.ones_like(relevance), (0, pw, 0, ph))                # (T', H, W) 0 outside the grid
+    padded = F.pad(relevance, (0, pw, 0, ph))
+    wh, ww = valid.shape[1] // side, valid.shape[2] // side
+
+    def per_window(x: torch.Tensor) -> torch.Tensor:                         # (T', H, W) -> (T', wh, ww)
+        return x.view(Tp, wh, side, ww, side).sum((2, 4))
+    mean = per_window(padded) / per_window(valid)                            # (T', wh, ww)
+    window_rank = mean.flatten(1).argsort(dim=1, descending=True, stable=True).argsort(dim=1)  # (T', wh ww)
+    rows = torch.arange(gh, device=keep.device) // side
+    cols = torch.arange(gw, device=keep.device) // side
+    cell_window = (rows[:, None] * ww + cols[None, :]).flatten()             # (gh gw,) each cell's window
+    by_score = relevance.flatten(1).argsort(dim=1, descending=True, stable=True)  # (T', gh gw) cells, best first
+    key = window_rank[:, cell_window].gather(1, by_score)                    # their windows' ranks, in that order
+    order = by_score.gather(1, key.argsort(dim=1, stable=True))                  # by window rank, then relevance
+    position = order.argsort(dim=1)                                             # (T', gh gw) each cell's place
+    snapped = torch.where(position < budget[:, None], FULL, DROPPED).to(keep.dtype).view(Tp, gh, gw)
+    return snapped.repeat_interleave(temporal_patch, 0)[:T]                  # both frames of each pair

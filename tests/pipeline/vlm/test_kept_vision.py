@@ -19,7 +19,8 @@ from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.kept_graph import CELL_BUCKETS, KeptGraphs, cell_bucket
 from pipeline.vlm.kept_vision import context_cells, nonzero_each, patch_positions, window_order
 from pipeline.vlm.loading import _wrap
-from pipeline.vlm.selection import token_cells
+from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm.selection import snap_to_windows, token_cells
 from pipeline.vlm.vision_attention import varlen_attention
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -286,6 +287,70 @@ class TestContext:
         assert close(features.tokens, stock_tokens(vlm, frames).flatten(0, 2)[[7]])
 
 
+class TestSnapWindows:
+    """vlm.snap_windows: each frame pair's tokens gathered into whole windows."""
+
+    def test_each_pair_keeps_its_count_in_its_best_windows(self):
+        g = torch.Generator().manual_seed(4)
+        T, gh, gw, side = 5, 6, 7, 2                                          # odd frames, edge windows cut
+        keep = torch.randint(0, 3, (T, gh, gw), generator=g)
+        scores = torch.rand(T, gh, gw, generator=g)
+        snapped = snap_to_windows(keep, scores, side)
+        assert snapped.shape == keep.shape and snapped.dtype == keep.dtype
+        assert set(snapped.unique().tolist()) <= {0, 1}                       # full tokens only
+        assert torch.equal(snapped[0], snapped[1]) and torch.equal(snapped[2], snapped[3])
+        before, after = pair_lod(keep), pair_lod(snapped)
+        assert torch.equal(token_cells(after).flatten(1).sum(1), token_cells(before).flatten(1).sum(1))
+        relevance = torch.cat([scores, scores[-1:]]).view(3, 2, gh, gw).amax(1)
+        for p in range(3):
+            wins = {}
+            for h in range(gh):
+                for w in range(gw):
+                    wins.setdefault((h // side, w // side), []).append((h, w))
+            kept_n = {k: sum(int(after[p, h, w]) for h, w in cells) for k, cells in wins.items()}
+            partial = [k for k, cells in wins.items() if 0 < kept_n[k] < len(cells)]
+            assert len(partial) <= 1                                           # whole windows but one
+            mean = {k: float(np.mean([relevance[p, h, w] for h, w in cells])) for k, cells in wins.items()}
+            touched = [k for k in wins if kept_n[k]]
+            untouched = [k for k in wins if not kept_n[k]]
+            if touched and untouched:                                          # the best windows are the kept ones
+                assert min(mean[k] for k in touched) >= max(mean[k] for k in untouched)
+            if partial:                                                        # its best cells
+                cells = wins[partial[0]]
+                got = [relevance[p, h, w] for h, w in cells if after[p, h, w]]
+                rest = [relevance[p, h, w] for h, w in cells if not after[p, h, w]]
+                assert min(got) >= max(rest)
+
+    def test_qwen2_5_whole_windows_then_encode_the_kept_cells_only(self):
+        """Snapped to Qwen2.5-VL's windows, encode: kept with whole windows encodes no cell to
+        complete a window beyond each pair's one partial window, and answers as many tokens."""
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[1])
+        frames = make_frames(4, 112, 168, seed=8)                            # (T'=2, 4, 6): windows of 2x2 cells
+        keep = np.zeros((4, 4, 6), dtype=np.int64)
+        keep[0, [0, 3, 1], [0, 5, 3]] = 1                                    # three scattered tokens in pair 0
+        keep[3, [2, 0], [1, 4]] = 1                                          # two in pair 1
+        scores = np.random.default_rng(2).random((4, 4, 6)).astype(np.float32)
+        plain, snapped = kept(vlm), kept(vlm, snap_windows=2)
+        a = plain.answer([request(frames, keep)])[0]
+        b = snapped.answer([AnswerRequest("s0", frames, keep, "what moves?", 0.0, 1.0, scores=scores)])[0]
+        assert a.tokens_kept == b.tokens_kept == 5
+        assert plain.kept_encoder.counters["cells_encoded"] == 5 * 4          # five windows completed
+        assert snapped.kept_encoder.counters["cells_encoded"] == 4 + 4        # a window and a part of one per pair
+        c = snapped.answer([request(frames, keep)])[0]                       # no relevance: the map as given
+        assert c.tokens_kept == 5
+
+    def test_answer_questions_snaps_too(self):
+        vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[1])
+        frames = make_frames(4, 112, 168, seed=9)
+        keep = np.zeros((4, 4, 6), dtype=np.int64)
+        keep[1, [0, 3], [0, 5]] = 1
+        scores = np.random.default_rng(3).random((4, 4, 6)).astype(np.float32)
+        snapped = kept(vlm, snap_windows=2)
+        out = snapped.answer_questions(frames, keep, ["what moves?", "what is red?"], scores=scores)
+        assert [r.tokens_kept for r in out] == [2, 2]
+        assert snapped.kept_encoder.counters["cells_encoded"] == 4              # one window of pair 0
+
+
 class TestPaddedGraphShapes:
     """The kept tower at a padded shape (pipeline.vlm.kept_graph), run eagerly here (capture=False):
     the same tokens as the ragged eager tower, for windows of several sizes sharing one shape."""
@@ -475,6 +540,8 @@ class TestConfig:
         ("reuse_threshold", 2.0, "vlm.reuse_threshold=2.0 is out of range"),
         ("kept_context", -1, "vlm.kept_context=-1 is out of range"),
         ("kept_context", 1.5, "vlm.kept_context must be an integer"),
+        ("snap_windows", -1, "vlm.snap_windows=-1 is out of range"),
+        ("snap_windows", 2.5, "vlm.snap_windows must be an integer"),
     ])
     def test_bad_values_name_the_field(self, field, value, message):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

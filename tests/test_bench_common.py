@@ -52,3 +52,21 @@ def test_bench_live_refuses_a_soak_too_short_to_sample(capsys):
         bench.main(["--quick", "--soak", "1"])
     assert e.value.code == 2 and "at least 2 seconds" in capsys.readouterr().err
 
+
+
+def test_profile_batch_quick_times_every_phase(tmp_path):
+    """profile_batch's CPU smoke run: its phase timers wrap functions that exist (a renamed one
+    failed it at start-up on the GPU box), `vlm_vision` counts the kept encoder's tower too, and
+    the question vector needs no MiniLM."""
+    import json
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "profile.json"
+    subprocess.run([sys.executable, "benchmarks/profile_batch.py", "--quick", "--settings", "vlm.encode=kept",
+                    "--json", str(out)], cwd=root, check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == ["stock", "arrcoc"]
+    for row in rows:
+        phases = row["phases_s_per_video"]
+        assert {"open_video", "vlm_vision", "vlm_generate", "graph_run"} <= set(phases)
+        assert phases["vlm_vision"] > 0 and phases["open_video"] > 0

@@ -70,3 +70,27 @@ def test_profile_batch_quick_times_every_phase(tmp_path):
         phases = row["phases_s_per_video"]
         assert {"open_video", "vlm_vision", "vlm_generate", "graph_run"} <= set(phases)
         assert phases["vlm_vision"] > 0 and phases["open_video"] > 0
+
+
+def test_profile_ttft_summarizes_a_trace(tmp_path):
+    """profile_ttft.summarize: GPU busy time, host syncs and the idle gaps per profiled call; the
+    --tiny run writes its summary."""
+    from benchmarks.profile_ttft import main, summarize
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 100.0, "dur": 20.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 400.0, "dur": 80.0},           # after 280 us idle
+        {"ph": "X", "cat": "kernel", "name": "silu", "ts": 500.0, "dur": 20.0},           # 20 us: not a gap
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 120.0, "dur": 5.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1.0, "dur": 5.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2.0, "dur": 5.0},
+    ]
+    got = summarize(events, calls=2)
+    assert got["gpu_busy_ms"] == 0.11 and got["syncs"] == 0.5 and got["kernel_launches"] == 1.0
+    assert got["gaps_ms"] == [(0.12, 280)]
+    assert got["kernels_ms"][0] == ("gemm", 0.09)
+    out = tmp_path / "ttft.json"
+    assert main(["--tiny", "--reps", "2", "--json", str(out)]) == 0
+    import json
+    summary = json.loads(out.read_text())
+    assert summary["arch"] == "tiny-qwen2_5_vl" and summary["ttft_ms"] > 0

@@ -41,7 +41,7 @@ from ..core.compose import compose, frontend_graphs
 from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, resolve_device
-from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
+from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage, window_frames
 
 DATASETS = ("msrvtt",)
 KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -133,13 +133,15 @@ class QuestionsStage(VLMStage):
             return ()
         keep = None if self.stock else np.stack(self.lod)                    # (T, gh, gw)
         questions = [q.question for q in self.work.questions]
-        frames = np.stack(self.rgb)                                          # (T, H, W, 3)
+        # (T, H, W, 3), stacked straight into page-locked memory for a GPU VLM (as VLMStage's windows)
+        frames = window_frames(self.rgb, self.pin)
         # pass 1's relevance ranks tempering's tokens: only with ARR-COC's own keep map
         scores = np.stack(self.relevance) if keep is not None and self.keep_policy is None else None
 
         def answer() -> list:
             with self.vlm_lock:                                              # a policy may run the VLM's tower
-                chosen = keep if self.keep_policy is None or keep is None else self.keep_policy(frames, keep)
+                chosen = (keep if self.keep_policy is None or keep is None
+                          else self.keep_policy(np.asarray(frames), keep))   # policies take numpy frames
                 return self.vlm.answer_questions(frames, chosen, questions, scores=scores)
         results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
         t_start, t_end = float(self.window_start), float(self.last_pts)

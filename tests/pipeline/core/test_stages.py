@@ -173,3 +173,45 @@ class TestWindowHandOver:
         arrays = [np.full((5, 7, 3), i, np.uint8) for i in range(3)]
         pinned = window_frames(arrays, True)
         assert pinned.is_pinned() and np.array_equal(pinned.numpy(), np.stack(arrays))
+
+
+class QuestionsVLM(RecordingVLM):
+    """A batch VLM: records answer_questions' frames and answers each question with the frame count."""
+
+    def answer_questions(self, frames, keep, questions, scores=None):
+        self.windows = getattr(self, "windows", []) + [frames]
+        return [AnswerResult(text=str(len(frames)), tokens_kept=1, tokens_full=4, latency_s=0.0) for _ in questions]
+
+
+class TestBatchQuestionsWindow:
+    """runners.batch.QuestionsStage hands a video's frames over as VLMStage does its windows."""
+
+    @staticmethod
+    def stage(vlm, policy=None):
+        from pipeline.runners.batch import QuestionsStage
+        from sources.msrvtt import Question, VideoWork
+        work = VideoWork("v", None, (Question("1", "v", "what is it?", "x", "what"),))
+        return QuestionsStage(vlm, work, keep_policy=policy)
+
+    def test_a_cpu_vlm_gets_a_numpy_video(self):
+        vlm = QuestionsVLM()
+        vlm.device = torch.device("cpu")
+        seen = []
+        stage = self.stage(vlm, lambda frames, keep: seen.append(type(frames)) or keep)
+        list(stage.process(allocations(list(range(6)))))
+        assert len(list(stage.finish())) == 1 and stage.answered == 1
+        assert isinstance(vlm.windows[0], np.ndarray) and vlm.windows[0].shape == (6, 4, 4, 3)
+        assert seen == [np.ndarray]                                           # keep policies take numpy
+
+    @cuda
+    @pytest.mark.cuda
+    def test_a_gpu_vlm_gets_the_video_pinned(self):
+        vlm = QuestionsVLM()
+        vlm.device = torch.device("cuda")
+        seen = []
+        stage = self.stage(vlm, lambda frames, keep: seen.append(type(frames)) or keep)
+        list(stage.process(allocations(list(range(6)))))
+        list(stage.finish())
+        frames = vlm.windows[0]
+        assert isinstance(frames, torch.Tensor) and frames.is_pinned() and tuple(frames.shape) == (6, 4, 4, 3)
+        assert seen == [np.ndarray]

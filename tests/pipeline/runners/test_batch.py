@@ -348,8 +348,9 @@ class TestAnswerQuestions:
         questions = ["what is red?", "who moves?", "how many squares are there?"]
         separate = vlm.answer([AnswerRequest("v", frames, keep, q, 0.0, 1.0) for q in questions])
         calls = []
-        original = vlm._merged_tokens
-        monkeypatch.setattr(vlm, "_merged_tokens", lambda videos: calls.append(len(videos)) or original(videos))
+        original = vlm._window_tokens                                      # the tower, whatever vlm.encode
+        monkeypatch.setattr(vlm, "_window_tokens",
+                            lambda requests, keeps=None: calls.append(len(requests)) or original(requests, keeps))
         together = vlm.answer_questions(frames, keep, questions)
         chunked = vlm.answer_questions(frames, keep, questions, max_batch=2)
         assert calls == [1, 1]  # one video through the vision tower per call, whatever the question count

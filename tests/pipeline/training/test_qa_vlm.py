@@ -178,14 +178,15 @@ def tiny():
 class TestTrainingInputsAreThePipelines:
     def test_prefix_positions_and_answer_logits(self, tiny):
         """Each training row is VLM.build_prefix's prefix (same kept tokens, same M-RoPE positions), and
-        its answer logits are the pipeline's uncached logits over prefix + answer."""
+        its answer logits are the pipeline's uncached logits over prefix + answer. Training encodes
+        every patch and drops tokens after the tower: the pipeline's `vlm.encode: all`."""
         cfg, model, tokenizer, preprocessor = tiny
         forward = QAForward(model, tokenizer, preprocessor)
         samples = step_data(cfg, make_clip)[0]
         batch = forward.batch(samples, forward.vision(samples))
         logits, _ = forward.logits(batch)
         vlm = VLM(copy.deepcopy(model), tokenizer, family="qwen2_vl", name="tiny", preprocessor=preprocessor,
-                  config=VLMConfig(max_pixels=cfg.model.max_pixels))
+                  config=VLMConfig(max_pixels=cfg.model.max_pixels, encode="all"))
         rows, b = [], 0
         pooled = pruned = 0
         for s in samples:

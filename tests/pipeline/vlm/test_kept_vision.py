@@ -28,7 +28,7 @@ ATOL = 1e-4                  # float32 tokens of magnitude ~1 (the towers below)
 
 
 def tiny(family: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **vision):
-    """A tiny VLM with `vlm.encode: kept` whose vision weights have std 0.3, not 0.02: attention
+    """A tiny VLM with `vlm.encode: kept` (no context ring) whose vision weights have std 0.3, not 0.02: attention
     then depends on each patch's position and company, so a wrong position or a missing
     neighbour shows in the tokens. `vision` overrides the vision config."""
     tokenizer = build_tokenizer()
@@ -41,7 +41,8 @@ def tiny(family: str, device: str = "cpu", dtype: torch.dtype = torch.float32, *
         for name, p in hf.vision_tower(model).named_parameters():
             if "norm" not in name and "ln_" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return _wrap(model, tokenizer, family, "tiny", VLMConfig(encode="kept", max_new_tokens=6), {}, None)
+    # kept_context 0: these tests are about the kept cells alone (TestContext adds the ring itself)
+    return _wrap(model, tokenizer, family, "tiny", VLMConfig(encode="kept", kept_context=0, max_new_tokens=6), {}, None)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -552,8 +553,8 @@ class TestConfig:
             VLMConfig(kept_windows="some")
         assert VLMConfig().kept_windows == "whole"
 
-    def test_default_encodes_every_patch(self):
-        assert VLMConfig().encode == "all"
+    def test_default_encodes_the_kept_cells_with_a_ring_of_context(self):
+        assert VLMConfig().encode == "kept" and VLMConfig().kept_context == 1
 
     def test_set_from_the_command_line_config(self):
         from pipeline.config import PipelineConfig

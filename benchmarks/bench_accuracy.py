@@ -20,7 +20,9 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
 
     pass2            vlm.pass2=attention: ARR-COC keeps 3x the budget as candidates, the VLM's own
                      attention from the question picks the budget among them (pipeline/vlm/passes.py)
-    kept             vlm.encode=kept: the vision tower encodes only the kept cells' patches
+    kept             vlm.encode=kept, vlm.kept_context=0: the vision tower encodes only the kept
+                     cells' patches (the default adds a ring of one cell as context)
+    all              vlm.encode=all: the vision tower encodes every patch, the tokens are picked after
     finetuned        ARR-COC with the weights --arrcoc-weights names (configs/train_vlm_qa.yaml
                      fine-tunes the shipped ones through arrcoc-synth-qa's answer loss)
     tempering        the budget ladder --ladder: answer at its first rung, again at the next while
@@ -65,8 +67,9 @@ from pipeline.vlm.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
 from pipeline.vlm.config import TemperingConfig  # noqa: E402
 
 POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
-VARIANTS: dict[str, tuple[str, ...]] = {"pass2": ("vlm.pass2=attention",), "kept": ("vlm.encode=kept",),
-                                        "tempering": ()}
+VARIANTS: dict[str, tuple[str, ...]] = {"pass2": ("vlm.pass2=attention",),
+                                        "kept": ("vlm.encode=kept", "vlm.kept_context=0"),
+                                        "all": ("vlm.encode=all",), "tempering": ()}
 LADDER = (0.05, 0.1, 0.25)
 RETENTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
 # the families whose question names one object (by colour and shape): where query-awareness counts

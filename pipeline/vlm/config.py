@@ -123,6 +123,9 @@ class VLMConfig:
     # pass 2 keeps the same share of every frame pair's candidates (each pair's best-attended first,
     # as pass 1 budgets every frame) instead of the window's best-attended candidates wherever they are
     pass2_per_frame: bool = False
+    # pass 2 ranks the candidates by (1 - w) x its attention's rank quantile + w x pass 1's relevance
+    # rank quantile (passes.blend_ranks; 0: attention alone, 1: pass 1's order)
+    pass2_blend: float = 0.0
     tempering: TemperingConfig = field(default_factory=TemperingConfig)
 
     def __post_init__(self) -> None:
@@ -144,6 +147,7 @@ class VLMConfig:
         check_choice("vlm.kept_windows", self.kept_windows, KEPT_WINDOWS)
         check_range("vlm.kept_context", self.kept_context, 0, 16)
         check_range("vlm.snap_windows", self.snap_windows, 0, 64)
+        check_range("vlm.pass2_blend", self.pass2_blend, 0.0, 1.0)
         check_range("vlm.reuse_cells", self.reuse_cells, 0, 1 << 20)
         check_range("vlm.reuse_threshold", self.reuse_threshold, 0.0, 1.0)
         for name in ("cuda_graphs", "fast_lm", "fast_vision", "pass2_per_frame"):

@@ -89,6 +89,15 @@ def per_frame_order(scores: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
     return keys
 
 
+def blend_ranks(attention: torch.Tensor, relevance: torch.Tensor, weight: float) -> torch.Tensor:
+    """vlm.pass2_blend: (K,) pass 2's attention and pass 1's relevance of the same candidates ->
+    (K,) keys, (1 - weight) x attention's rank quantile + weight x relevance's (0: pass 2 alone,
+    1: pass 1 alone), so each pass can only move a candidate as far as its share of the key."""
+    def quantile(x: torch.Tensor) -> torch.Tensor:
+        return x.float().argsort(stable=True).argsort().float() / max(x.numel() - 1, 1)
+    return (1.0 - weight) * quantile(attention) + weight * quantile(relevance)
+
+
 def token_pairs(window: WindowPrefix) -> torch.Tensor:
     """(K,) the frame pair of each of the window's visual tokens (its M-RoPE t)."""
     return window.positions[0, window.embeds.shape[0] - window.tokens_kept:]
@@ -229,6 +238,9 @@ class Passes:
             return [torch.zeros(w.tokens_kept, device=self.vlm.device) for w in windows]  # all kept: no ranking
         if self.rank == "attention":
             attention = self.scores(windows, questions)
+            if weight := self.vlm.config.pass2_blend:                     # pass 1's relevance blended in
+                attention = [a if w.scores is None else blend_ranks(a, w.scores, weight)
+                             for a, w in zip(attention, windows)]
             if not self.vlm.config.pass2_per_frame:
                 return attention
             return [per_frame_order(a, token_pairs(w)) for a, w in zip(attention, windows)]

@@ -13,7 +13,8 @@ from conftest import make_frames, random_keep, record_prefills, request, rewrap,
 
 from pipeline.vlm import passes as passes_module
 from pipeline.vlm.config import TemperingConfig
-from pipeline.vlm.passes import keep_best, narrow
+from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm.passes import blend_ranks, keep_best, narrow
 from pipeline.vlm.text_model import FastTextModel
 
 QUESTIONS = ("what colour is the car on the left?", "how many people are there?")
@@ -148,6 +149,31 @@ class TestSelection:
         assert all(t == t0 for t in picked)
         picked, t0 = kept_pairs(pass2_per_frame=True)
         assert 0 < sum(t == t0 for t in picked) < len(picked)                # both pairs keep tokens
+
+    def test_blend_ranks_mixes_the_two_orders(self):
+        attention, relevance = torch.tensor([0.1, 0.5, 0.3, 0.9]), torch.tensor([4.0, 1.0, 3.0, 2.0])
+        assert keep_best(blend_ranks(attention, relevance, 0.0), 2).tolist() == keep_best(attention, 2).tolist()
+        assert keep_best(blend_ranks(attention, relevance, 1.0), 2).tolist() == keep_best(relevance, 2).tolist()
+        torch.testing.assert_close(blend_ranks(attention, relevance, 0.5), torch.tensor([0.5, 1 / 3, 0.5, 2 / 3]))
+
+    @pytest.mark.parametrize("weight", [0.0, 1.0])
+    def test_pass2_blend_weighs_pass_1s_relevance_in(self, vlm, window_case, monkeypatch, weight):
+        """vlm.pass2_blend: 0 keeps pass 2's attention order, 1 pass 1's relevance order among the
+        candidates (the request's scores)."""
+        frames, keep, _ = window_case
+        scores = np.random.default_rng(7).random(keep.shape).astype(np.float32)
+        v2 = on(vlm, candidate_factor=3.0, pass2_blend=weight)
+        window = v2.window_prefix(frames, keep, vlm._merged_tokens([frames])[0], scores)
+        attention = v2.passes.scores([window], [QUESTIONS[0]])[0]
+        assert not torch.equal(keep_best(attention, round(window.tokens_kept / 3)),
+                               keep_best(window.scores, round(window.tokens_kept / 3)))  # the two orders differ
+        monkeypatch.setattr(v2.passes, "scores", lambda windows, questions: [attention for _ in windows])
+        calls = record_prefills(v2, monkeypatch)
+        req = AnswerRequest("s0", frames, keep, QUESTIONS[0], 0.0, 1.0, scores=scores)
+        v2.answer([req])
+        n = round(window.tokens_kept / 3)
+        expected = narrow(window, keep_best(attention if weight == 0.0 else window.scores, n))
+        assert visual_positions(calls[-1][0]) == visual_positions(v2.question_prefix(expected, QUESTIONS[0]))
 
     def test_attention_favouring_a_cell_gets_it_selected(self, vlm, window_case, monkeypatch):
         """Make the pass-2 layer's key of one candidate point where the question's queries do: that

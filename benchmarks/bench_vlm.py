@@ -22,7 +22,7 @@ Each retention runs twice (--encode both, the default): "arr-coc N%" with `vlm.e
 vision tower on every patch, the kept tokens picked afterwards) and "arr-coc N%, kept" with
 `vlm.encode: kept` (the tower on the kept cells only; Qwen2.5-VL: the windows holding them);
 vision_cells counts the cells the tower encoded, ttft_x_stock the time-to-first-token speed-up.
-Every setting gets the window as the VLM stages hand one over (core/stages.py window_frames): on
+Every setting gets the window as the VLM stages hand one over (core/cuda.py window_frames): on
 CUDA stacked in page-locked memory, so the upload needs no host copy first (--pageable-frames: a
 numpy array, which the preprocessor copies into page-locked memory before uploading).
 
@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_topology, scratch_result  # noqa: E402
-from pipeline.core.stages import window_frames  # noqa: E402
+from pipeline.core.cuda import window_frames  # noqa: E402
 from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
 from pipeline.vlm.config import VLMConfig  # noqa: E402
 from pipeline.vlm.loading import _wrap  # noqa: E402

@@ -29,7 +29,7 @@ import time
 import torch
 
 from benchmarks.bench_vlm import QUESTION, build_vlm, keep_maps, relevance_map, synthetic_window
-from pipeline.core.stages import window_frames
+from pipeline.core.cuda import window_frames
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.model import AnswerRequest
 

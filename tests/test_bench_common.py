@@ -94,3 +94,13 @@ def test_profile_ttft_summarizes_a_trace(tmp_path):
     import json
     summary = json.loads(out.read_text())
     assert summary["arch"] == "tiny-qwen2_5_vl" and summary["ttft_ms"] > 0
+
+
+@pytest.mark.parametrize("module", ["benchmarks.bench_vlm", "benchmarks.profile_ttft"])
+def test_vlm_benchmarks_import_without_av_or_zarr(module):
+    """The GPU machines have torch and transformers but neither av nor zarr: the VLM benchmarks
+    (which decode no video and write no store) must start there without them."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    code = f"import sys; sys.modules['av'] = None; sys.modules['zarr'] = None; import {module}"
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, capture_output=True, timeout=120)

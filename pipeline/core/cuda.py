@@ -5,7 +5,8 @@ machine without CUDA all but capture run.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +42,34 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def host_uint8(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
+    """An empty uint8 host tensor, page-locked when `pin` (not while another thread captures)."""
+    with CAPTURE_LOCK if pin else nullcontext():
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+
+
+def stack_host(arrays: Sequence[np.ndarray], pin: bool) -> torch.Tensor:
+    """Same-shaped uint8 arrays -> one (n, ...) uint8 host tensor, written straight into pinned
+    memory when `pin` (no second copy into page-locked memory before an upload)."""
+    out = host_uint8((len(arrays), *arrays[0].shape), pin)
+    np.stack(arrays, out=out.numpy())
+    return out
+
+
+def window_frames(arrays: Sequence[np.ndarray], pin: bool) -> np.ndarray | torch.Tensor:
+    """An answer window's (T, H, W, 3) frames for an AnswerRequest: stacked straight into pinned
+    memory when `pin` (see pins_frames), else a numpy array."""
+    return stack_host(arrays, True) if pin else np.stack(arrays)
+
+
+def pins_frames(vlm: Any) -> bool:
+    """Whether answer windows go to `vlm` in page-locked memory: an in-process VLM on a GPU then
+    uploads a window without first copying it into page-locked memory itself (to_device). A VLM
+    in a process of its own (vlm/remote.py) has no device here and gets pageable arrays, pickled."""
+    device = getattr(vlm, "device", None)
+    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 def upload(arrays: list, device: torch.device) -> list[torch.Tensor]:

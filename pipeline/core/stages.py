@@ -29,7 +29,7 @@ from sources.frame import Frame
 from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
-from .cuda import CAPTURE_LOCK, to_device
+from .cuda import CAPTURE_LOCK, host_uint8, pins_frames, stack_host, to_device, window_frames  # noqa: F401
 from .frontend_graphs import FrontendGraphs, graphable
 from .graph import Stage
 
@@ -175,37 +175,9 @@ def frontend_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)  # lower is higher; torch maps it into CUDA's range
 
 
-def host_uint8(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
-    """An empty uint8 host tensor, page-locked when `pin` (not while another thread captures)."""
-    with CAPTURE_LOCK if pin else nullcontext():
-        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
-
-
-def stack_host(arrays: Sequence[np.ndarray], pin: bool) -> torch.Tensor:
-    """Same-shaped uint8 arrays -> one (n, ...) uint8 host tensor, written straight into pinned
-    memory when `pin` (no second copy into page-locked memory before an upload)."""
-    out = host_uint8((len(arrays), *arrays[0].shape), pin)
-    np.stack(arrays, out=out.numpy())
-    return out
-
-
 def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
     """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`."""
     return stack_host([f.rgb for f in frames], pin)
-
-
-def window_frames(arrays: Sequence[np.ndarray], pin: bool) -> np.ndarray | torch.Tensor:
-    """An answer window's (T, H, W, 3) frames for an AnswerRequest: stacked straight into pinned
-    memory when `pin` (see pins_frames), else a numpy array."""
-    return stack_host(arrays, True) if pin else np.stack(arrays)
-
-
-def pins_frames(vlm: Any) -> bool:
-    """Whether answer windows go to `vlm` in page-locked memory: an in-process VLM on a GPU then
-    uploads a window without first copying it into page-locked memory itself (to_device). A VLM
-    in a process of its own (vlm/remote.py) has no device here and gets pageable arrays, pickled."""
-    device = getattr(vlm, "device", None)
-    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 class DecodeStage(Stage):

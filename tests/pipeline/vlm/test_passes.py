@@ -340,3 +340,13 @@ def test_rung_budgets_count_pooled_tokens_as_one(vlm):
     assert window.tokens_kept == -(-gh // 2) * -(-gw // 2)                   # one token per block
     result = on(vlm, candidate_factor=2.0).answer([request(frames, keep, "where?")])[0]
     assert result.tokens_kept == round(window.tokens_kept / 2)
+
+
+@pytest.mark.parametrize("value, message", [(1.5, "vlm.pass2_blend=1.5 is out of range"),
+                                            ("x", "vlm.pass2_blend must be a number")])
+def test_pass2_blend_is_checked(value, message):
+    from arr_coc._validate import ConfigError
+    from pipeline.vlm.config import VLMConfig
+    assert VLMConfig().pass2_blend == 0.0
+    with pytest.raises(ConfigError, match=message):
+        VLMConfig(pass2_blend=value)

@@ -27,8 +27,8 @@ from sources.live import Gap, LiveSource
 
 from ..config import PipelineConfig
 from .graph import Channel, Stage
-from .stages import (AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, pins_frames, stack_frames,
-                     window_frames)
+from .cuda import pins_frames, window_frames
+from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
 
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame

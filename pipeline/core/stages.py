@@ -17,7 +17,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, TextIO
+from typing import Any, Callable, Iterable, Iterator, Literal, TextIO
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from sources.frame import Frame
 from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
-from .cuda import CAPTURE_LOCK, host_uint8, pins_frames, stack_host, to_device, window_frames  # noqa: F401
+from .cuda import CAPTURE_LOCK, host_uint8, pins_frames, stack_host, to_device, window_frames
 from .frontend_graphs import FrontendGraphs, graphable
 from .graph import Stage
 

@@ -41,7 +41,8 @@ from ..core.compose import compose, frontend_graphs
 from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, resolve_device
-from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage, window_frames
+from ..core.cuda import window_frames
+from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
 DATASETS = ("msrvtt",)
 KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from arr_coc.lod import token_frames
 from pipeline.core.cuda import to_device
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph, StaticDecoder,  # noqa: F401
@@ -372,9 +373,7 @@ class VLM:
         # for the interpreter lock: one per batch, not one per request), read before the vision
         # tower is queued: read after, it waited for the tower, and the host then built the
         # prefixes while the GPU idled
-        cells = [token_cells(self._window_lod(r.frames, keep, self._token_grid(r.frames))).flatten()
-                 for r, keep in zip(requests, keeps)]
-        indices = nonzero_each(cells)
+        indices = nonzero_each([self._token_mask(r.frames, keep) for r, keep in zip(requests, keeps)])
         merged_all = self._window_tokens(requests, keeps)
         return [self.question_prefix(self.window_prefix(r.frames, keep, m, r.scores, index=index), r.question)
                 for r, keep, m, index in zip(requests, keeps, merged_all, indices)]
@@ -391,10 +390,12 @@ class VLM:
             return keep
         return snap_to_windows(keep, to_device(scores, self.device), side, self.geometry.temporal_patch_size)
 
-    def _token_grid(self, frames: np.ndarray | torch.Tensor) -> tuple[int, int, int]:
-        """(T', gh, gw): the video tokens' grid of frames (T, H, W, 3), before any encoding."""
-        tp = self.geometry.temporal_patch_size
-        return (-(-frames.shape[0] // tp), *self.geometry.grid(*frames.shape[1:3]))
+    def _token_mask(self, frames: np.ndarray | torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """(T' gh gw,) bool: the cells of frames (T, H, W, 3) that carry a token under keep (None:
+        all), worked out from the grid alone, before any encoding (selection.token_cells)."""
+        T, H, W = frames.shape[:3]
+        grid = (token_frames(T, self.geometry.temporal_patch_size), *self.geometry.grid(H, W))
+        return token_cells(self._window_lod(frames, keep, grid)).flatten()
 
     @torch.no_grad()
     def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:
@@ -822,7 +823,7 @@ class VLM:
         requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0, scores=scores) for q in questions]  # validates them
         keep = self._snapped(keep, scores)
         # the kept tokens' cells read before the vision tower is queued (see prepare)
-        index, = nonzero_each([token_cells(self._window_lod(frames, keep, self._token_grid(frames))).flatten()])
+        index, = nonzero_each([self._token_mask(frames, keep)])
         merged = self._window_tokens(requests[:1], [keep])[0]                # (T', gh, gw, D)
         window = self.window_prefix(frames, keep, merged, scores, index=index)  # selection and positions once
         step = len(questions) if max_batch is None else max_batch

@@ -12,8 +12,8 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
 from pipeline.runners.run import run_video
-from pipeline.core.stages import (AllocationBatch, AnswerItem, DecodeStage, FrameBatch, FrameRef, VLMStage, pins_frames,
-                                  window_frames)
+from pipeline.core.cuda import pins_frames, window_frames
+from pipeline.core.stages import AllocationBatch, AnswerItem, DecodeStage, FrameBatch, FrameRef, VLMStage
 from pipeline.vlm.model import AnswerResult
 from sinks import read_stream
 from sources.frame import Frame
@@ -187,31 +187,30 @@ class TestBatchQuestionsWindow:
     """runners.batch.QuestionsStage hands a video's frames over as VLMStage does its windows."""
 
     @staticmethod
-    def stage(vlm, policy=None):
+    def answer(device: str):
+        """A one-question video of 6 frames through QuestionsStage with a VLM on `device` and a keep
+        policy that records the type of frames it gets -> (the frames the VLM got, the stage, its
+        finish() output, the policy's frame types)."""
         from pipeline.runners.batch import QuestionsStage
         from sources.msrvtt import Question, VideoWork
+        vlm = QuestionsVLM()
+        vlm.device = torch.device(device)
+        seen = []
         work = VideoWork("v", None, (Question("1", "v", "what is it?", "x", "what"),))
-        return QuestionsStage(vlm, work, keep_policy=policy)
+        stage = QuestionsStage(vlm, work, keep_policy=lambda frames, keep: seen.append(type(frames)) or keep)
+        list(stage.process(allocations(list(range(6)))))
+        finished = list(stage.finish())
+        return vlm.windows[0], stage, finished, seen
 
     def test_a_cpu_vlm_gets_a_numpy_video(self):
-        vlm = QuestionsVLM()
-        vlm.device = torch.device("cpu")
-        seen = []
-        stage = self.stage(vlm, lambda frames, keep: seen.append(type(frames)) or keep)
-        list(stage.process(allocations(list(range(6)))))
-        assert len(list(stage.finish())) == 1 and stage.answered == 1
-        assert isinstance(vlm.windows[0], np.ndarray) and vlm.windows[0].shape == (6, 4, 4, 3)
+        frames, stage, finished, seen = self.answer("cpu")
+        assert len(finished) == 1 and stage.answered == 1
+        assert isinstance(frames, np.ndarray) and frames.shape == (6, 4, 4, 3)
         assert seen == [np.ndarray]                                           # keep policies take numpy
 
     @cuda
     @pytest.mark.cuda
     def test_a_gpu_vlm_gets_the_video_pinned(self):
-        vlm = QuestionsVLM()
-        vlm.device = torch.device("cuda")
-        seen = []
-        stage = self.stage(vlm, lambda frames, keep: seen.append(type(frames)) or keep)
-        list(stage.process(allocations(list(range(6)))))
-        list(stage.finish())
-        frames = vlm.windows[0]
+        frames, _, _, seen = self.answer("cuda")
         assert isinstance(frames, torch.Tensor) and frames.is_pinned() and tuple(frames.shape) == (6, 4, 4, 3)
         assert seen == [np.ndarray]

@@ -3,7 +3,7 @@ per video) through `pipeline batch`, local path and Ray Data, stock tokens vs AR
 
 Reports per setting videos/s and questions/s, both over the whole wall time (model loading
 included) and steady-state (each worker from its first finished video, which carries its model
-load, to its last, summed over the workers), plus
+load, or its --warmup-videos N-th, to its last, summed over the workers), plus
 the ARR-COC/stock speed-up and the Ray scaling efficiency qps(n GPUs) / (n * qps(1 GPU)), and
 per run the mean wall seconds per video and each stage's busy seconds per video (decode, texture,
 realize, vlm, sink): a stage whose busy time grows with the worker count marks what the workers share.
@@ -11,7 +11,10 @@ realize, vlm, sink): a stage whose busy time grows with the worker count marks w
 end still runs); the `vlm-only` path is the stock VLM alone (frames decoded at vlm.fps, no front
 end, no store), the alternative a user without ARR-COC would run.
 The VLM is the Qwen2-VL-2B architecture with random weights (nothing is downloaded; speed does not
-depend on the weights); its answers are meaningless.
+depend on the weights); its answers are meaningless, and every one is vlm.max_new_tokens (8) long
+(EOS is never chosen), so both arms decode the same tokens. The videos a worker has in flight share
+its VLM, which answers the videos waiting for it together (up to vlm.max_batch; `--set
+vlm.max_batch=1`: one video per call).
 
     python3 benchmarks/bench_batch.py --device cuda                    # 1..all GPUs of this machine
     python3 benchmarks/bench_batch.py --device cuda --gpus 1 2 4       # choose the GPU counts
@@ -47,26 +50,31 @@ def qwen2_vl_2b_factory(device: torch.device):
     tokenizer = build_tokenizer("english")  # questions cost about as many tokens as with Qwen's vocabulary
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(arch_config("qwen2-vl-2b", tokenizer), device=device, dtype=dtype)
-    return _wrap(model, tokenizer, "qwen2_vl", "qwen2-vl-2b (random weights)", BENCH_VLM, {}, None)
+    vlm = _wrap(model, tokenizer, "qwen2_vl", "qwen2-vl-2b (random weights)", BENCH_VLM, {}, None)
+    # random weights emit EOS at random, and where depends on the visual tokens: every answer runs
+    # to vlm.max_new_tokens, so both arms decode the same number of tokens
+    vlm.eos_ids = torch.empty(0, dtype=torch.long, device=device)
+    return vlm
 
 
 BENCH_VLM = None  # set in main (VLMConfig of this run), read by the factory in every worker
 
 
-def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
+def steady_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float, float]:
     """videos/s and questions/s in steady state: per worker process (VideoOutcome.worker), from
-    its first finished video (which carries its model load) to its last, summed over the workers,
-    so workers that start at different times (Ray actors load their models one after another) do
-    not count each other's start-up. Idle gaps inside a worker's span still count."""
+    its `warmup`-th finished video (the first carries its model load, the first few most CUDA-graph
+    captures) to its last, summed over the workers, so workers that start at different times (Ray
+    actors load their models one after another) do not count each other's start-up. Idle gaps
+    inside a worker's span still count."""
     done = [o for o in s.outcomes if o.status == "done"]
     by_worker: dict[str, list] = {}
     for o in done:
         by_worker.setdefault(o.worker, []).append(o)
     vps = qps = 0.0
-    if len(by_worker) != workers or any(len(o) < 2 for o in by_worker.values()):
+    if len(by_worker) != workers or any(len(o) < warmup + 1 for o in by_worker.values()):
         return float("nan"), float("nan")   # a worker without a steady state
     for outcomes in by_worker.values():
-        outcomes.sort(key=lambda o: o.finished_at)
+        outcomes = sorted(outcomes, key=lambda o: o.finished_at)[warmup - 1:]
         span = outcomes[-1].finished_at - outcomes[0].finished_at
         vps += (len(outcomes) - 1) / span
         qps += sum(o.questions for o in outcomes[1:]) / span
@@ -74,7 +82,7 @@ def steady_rates(s: BatchSummary, workers: int) -> tuple[float, float]:
 
 
 def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int,
-            videos_per_task: int | None = None) -> dict:
+            videos_per_task: int | None = None, warmup: int = 1) -> dict:
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     made = []                                                                # the local path's VLM, for its counters
@@ -88,7 +96,7 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
                           vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task,
                           query_encoder=fixed_query)
     row = s.to_dict()
-    vps, qps = steady_rates(s, workers)
+    vps, qps = steady_rates(s, workers, warmup)
     shutil.rmtree(out, ignore_errors=True)
     return {"path": path, "workers": workers, "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
@@ -152,10 +160,15 @@ def main() -> None:
     ap.add_argument("--no-ray", action="store_true", help="time the local path only (where Ray is not installed)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every run (repeatable), e.g. decode.fps=2")
+    ap.add_argument("--warmup-videos", type=int, default=1, metavar="N",
+                    help="steady rates count from each worker's N-th finished video on (default 1: the first "
+                         "carries the model load; more leave out the first CUDA-graph captures too)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.quick:
         args.device, args.videos, args.questions, args.seconds, args.size = "cpu", 3, 3, 1.0, [64, 96]
+    if args.warmup_videos < 1:
+        sys.exit(f"--warmup-videos must be >= 1, got {args.warmup_videos}")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA GPU here (use --quick on CPU)")
     n_gpus = torch.cuda.device_count() if args.device == "cuda" else 2
@@ -187,11 +200,12 @@ def main() -> None:
         for stock in [t == "stock" for t in ("stock", "arrcoc") if t in tokens]:
             if "local" in paths:
                 rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory,
-                                    scratch=scratch, in_flight=args.in_flight))
+                                    scratch=scratch, in_flight=args.in_flight, warmup=args.warmup_videos))
                 print(json.dumps(rows[-1]), flush=True)
             for n in counts:
                 rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch,
-                                    in_flight=args.in_flight, videos_per_task=args.videos_per_task))
+                                    in_flight=args.in_flight, videos_per_task=args.videos_per_task,
+                                    warmup=args.warmup_videos))
                 print(json.dumps(rows[-1]), flush=True)
         if counts:
             ray.shutdown()
@@ -203,7 +217,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
-              "size": args.size, "retention": args.retention, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
+              "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
               "summary": summarize(rows, counts), "command": " ".join(["python3"] + sys.argv),
               "host": host_topology()}
     print(json.dumps(result["summary"], indent=1))

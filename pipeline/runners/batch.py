@@ -14,6 +14,7 @@ every question exactly once.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -43,6 +44,8 @@ from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, resolve_device
 from ..core.cuda import window_frames
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
+from ..vlm.batcher import VLMBatcher
+from ..vlm.model import WindowQuestions
 
 DATASETS = ("msrvtt",)
 KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -119,15 +122,15 @@ class QuestionsStage(VLMStage):
     (as VLMStage does), then answers all the video's questions from one set of vision tokens.
     `stock`: send every visual token (the baseline ARR-COC is measured against). `keep_policy`:
     (frames (T, H, W, 3), ARR-COC's LODs (T, gh, gw)) -> the keep map the VLM gets instead (the
-    accuracy benchmark's query-agnostic baselines, pipeline/vlm/baselines.py). `vlm_lock`: held
-    while the VLM answers (the videos a worker has in flight share one VLM and its caches)."""
+    accuracy benchmark's query-agnostic baselines, pipeline/vlm/baselines.py). `batcher`: a
+    VLMBatcher over answer_windows (VideoAnswerer's), through which the videos in flight share one
+    VLM thread and are answered together (None: this stage calls the VLM itself)."""
 
     def __init__(self, vlm: Any, work: VideoWork, *, stock: bool = False, keep_policy: KeepPolicy | None = None,
-                 vlm_lock: threading.Lock | None = None, vlm_worker: Workers | None = None) -> None:
+                 batcher: VLMBatcher | None = None) -> None:
         super().__init__(vlm, query_text(work), every_s=None)
         self.work, self.stock, self.keep_policy = work, stock, keep_policy
-        self.vlm_lock = vlm_lock if vlm_lock is not None else threading.Lock()
-        self.vlm_worker = vlm_worker  # the thread the VLM runs in (None: this stage's own)
+        self.batcher = batcher
 
     def finish(self) -> Iterable[AnswerItems]:
         if not self.rgb:
@@ -138,17 +141,24 @@ class QuestionsStage(VLMStage):
         frames = window_frames(self.rgb, self.pin)
         # pass 1's relevance ranks tempering's tokens: only with ARR-COC's own keep map
         scores = np.stack(self.relevance) if keep is not None and self.keep_policy is None else None
-
-        def answer() -> list:
-            with self.vlm_lock:                                              # a policy may run the VLM's tower
-                chosen = (keep if self.keep_policy is None or keep is None
-                          else self.keep_policy(np.asarray(frames), keep))   # policies take numpy frames
-                return self.vlm.answer_questions(frames, chosen, questions, scores=scores)
-        results = answer() if self.vlm_worker is None else self.vlm_worker.submit(answer).result()
+        job = WindowQuestions(frames, keep, questions, scores)
+        if self.batcher is None:
+            results = answer_windows(self.vlm, [job], self.keep_policy)[0]
+        else:
+            results = self.batcher.submit(job).result()
         t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)
         answers = [AnswerItem.of(self.work.video_id, t_start, t_end, q, r) for q, r in zip(questions, results)]
         return [AnswerItems(answers)] if answers else []
+
+
+def answer_windows(vlm: Any, jobs: list[WindowQuestions], keep_policy: KeepPolicy | None = None) -> list[list]:
+    """Several videos' questions in one VLM.answer_windows call, each ARR-COC keep map first replaced
+    by keep_policy's where there is one (policies take numpy frames; stock jobs keep None)."""
+    if keep_policy is not None:
+        jobs = [job if job.keep is None else dataclasses.replace(job, keep=keep_policy(np.asarray(job.frames), job.keep))
+                for job in jobs]
+    return vlm.answer_windows(jobs)
 
 
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -203,14 +213,17 @@ class VideoAnswerer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(MODEL_SEED)
             self.model = build_model(cfg, self.device, answering=True)
-        self._vlm_lock = threading.Lock()
         self._lock = threading.Lock()                            # guards the two below
         self._running: dict[int, tuple[Any, RunStatus]] = {}  # graphs in flight, to stop them on Ctrl-C
         self._idle_workers: list[DecodeWorker] = []              # decode processes between videos
         self._idle_graphs: dict[tuple, list[Any]] = {}           # front-end CUDA graphs between videos, per grid
         # Threads kept from video to video (CUDA libraries' per-thread state stays warm): the
-        # graphs' stages, and one for every VLM call
-        self._stage_workers, self._vlm_worker = Workers("stage"), Workers("vlm", max_threads=1)
+        # graphs' stages, and the VLM's one, to which the videos in flight hand their questions: it
+        # answers whatever is waiting together (up to vlm.max_batch videos: one tower call, one
+        # decode loop)
+        self._stage_workers = Workers("stage")
+        self._batcher = VLMBatcher(self.vlm, max_batch=cfg.vlm.max_batch, max_wait_s=0.0,
+                                   answer=lambda jobs: answer_windows(self.vlm, jobs, self.keep_policy))
 
     @staticmethod
     def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
@@ -282,7 +295,7 @@ class VideoAnswerer:
         for worker in workers:
             worker.close()
         self._stage_workers.close()
-        self._vlm_worker.close()
+        self._batcher.close()
 
     def _run_video(self, work: VideoWork,
                    worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float], bool]:
@@ -304,8 +317,7 @@ class VideoAnswerer:
         try:
             graph = compose(source, writer, self.model, query, grid, cfg, self.device, status,
                             vlm_stage=QuestionsStage(self.vlm, work, stock=self.stock, keep_policy=self.keep_policy,
-                                                     vlm_lock=self._vlm_lock,
-                                                     vlm_worker=self._vlm_worker),
+                                                     batcher=self._batcher),
                             query_mask=query_mask, graphs=graphs)
             with self._lock:
                 self._running[id(graph)] = (graph, status)

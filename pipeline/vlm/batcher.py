@@ -1,12 +1,15 @@
-"""Groups answer requests from several streams into batches for one VLM (thread-safe)."""
+"""Groups answer requests from several streams (or a batch job's videos) into batches for one VLM
+(thread-safe)."""
 from __future__ import annotations
 
 import collections
 import queue
 import threading
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from pipeline.vlm.model import VLM, AnswerRequest, AnswerResult
 
@@ -29,10 +32,16 @@ class BatchTiming:
 class VLMBatcher:
     """``submit(request) -> Future[AnswerResult]`` from any thread. A worker thread waits for the first
     request, then gathers more until ``max_batch`` requests or ``max_wait_s`` after that first one,
-    and answers them in one batched ``VLM.answer`` call. An error fails every future of its batch."""
+    and answers them in one batched ``VLM.answer`` call. An error fails every future of its batch.
 
-    def __init__(self, vlm: VLM, *, max_batch: int | None = None, max_wait_s: float | None = None) -> None:
+    ``answer``: what a batch is handed to instead, items -> one result per item, in order (batch
+    mode: VLM.answer_windows over whole videos' questions, pipeline/runners/batch.py). The worker
+    thread lives as long as the batcher, so CUDA libraries' per-thread state stays warm."""
+
+    def __init__(self, vlm: VLM, *, max_batch: int | None = None, max_wait_s: float | None = None,
+                 answer: Callable[[list[Any]], list[Any]] | None = None) -> None:
         self.vlm = vlm
+        self._answer = vlm.answer if answer is None else answer
         self.max_batch = vlm.config.max_batch if max_batch is None else max_batch
         self.max_wait_s = vlm.config.max_wait_s if max_wait_s is None else max_wait_s
         if self.max_batch < 1:
@@ -95,13 +104,19 @@ class VLMBatcher:
             self.batch_sizes.append(len(live))
             started = time.monotonic()
             try:
-                results: list[AnswerResult] = self.vlm.answer([r for r, _, _ in live])
+                results: list[AnswerResult] = self._answer([r for r, _, _ in live])
             except BaseException as e:  # the caller sees it on its future, naming the streams
                 for _, f, _ in live:
                     f.set_exception(e)
                 continue
             self.timings.append(BatchTiming(
                 started, time.monotonic() - started, tuple(started - t for _, _, t in live),
-                tuple(t - r.arrival_s if r.arrival_s is not None else float("nan") for r, _, t in live)))
+                tuple(_ready_s(r, t) for r, _, t in live)))
             for (_, f, _), res in zip(live, results):
                 f.set_result(res)
+
+
+def _ready_s(request: Any, submitted: float) -> float:
+    """From the request's window being complete (its arrival_s, where it has one) to its submit."""
+    arrival = getattr(request, "arrival_s", None)
+    return submitted - arrival if arrival is not None else math.nan

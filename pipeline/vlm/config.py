@@ -67,7 +67,7 @@ class VLMConfig:
     temperature: float = 0.0           # 0 = greedy
     top_p: float = 1.0
     seed: int = 0                      # sampling seed (per answer batch)
-    max_batch: int = 4                 # requests decoded together by VLMBatcher
+    max_batch: int = 4                 # requests (live) or videos (batch) VLMBatcher answers together
     max_wait_s: float = 0.05           # how long VLMBatcher waits to fill a batch
     min_pixels: int = 56 * 56          # per-frame pixel range the frames are resized into (video
     max_pixels: int = 448 * 448        # tokens are 4x cheaper than HF's image defaults)

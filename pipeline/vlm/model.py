@@ -118,6 +118,16 @@ def check_scores(scores: np.ndarray | torch.Tensor, expected: int | tuple[int, .
 
 
 @dataclass(frozen=True)
+class WindowQuestions:
+    """Questions about one window of frames (VLM.answer_windows): frames (T, H, W, 3), keep
+    (T, gh, gw) LOD or None (every token), scores pass 1's relevance or None, as AnswerRequest's."""
+    frames: np.ndarray | torch.Tensor
+    keep: np.ndarray | torch.Tensor | None
+    questions: list[str]
+    scores: np.ndarray | torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class AnswerResult:
     text: str
     tokens_kept: int     # visual tokens actually sent to the LM (in the final pass)
@@ -817,28 +827,57 @@ class VLM:
         run once, each question adds only its own text to the shared prefix (prefilled once), and they
         decode together (`max_batch` per generate call, None: all at once). latency_s is the time from
         this call to each answer. scores: pass 1's relevance (T, gh, gw), as AnswerRequest.scores."""
-        if not questions:
-            return []
+        return self.answer_windows([WindowQuestions(frames, keep, list(questions), scores)], max_batch=max_batch)[0]
+
+    @torch.no_grad()
+    def answer_windows(self, windows: list[WindowQuestions], *,
+                       max_batch: int | None = None) -> list[list[AnswerResult]]:
+        """answer_questions for several windows at once (a batch job's videos in flight): one vision
+        tower call for all of them, each window's selection and positions once, and every question
+        of every window decoded together (`max_batch` rows per generate call, None: all at once),
+        each window's prefix prefilled once. -> each window's answers, in order."""
         started = time.monotonic()
-        requests = [AnswerRequest("", frames, keep, q, 0.0, 0.0, scores=scores) for q in questions]  # validates them
-        keep = self._snapped(keep, scores)
-        # the kept tokens' cells read before the vision tower is queued (see prepare)
-        index, = nonzero_each([self._token_mask(frames, keep)])
-        merged = self._window_tokens(requests[:1], [keep])[0]                # (T', gh, gw, D)
-        window = self.window_prefix(frames, keep, merged, scores, index=index)  # selection and positions once
-        step = len(questions) if max_batch is None else max_batch
-        if self.passes is not None:                                          # pass 2 (and tempering)
-            chunks = [questions[i:i + step] for i in range(0, len(questions), step)]
-            return [AnswerResult(**fields) for chunk in chunks
-                    for fields in self.passes.answer([window] * len(chunk), chunk, [started] * len(chunk))]
-        prefixes = self.question_prefixes(window, questions)
-        results = []
-        for i in range(0, len(prefixes), step):
-            chunk = prefixes[i:i + step]
-            out = self.generate(chunk)
+        # AnswerRequest validates each window's arrays and every question
+        requests = [[AnswerRequest("", w.frames, w.keep, q, 0.0, 0.0, scores=w.scores) for q in w.questions]
+                    for w in windows]
+        asked = [(w, r) for w, r in zip(windows, requests) if r]
+        prefixes: list[WindowPrefix] = []
+        if asked:
+            keeps = [self._snapped(w.keep, w.scores) for w, _ in asked]
+            # the kept tokens' cells read before the vision tower is queued (see prepare)
+            indices = nonzero_each([self._token_mask(w.frames, keep) for (w, _), keep in zip(asked, keeps)])
+            merged = self._window_tokens([r[0] for _, r in asked], keeps)   # (T', gh, gw, D) each
+            prefixes = [self.window_prefix(w.frames, keep, m, w.scores, index=index)   # selection, positions
+                        for (w, _), keep, m, index in zip(asked, keeps, merged, indices)]
+        pairs = [(window, q) for window, (w, _) in zip(prefixes, asked) for q in w.questions]
+        step = max(1, len(pairs) if max_batch is None else max_batch)
+        flat: list[AnswerResult] = []
+        for i in range(0, len(pairs), step):
+            chunk = pairs[i:i + step]
+            if self.passes is not None:                                      # pass 2 (and tempering)
+                flat += [AnswerResult(**fields) for fields in self.passes.answer(
+                    [w for w, _ in chunk], [q for _, q in chunk], [started] * len(chunk))]
+                continue
+            chunk_prefixes = [p for window, qs in _by_window(chunk) for p in self.question_prefixes(window, qs)]
+            out = self.generate(chunk_prefixes)
             self._sync()
             ready = time.monotonic()
-            results += [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
-                                     tokens_full=p.tokens_full, latency_s=ready - started, confidence=out.confidence[b])
-                        for b, p in enumerate(chunk)]
+            flat += [AnswerResult(text=self.decode(out.tokens[b], out.lengths[b]), tokens_kept=p.tokens_kept,
+                                  tokens_full=p.tokens_full, latency_s=ready - started, confidence=out.confidence[b])
+                     for b, p in enumerate(chunk_prefixes)]
+        results, at = [], 0
+        for w in windows:
+            results.append(flat[at:at + len(w.questions)])
+            at += len(w.questions)
         return results
+
+
+def _by_window(pairs: list[tuple[WindowPrefix, str]]) -> list[tuple[WindowPrefix, list[str]]]:
+    """Consecutive (window, question) pairs grouped into (window, its questions), order kept."""
+    groups: list[tuple[WindowPrefix, list[str]]] = []
+    for window, question in pairs:
+        if groups and groups[-1][0] is window:
+            groups[-1][1].append(question)
+        else:
+            groups.append((window, [question]))
+    return groups

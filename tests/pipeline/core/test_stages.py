@@ -176,11 +176,12 @@ class TestWindowHandOver:
 
 
 class QuestionsVLM(RecordingVLM):
-    """A batch VLM: records answer_questions' frames and answers each question with the frame count."""
+    """A batch VLM: records answer_windows' frames and answers each question with the frame count."""
 
-    def answer_questions(self, frames, keep, questions, scores=None):
-        self.windows = getattr(self, "windows", []) + [frames]
-        return [AnswerResult(text=str(len(frames)), tokens_kept=1, tokens_full=4, latency_s=0.0) for _ in questions]
+    def answer_windows(self, jobs):
+        self.windows = getattr(self, "windows", []) + [job.frames for job in jobs]
+        return [[AnswerResult(text=str(len(job.frames)), tokens_kept=1, tokens_full=4, latency_s=0.0)
+                 for _ in job.questions] for job in jobs]
 
 
 class TestBatchQuestionsWindow:

@@ -194,6 +194,36 @@ class TestWholeFlow:
             np.testing.assert_array_equal(one["tokens"], three["tokens"])      # the same allocations
             np.testing.assert_array_equal(one["answers"]["tokens_kept"], three["answers"]["tokens_kept"])
 
+    def test_videos_waiting_for_the_vlm_are_answered_together(self, tmp_path):
+        """While the VLM answers one video, the others in flight queue up; its next call takes all of
+        them (one tower call, one decode loop), and every question is answered once."""
+        import time as time_mod
+
+        from pipeline.config import PipelineConfig
+        from pipeline.configio import load_config
+        from pipeline.runners.batch import make_plan, run_batch
+        from pipeline.vlm.loading import build_tiny_vlm
+        root = tmp_path / "ds"
+        fixture(root, videos=4, questions=2, seconds=0.6)
+        sizes = []
+
+        def factory(device):
+            vlm = build_tiny_vlm(device=device, config=cfg.vlm)
+            answer_windows = vlm.answer_windows
+
+            def slow_first(jobs, **kw):
+                sizes.append(len(jobs))
+                if len(sizes) == 1:
+                    time_mod.sleep(3.0)                                     # the others finish meanwhile
+                return answer_windows(jobs, **kw)
+            vlm.answer_windows = slow_first
+            return vlm
+        cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu", "decode.fps=4"])
+        summary = run_batch(make_plan(load_msrvtt(root, "test")), tmp_path / "o.zarr", cfg, progress=False,
+                            in_flight=4, vlm_factory=factory)
+        assert summary.count("done") == 4 and sum(sizes) == 4
+        assert len(sizes) <= 2 and max(sizes) >= 2, sizes                 # not one call per video
+
     def test_in_flight_must_be_positive(self, capsys, tmp_path):
         root = tmp_path / "ds"
         fixture(root, videos=1, questions=1, seconds=0.6)
@@ -359,6 +389,42 @@ class TestAnswerQuestions:
         assert together[0].tokens_kept < together[0].tokens_full
         assert vlm.answer_questions(frames, None, questions[:1])[0].tokens_kept == together[0].tokens_full
         assert vlm.answer_questions(frames, keep, []) == []
+
+
+    @pytest.mark.parametrize("encode", ["all", "kept"])
+    def test_several_videos_in_one_call_match_each_alone(self, monkeypatch, encode):
+        """answer_windows (a batch job's videos in flight): one tower call and one decode for all of
+        them, and each video's answers and token counts are those it gets alone."""
+        from pipeline.vlm import VLMConfig, WindowQuestions
+        from pipeline.vlm.loading import build_tiny_vlm
+
+        vlm = build_tiny_vlm(config=VLMConfig(max_new_tokens=4, encode=encode))
+        rng = np.random.default_rng(1)
+        shapes = [(4, 56, 84), (2, 56, 56), (4, 56, 84)]
+        jobs = []
+        for i, (T, H, W) in enumerate(shapes):
+            frames = rng.integers(0, 255, (T, H, W, 3), dtype=np.uint8)
+            gh, gw = vlm.geometry.grid(H, W)
+            keep = None if i == 1 else (rng.random((T, gh, gw)) < 0.5).astype(np.int8)
+            questions = ["what is red?", "who moves?", "how many squares are there?"][:3 - i]
+            jobs.append(WindowQuestions(frames, keep, questions))
+        jobs.insert(1, WindowQuestions(jobs[0].frames, jobs[0].keep, []))    # a video without questions
+        alone = [vlm.answer_questions(j.frames, j.keep, j.questions) for j in jobs]
+        calls, generated = [], []
+        original, generate = vlm._window_tokens, vlm.generate
+        monkeypatch.setattr(vlm, "_window_tokens",
+                            lambda requests, keeps=None: calls.append(len(requests)) or original(requests, keeps))
+        monkeypatch.setattr(vlm, "generate", lambda prefixes, **kw: generated.append(len(prefixes)) or
+                            generate(prefixes, **kw))
+        together = vlm.answer_windows(jobs)
+        assert calls == [3] and generated == [6]                             # three videos, six questions
+        assert [[(r.text, r.tokens_kept, r.tokens_full) for r in rs] for rs in together] == \
+            [[(r.text, r.tokens_kept, r.tokens_full) for r in rs] for rs in alone]
+        assert together[1] == [] and together[2][0].tokens_kept == together[2][0].tokens_full
+        chunked = vlm.answer_windows(jobs, max_batch=4)                      # rows across videos, in order
+        assert generated[1:] == [4, 2]
+        assert [[r.text for r in rs] for rs in chunked] == [[r.text for r in rs] for rs in alone]
+        assert vlm.answer_windows([]) == []
 
 
 class TestQueriesAndPasses:

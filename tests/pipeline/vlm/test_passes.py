@@ -13,7 +13,7 @@ from conftest import make_frames, random_keep, record_prefills, request, rewrap,
 
 from pipeline.vlm import passes as passes_module
 from pipeline.vlm.config import TemperingConfig
-from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm.model import AnswerRequest, WindowQuestions
 from pipeline.vlm.passes import blend_ranks, keep_best, narrow
 from pipeline.vlm.text_model import FastTextModel
 
@@ -223,6 +223,18 @@ class TestSelection:
         assert visual_positions(calls[0][0]) != visual_positions(calls[1][0])
         assert [r.tokens_kept for r in results] == [round(window.tokens_kept / 3)] * 2
         assert all(r.latency_s > 0 and 0 <= r.confidence <= 1 for r in results)
+
+    def test_several_windows_answer_as_each_alone(self, vlm, window_case):
+        """answer_windows (a batch job's videos together) under pass 2: each question still keeps
+        its own window's best-attended candidates."""
+        frames, keep, _ = window_case
+        v2 = on(vlm)
+        jobs = [WindowQuestions(frames, keep, list(QUESTIONS)),
+                WindowQuestions(np.ascontiguousarray(frames[:, ::-1]), keep, list(QUESTIONS[1:]))]
+        together = v2.answer_windows(jobs)
+        alone = [v2.answer_questions(j.frames, j.keep, j.questions) for j in jobs]
+        assert [[(r.text, r.tokens_kept, r.passes) for r in rs] for rs in together] == \
+            [[(r.text, r.tokens_kept, r.passes) for r in rs] for rs in alone]
 
     def test_a_window_without_candidates(self, vlm):
         frames = make_frames(2, 56, 56)

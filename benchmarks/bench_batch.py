@@ -28,6 +28,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,12 +82,33 @@ def steady_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float,
     return vps, qps
 
 
+def overlap_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float, float]:
+    """videos/s and questions/s of workers running side by side (local_processes), counted only
+    while every one is in steady state: from the latest of their `warmup`-th finished videos to the
+    earliest of their last ones, every video finished in that window over its length. Summing each
+    worker's own rate (steady_rates) would count workers that did not overlap as if they had."""
+    by_worker: dict[str, list[float]] = {}
+    done = [o for o in s.outcomes if o.status == "done"]
+    for o in done:
+        by_worker.setdefault(o.worker, []).append(o.finished_at)
+    if len(by_worker) != workers or any(len(t) < warmup + 1 for t in by_worker.values()):
+        return float("nan"), float("nan")
+    start = max(sorted(t)[warmup - 1] for t in by_worker.values())
+    end = min(max(t) for t in by_worker.values())
+    inside = [o for o in done if start < o.finished_at <= end]
+    if end <= start or not inside:
+        return float("nan"), float("nan")
+    return len(inside) / (end - start), sum(o.questions for o in inside) / (end - start)
+
+
 def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int,
             videos_per_task: int | None = None, warmup: int = 1) -> dict:
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     made = []                                                                # the local path's VLM, for its counters
-    if path == "local":
+    if path == "local" and workers > 1:
+        s = local_processes(plan, out, cfg, stock=stock, factory=factory, in_flight=in_flight, processes=workers)
+    elif path == "local":
         local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
         s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight,
                       query_encoder=fixed_query)
@@ -96,7 +118,8 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
                           vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task,
                           query_encoder=fixed_query)
     row = s.to_dict()
-    vps, qps = steady_rates(s, workers, warmup)
+    rates = overlap_rates if path == "local" and workers > 1 else steady_rates
+    vps, qps = rates(s, workers, warmup)
     shutil.rmtree(out, ignore_errors=True)
     return {"path": path, "workers": workers, "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
@@ -106,6 +129,34 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             "seconds_per_video": row["seconds_per_video"], "stage_busy_per_video_s": row["stage_busy_per_video_s"],
             # decoders made and CUDA graphs captured during the run (each capture a few hundred ms)
             "vlm_counters": dict(made[0].counters) if made else None}
+
+
+def _shard(plan, out: Path, cfg, stock: bool, factory, in_flight: int) -> BatchSummary:
+    """One process of local_processes: its share of the plan through the local path."""
+    global BENCH_VLM
+    BENCH_VLM = cfg.vlm                       # a spawned process has not run main()
+    return run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=factory, in_flight=in_flight,
+                     query_encoder=fixed_query)
+
+
+def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: int, processes: int) -> BatchSummary:
+    """The local path in `processes` processes at once on this machine's GPU (`pipeline batch
+    --shard i/n` run n times side by side): each loads its own models and answers every n-th video
+    into its own store. One process's front end (decoding, texture, the store; Python's lock)
+    tops out below what the GPU can answer; several feed it together. -> the processes'
+    outcomes in one summary (steady_rates sums them per process)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    start = time.perf_counter()
+    with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_shard, plan[i::processes], out.with_name(f"{out.stem}_p{i}.zarr"), cfg, stock,
+                               factory, in_flight) for i in range(processes)]
+        parts = [f.result() for f in futures]
+    for i in range(processes):
+        shutil.rmtree(out.with_name(f"{out.stem}_p{i}.zarr"), ignore_errors=True)
+    return BatchSummary(out, len(plan), sum(p.questions for p in parts), time.perf_counter() - start,
+                        [o for p in parts for o in p.outcomes])
 
 
 def vlm_only_run(plan, cfg, *, factory) -> dict:
@@ -160,6 +211,9 @@ def main() -> None:
     ap.add_argument("--no-ray", action="store_true", help="time the local path only (where Ray is not installed)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every run (repeatable), e.g. decode.fps=2")
+    ap.add_argument("--processes", type=int, default=1, metavar="N",
+                    help="the local path in N processes sharing this machine's GPU, each with its own models "
+                         "and every N-th video (default 1)")
     ap.add_argument("--warmup-videos", type=int, default=1, metavar="N",
                     help="steady rates count from each worker's N-th finished video on (default 1: the first "
                          "carries the model load; more leave out the first CUDA-graph captures too)")
@@ -167,6 +221,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.device, args.videos, args.questions, args.seconds, args.size = "cpu", 3, 3, 1.0, [64, 96]
+    if args.processes < 1:
+        sys.exit(f"--processes must be >= 1, got {args.processes}")
     if args.warmup_videos < 1:
         sys.exit(f"--warmup-videos must be >= 1, got {args.warmup_videos}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -199,7 +255,7 @@ def main() -> None:
         rows = []
         for stock in [t == "stock" for t in ("stock", "arrcoc") if t in tokens]:
             if "local" in paths:
-                rows.append(one_run(plan, cfg, path="local", workers=1, stock=stock, factory=factory,
+                rows.append(one_run(plan, cfg, path="local", workers=args.processes, stock=stock, factory=factory,
                                     scratch=scratch, in_flight=args.in_flight, warmup=args.warmup_videos))
                 print(json.dumps(rows[-1]), flush=True)
             for n in counts:
@@ -218,24 +274,24 @@ def main() -> None:
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
               "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
-              "summary": summarize(rows, counts), "command": " ".join(["python3"] + sys.argv),
+              "summary": summarize(rows, counts, args.processes), "command": " ".join(["python3"] + sys.argv),
               "host": host_topology()}
     print(json.dumps(result["summary"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 
 
-def summarize(rows: list[dict], counts: list[int]) -> dict:
+def summarize(rows: list[dict], counts: list[int], processes: int = 1) -> dict:
     get = lambda path, n, tok: next((r for r in rows if (r["path"], r["workers"], r["tokens"]) == (path, n, tok)),  # noqa: E731
                                     None)
     out = {"speedup_questions_per_s_arrcoc_over_stock": {}, "ray_scaling_efficiency": {}}
-    for path, n in [("local", 1)] + [("ray", n) for n in counts]:
+    for path, n in [("local", processes)] + [("ray", n) for n in counts]:
         s, a = get(path, n, "stock"), get(path, n, "arrcoc")
         if s is None or a is None:
             continue
         out["speedup_questions_per_s_arrcoc_over_stock"][f"{path}_{n}"] = round(
             a["steady_questions_per_s"] / s["steady_questions_per_s"], 3) if s["steady_questions_per_s"] else None
-    alone, local = get("vlm-only", 1, "stock"), get("local", 1, "arrcoc")
+    alone, local = get("vlm-only", 1, "stock"), get("local", processes, "arrcoc")
     if alone is not None and local is not None and alone["steady_questions_per_s"]:
         out["speedup_questions_per_s_arrcoc_over_stock_vlm_alone"] = round(
             local["steady_questions_per_s"] / alone["steady_questions_per_s"], 3)

@@ -4,6 +4,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -104,3 +105,29 @@ def test_vlm_benchmarks_import_without_av_or_zarr(module):
     root = Path(__file__).resolve().parents[1]
     code = f"import sys; sys.modules['av'] = None; sys.modules['zarr'] = None; import {module}"
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, capture_output=True, timeout=120)
+
+
+def _outcome(worker: str, finished_at: float, questions: int = 2):
+    from pipeline.runners.batch import VideoOutcome
+    return VideoOutcome(f"v{worker}{finished_at}", "done", questions=questions, finished_at=finished_at, worker=worker)
+
+
+def test_side_by_side_processes_count_only_while_all_run():
+    """bench_batch --processes: the rate counts the window where every process is past its warm-up
+    and none has finished, not each process's own rate summed (which would count processes that did
+    not overlap as if they had)."""
+    from benchmarks.bench_batch import overlap_rates, steady_rates
+    from pipeline.runners.batch import BatchSummary
+
+    # two processes, one after the other: their own rates sum to 2 videos/s, but they never overlapped
+    apart = BatchSummary("x", 6, 12, 10.0, [_outcome("a", t) for t in (0.0, 1.0, 2.0)] +
+                         [_outcome("b", t) for t in (10.0, 11.0, 12.0)])
+    assert steady_rates(apart, 2) == (2.0, 4.0)
+    assert all(np.isnan(overlap_rates(apart, 2)))
+    # side by side: a finishes at 0, 1, 2, 3; b at 0.5, 1.5, 2.5, 3.5; both steady from 0.5 to 3.0
+    side = BatchSummary("x", 8, 16, 4.0, [_outcome("a", t) for t in (0.0, 1.0, 2.0, 3.0)] +
+                        [_outcome("b", t) for t in (0.5, 1.5, 2.5, 3.5)])
+    videos, questions = overlap_rates(side, 2)
+    assert videos == pytest.approx(5 / 2.5) and questions == pytest.approx(10 / 2.5)
+    assert overlap_rates(side, 2, warmup=2) == pytest.approx((3 / 1.5, 6 / 1.5))   # 2.0, 2.5, 3.0 in (1.5, 3.0]
+    assert all(np.isnan(overlap_rates(side, 3)))                                  # a process without videos

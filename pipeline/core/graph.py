@@ -40,6 +40,10 @@ class StageError(RuntimeError):
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         super().__init__(f"stage '{stage}' failed on {item}: {type(error).__name__}: {detail}")
 
+    def __reduce__(self):
+        # rebuilt from its fields, so it crosses a process boundary (a Ray actor's, a process pool's)
+        return type(self), (self.stage, self.item, self.error)
+
 
 class Channel:
     """Bounded FIFO between two stages with an explicit overflow policy."""

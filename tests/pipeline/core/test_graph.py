@@ -1,6 +1,7 @@
 """The staged graph: bounded channels, queue policies, error propagation, clean stop."""
 from __future__ import annotations
 
+import pickle
 import signal
 import threading
 import time
@@ -118,6 +119,10 @@ class TestFailures:
         assert info.value.stage == "collect"
         assert "stage 'collect' failed on item 14: RuntimeError: cannot take 14" == str(info.value)
         assert sink.closed and not sink.finished
+        # it crosses a process boundary whole (a Ray actor's, a process pool's): pickled and back
+        again = pickle.loads(pickle.dumps(info.value))
+        assert (type(again), str(again), again.stage, again.item) == (StageError, str(info.value), "collect", "item 14")
+        assert type(again.error) is RuntimeError and str(again.error) == "cannot take 14"
 
     def test_error_in_source_stops_everything(self):
         class Broken(Numbers):

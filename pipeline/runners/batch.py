@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -44,8 +44,10 @@ from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, resolve_device
 from ..core.cuda import window_frames
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
-from ..vlm.batcher import VLMBatcher
-from ..vlm.model import WindowQuestions
+
+if TYPE_CHECKING:  # the VLM's modules import lazily: `pipeline --help` builds this module's options
+    from ..vlm.batcher import VLMBatcher
+    from ..vlm.model import WindowQuestions
 
 DATASETS = ("msrvtt",)
 KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -141,6 +143,7 @@ class QuestionsStage(VLMStage):
         frames = window_frames(self.rgb, self.pin)
         # pass 1's relevance ranks tempering's tokens: only with ARR-COC's own keep map
         scores = np.stack(self.relevance) if keep is not None and self.keep_policy is None else None
+        from ..vlm.model import WindowQuestions
         job = WindowQuestions(frames, keep, questions, scores)
         if self.batcher is None:
             results = answer_windows(self.vlm, [job], self.keep_policy)[0]
@@ -221,6 +224,7 @@ class VideoAnswerer:
         # graphs' stages, and the VLM's one, to which the videos in flight hand their questions: it
         # answers whatever is waiting together (up to vlm.max_batch videos: one tower call, one
         # decode loop)
+        from ..vlm.batcher import VLMBatcher
         self._stage_workers = Workers("stage")
         self._batcher = VLMBatcher(self.vlm, max_batch=cfg.vlm.max_batch, max_wait_s=0.0,
                                    answer=lambda jobs: answer_windows(self.vlm, jobs, self.keep_policy))

@@ -254,7 +254,10 @@ class ZarrStore:
             path.remove()
             exists = False
         elif not exists and path.occupied():
-            raise SinkError(f"{path} exists and is not a zarr store; refusing to write into it")
+            # another writer (a batch shard started beside this one) may have created it just now
+            exists = path.is_file("zarr.json")
+            if not exists:
+                raise SinkError(f"{path} exists and is not a zarr store; refusing to write into it")
         if not exists and config is None:
             raise ValueError("config is required to create a store")
         try:

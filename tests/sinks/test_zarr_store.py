@@ -805,6 +805,20 @@ class TestErrors:
             ZarrStore.open(tmp_path / "photos", config={}, mode="w")
         assert (tmp_path / "photos" / "keep.jpg").exists()
 
+    def test_a_store_created_beside_us_just_now_is_opened(self, tmp_path, monkeypatch):
+        """Shard processes started together on one fresh store: one that looked before another's
+        root was written, and finds the directory filled after, opens that store (its config kept)."""
+        from sinks import zarr_store as zs
+        first = ZarrStore.open(tmp_path / "s.zarr", config={"who": "first"})     # the quicker process
+        real, looks = zs._Location.is_file, []
+
+        def late(loc, rel):                  # our first look came before the root's zarr.json was there
+            looks.append(rel)
+            return False if len(looks) == 1 else real(loc, rel)
+        monkeypatch.setattr(zs._Location, "is_file", late)
+        second = ZarrStore.open(tmp_path / "s.zarr", config={"who": "second"})
+        assert looks[0] == "zarr.json" and second.config == first.config == {"who": "first"}
+
     @pytest.mark.parametrize("bad", ["", "  ", "a/b", "a\\b", "..", ".hidden", "__meta", "zarr.json", "x\ny"])
     def test_invalid_stream_ids(self, store, bad):
         with pytest.raises(SinkError, match="invalid stream id"):

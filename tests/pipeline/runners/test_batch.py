@@ -179,6 +179,25 @@ class TestWholeFlow:
         assert code == 0 and again["done"] == 0 and again["skipped_complete"] == 3
 
 
+    def test_shard_processes_side_by_side_share_one_fresh_store(self, capsys, tmp_path):
+        """The README's way to fill a GPU: `--shard i/n` processes started together on one new store
+        all finish, and between them every question is answered once."""
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=4, questions=2, seconds=0.6)
+        procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+                                   "--out", str(out), "--shard", f"{i}/2", *FAST],
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        results = [p.communicate(timeout=300) for p in procs]
+        for p, (stdout, stderr) in zip(procs, results):
+            assert p.returncode == 0, stderr
+            assert json.loads(stdout.strip().splitlines()[-1])["done"] == 2
+        answers = stored_answers(out)
+        assert sorted(answers) == ["video7010", "video7011", "video7012", "video7013"]
+        assert all(len(a) == 2 for a in answers.values())
+        code, again, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0 and again["skipped_complete"] == 4, err
+
     def test_videos_in_flight_give_the_same_results_as_one_at_a_time(self, capsys, tmp_path):
         root = tmp_path / "ds"
         fixture(root, videos=4, questions=2, seconds=0.6)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from arr_coc._lazy import lazy_exports
 
 _HOMES = {"VLMConfig": "config", "VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading",
-          "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model", "WindowQuestions": "model", "KeptFeatures": "kept_vision"}
+          "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model", "WindowQuestions": "model",
+          "KeptFeatures": "kept_vision"}
 __all__ = list(_HOMES)
 
 

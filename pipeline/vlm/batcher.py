@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
-import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass

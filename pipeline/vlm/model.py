@@ -378,6 +378,11 @@ class VLM:
 
     @torch.no_grad()
     def prepare(self, requests: list[AnswerRequest]) -> list[Prefix]:
+        return [self.question_prefix(window, r.question)
+                for window, r in zip(self._window_prefixes(requests), requests)]
+
+    def _window_prefixes(self, requests: list[AnswerRequest]) -> list[WindowPrefix]:
+        """Each request's window prefix, the vision tower run once for all of them."""
         keeps = [self._snapped(r.keep, r.scores) for r in requests]          # uploaded once
         # every window's token positions from one nonzero (a host read, and under live load a wait
         # for the interpreter lock: one per batch, not one per request), read before the vision
@@ -385,7 +390,7 @@ class VLM:
         # prefixes while the GPU idled
         indices = nonzero_each([self._token_mask(r.frames, keep) for r, keep in zip(requests, keeps)])
         merged_all = self._window_tokens(requests, keeps)
-        return [self.question_prefix(self.window_prefix(r.frames, keep, m, r.scores, index=index), r.question)
+        return [self.window_prefix(r.frames, keep, m, r.scores, index=index)
                 for r, keep, m, index in zip(requests, keeps, merged_all, indices)]
 
     def _snapped(self, keep: np.ndarray | torch.Tensor | None,
@@ -841,14 +846,7 @@ class VLM:
         requests = [[AnswerRequest("", w.frames, w.keep, q, 0.0, 0.0, scores=w.scores) for q in w.questions]
                     for w in windows]
         asked = [(w, r) for w, r in zip(windows, requests) if r]
-        prefixes: list[WindowPrefix] = []
-        if asked:
-            keeps = [self._snapped(w.keep, w.scores) for w, _ in asked]
-            # the kept tokens' cells read before the vision tower is queued (see prepare)
-            indices = nonzero_each([self._token_mask(w.frames, keep) for (w, _), keep in zip(asked, keeps)])
-            merged = self._window_tokens([r[0] for _, r in asked], keeps)   # (T', gh, gw, D) each
-            prefixes = [self.window_prefix(w.frames, keep, m, w.scores, index=index)   # selection, positions
-                        for (w, _), keep, m, index in zip(asked, keeps, merged, indices)]
+        prefixes = self._window_prefixes([r[0] for _, r in asked]) if asked else []   # selection, positions
         pairs = [(window, q) for window, (w, _) in zip(prefixes, asked) for q in w.questions]
         step = max(1, len(pairs) if max_batch is None else max_batch)
         flat: list[AnswerResult] = []

@@ -61,21 +61,29 @@ def qwen2_vl_2b_factory(device: torch.device):
 BENCH_VLM = None  # set in main (VLMConfig of this run), read by the factory in every worker
 
 
+def _steady_workers(s: BatchSummary, workers: int, warmup: int) -> dict[str, list] | None:
+    """Each worker's (VideoOutcome.worker) finished videos by finish time, from its `warmup`-th
+    on; None when a worker is missing or has no video after it (no steady state)."""
+    by_worker: dict[str, list] = {}
+    for o in s.outcomes:
+        if o.status == "done":
+            by_worker.setdefault(o.worker, []).append(o)
+    if len(by_worker) != workers or any(len(o) < warmup + 1 for o in by_worker.values()):
+        return None
+    return {w: sorted(o, key=lambda o: o.finished_at)[warmup - 1:] for w, o in by_worker.items()}
+
+
 def steady_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float, float]:
     """videos/s and questions/s in steady state: per worker process (VideoOutcome.worker), from
     its `warmup`-th finished video (the first carries its model load, the first few most CUDA-graph
     captures) to its last, summed over the workers, so workers that start at different times (Ray
     actors load their models one after another) do not count each other's start-up. Idle gaps
     inside a worker's span still count."""
-    done = [o for o in s.outcomes if o.status == "done"]
-    by_worker: dict[str, list] = {}
-    for o in done:
-        by_worker.setdefault(o.worker, []).append(o)
+    steady = _steady_workers(s, workers, warmup)
+    if steady is None:
+        return float("nan"), float("nan")
     vps = qps = 0.0
-    if len(by_worker) != workers or any(len(o) < warmup + 1 for o in by_worker.values()):
-        return float("nan"), float("nan")   # a worker without a steady state
-    for outcomes in by_worker.values():
-        outcomes = sorted(outcomes, key=lambda o: o.finished_at)[warmup - 1:]
+    for outcomes in steady.values():
         span = outcomes[-1].finished_at - outcomes[0].finished_at
         vps += (len(outcomes) - 1) / span
         qps += sum(o.questions for o in outcomes[1:]) / span
@@ -87,15 +95,12 @@ def overlap_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float
     while every one is in steady state: from the latest of their `warmup`-th finished videos to the
     earliest of their last ones, every video finished in that window over its length. Summing each
     worker's own rate (steady_rates) would count workers that did not overlap as if they had."""
-    by_worker: dict[str, list[float]] = {}
-    done = [o for o in s.outcomes if o.status == "done"]
-    for o in done:
-        by_worker.setdefault(o.worker, []).append(o.finished_at)
-    if len(by_worker) != workers or any(len(t) < warmup + 1 for t in by_worker.values()):
+    steady = _steady_workers(s, workers, warmup)
+    if steady is None:
         return float("nan"), float("nan")
-    start = max(sorted(t)[warmup - 1] for t in by_worker.values())
-    end = min(max(t) for t in by_worker.values())
-    inside = [o for o in done if start < o.finished_at <= end]
+    start = max(o[0].finished_at for o in steady.values())
+    end = min(o[-1].finished_at for o in steady.values())
+    inside = [o for outcomes in steady.values() for o in outcomes if start < o.finished_at <= end]
     if end <= start or not inside:
         return float("nan"), float("nan")
     return len(inside) / (end - start), sum(o.questions for o in inside) / (end - start)

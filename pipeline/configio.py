@@ -7,6 +7,7 @@ wrong types and bad override syntax become one-line ``ConfigError``s naming the 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -52,6 +53,9 @@ def _qualify(message: str, prefix: str) -> str:
 YAML_FALSE, YAML_TRUE = ("off", "no", "false"), ("on", "yes", "true")
 
 
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -93,6 +97,8 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be true or false, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            return float(value)        # YAML 1.1 reads 5e-4 (no dot) as a string; users write it so
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name} must be a number, got {value!r}")
         return float(value)

@@ -16,7 +16,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 def test_shipped_configs_load(path):
     from pipeline.training.qa_vlm import QAVLMConfig  # configs/qa_vlm.yaml: python -m pipeline.training.qa_vlm
     from pipeline.training.train import TrainConfig  # configs/train_*.yaml configure `python -m pipeline train`
-    kind = TrainConfig if path.name.startswith("train_") else QAVLMConfig if path.name == "qa_vlm.yaml" else PipelineConfig
+    kind = TrainConfig if path.name.startswith("train_") else QAVLMConfig if path.name.startswith("qa_vlm") else PipelineConfig
     assert isinstance(load_config(kind, path), kind)
 
 
@@ -34,6 +34,18 @@ def test_overrides_are_typed():
     assert cfg.model.attending.retention == 0.1
     assert cfg.decode.fps == 5.0 and isinstance(cfg.decode.fps, float)
     assert cfg.runtime.vlm == "tiny-random" and cfg.model.realizing.redundancy is False
+
+
+@pytest.mark.parametrize("text, value", [("5e-2", 0.05), ("1E-1", 0.1), ("+2.5e-1", 0.25), (".5e0", 0.5)])
+def test_scientific_numbers_without_a_dot_are_numbers(text, value):
+    """YAML 1.1 reads 5e-2 (no dot in the mantissa) as a string: a float field takes the number it spells."""
+    cfg = load_config(PipelineConfig, None, [f"model.attending.retention={text}"])
+    assert cfg.model.attending.retention == value
+
+
+def test_a_string_that_is_no_number_stays_an_error():
+    with pytest.raises(ConfigError, match="must be a number, got '5e'"):
+        load_config(PipelineConfig, None, ["model.attending.retention=5e"])
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1,7 +1,16 @@
-"""Frame producers: video files (PyAV / decord) and generated clips."""
-from sources.errors import DecoderCrashed, SourceError, StreamInterruptedWarning, VideoTruncatedWarning
-from sources.frame import Frame
-from sources.video import DECODERS, VideoInfo, VideoSource, open_video, probe
+"""Frame producers: video files (PyAV / decord) and generated clips.
 
-__all__ = ["DECODERS", "DecoderCrashed", "Frame", "SourceError", "StreamInterruptedWarning", "VideoInfo", "VideoSource",
-           "VideoTruncatedWarning", "open_video", "probe"]
+The names below are imported on first use (PEP 562): the generated scenes and QA clips
+(sources.scenes, sources.synth_qa) need neither PyAV nor decord until they write a video, so
+training the QA model runs where only numpy and OpenCV are installed.
+"""
+from __future__ import annotations
+
+from arr_coc._lazy import lazy_exports
+
+_HOMES = {"DecoderCrashed": "errors", "SourceError": "errors", "StreamInterruptedWarning": "errors",
+          "VideoTruncatedWarning": "errors", "Frame": "frame", "DECODERS": "video", "VideoInfo": "video",
+          "VideoSource": "video", "open_video": "video", "probe": "video"}
+__all__ = sorted(_HOMES)
+
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -75,13 +75,18 @@ def validate(snapshot: Path, clips: list[ValClip], device: torch.device,
     return {f"keep_{r:g}": accuracy(evaluate(vlm, clips, r)) for r in ratios}
 
 
-def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: Path, summary: dict) -> Path:
-    """A Hugging Face snapshot of the model in bf16: config, weights, tokenizer (+ chat template),
-    processor configs with this model's frame size (geometry), and the training summary."""
+def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: Path, summary: dict,
+                    config_extra: dict | None = None) -> Path:
+    """A Hugging Face snapshot of the model in bf16: config (plus config_extra's fields),
+    weights, tokenizer (+ chat template), processor configs with this model's frame size
+    (geometry), and the training summary."""
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(root)
+    snap = copy.deepcopy(model).to(torch.bfloat16)
+    for key, value in (config_extra or {}).items():
+        setattr(snap.config, key, value)
+    snap.save_pretrained(root)
     tokenizer.save_pretrained(root)
     g = geometry
     processor = {"min_pixels": g.min_pixels, "max_pixels": g.max_pixels,

@@ -11,7 +11,11 @@ answer tokens and <|im_end|> (where greedy decoding must stop), plus, with an au
 of every visual token's colour (qa_data.token_colors) weighted by aux_weight, of its object's
 shape and motion (qa_data.token_objects) weighted by aux_shape_weight and aux_motion_weight, and,
 through a probe on the LM's hidden state after `region_layer` layers, of each kept visual token's
-3x3 region (qa_data.token_regions) weighted by region_weight.
+3x3 region (qa_data.token_regions) weighted by region_weight, and, with ground_weight, a grounding
+loss on the attention of LM layer `ground_layer`: the attention the question's tokens pay to the
+visual tokens there (averaged over heads and question tokens, as pass 2 reads it at inference,
+pipeline/vlm/passes.py) should fall on the tokens of the object the question names (its colour,
+qa_data.token_colors): -log of their share of the visual tokens' attention.
 """
 from __future__ import annotations
 
@@ -23,11 +27,32 @@ import torch.nn.functional as F
 
 from pipeline.training.qa_data import MOTIONS, ClipSample, token_regions
 from pipeline.vlm.model import SYSTEM_PROMPT
+from pipeline.vlm.passes import question_attention
 from sources.scenes import COLORS, SHAPES
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
 from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
+
+GROUND_ATTENTION = "arrcoc_qa_ground"      # sdpa that also hands over one layer's query and key states
+_RECORDING: dict = {}                     # layer index -> where that layer's (query, key) go
+_COLOR_INDEX = {c: i for i, c in enumerate(COLORS)}
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    slot = _RECORDING.get(getattr(module, "layer_idx", None))
+    if slot is not None:
+        slot["q"], slot["k"], slot["scaling"] = query, key, kwargs.get("scaling", module.scaling)
+    return hf.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def named_color(question: str) -> int | None:
+    """The index (sources.scenes.COLORS) of the first colour word in a question, else None."""
+    for word in question.lower().replace("?", " ").split():
+        if word in _COLOR_INDEX:
+            return _COLOR_INDEX[word]
+    return None
+
 
 BEFORE_VIDEO = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
 IGNORE = -100
@@ -47,6 +72,9 @@ class LMBatch:
     lengths: list[int]
     tokens_kept: list[int]
     regions: torch.Tensor | None = None   # (B, L) each kept visual token's 3x3 region, -1 elsewhere
+    ground: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # grounding targets: (question (B, L), visual (B, L), target (B, L)) bool masks: the question's
+    # tokens after <|vision_end|>, the kept visual tokens, those of them showing the named object
 
 
 class QAForward:
@@ -54,11 +82,15 @@ class QAForward:
 
     def __init__(self, model, tokenizer, preprocessor: VideoPreprocessor, aux_head: torch.nn.Module | None = None,
                  aux_weight: float = 0.0, aux_shape_weight: float = 0.0, aux_motion_weight: float = 0.0,
-                 region_head: torch.nn.Module | None = None, region_weight: float = 0.0, region_layer: int = 2) -> None:
+                 region_head: torch.nn.Module | None = None, region_weight: float = 0.0, region_layer: int = 2,
+                 ground_weight: float = 0.0, ground_layer: int = 4) -> None:
         self.model, self.tokenizer, self.preprocessor = model, tokenizer, preprocessor
         self.aux_head, self.aux_weight, self.aux_shape_weight = aux_head, aux_weight, aux_shape_weight
         self.aux_motion_weight = aux_motion_weight
         self.region_head, self.region_weight, self.region_layer = region_head, region_weight, region_layer
+        self.ground_weight, self.ground_layer = ground_weight, ground_layer
+        if ground_weight > 0:
+            hf.register_attention(GROUND_ATTENTION, _recording_attention)
         self.device = next(model.parameters()).device
         self.visual, self.lm = hf.vision_tower(model), hf.language_model(model)
         patch_vision_attention(self.visual)
@@ -155,14 +187,15 @@ class QAForward:
                                   text_start + np.arange(len(text) + len(answer) - 1)[None].repeat(3, 0)], 1)
             labels = np.full(len(ids), IGNORE)
             labels[len(ids) - len(answer):] = answer
-            seqs.append((ids, pos, labels, rows[b]))
+            seqs.append((ids, pos, labels, rows[b], len(text)))
         B, L = len(seqs), max(len(s[0]) for s in seqs)
         ids = np.full((B, L), self.pad_id)
         pos = np.zeros((3, B, L), np.int64)
         labels = np.full((B, L), IGNORE)
         vis_row = np.full((B, L), -1)
         regions = np.full((B, L), -1) if self.region_head is not None else None
-        for b, (i, p, lab, r) in enumerate(seqs):
+        ground = np.zeros((3, B, L), bool) if self.ground_weight > 0 else None
+        for b, (i, p, lab, r, n_text) in enumerate(seqs):
             n = len(i)
             ids[b, :n], pos[:, b, :n], labels[b, :n] = i, p, lab
             vis_row[b, len(self.before):len(self.before) + len(r)] = r
@@ -170,6 +203,14 @@ class QAForward:
                 gh, gw = merged[views[b][0]].shape[1:3]
                 regions[b, len(self.before):len(self.before) + len(r)] = token_regions((gh, gw)).ravel()[
                     local[b] % (gh * gw)]
+            color = named_color(samples[views[b][0]].questions[views[b][1]]) if ground is not None else None
+            if color is not None:
+                v0, nv = len(self.before), len(r)
+                target = samples[views[b][0]].colors.ravel()[local[b]] == color
+                if target.any():
+                    ground[0, b, v0 + nv + 1:v0 + nv + n_text] = True            # after <|vision_end|>
+                    ground[1, b, v0:v0 + nv] = True
+                    ground[2, b, v0:v0 + nv] = target
         dev = self.device
         vis_row_t = torch.from_numpy(vis_row)
         vis_row_t = (vis_row_t.pin_memory() if dev.type == "cuda" else vis_row_t).to(dev, non_blocking=True)
@@ -177,12 +218,14 @@ class QAForward:
         embeds = self.lm.embed_tokens((ids_t.pin_memory() if dev.type == "cuda" else ids_t).to(dev, non_blocking=True))
         visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D)
         embeds = torch.where((vis_row_t >= 0)[..., None], visual, embeds)
-        host = [torch.from_numpy(a) for a in (pos, labels, regions) if a is not None]
+        host = [torch.from_numpy(a) for a in (pos, labels, regions, ground) if a is not None]
         if dev.type == "cuda":
             host = [t.pin_memory() for t in host]
-        pos_d, labels_d, *regions_d = (t.to(dev, non_blocking=True) for t in host)
+        pos_d, labels_d, *rest = (t.to(dev, non_blocking=True) for t in host)
+        regions_d = rest.pop(0) if regions is not None else None
+        ground_d = tuple(rest.pop(0).unbind(0)) if ground is not None and ground[2].any() else None
         return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs],
-                       regions_d[0] if regions_d else None)
+                       regions_d, ground_d)
 
     def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""
@@ -190,17 +233,42 @@ class QAForward:
 
     def _forward(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """logits and targets, and with region labels in the batch the LM's hidden state (B, L, D)
-        after region_layer layers (the region probe's input), else None."""
+        after region_layer layers (the region probe's input), else None. With grounding targets in
+        the batch, self.recorded holds ground_layer's query and key states afterwards."""
         # no mask but the causal one: every row is right padded, so no real token sees a pad, and
         # SDPA runs its causal kernel instead of one with a (B, 1, L, L) mask
         probe = batch.regions is not None
-        out = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions, use_cache=False,
-                      output_hidden_states=probe)
+        self.recorded = None
+        record = batch.ground is not None
+        if record:
+            before = hf.attention_implementation(self.lm.config)
+            hf.set_attention_implementation(self.lm.config, GROUND_ATTENTION)
+            _RECORDING[self.ground_layer] = self.recorded = {}
+        try:
+            out = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions, use_cache=False,
+                          output_hidden_states=probe)
+        finally:
+            if record:
+                hf.set_attention_implementation(self.lm.config, before)
+                _RECORDING.pop(self.ground_layer, None)
         hidden = out.last_hidden_state                                          # (B, L, D)
         where = batch.labels != IGNORE
         # position i predicts labels[i]: labels hold the token that follows each position
         return (self.model.lm_head(hidden[where]).float(), batch.labels[where],
                 out.hidden_states[self.region_layer] if probe else None)
+
+    def ground_loss(self, batch: LMBatch) -> torch.Tensor:
+        """-log of the named object's share of the question's attention to the visual tokens at
+        ground_layer, averaged over the views that have a target (batch.ground)."""
+        question, visual, target = batch.ground
+        rec = self.recorded
+        if not rec or "q" not in rec:
+            raise RuntimeError(f"LM layer {self.ground_layer} did not run through the recording attention")
+        attention = question_attention(rec["q"], rec["k"], rec["scaling"], question)   # (B, L)
+        on_visual = (attention * visual).sum(-1)
+        on_target = (attention * target).sum(-1)
+        rows = target.any(-1)
+        return -torch.log(on_target[rows] / on_visual[rows].clamp_min(1e-12) + 1e-6).mean()
 
     def _labels(self, parts: list[np.ndarray]) -> torch.Tensor:
         labels = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64))
@@ -230,6 +298,10 @@ class QAForward:
                 part = F.cross_entropy(out[:, start:start + width], labels, ignore_index=-1) \
                     if bool((labels >= 0).any()) else out.sum() * 0.0
                 aux, loss, start = aux + part, loss + weight * part, start + width
+        if batch.ground is not None:
+            ground_loss = self.ground_loss(batch)
+            aux = aux + ground_loss
+            loss = loss + self.ground_weight * ground_loss
         if self.region_head is not None and self.region_weight > 0:
             visual = batch.regions >= 0
             region_loss = F.cross_entropy(self.region_head(probe[visual]).float(), batch.regions[visual])

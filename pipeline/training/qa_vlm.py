@@ -123,6 +123,9 @@ class TrainConfig:
     aux_motion_weight: float = 0.0    # weight of the token-motion loss (0: none)
     aux_region_weight: float = 0.0    # weight of the LM probe's token-region loss (0: none)
     aux_region_layer: int = 2         # the LM layer whose output the region probe reads
+    aux_ground_weight: float = 0.0    # weight of the grounding loss on the question's attention (0: none)
+    aux_ground_layer: int = 4         # the LM layer (0-based) whose attention it shapes: pass 2 reads it
+    init: str = ""                    # a snapshot (same model fields) to start from, e.g. the shipped one
     seed: int = 0                     # model init and keep maps
     first_seed: int = 0               # clip seeds of step s: first_seed + s * clips_per_step + i (train split)
     workers: int = 12                 # data processes (0: in the training process)
@@ -154,6 +157,11 @@ class TrainConfig:
         check_range("train.aux_region_weight", self.aux_region_weight, 0.0, 100.0)
         check_int("train.aux_region_layer", self.aux_region_layer)
         check_range("train.aux_region_layer", self.aux_region_layer, 1, 64)
+        check_range("train.aux_ground_weight", self.aux_ground_weight, 0.0, 100.0)
+        check_int("train.aux_ground_layer", self.aux_ground_layer)
+        check_range("train.aux_ground_layer", self.aux_ground_layer, 0, 63)
+        if not isinstance(self.init, str):
+            raise ConfigError(f"Invalid train.init ({self.init!r}): must be a snapshot directory or empty")
         check_range("train.seed", self.seed, 0, 2**32 - 1)
         check_range("train.first_seed", self.first_seed, 0, 2**62)
         check_range("train.workers", self.workers, 0, 256)
@@ -299,6 +307,11 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     t = cfg.train
     if t.aux_region_weight and t.aux_region_layer > cfg.model.layers:
         raise ConfigError(f"train.aux_region_layer={t.aux_region_layer} must be at most model.layers={cfg.model.layers}")
+    if t.aux_ground_weight and t.aux_ground_layer >= cfg.model.layers:
+        raise ConfigError(f"train.aux_ground_layer={t.aux_ground_layer} must be below model.layers={cfg.model.layers}")
+    if t.init and not resume_found(out_dir, resume):
+        start_from(model, t.init)
+        log(f"started from {t.init}")
     aux_classes = (len(COLORS) + 1 + (len(SHAPES) + 1 if t.aux_shape_weight else 0)
                    + (len(MOTIONS) if t.aux_motion_weight else 0))
     # the training-only heads: token colour / shape / motion on the vision tower, region on the LM
@@ -306,7 +319,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
                                     torch.nn.Linear(cfg.model.hidden, 9, device=device)])
     forward = QAForward(model, tokenizer, preprocessor, aux_head[0], t.aux_weight, t.aux_shape_weight,
                         t.aux_motion_weight, aux_head[1] if t.aux_region_weight else None, t.aux_region_weight,
-                        t.aux_region_layer)
+                        t.aux_region_layer, ground_weight=t.aux_ground_weight, ground_layer=t.aux_ground_layer)
     opt = optimizer(torch.nn.ModuleList([model, aux_head]), cfg.train, device)
     config_dict = _to_dict(cfg)
     start, history, train_s = 0, [], 0.0
@@ -327,8 +340,11 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     snapshot = out / "snapshot"
 
+    # the layer pass 2 reads (pipeline/vlm/passes.py): the one whose attention the grounding loss shaped
+    extra = {"arrcoc_pass2_layers": t.aux_ground_layer} if t.aux_ground_weight else {}
+
     def export(summary: dict) -> Path:
-        return export_snapshot(model, tokenizer, geometry(cfg), cfg.model.fps, snapshot, summary)
+        return export_snapshot(model, tokenizer, geometry(cfg), cfg.model.fps, snapshot, summary, extra)
 
     steps = t.stop_step or t.steps                    # where this run ends; lr_at spans t.steps
     began = time.perf_counter()
@@ -393,6 +409,35 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
         shutil.copytree(snapshot, target)
         log(f"exported to {target}")
     return summary
+
+
+def resume_found(out_dir: str | Path, resume: bool) -> bool:
+    return resume and (Path(out_dir) / "checkpoint.pt").exists()
+
+
+def start_from(model, snapshot: str | Path) -> None:
+    """Load a snapshot's weights (train.init: a directory or a shipped name) into the freshly built
+    model: the same model fields, else a ConfigError naming the first tensor that differs."""
+    root = Path(snapshot)
+    if not root.is_dir():
+        from pipeline.vlm.loading import SHIPPED
+        root = SHIPPED.get(str(snapshot), root)
+    if not (root.is_dir() and any(root.glob("*.safetensors")) and (root / "config.json").is_file()):
+        raise ConfigError(f"train.init={snapshot}: no *.safetensors snapshot there")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = type(model).from_pretrained(root, dtype=torch.float32)
+    state, own = loaded.state_dict(), model.state_dict()
+    for name, tensor in own.items():
+        got = state.get(name)
+        if got is None or tuple(got.shape) != tuple(tensor.shape):
+            found = "missing" if got is None else f"shape {tuple(got.shape)}"
+            raise ConfigError(f"train.init={snapshot}: {name} is {found}, the model fields give "
+                              f"{tuple(tensor.shape)} (set model.* as that snapshot was trained)")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state[name])
 
 
 def _save(path: Path, model, aux_head, opt, step: int, history: list, train_s: float, config: dict) -> None:

@@ -58,6 +58,30 @@ def pass2_layer(vlm: VLM) -> int:
     return named
 
 
+def question_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, question: torch.Tensor,
+                       keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Pass 2's score (and the QA model's grounding target, pipeline/training/qa_forward.py): the
+    attention that the question's tokens pay to every slot, averaged over heads and question tokens.
+
+    q (B, H, L, hd) and k (B, H_kv, L, hd) one layer's rotated query and key states (grouped KV
+    heads serve H // H_kv query heads each); question (B, L) bool: each row's question tokens;
+    keys (B, L) bool: the slots a query may see (default all), causally -> (B, L) float32, zero
+    where no question token looks. Differentiable (training shapes it)."""
+    B, H, L, hd = q.shape
+    nq = max(int(question.sum(-1).max()), 1)
+    order = torch.sort(question.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :nq]  # (B, nq)
+    valid = torch.gather(question, 1, order)                                  # (B, nq) real question slots
+    qs = torch.gather(q, 2, order[:, None, :, None].expand(B, H, nq, hd)).float()
+    ks = k.float().repeat_interleave(H // k.shape[1], 1)                      # (B, H, L, hd)
+    logits = qs @ ks.transpose(-1, -2) * scaling                              # (B, H, nq, L)
+    slots = torch.arange(L, device=q.device)
+    seen = slots[None, None, :] <= order[:, :, None]                          # (B, nq, L) causal
+    if keys is not None:
+        seen = seen & (keys[:, None, :] | (slots[None, None, :] == order[:, :, None]))
+    attention = logits.masked_fill(~seen[:, None], float("-inf")).softmax(-1) * valid[:, None, :, None]
+    return attention.sum((1, 2)) / (H * valid.sum(-1).clamp_min(1))[:, None]
+
+
 def keep_best(scores: torch.Tensor, n: int) -> torch.Tensor:
     """(K,) candidate scores -> the positions (ascending: the model's token order) of the best n
     of them (all of them when n >= K)."""
@@ -176,17 +200,14 @@ class Passes:
             allowed = (slots[None, :] <= slots[:, None]) & (real[:, None, :] | (slots[None, :] == slots[:, None]))
             mask = vlm.attention_masks(allowed[:, None])["full_attention"]  # (B, 1, L, L)
         q, k = tm.attention_inputs(embeds, mask, positions, self.layer)    # (B, H, L, hd), (B, H_kv, L, hd)
-        scaling, groups = tm.layers[self.layer].scaling, q.shape[1] // k.shape[1]
+        question = torch.zeros(B, L, dtype=torch.bool, device=vlm.device)
+        for b, (w, n) in enumerate(zip(windows, lengths)):
+            question[b, L - n + w.embeds.shape[0] + 1:] = True              # the tokens after <|vision_end|>
+        attention = question_attention(q, k, tm.layers[self.layer].scaling, question, keys=real)   # (B, L)
         out = []
         for b, (w, n) in enumerate(zip(windows, lengths)):
-            pad, S, K = L - n, w.embeds.shape[0], w.tokens_kept
-            qs = q[b, :, pad + S + 1:].float()                               # (H, Lq, hd) the question's tokens
-            ks = k[b, :, pad:].float().repeat_interleave(groups, 0)          # (H, n, hd)
-            logits = qs @ ks.transpose(1, 2) * scaling                       # (H, Lq, n)
-            seen = (torch.arange(n, device=vlm.device)[None, :]
-                    <= S + 1 + torch.arange(qs.shape[1], device=vlm.device)[:, None])  # (Lq, n) causal
-            attention = logits.masked_fill(~seen, float("-inf")).softmax(-1)  # (H, Lq, n)
-            out.append(attention[:, :, S - K:S].mean((0, 1)))                # (K,)
+            end = L - n + w.embeds.shape[0]
+            out.append(attention[b, end - w.tokens_kept:end])               # (K,)
         return out
 
     @torch.no_grad()

@@ -167,6 +167,16 @@ class TestDeterminism:
         assert [s.questions for s in data[4]] != [s.questions for s in a]
 
 
+def with_colored_column(samples):
+    """The stand-in's square covers too little of the tiny model's cells to colour a token: label
+    each clip's first token column with the colour its direction question names."""
+    from pipeline.training.qa_forward import named_color
+    for s in samples:
+        color = next(c for c in map(named_color, s.questions) if c is not None)
+        s.colors[:, :, 0] = color
+    return samples
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = tiny_config("drop.p_all=0.0", "drop.curriculum_steps=0", "train.views_per_question=2")
@@ -224,6 +234,63 @@ class TestTrainingInputsAreThePipelines:
         loss.backward()
         assert head.weight.grad is not None and float(head.weight.grad.abs().sum()) > 0
 
+    def test_grounding_loss_is_the_named_objects_share_of_the_questions_attention(self, tiny):
+        """The grounding loss reads the attention that the question's tokens pay to the kept visual
+        tokens at ground_layer (the LM's own, checked against HF's eager attention weights) and asks
+        it to fall on the tokens of the named colour's object; its gradient reaches that layer."""
+        cfg, model, tokenizer, preprocessor = tiny
+        layer = 1
+        forward = QAForward(model, tokenizer, preprocessor, ground_weight=1.0, ground_layer=layer)
+        samples = with_colored_column(step_data(cfg, make_clip)[0])
+        batch = forward.batch(samples, forward.vision(samples))
+        question, visual, target = batch.ground
+        views = [(s, q) for s in samples for q in s.questions]
+        named = [b for b, (_, q) in enumerate(views) if "move?" in q and "which way" in q.lower()]
+        assert named and target.any(-1).tolist() == [b in named and bool(target[b].any()) for b in range(len(views))]
+        grounded = target.any(-1)
+        assert 0 < int(grounded.sum()) < len(named), "some views should have dropped the named object's tokens"
+        assert (target <= visual).all()
+        assert visual.sum(-1).tolist() == [batch.tokens_kept[b] if grounded[b] else 0 for b in range(len(views))]
+        for b in named:
+            n_text = len(tokenizer("<|vision_end|>" + views[b][1] + "<|im_end|>\n<|im_start|>assistant\n").input_ids)
+            assert int(question[b].sum()) == (n_text - 1 if target[b].any() else 0)
+        forward._forward(batch)
+        loss = forward.ground_loss(batch)
+        # the reference: HF's own eager attention weights at that layer
+        ref_model = copy.deepcopy(model)
+        lm = ref_model.model.language_model
+        lm.config._attn_implementation = "eager"
+        with torch.no_grad():
+            weights = lm(inputs_embeds=batch.embeds, position_ids=batch.positions, use_cache=False,
+                         output_attentions=True).attentions[layer]               # (B, H, L, L)
+        rows = target.any(-1)
+        mean = (weights * question[:, None, :, None]).sum((1, 2)) / (weights.shape[1] * question.sum(-1))[:, None]
+        share = (mean * target).sum(-1)[rows] / (mean * visual).sum(-1)[rows]
+        torch.testing.assert_close(loss.detach(), -torch.log(share + 1e-6).mean(), rtol=1e-4, atol=1e-5)
+        loss.backward()
+        q_proj = model.model.language_model.layers[layer].self_attn.q_proj.weight
+        assert q_proj.grad is not None and float(q_proj.grad.abs().sum()) > 0
+        model.zero_grad(set_to_none=True)
+        # and the model keeps its attention implementation
+        assert model.model.language_model.config._attn_implementation == "sdpa"
+
+    def test_grounding_steps_move_attention_to_the_named_object(self, tiny):
+        cfg, model, tokenizer, preprocessor = tiny
+        model = copy.deepcopy(model)
+        forward = QAForward(model, tokenizer, preprocessor, ground_weight=1.0, ground_layer=1)
+        samples = with_colored_column(step_data(cfg, make_clip)[0])
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(8):
+            batch = forward.batch(samples, forward.vision(samples))
+            forward._forward(batch)
+            loss = forward.ground_loss(batch)
+            losses.append(float(loss.detach()))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert losses[-1] < 0.5 * losses[0], losses
+
     def test_chat_template_renders_the_pipelines_prompt(self, tiny):
         _, model, tokenizer, preprocessor = tiny
         vlm = VLM(copy.deepcopy(model), tokenizer, family="qwen2_vl", name="tiny", preprocessor=preprocessor,
@@ -236,17 +303,32 @@ class TestTrainingInputsAreThePipelines:
 
 
 class TestConfig:
-    def test_yaml_is_the_shipped_snapshots_recipe(self):
-        """configs/qa_vlm.yaml trains what pipeline/vlm/weights/arrcoc-synth-qa was trained with, to
-        its last step (workers do not change the data)."""
+    def test_yamls_are_the_shipped_snapshots_two_stage_recipe(self):
+        """configs/qa_vlm.yaml (stage 1, from scratch) and configs/qa_vlm_ground.yaml (stage 2, on from
+        stage 1's snapshot with the grounding loss) train what pipeline/vlm/weights/arrcoc-synth-qa was
+        trained with, to its last step: the snapshot keeps both stages' summaries. Workers do not
+        change the data; stage 2 ran under a time limit that stopped it where stop_step now does."""
         from pipeline.vlm.loading import SHIPPED
-        yaml_cfg = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml"))
-        shipped = json.loads((SHIPPED["arrcoc-synth-qa"] / "training_summary.json").read_text())
-        assert shipped["complete"] and (yaml_cfg["train"]["stop_step"] or yaml_cfg["train"]["steps"]) == shipped["steps"]
-        for name in ("workers", "time_limit_s", "stop_step"):
-            yaml_cfg["train"].pop(name)
-            shipped["config"]["train"].pop(name, None)
-        assert yaml_cfg == shipped["config"]
+        root = SHIPPED["arrcoc-synth-qa"]
+        stage1 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml"))
+        stage2 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm_ground.yaml"))
+        for yaml_cfg, name in ((stage1, "training_summary_stage1.json"), (stage2, "training_summary.json")):
+            shipped = json.loads((root / name).read_text())
+            t = shipped["config"]["train"]
+            last = yaml_cfg["train"]["stop_step"] or yaml_cfg["train"]["steps"]
+            assert shipped["steps"] == last and (shipped["complete"] or 0 < t["time_limit_s"] <= shipped["train_s"])
+            for key in ("workers", "time_limit_s", "stop_step"):
+                yaml_cfg["train"].pop(key)
+                t.pop(key, None)
+            if yaml_cfg is stage2:   # stage 1's snapshot: then shipped under this name, now runs/qa_vlm's
+                assert (yaml_cfg["train"].pop("init"), t.pop("init")) == ("runs/qa_vlm/snapshot", "arrcoc-synth-qa")
+            else:
+                t.setdefault("aux_ground_weight", 0.0)                       # fields added after stage 1 ran
+                t.setdefault("aux_ground_layer", 4)
+                t.setdefault("init", "")
+            assert yaml_cfg == shipped["config"], name
+        assert stage2["train"]["aux_ground_weight"] > 0
+        assert json.loads((root / "config.json").read_text())["arrcoc_pass2_layers"] == stage2["train"]["aux_ground_layer"]
 
     @pytest.mark.parametrize("override,message", [
         ("train.lr=0", "train.lr=0.0 is out of range; allowed: (0.0, 1.0]"),
@@ -309,6 +391,40 @@ class TestTrainRun:
         assert summary["complete"] and summary["steps"] == 2
         assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 2
         assert lr_at(1, cfg.train) > lr_at(3, cfg.train) > cfg.train.lr * cfg.train.min_lr_ratio
+
+    def test_init_starts_from_a_snapshot_and_names_the_grounded_layer(self, tmp_path):
+        """train.init loads a snapshot's weights before the first step; a grounded run's snapshot
+        names the layer pass 2 should read (config.json arrcoc_pass2_layers)."""
+        first = tiny_config("train.steps=1", "val.clips=0")
+        train(first, tmp_path / "a", make_clip=make_clip, log=lambda _: None)
+        snap = tmp_path / "a" / "snapshot"
+        model, _, _ = build(tiny_config(f"train.init={snap}"), torch.device("cpu"))
+        from pipeline.training.qa_vlm import start_from
+        start_from(model, snap)
+        from transformers import Qwen2VLForConditionalGeneration
+        saved = Qwen2VLForConditionalGeneration.from_pretrained(snap, dtype=torch.float32).state_dict()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, saved[name]), name
+        cfg = tiny_config("train.steps=1", "val.clips=0", f"train.init={snap}", "train.aux_ground_weight=1.0",
+                          "train.aux_ground_layer=1", "train.lr=1e-9", "train.warmup_steps=0")
+        logs = []
+        train(cfg, tmp_path / "b", make_clip=make_clip, log=logs.append)
+        assert f"started from {snap}" in logs
+        config = json.loads((tmp_path / "b" / "snapshot" / "config.json").read_text())
+        assert config["arrcoc_pass2_layers"] == 1
+        assert "arrcoc_pass2_layers" not in json.loads((snap / "config.json").read_text())
+        after = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "b" / "snapshot", dtype=torch.float32)
+        name = "model.language_model.layers.0.self_attn.q_proj.weight"
+        torch.testing.assert_close(after.state_dict()[name], saved[name], rtol=1e-2, atol=1e-3)
+        with pytest.raises(ConfigError, match=r"train.init=.*: .* is shape .* the model fields give"):
+            train(tiny_config("train.steps=1", "val.clips=0", f"train.init={snap}", "model.intermediate=96"),
+                  tmp_path / "c", make_clip=make_clip, log=lambda _: None)
+        with pytest.raises(ConfigError, match=r"train.init=.*nowhere: no \*.safetensors snapshot there"):
+            train(tiny_config("train.steps=1", "val.clips=0", f"train.init={tmp_path}/nowhere"),
+                  tmp_path / "d", make_clip=make_clip, log=lambda _: None)
+        with pytest.raises(ConfigError, match="train.aux_ground_layer=2 must be below model.layers=2"):
+            train(tiny_config("train.steps=1", "val.clips=0", "train.aux_ground_weight=1", "train.aux_ground_layer=2"),
+                  tmp_path / "e", make_clip=make_clip, log=lambda _: None)
 
     def test_resume_refuses_another_model(self, tmp_path):
         train(tiny_config("train.steps=1", "val.clips=0"), tmp_path, make_clip=make_clip, log=lambda _: None)

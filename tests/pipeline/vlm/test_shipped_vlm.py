@@ -87,8 +87,9 @@ def test_answers_easy_questions_about_generated_clips():
 
 
 def test_answers_where_and_shape_above_chance():
-    """The families that name one object, which the first snapshot answered at chance: on held-out
-    val clips, where (9 regions: chance 1/9) and shape (4 shapes: chance 1/4), every token kept."""
+    """The families that name one object, which stage 1 of the snapshot answered barely above chance
+    and stage 2 (trained to ground them) answers: on held-out val clips, where (9 regions: chance
+    1/9) and shape (4 shapes: chance 1/4), every token kept."""
     vlm = load_vlm(NAME, device="cpu", dtype="float32", config=VLMConfig(max_new_tokens=8))
     asked: dict[str, list[tuple[AnswerRequest, str]]] = {"where": [], "shape": []}
     for seed in SPLIT_SEEDS["val"]:
@@ -100,9 +101,8 @@ def test_answers_where_and_shape_above_chance():
                                          qa.answer))
         if all(len(v) == 40 for v in asked.values()):
             break
-    # here (2-core AMD EPYC, float32): where 25 of 40, shape 18 of 40. At chance, P(>= 16 of 40) is
-    # below 1e-4 for where and 0.04 for shape; P(>= 15 of 40 | p = 1/4) is 0.08.
-    for family, least in (("where", 16), ("shape", 15)):
+    # here (2-core AMD EPYC, float32): where 39 of 40, shape 39 of 40 (stage 1: 25 and 18)
+    for family, least in (("where", 32), ("shape", 32)):
         results = vlm.answer([r for r, _ in asked[family]])
         right = sum(r.text == truth for r, (_, truth) in zip(results, asked[family]))
         assert right >= least, (family, right)

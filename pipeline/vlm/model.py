@@ -32,7 +32,7 @@ from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import (allocation_keys, pair_lod, select_tokens, snap_to_windows, token_cells,
                                     token_relevance)
-from pipeline.vlm.tempering import first_token_confidence
+from pipeline.vlm.tempering import PER_TOKEN, first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
 from pipeline.vlm.vision_blocks import patch_vision_blocks
@@ -190,7 +190,8 @@ class Generation:
     lengths: list[int]                 # generated tokens per row up to and including EOS
     step_logits: list[torch.Tensor]    # N x (B, V) float32, only when requested
     decode_s: float = float("nan")     # first token -> last token wall time, only when timed
-    confidence: list[float] | None = None   # (B) of the first token (tempering.first_token_confidence)
+    confidence: list[float] | None = None   # (B) of the first token, or of the answer's least sure one
+                                            # (vlm.tempering.confidence; tempering.first_token_confidence)
 
 
 def batch_bucket(batch: int) -> int:
@@ -755,7 +756,9 @@ class VLM:
         top_p = cfg.top_p if top_p is None else top_p
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
         B = batch
-        confidence = first_token_confidence(logits, cfg.tempering.confidence)  # (B,), before a replay overwrites
+        measure = cfg.tempering.confidence
+        confidence = first_token_confidence(logits, measure)                 # (B,), before a replay overwrites
+        per_token = measure in PER_TOKEN                                      # the least sure of every token
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         tokens, step_logits = [], []
@@ -763,6 +766,9 @@ class VLM:
         for step in range(max_new):
             if return_logits:
                 step_logits.append(logits.clone())                           # a graph overwrites its output
+            if per_token and step:                                           # step 0: `confidence` already
+                confidence = torch.where(done, confidence, torch.minimum(confidence,
+                                                                         first_token_confidence(logits, measure)))
             token = sample_next(logits, temperature, top_p, gen)             # (B,)
             token = torch.where(done, self.pad_token_id, token)
             lengths += (~done).long()

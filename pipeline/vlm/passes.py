@@ -37,7 +37,7 @@ import torch
 from arr_coc._validate import ConfigError
 from pipeline.vlm.config import DEFAULT_PASS2_LAYERS
 from pipeline.vlm.selection import allocation_sizes
-from pipeline.vlm.tempering import first_token_confidence
+from pipeline.vlm.tempering import PER_TOKEN, first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 
 if TYPE_CHECKING:
@@ -225,14 +225,21 @@ class Passes:
             sizes = [self.rung_sizes(w.tokens_kept) for w in windows]       # per answer, increasing
         scores = self.ranking(windows, questions, sizes)
         most_confident = self.tempering.fallback == "most_confident"
+        # a measure of the whole answer (PER_TOKEN) decodes every pass's answers before deciding
+        per_token = self.tempering.confidence in PER_TOKEN
         final: list[Prefix | None] = [None] * n
+        texts: list[str | None] = [None] * n                                 # per_token: the final pass's answer
         passes, spent, confidence = [0] * n, [0] * n, [-math.inf] * n
         undecided, out, k = list(range(n)), None, 0
         while undecided:                                # pass k + 1 of every answer still unsure
             prefixes = [vlm.question_prefix(narrow(windows[i], keep_best(scores[i], sizes[i][k])), questions[i])
                         for i in undecided]
             decoder, logits = vlm.prefill(prefixes)                           # (B, V)
-            sure = first_token_confidence(logits, self.tempering.confidence).tolist()
+            if per_token:
+                gen = vlm.generate_from(decoder, logits, len(prefixes))
+                sure = gen.confidence
+            else:
+                sure = first_token_confidence(logits, self.tempering.confidence).tolist()
             accepted = [k == len(sizes[i]) - 1 or c >= self.tempering.threshold for i, c in zip(undecided, sure)]
             for j, i in enumerate(undecided):
                 passes[i], spent[i] = k + 1, spent[i] + prefixes[j].tokens_kept
@@ -241,15 +248,20 @@ class Passes:
                 # before it were below the threshold; ties: the larger budget)
                 if not most_confident or sure[j] >= confidence[i]:
                     final[i], confidence[i] = prefixes[j], sure[j]
-            if all(accepted) and len(undecided) == n and all(final[i] is prefixes[j] for j, i in enumerate(undecided)):
+                    if per_token:
+                        texts[i] = vlm.decode(gen.tokens[j], gen.lengths[j])
+            if not per_token and all(accepted) and len(undecided) == n and \
+                    all(final[i] is prefixes[j] for j, i in enumerate(undecided)):
                 out = vlm.generate_from(decoder, logits, n)   # every answer from this prefill: decode on from it
             undecided, k = [i for i, a in zip(undecided, accepted) if not a], k + 1
-        if out is None:                                 # answered from different passes: one generate for all
-            out = vlm.generate(final)
-        ready = time.monotonic()                        # generate's lengths came back to the host: done
-        return [dict(text=vlm.decode(out.tokens[i], out.lengths[i]), tokens_kept=p.tokens_kept,
-                     tokens_full=p.tokens_full, latency_s=ready - arrivals[i], passes=passes[i],
-                     tokens_spent=spent[i], confidence=confidence[i])
+        if not per_token:
+            if out is None:                             # answered from different passes: one generate for all
+                out = vlm.generate(final)
+            texts = [vlm.decode(out.tokens[i], out.lengths[i]) for i in range(n)]
+        ready = time.monotonic()                        # the answers came back to the host: done
+        return [dict(text=texts[i], tokens_kept=p.tokens_kept, tokens_full=p.tokens_full,
+                     latency_s=ready - arrivals[i], passes=passes[i], tokens_spent=spent[i],
+                     confidence=confidence[i])
                 for i, p in enumerate(final)]
 
     def ranking(self, windows: list[WindowPrefix], questions: list[str], sizes: list[list[int]]) -> list[torch.Tensor]:

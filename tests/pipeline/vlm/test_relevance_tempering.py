@@ -277,3 +277,42 @@ class TestPass2Layer:
         with pytest.raises(ConfigError, match=r"config.json names arrcoc_pass2_layers='last': it must be a layer "
                                               r"index >= 0 \(or set vlm.pass2_layers\)"):
             pass2_layer(rewrap(vlm))
+
+
+class TestAnswerConfidence:
+    """vlm.tempering.confidence: answer, the least sure token of the whole answer."""
+
+    def test_generate_reports_the_smallest_margin_of_the_answers_tokens(self, vlm):
+        from pipeline.vlm.tempering import first_token_confidence
+        v = rewrap(vlm, max_new_tokens=5, tempering=TemperingConfig(confidence="answer"))
+        frames = make_frames(4, 112, 140, seed=3)
+        prefixes = v.prepare([AnswerRequest("s", frames, None, q, 0.0, 1.0) for q in (QUESTION, "how many cars?")])
+        v.eos_ids = torch.tensor([int(v.generate(prefixes[:1]).tokens[0, 2])])    # answers end at their 3rd token
+        out = v.generate(prefixes, return_logits=True)
+        margins = torch.stack([first_token_confidence(s, "margin") for s in out.step_logits], 1)   # (B, steps)
+        for b, n in enumerate(out.lengths):
+            assert out.confidence[b] == pytest.approx(float(margins[b, :n].min()), abs=1e-6)
+        assert min(out.lengths) < 5, "no answer ended early: the test would not see it"
+        first = rewrap(vlm, max_new_tokens=5).generate(prefixes)                      # margin: the first token's
+        torch.testing.assert_close(torch.tensor(first.confidence), margins[:, 0], atol=1e-6, rtol=0)
+
+    def test_each_pass_decodes_and_the_accepted_one_answers(self, vlm, monkeypatch):
+        frames = make_frames(4, 112, 140, seed=11)
+        keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
+        v = tempered(vlm, threshold=0.5, confidence="answer")
+        runs = []
+        generate_from = v.generate_from
+
+        def stubbed(decoder, logits, batch, **kwargs):                       # confidences 0.3, then 0.6
+            out = generate_from(decoder, logits, batch, **kwargs)
+            runs.append(out)
+            out.confidence = [0.3 if len(runs) == 1 else 0.6] * batch
+            return out
+        monkeypatch.setattr(v, "generate_from", stubbed)
+        calls = record_prefills(v, monkeypatch)
+        result = v.answer([scored(frames, keep, seed=13)])[0]
+        assert (result.passes, len(calls), len(runs)) == (2, 2, 2)           # no extra generate at the end
+        assert result.tokens_kept == calls[1][0].tokens_kept and result.confidence == pytest.approx(0.6)
+        assert result.text == v.decode(runs[1].tokens[0], runs[1].lengths[0])
+        direct = vlm.generate([calls[1][0]])
+        assert result.text == vlm.decode(direct.tokens[0], direct.lengths[0])

@@ -10,7 +10,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 ENCODE_MODES = ("all", "kept")
 KEPT_WINDOWS = ("whole", "cells")
 PASS2 = ("off", "attention")
-CONFIDENCE = ("margin", "entropy", "answer")
+CONFIDENCE = ("margin", "entropy", "answer", "coverage")
 RANKS = ("allocation", "relevance", "attention")
 DEFAULT_PASS2_LAYERS = 2               # FastV's: a VLM whose snapshot names no layer of its own
 FALLBACKS = ("last", "most_confident")
@@ -30,8 +30,10 @@ class TemperingConfig:
     max_passes: int = 3                # the most rungs of the ladder one answer may use
     # margin: top-1 minus top-2 probability of the first answer token; entropy: 1 - its entropy /
     # log(vocabulary size); answer: the smallest margin over every token of the answer (each pass
-    # then decodes its answer before the next is decided: "bottom right" is decided at "right")
-    confidence: Literal["margin", "entropy", "answer"] = "margin"
+    # then decodes its answer before the next is decided: "bottom right" is decided at "right");
+    # coverage: the share of the question's attention over pass 1's candidates (pass 2's, at
+    # vlm.pass2_layers) that the rung's tokens carry: low when the rung dropped what it looks for
+    confidence: Literal["margin", "entropy", "answer", "coverage"] = "margin"
     # which of pass 1's candidates each rung keeps (pass 1 keeping the top rung's budget, vlm.pass2
     # off): allocation, what ARR-COC's own allocation at the rung's retention keeps (each frame's
     # best cells, as many as that retention buys); relevance, the same share of every frame pair's

@@ -82,6 +82,12 @@ def question_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, questio
     return attention.sum((1, 2)) / (H * valid.sum(-1).clamp_min(1))[:, None]
 
 
+def coverage(attention: torch.Tensor, kept: torch.Tensor) -> float:
+    """The share of the question's attention over all candidates (K,) that the kept ones carry."""
+    total = float(attention.sum())
+    return min(float(attention[kept].sum()) / total, 1.0) if total > 0 else 1.0
+
+
 def keep_best(scores: torch.Tensor, n: int) -> torch.Tensor:
     """(K,) candidate scores -> the positions (ascending: the model's token order) of the best n
     of them (all of them when n >= K)."""
@@ -157,7 +163,9 @@ class Passes:
         # relevance: pass 1's scores rank the candidates; attention: pass 2's (the VLM's own)
         self.rank = "attention" if cfg.pass2 != "off" else cfg.tempering.rank
         self.layer, self.text_model = 0, None
-        if self.rank == "attention":
+        # coverage: how much of the question's attention over the candidates a rung keeps (pass 2's)
+        self.coverage = cfg.tempering.confidence == "coverage"
+        if self.rank == "attention" or self.coverage:
             reason = unsupported(vlm.lm)
             if reason is not None:
                 raise ConfigError(f"vlm.pass2={cfg.pass2} needs the LM's queries and keys, which this model does "
@@ -224,6 +232,9 @@ class Passes:
         else:
             sizes = [self.rung_sizes(w.tokens_kept) for w in windows]       # per answer, increasing
         scores = self.ranking(windows, questions, sizes)
+        # coverage: the question's attention over each window's candidates (pass 2's, computed once
+        # whatever ranks them); a rung's confidence is the share of it on the tokens the rung keeps
+        attention = self.scores(windows, questions) if self.coverage and len(self.tempering.rungs) > 1 else None
         most_confident = self.tempering.fallback == "most_confident"
         # a measure of the whole answer (PER_TOKEN) decodes every pass's answers before deciding
         per_token = self.tempering.confidence in PER_TOKEN
@@ -235,7 +246,9 @@ class Passes:
             prefixes = [vlm.question_prefix(narrow(windows[i], keep_best(scores[i], sizes[i][k])), questions[i])
                         for i in undecided]
             decoder, logits = vlm.prefill(prefixes)                           # (B, V)
-            if per_token:
+            if attention is not None:
+                sure = [coverage(attention[i], keep_best(scores[i], sizes[i][k])) for i in undecided]
+            elif per_token:
                 gen = vlm.generate_from(decoder, logits, len(prefixes))
                 sure = gen.confidence
             else:

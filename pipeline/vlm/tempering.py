@@ -8,6 +8,8 @@ first generated token: short answers (a colour, a count, yes/no) are decided the
   entropy: 1 - H(p) / log V over the vocabulary of V tokens, in [0, 1]
   answer:  the smallest margin over every token of the answer, its end included (an answer of
            several tokens, "bottom right", is often sure of its first word and not of its second)
+  coverage: not the answer's: the share of the question's attention over the candidates (pass 2's)
+           that a rung keeps (pipeline/vlm/passes.py); answers report the first token's margin
 
 All are 1 for a certain answer and near 0 for a flat distribution. `calibrate` picks the
 threshold from answers of a validation split whose correctness is known.
@@ -21,8 +23,8 @@ import torch
 
 from arr_coc._validate import check_choice, check_range
 
-Measure = Literal["margin", "entropy", "answer"]
-MEASURES = ("margin", "entropy", "answer")
+Measure = Literal["margin", "entropy", "answer", "coverage"]
+MEASURES = ("margin", "entropy", "answer", "coverage")
 PER_TOKEN = ("answer",)              # measures of the whole answer: known once it is decoded
 
 
@@ -33,7 +35,7 @@ def first_token_confidence(logits: torch.Tensor, measure: Measure = "margin") ->
     if logits.dim() != 2 or logits.shape[1] < 2:
         raise ValueError(f"logits must be (B, V) with V >= 2, got {tuple(logits.shape)}")
     logp = torch.log_softmax(logits.float(), dim=-1)                        # (B, V)
-    if measure in ("margin", "answer"):                                      # answer: its first token's
+    if measure in ("margin", "answer", "coverage"):                          # answer: its first token's
         top = logp.topk(2, dim=-1).values.exp()                              # (B, 2)
         return (top[:, 0] - top[:, 1]).clamp(0.0, 1.0)
     entropy = -(logp.exp() * logp).sum(-1)                                  # (B,) nats

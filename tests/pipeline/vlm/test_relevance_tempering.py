@@ -316,3 +316,46 @@ class TestAnswerConfidence:
         assert result.text == v.decode(runs[1].tokens[0], runs[1].lengths[0])
         direct = vlm.generate([calls[1][0]])
         assert result.text == vlm.decode(direct.tokens[0], direct.lengths[0])
+
+
+class TestCoverage:
+    """vlm.tempering.confidence: coverage, the share of the question's attention over the candidates
+    (pass 2's) that a rung keeps: low when the rung dropped what the question looks at."""
+
+    def run(self, vlm, monkeypatch, hot_kept: bool):
+        frames = make_frames(4, 112, 140, seed=11)
+        keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
+        v = tempered(vlm, ladder=(0.2, 1.0), threshold=0.5, confidence="coverage")
+        seen = {}
+
+        def attention(windows, questions):
+            # a fifth of the attention spread evenly, the rest on one candidate: one the first rung
+            # keeps (ranked first by pass 1's relevance) or one it drops (ranked last)
+            K = windows[0].tokens_kept
+            rel = windows[0].scores
+            hot = int(rel.argmax()) if hot_kept else int(rel.argmin())
+            a = torch.full((K,), 0.2 / K)
+            a[hot] += 0.8
+            seen["K"], seen["hot"] = K, hot
+            return [a]
+        monkeypatch.setattr(v.passes, "scores", attention)
+        calls = record_prefills(v, monkeypatch)
+        result = v.answer([scored(frames, keep, seed=13)])[0]
+        return result, calls, seen
+
+    def test_a_rung_keeping_what_the_question_looks_at_is_enough(self, vlm, monkeypatch):
+        result, calls, seen = self.run(vlm, monkeypatch, hot_kept=True)
+        n = calls[0][0].tokens_kept
+        assert result.passes == 1 and n < seen["K"]
+        assert result.confidence == pytest.approx(0.8 + 0.2 * n / seen["K"], abs=1e-5)
+
+    def test_a_rung_that_dropped_it_asks_again(self, vlm, monkeypatch):
+        result, calls, seen = self.run(vlm, monkeypatch, hot_kept=False)
+        n = calls[0][0].tokens_kept
+        assert result.passes == 2 and result.tokens_spent == n + seen["K"]
+        assert result.confidence == pytest.approx(1.0)                       # the last rung keeps them all
+
+
+def test_coverage_builds_the_attention_forward_without_pass2(vlm):
+    v = tempered(vlm, ladder=(0.2, 1.0), confidence="coverage", rank="allocation")
+    assert v.config.pass2 == "off" and v.passes.text_model is not None

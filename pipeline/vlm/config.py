@@ -31,8 +31,8 @@ class TemperingConfig:
     # margin: top-1 minus top-2 probability of the first answer token; entropy: 1 - its entropy /
     # log(vocabulary size); answer: the smallest margin over every token of the answer (each pass
     # then decodes its answer before the next is decided: "bottom right" is decided at "right");
-    # coverage: the share of the question's attention over pass 1's candidates (pass 2's, at
-    # vlm.pass2_layers) that the rung's tokens carry: low when the rung dropped what it looks for
+    # coverage: 1 - the question's attention (pass 2's, at vlm.pass2_layers) beyond uniform over
+    # pass 1's candidates that the rung drops: low when the rung dropped what it looks for
     confidence: Literal["margin", "entropy", "answer", "coverage"] = "margin"
     # which of pass 1's candidates each rung keeps (pass 1 keeping the top rung's budget, vlm.pass2
     # off): allocation, what ARR-COC's own allocation at the rung's retention keeps (each frame's

@@ -83,9 +83,17 @@ def question_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, questio
 
 
 def coverage(attention: torch.Tensor, kept: torch.Tensor) -> float:
-    """The share of the question's attention over all candidates (K,) that the kept ones carry."""
+    """1 - the question's attention beyond uniform that the dropped candidates carry: the attention
+    over all K candidates normalised to 1, each candidate's excess over 1 / K summed over those not
+    kept. Diffuse attention (nothing in particular looked for) drops little excess; attention on an
+    object the rung dropped drops most of it."""
     total = float(attention.sum())
-    return min(float(attention[kept].sum()) / total, 1.0) if total > 0 else 1.0
+    if total <= 0:
+        return 1.0
+    excess = (attention / total - 1.0 / attention.numel()).clamp_min(0)
+    dropped = torch.ones_like(excess, dtype=torch.bool)
+    dropped[kept] = False
+    return min(max(1.0 - float(excess[dropped].sum()), 0.0), 1.0)
 
 
 def keep_best(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -163,7 +171,7 @@ class Passes:
         # relevance: pass 1's scores rank the candidates; attention: pass 2's (the VLM's own)
         self.rank = "attention" if cfg.pass2 != "off" else cfg.tempering.rank
         self.layer, self.text_model = 0, None
-        # coverage: how much of the question's attention over the candidates a rung keeps (pass 2's)
+        # coverage: how much of the question's attention over the candidates a rung drops (pass 2's)
         self.coverage = cfg.tempering.confidence == "coverage"
         if self.rank == "attention" or self.coverage:
             reason = unsupported(vlm.lm)
@@ -233,7 +241,7 @@ class Passes:
             sizes = [self.rung_sizes(w.tokens_kept) for w in windows]       # per answer, increasing
         scores = self.ranking(windows, questions, sizes)
         # coverage: the question's attention over each window's candidates (pass 2's, computed once
-        # whatever ranks them); a rung's confidence is the share of it on the tokens the rung keeps
+        # whatever ranks them); a rung's confidence is `coverage` of the tokens it keeps
         attention = self.scores(windows, questions) if self.coverage and len(self.tempering.rungs) > 1 else None
         most_confident = self.tempering.fallback == "most_confident"
         # a measure of the whole answer (PER_TOKEN) decodes every pass's answers before deciding

@@ -8,8 +8,8 @@ first generated token: short answers (a colour, a count, yes/no) are decided the
   entropy: 1 - H(p) / log V over the vocabulary of V tokens, in [0, 1]
   answer:  the smallest margin over every token of the answer, its end included (an answer of
            several tokens, "bottom right", is often sure of its first word and not of its second)
-  coverage: not the answer's: the share of the question's attention over the candidates (pass 2's)
-           that a rung keeps (pipeline/vlm/passes.py); answers report the first token's margin
+  coverage: not the answer's: 1 - the question's attention (pass 2's) beyond uniform over the
+           candidates that a rung drops (pipeline/vlm/passes.py); answers report the first token's margin
 
 All are 1 for a certain answer and near 0 for a flat distribution. `calibrate` picks the
 threshold from answers of a validation split whose correctness is known.

@@ -319,8 +319,8 @@ class TestAnswerConfidence:
 
 
 class TestCoverage:
-    """vlm.tempering.confidence: coverage, the share of the question's attention over the candidates
-    (pass 2's) that a rung keeps: low when the rung dropped what the question looks at."""
+    """vlm.tempering.confidence: coverage, 1 - the question's attention beyond uniform over the
+    candidates (pass 2's) that a rung drops: low when it dropped what the question looks at."""
 
     def run(self, vlm, monkeypatch, hot_kept: bool):
         frames = make_frames(4, 112, 140, seed=11)
@@ -347,7 +347,7 @@ class TestCoverage:
         result, calls, seen = self.run(vlm, monkeypatch, hot_kept=True)
         n = calls[0][0].tokens_kept
         assert result.passes == 1 and n < seen["K"]
-        assert result.confidence == pytest.approx(0.8 + 0.2 * n / seen["K"], abs=1e-5)
+        assert result.confidence == pytest.approx(1.0)                       # no excess attention dropped
 
     def test_a_rung_that_dropped_it_asks_again(self, vlm, monkeypatch):
         result, calls, seen = self.run(vlm, monkeypatch, hot_kept=False)
@@ -359,3 +359,14 @@ class TestCoverage:
 def test_coverage_builds_the_attention_forward_without_pass2(vlm):
     v = tempered(vlm, ladder=(0.2, 1.0), confidence="coverage", rank="allocation")
     assert v.config.pass2 == "off" and v.passes.text_model is not None
+
+
+def test_coverage_counts_the_excess_attention_a_rung_drops():
+    from pipeline.vlm.passes import coverage
+    kept = torch.tensor([0, 1])
+    assert coverage(torch.full((8,), 3.0), kept) == pytest.approx(1.0)              # diffuse: nothing dropped
+    assert coverage(torch.eye(8)[5] * 2.0, kept) == pytest.approx(1 / 8)             # all of it on a dropped one
+    assert coverage(torch.eye(8)[1], kept) == pytest.approx(1.0)                     # on a kept one
+    half = torch.tensor([0.5, 0, 0, 0, 0.5, 0, 0, 0])
+    assert coverage(half, kept) == pytest.approx(1 - (0.5 - 1 / 8))
+    assert coverage(torch.zeros(8), kept) == 1.0

@@ -49,6 +49,7 @@ from pipeline.vlm import hf
 from sources.scenes import COLORS, SHAPES
 
 SHIPPED_NAME = "arrcoc-synth-qa"
+SHIPPED_NAMES = (SHIPPED_NAME,)
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,8 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     if make_clip is None:
         from sources.synth_qa import make_qa_clip as make_clip
     hf_logging.disable_progress_bar()       # save / load bars at every validation
+    if cfg.train.init and not resume_found(out_dir, resume):
+        init_root(cfg.train.init)                       # before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.train.device)
@@ -415,15 +418,22 @@ def resume_found(out_dir: str | Path, resume: bool) -> bool:
     return resume and (Path(out_dir) / "checkpoint.pt").exists()
 
 
-def start_from(model, snapshot: str | Path) -> None:
-    """Load a snapshot's weights (train.init: a directory or a shipped name) into the freshly built
-    model: the same model fields, else a ConfigError naming the first tensor that differs."""
+def init_root(snapshot: str | Path) -> Path:
+    """train.init's snapshot directory (a path, or a shipped name), else a one-line ConfigError."""
     root = Path(snapshot)
     if not root.is_dir():
         from pipeline.vlm.loading import SHIPPED
         root = SHIPPED.get(str(snapshot), root)
     if not (root.is_dir() and any(root.glob("*.safetensors")) and (root / "config.json").is_file()):
-        raise ConfigError(f"train.init={snapshot}: no *.safetensors snapshot there")
+        raise ConfigError(f"train.init={snapshot}: no *.safetensors snapshot there (a snapshot directory, "
+                          f"e.g. a finished run's OUT_DIR/snapshot, or a shipped name: {', '.join(SHIPPED_NAMES)})")
+    return root
+
+
+def start_from(model, snapshot: str | Path) -> None:
+    """Load a snapshot's weights (train.init: a directory or a shipped name) into the freshly built
+    model: the same model fields, else a ConfigError naming the first tensor that differs."""
+    root = init_root(snapshot)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

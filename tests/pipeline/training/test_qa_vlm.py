@@ -422,6 +422,7 @@ class TestTrainRun:
         with pytest.raises(ConfigError, match=r"train.init=.*nowhere: no \*.safetensors snapshot there"):
             train(tiny_config("train.steps=1", "val.clips=0", f"train.init={tmp_path}/nowhere"),
                   tmp_path / "d", make_clip=make_clip, log=lambda _: None)
+        assert not (tmp_path / "d").exists()                                # nothing written
         with pytest.raises(ConfigError, match="train.aux_ground_layer=2 must be below model.layers=2"):
             train(tiny_config("train.steps=1", "val.clips=0", "train.aux_ground_weight=1", "train.aux_ground_layer=2"),
                   tmp_path / "e", make_clip=make_clip, log=lambda _: None)

@@ -119,7 +119,7 @@ class VLMConfig:
     # times the final budget, and the VLM keeps the final budget among them, the tokens its question
     # attends to most at LM layer pass2_layers (the layers before it run over the candidates; an LM
     # with no such layer: its last). None: the layer the VLM's snapshot names (config.json
-    # "arrcoc_pass2_layers", measured for that model: the shipped arrcoc-synth-qa names 4), else
+    # "arrcoc_pass2_layers": the shipped arrcoc-synth-qa names 2, the layer it was trained to ground), else
     # DEFAULT_PASS2_LAYERS (FastV's 2)
     pass2: Literal["off", "attention"] = "off"
     candidate_factor: float = 3.0

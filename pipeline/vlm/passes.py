@@ -176,8 +176,9 @@ class Passes:
         if self.rank == "attention" or self.coverage:
             reason = unsupported(vlm.lm)
             if reason is not None:
-                raise ConfigError(f"vlm.pass2={cfg.pass2} needs the LM's queries and keys, which this model does "
-                                  f"not expose: {reason}")
+                asked = f"vlm.pass2={cfg.pass2}" if self.rank == "attention" else "vlm.tempering.confidence=coverage"
+                raise ConfigError(f"{asked} needs the LM's queries and keys, which this model does not expose: "
+                                  f"{reason}")
             self.layer = min(pass2_layer(vlm), len(vlm.lm.layers) - 1)       # an LM of fewer layers: its last
             # the fast forward's modules are the LM's own (a second one over them shares the fused weights)
             self.text_model = FastTextModel(vlm.lm, vlm.attn_impl)

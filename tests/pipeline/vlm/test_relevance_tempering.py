@@ -370,3 +370,12 @@ def test_coverage_counts_the_excess_attention_a_rung_drops():
     half = torch.tensor([0.5, 0, 0, 0, 0.5, 0, 0, 0])
     assert coverage(half, kept) == pytest.approx(1 - (0.5 - 1 / 8))
     assert coverage(torch.zeros(8), kept) == 1.0
+
+
+def test_coverage_on_an_lm_without_queries_and_keys_names_the_setting(vlm, monkeypatch):
+    from arr_coc._validate import ConfigError
+    monkeypatch.setattr(passes_module, "unsupported", lambda lm: "a projection is not a plain nn.Linear")
+    with pytest.raises(ConfigError, match=r"^vlm.tempering.confidence=coverage needs the LM's queries and keys"):
+        tempered(vlm, ladder=(0.2, 1.0), confidence="coverage", rank="allocation")
+    with pytest.raises(ConfigError, match=r"^vlm.pass2=attention needs the LM's queries and keys"):
+        rewrap(vlm, pass2="attention")

@@ -239,8 +239,10 @@ class TestRTSP:
         indices = [f.index for f in before + more + after]
         assert indices == list(range(indices[0], indices[0] + len(indices)))
         assert stats.dropped == 0 and stats.reconnects == 1
-        assert re.fullmatch(r"server closed the connection; reconnect failed: connection refused \(\d+ attempts\)",
-                            gap.reason), gap.reason
+        # how the stream ended depends on where in a packet the server died: at a boundary FFmpeg
+        # sees the connection close, mid-packet (seen under load) invalid data
+        assert re.fullmatch(r"(server closed the connection|stream error: invalid data found when processing input)"
+                            r"; reconnect failed: connection refused \(\d+ attempts\)", gap.reason), gap.reason
         assert stats.gaps == 1 and stats.connected
         assert stats.outage_s == pytest.approx(gap.end_wall - gap.start_wall, abs=1e-6)
 

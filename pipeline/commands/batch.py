@@ -1,18 +1,41 @@
-"""`batch --dataset msrvtt --root DIR`: answer every question of a split, locally or on Ray."""
+"""`batch --dataset msrvtt --root DIR`: answer every question of a split, locally or on Ray.
+
+`--processes N` runs the local path as N processes side by side (`--shard i/N` each, on one store):
+on one GPU, several processes keep it busier than one, whose host side caps its rate
+(docs/performance.md). The parent checks the options, starts them, shows their progress from the
+store and prints one summary of all of them.
+"""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from arr_coc._validate import ConfigError
 
 from ..api import Pipeline
-from .common import EXIT_OK, load_run_config
+from .common import EXIT_INTERRUPTED, EXIT_OK, load_run_config
+
+POLL_S = 0.5                       # how often the parent looks at the store and its processes
 
 
 def cmd_batch(args: Any) -> int:
     if args.overlay:
         raise ConfigError("--overlay renders one video; batch does not support it")
+    if args.processes is not None:
+        if args.processes < 1:
+            raise ConfigError(f"--processes must be >= 1, got {args.processes}")
+        if args.processes > 1:
+            if args.ray is not None:
+                raise ConfigError("--processes runs the local path side by side; Ray spreads work with --workers")
+            if args.shard is not None:
+                raise ConfigError("--processes shards the split itself (--shard i/N each); drop --shard")
+            return _side_by_side(args)
     pipe = Pipeline(config=load_run_config(args))
     summary = pipe.batch(args.root, dataset=args.dataset, split=args.split, task=args.task, videos=args.videos,
                          limit=args.limit, shard=args.shard, out=args.out, ray=args.ray, workers=args.workers,
@@ -23,3 +46,140 @@ def cmd_batch(args: Any) -> int:
         row["notes"] = ["tiny-random is a built-in random model for smoke tests: its answers are meaningless"]
     print(json.dumps(row))
     return EXIT_OK
+
+
+def _child_argv(argv: list[str], i: int, n: int, out: str) -> list[str]:
+    """This command line for shard i of n: without --processes (and without --out / progress
+    flags, which the parent sets)."""
+    drop_with_value = {"--processes", "--out"}
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in drop_with_value:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in drop_with_value or a in ("--progress", "--no-progress"):
+            continue
+        rest.append(a)
+    return [sys.executable, "-m", "pipeline", *rest, "--shard", f"{i}/{n}", "--out", out, "--no-progress"]
+
+
+def _side_by_side(args: Any) -> int:
+    from sources.msrvtt import load_msrvtt
+
+    from ..runners.batch import make_plan
+
+    n = args.processes
+    load_run_config(args)                                  # a bad option fails here, once, before any start
+    data = load_msrvtt(args.root, args.split, task=args.task, videos_dir=args.videos)
+    plan = make_plan(data, limit=args.limit)
+    out = args.out if args.out is not None else f"{args.dataset}_{args.split}.zarr"
+    started = time.monotonic()
+    # the packages beside this one (sources, sinks, arr_coc) importable from any directory, installed or not
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    procs = [subprocess.Popen(_child_argv(args.argv, i, n, str(out)), stdout=subprocess.PIPE, text=True, env=env)
+             for i in range(n)]
+    outputs: dict[int, str] = {}
+    try:
+        _wait(procs, outputs, [w.video_id for w in plan], out, args.progress)
+    except KeyboardInterrupt:
+        _stop(procs)
+        raise
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        i, code = failed[0]
+        print(f"error: process {i} of {n} (--shard {i}/{n}) exited with code {code}; the others were stopped, "
+              f"the store keeps what they finished", file=sys.stderr)
+        return code if code != EXIT_INTERRUPTED else EXIT_INTERRUPTED
+    rows = [json.loads(outputs[i].strip().splitlines()[-1]) for i in range(n)]
+    print(json.dumps(merge_summaries(rows, time.monotonic() - started)))
+    return EXIT_OK
+
+
+def _wait(procs: list[subprocess.Popen], outputs: dict[int, str], video_ids: list[str], out, progress) -> None:
+    """Until every process has ended (or one failed: then the rest are stopped), with a progress bar
+    of the plan's videos complete in the store."""
+    import threading
+
+    def read(i: int, p: subprocess.Popen) -> None:
+        outputs[i] = p.stdout.read()
+    readers = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for r in readers:
+        r.start()
+    bar = None
+    if sys.stderr.isatty() if progress is None else progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(video_ids), unit="video", desc=f"batch x {len(procs)}", dynamic_ncols=True,
+                   file=sys.stderr)
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if bar is not None:
+                bar.n = _complete(out, video_ids)
+                bar.refresh()
+            if any(c not in (None, 0) for c in codes):
+                _stop(procs)
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(POLL_S)
+    finally:
+        if bar is not None:
+            bar.close()
+    for r in readers:
+        r.join()
+
+
+def _complete(out, video_ids: list[str]) -> int:
+    from sinks import ZarrStore
+
+    try:
+        store = ZarrStore.open(out, mode="r")
+        present = set(store.stream_ids())
+        return sum(vid in present and store.is_complete(vid) for vid in video_ids)
+    except Exception:                                       # not written yet, or mid-write: next poll
+        return 0
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Ctrl-C for every process still running (each closes its store writes cleanly), then wait."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def merge_summaries(rows: list[dict], wall_s: float) -> dict:
+    """One batch summary of the shard processes' own: counts summed, rates over the parent's wall
+    time, per-video means weighted by the videos each process did; `shards` keeps each one's."""
+    counts = ("videos", "questions", "done", "skipped_complete", "missing", "failed", "damaged", "answered")
+    merged: dict[str, Any] = {"out": rows[0]["out"], "backend": f"local x {len(rows)} processes"}
+    merged.update({k: sum(r[k] for r in rows) for k in counts})
+    done = merged["done"]
+    merged["wall_s"] = round(wall_s, 3)
+    merged["videos_per_s"] = round(done / wall_s, 4) if wall_s > 0 else 0.0
+    merged["questions_per_s"] = round(merged["answered"] / wall_s, 4) if wall_s > 0 else 0.0
+
+    def mean(key: str, digits: int) -> float:
+        return round(sum(r[key] * r["done"] for r in rows) / done, digits) if done else 0.0
+    merged["tokens_kept_per_video"] = mean("tokens_kept_per_video", 1)
+    merged["tokens_full_per_video"] = mean("tokens_full_per_video", 1)
+    merged["seconds_per_video"] = mean("seconds_per_video", 4)
+    stages = sorted({s for r in rows for s in r.get("stage_busy_per_video_s", {})})
+    merged["stage_busy_per_video_s"] = {
+        s: round(sum(r["stage_busy_per_video_s"].get(s, 0.0) * r["done"] for r in rows) / done, 4) if done else 0.0
+        for s in stages}
+    merged["processes"] = len(rows)
+    merged["shards"] = rows
+    notes = [note for r in rows for note in r.get("notes", [])]
+    if notes:
+        merged["notes"] = sorted(set(notes))
+    return merged

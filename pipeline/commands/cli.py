@@ -94,6 +94,9 @@ def _add_batch(sub: Any) -> None:
                         "means fewer calls and fewer pauses where an actor's videos in flight drain together")
     p.add_argument("--stock-tokens", action="store_true",
                    help="send the VLM every visual token (the baseline ARR-COC is measured against)")
+    p.add_argument("--processes", type=int, metavar="N",
+                   help="run the local path as N processes side by side on one store (--shard i/N each; each "
+                        "loads its own VLM): on one GPU several keep it busier than one (default: 1)")
     _common(p)
     p.set_defaults(func=_lazy("batch", "cmd_batch"))
 
@@ -284,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     try:
         args = build_parser(_prog()).parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)   # batch --processes starts itself again
         return args.func(args)
     except KeyboardInterrupt:
         # the graph waited for its threads and closed the store (core/graph.py: Graph.run); a

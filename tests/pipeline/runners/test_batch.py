@@ -198,6 +198,33 @@ class TestWholeFlow:
         code, again, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
         assert code == 0 and again["skipped_complete"] == 4, err
 
+    def test_processes_run_the_shards_side_by_side_and_sum_them(self, capfd, tmp_path):
+        """`batch --processes 2`: two shard processes on one store, one merged summary; a re-run skips all."""
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=4, questions=2, seconds=0.6)
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), "--processes", "2", *FAST])
+        stdout, err = capfd.readouterr()
+        assert code == 0, err
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        assert (summary["processes"], summary["videos"], summary["done"], summary["answered"]) == (2, 4, 4, 8)
+        assert [s["done"] for s in summary["shards"]] == [2, 2] and summary["backend"] == "local x 2 processes"
+        assert summary["questions_per_s"] == pytest.approx(8 / summary["wall_s"], rel=1e-3)
+        answers = stored_answers(out)
+        assert sorted(answers) == ["video7010", "video7011", "video7012", "video7013"]
+        assert all(len(a) == 2 for a in answers.values())
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), "--processes", "2", *FAST])
+        stdout, err = capfd.readouterr()
+        assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["skipped_complete"] == 4, err
+
+    def test_a_failing_process_stops_the_others_with_its_code(self, capfd, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=1, seconds=0.6)
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), "--processes", "2",
+                     "--vlm", str(tmp_path / "nowhere"), "--device", "cpu", "--no-progress"])
+        _, err = capfd.readouterr()
+        assert code == 2
+        assert "error: process" in err and "exited with code 2" in err and "Traceback" not in err
+
     def test_videos_in_flight_give_the_same_results_as_one_at_a_time(self, capsys, tmp_path):
         root = tmp_path / "ds"
         fixture(root, videos=4, questions=2, seconds=0.6)
@@ -351,6 +378,10 @@ class TestBadInputs:
     @pytest.mark.parametrize("args, message", [
         (["--split", "dev"], "unknown split 'dev'; allowed: train, val, test"),
         (["--shard", "2/2"], "--shard must be i/n with integers 0 <= i < n, got '2/2'"),
+        (["--processes", "0"], "--processes must be >= 1, got 0"),
+        (["--processes", "2", "--shard", "0/2"], "--processes shards the split itself (--shard i/N each); drop --shard"),
+        (["--processes", "2", "--ray", "local"],
+         "--processes runs the local path side by side; Ray spreads work with --workers"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
         (["--videos-per-task", "4"], "--videos-per-task is for --ray runs (actor calls); the local path streams its videos"),
     ])

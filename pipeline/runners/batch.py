@@ -304,6 +304,9 @@ class VideoAnswerer:
     def _run_video(self, work: VideoWork,
                    worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float], bool]:
         cfg = self.cfg
+        # the questions first: a query encoder that cannot load fails before a file, a decode
+        # worker's shared memory or the store is touched
+        query, query_mask = pad_query(self.encode_questions([q.question for q in work.questions]))  # (L', 384)
         # a worker process is taken exactly when decode.process is on (_run_graph)
         source = open_source(work.path, cfg, stream_id=work.video_id, worker=worker)
         try:
@@ -315,7 +318,6 @@ class VideoAnswerer:
         except BaseException:
             source.close()
             raise
-        query, query_mask = pad_query(self.encode_questions([q.question for q in work.questions]))  # (L', 384)
         status = RunStatus()
         graphs = self._take_graphs(grid, query)
         try:

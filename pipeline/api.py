@@ -255,13 +255,13 @@ class Pipeline:
         stock_tokens: send every visual token (the baseline)."""
         from sources.msrvtt import load_msrvtt
 
-        from .runners.batch import IN_FLIGHT, make_plan, parse_shard, run_batch
+        from .runners.batch import IN_FLIGHT, default_out, make_plan, parse_shard, run_batch
 
         check_choice("dataset", dataset, get_args(Dataset))
         check_choice("task", task, get_args(Task))
         data = load_msrvtt(root, split, task=task, videos_dir=videos)
         plan = make_plan(data, limit=limit, shard=parse_shard(shard))
-        out = out if out is not None else f"{dataset}_{split}.zarr"
+        out = out if out is not None else default_out(dataset, split)
         in_flight = IN_FLIGHT if in_flight is None else in_flight
         if ray is not None:
             from .runners.ray_batch import run_ray_batch

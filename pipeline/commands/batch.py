@@ -69,13 +69,13 @@ def _child_argv(argv: list[str], i: int, n: int, out: str) -> list[str]:
 def _side_by_side(args: Any) -> int:
     from sources.msrvtt import load_msrvtt
 
-    from ..runners.batch import make_plan
+    from ..runners.batch import default_out, make_plan
 
     n = args.processes
     load_run_config(args)                                  # a bad option fails here, once, before any start
     data = load_msrvtt(args.root, args.split, task=args.task, videos_dir=args.videos)
     plan = make_plan(data, limit=args.limit)
-    out = args.out if args.out is not None else f"{args.dataset}_{args.split}.zarr"
+    out = args.out if args.out is not None else default_out(args.dataset, args.split)
     started = time.monotonic()
     # the packages beside this one (sources, sinks, arr_coc) importable from any directory, installed or not
     root = str(Path(__file__).resolve().parents[2])

@@ -107,6 +107,11 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return i, n
 
 
+def default_out(dataset: str, split: str) -> str:
+    """Where `batch` writes without --out."""
+    return f"{dataset}_{split}.zarr"
+
+
 def make_plan(dataset: Dataset, *, limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> list[VideoWork]:
     """The videos this worker answers: the first `limit` videos of the split (video-number order),
     then every n-th from i, so shards of the same limit partition the same set."""

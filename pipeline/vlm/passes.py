@@ -252,11 +252,11 @@ class Passes:
         passes, spent, confidence = [0] * n, [0] * n, [-math.inf] * n
         undecided, out, k = list(range(n)), None, 0
         while undecided:                                # pass k + 1 of every answer still unsure
-            prefixes = [vlm.question_prefix(narrow(windows[i], keep_best(scores[i], sizes[i][k])), questions[i])
-                        for i in undecided]
+            kept = [keep_best(scores[i], sizes[i][k]) for i in undecided]
+            prefixes = [vlm.question_prefix(narrow(windows[i], best), questions[i]) for i, best in zip(undecided, kept)]
             decoder, logits = vlm.prefill(prefixes)                           # (B, V)
             if attention is not None:
-                sure = [coverage(attention[i], keep_best(scores[i], sizes[i][k])) for i in undecided]
+                sure = [coverage(attention[i], best) for i, best in zip(undecided, kept)]
             elif per_token:
                 gen = vlm.generate_from(decoder, logits, len(prefixes))
                 sure = gen.confidence

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import fixed_query, host_topology  # noqa: E402
-from pipeline.runners.batch import IN_FLIGHT, BatchSummary, make_plan, run_batch  # noqa: E402
+from pipeline.runners.batch import IN_FLIGHT, BatchSummary, config_vlm, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
@@ -107,12 +107,14 @@ def overlap_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float
 
 
 def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int,
-            videos_per_task: int | None = None, warmup: int = 1) -> dict:
+            videos_per_task: int | None = None, warmup: int = 1, shared_vlm: bool = False) -> dict:
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     made = []                                                                # the local path's VLM, for its counters
+    server_stats: dict = {}
     if path == "local" and workers > 1:
-        s = local_processes(plan, out, cfg, stock=stock, factory=factory, in_flight=in_flight, processes=workers)
+        s = local_processes(plan, out, cfg, stock=stock, factory=factory, in_flight=in_flight, processes=workers,
+                            shared_vlm=shared_vlm, server_stats=server_stats)
     elif path == "local":
         local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
         s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight,
@@ -133,31 +135,66 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"],
             "seconds_per_video": row["seconds_per_video"], "stage_busy_per_video_s": row["stage_busy_per_video_s"],
             # decoders made and CUDA graphs captured during the run (each capture a few hundred ms)
-            "vlm_counters": dict(made[0].counters) if made else None}
+            "vlm_counters": dict(made[0].counters) if made else None,
+            # --shared-vlm: one VLM process for every worker, and the batches it answered
+            "shared_vlm": server_stats or None}
 
 
-def _shard(plan, out: Path, cfg, stock: bool, factory, in_flight: int) -> BatchSummary:
+def _shard(plan, out: Path, cfg, stock: bool, factory, in_flight: int, vlm_server=None) -> BatchSummary:
     """One process of local_processes: its share of the plan through the local path."""
     global BENCH_VLM
     BENCH_VLM = cfg.vlm                       # a spawned process has not run main()
     return run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=factory, in_flight=in_flight,
-                     query_encoder=fixed_query)
+                     query_encoder=fixed_query, vlm_server=vlm_server)
 
 
-def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: int, processes: int) -> BatchSummary:
+def _server_vlm(cfg, factory):
+    """The shared VLM process's model: the benchmark's factory on runtime.device, or runtime.vlm's."""
+    global BENCH_VLM
+    BENCH_VLM = cfg.vlm
+    if factory is None:
+        return config_vlm(cfg)
+    from pipeline.core.setup import resolve_device
+    return factory(resolve_device(cfg.runtime.device))
+
+
+def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: int, processes: int,
+                    shared_vlm: bool = False, server_stats: dict | None = None) -> BatchSummary:
     """The local path in `processes` processes at once on this machine's GPU (`pipeline batch
-    --shard i/n` run n times side by side): each loads its own models and answers every n-th video
-    into its own store. One process's front end (decoding, texture, the store; Python's lock)
-    tops out below what the GPU can answer; several feed it together. -> the processes'
-    outcomes in one summary (steady_rates sums them per process)."""
+    --shard i/n` run n times side by side): each loads its own models (with shared_vlm, all but
+    the VLM: one VLM process answers every process's videos, as `batch --processes` does) and
+    answers every n-th video into its own store. One process's front end (decoding, texture, the
+    store; Python's lock) tops out below what the GPU can answer; several feed it together. -> the
+    processes' outcomes in one summary; server_stats gets the shared VLM's batch sizes."""
+    import functools
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
+    from pipeline.vlm.server import SharedVLM, VLMServer
+
     start = time.perf_counter()
-    with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_shard, plan[i::processes], out.with_name(f"{out.stem}_p{i}.zarr"), cfg, stock,
-                               factory, in_flight) for i in range(processes)]
-        parts = [f.result() for f in futures]
+    server = VLMServer(functools.partial(_server_vlm, cfg, factory), max_batch=cfg.vlm.max_batch) if shared_vlm else None
+    try:
+        with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_shard, plan[i::processes], out.with_name(f"{out.stem}_p{i}.zarr"), cfg, stock,
+                                   factory, in_flight, None if server is None else server.address)
+                       for i in range(processes)]
+            parts = [f.result() for f in futures]
+        if server is not None and server_stats is not None:
+            client = SharedVLM(server.address)
+            counters = client.counters
+            client.close()
+            sizes, answer_s, queued_s = (counters.get(k, []) for k in ("batch_sizes", "answer_s", "queued_s"))
+            server_stats.update({
+                "batches": len(sizes), "videos_per_batch": round(float(np.mean(sizes)), 2) if sizes else 0.0,
+                "batch_size_counts": dict(sorted((int(k), int(v)) for k, v in zip(*np.unique(sizes, return_counts=True)))),
+                # the VLM process's time: its calls (busy_s over the run's wall time says how loaded it was)
+                "call_ms_p50": round(1e3 * float(np.median(answer_s)), 1) if answer_s else None,
+                "busy_s": round(float(np.sum(answer_s)), 2),
+                "queued_ms_p50": round(1e3 * float(np.median(queued_s)), 1) if queued_s else None})
+    finally:
+        if server is not None:
+            server.close()
     for i in range(processes):
         shutil.rmtree(out.with_name(f"{out.stem}_p{i}.zarr"), ignore_errors=True)
     return BatchSummary(out, len(plan), sum(p.questions for p in parts), time.perf_counter() - start,
@@ -219,15 +256,23 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=1, metavar="N",
                     help="the local path in N processes sharing this machine's GPU, each with its own models "
                          "and every N-th video (default 1)")
+    ap.add_argument("--shared-vlm", action="store_true",
+                    help="with --processes: one VLM process answers every process's videos (as `batch "
+                         "--processes` does by default) instead of a VLM in each")
     ap.add_argument("--warmup-videos", type=int, default=1, metavar="N",
                     help="steady rates count from each worker's N-th finished video on (default 1: the first "
                          "carries the model load; more leave out the first CUDA-graph captures too)")
+    ap.add_argument("--data", type=Path, metavar="DIR",
+                    help="keep the generated clips here and reuse them in later runs of the same shape "
+                         "(default: a temporary directory)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.quick:
         args.device, args.videos, args.questions, args.seconds, args.size = "cpu", 3, 3, 1.0, [64, 96]
     if args.processes < 1:
         sys.exit(f"--processes must be >= 1, got {args.processes}")
+    if args.shared_vlm and args.processes < 2:
+        sys.exit("--shared-vlm shares one VLM between --processes N >= 2")
     if args.warmup_videos < 1:
         sys.exit(f"--warmup-videos must be >= 1, got {args.warmup_videos}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -250,9 +295,7 @@ def main() -> None:
     BENCH_VLM = cfg.vlm
     scratch = Path(tempfile.mkdtemp(prefix="bench_batch_"))
     try:
-        write_fixture(scratch / "msrvtt", videos=args.videos, questions_per_video=args.questions, seconds=args.seconds,
-                      height=args.size[0], width=args.size[1], fps=30 if not args.quick else 10)
-        plan = make_plan(load_msrvtt(scratch / "msrvtt"))
+        plan = make_plan(load_msrvtt(fixture(args, scratch)))
         if counts:
             import ray
             ray.init(include_dashboard=False, log_to_driver=False,
@@ -261,7 +304,8 @@ def main() -> None:
         for stock in [t == "stock" for t in ("stock", "arrcoc") if t in tokens]:
             if "local" in paths:
                 rows.append(one_run(plan, cfg, path="local", workers=args.processes, stock=stock, factory=factory,
-                                    scratch=scratch, in_flight=args.in_flight, warmup=args.warmup_videos))
+                                    scratch=scratch, in_flight=args.in_flight, warmup=args.warmup_videos,
+                                    shared_vlm=args.shared_vlm))
                 print(json.dumps(rows[-1]), flush=True)
             for n in counts:
                 rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch,
@@ -278,12 +322,29 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
-              "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
+              "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "shared_vlm": args.shared_vlm, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
               "summary": summarize(rows, counts, args.processes), "command": " ".join(["python3"] + sys.argv),
               "host": host_topology()}
     print(json.dumps(result["summary"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+
+
+def fixture(args, scratch: Path) -> Path:
+    """The generated MSR-VTT-shaped split: written into scratch, or kept in --data and reused by
+    later runs with the same shape (writing 288 clips takes ~100 s of one core)."""
+    shape = {"videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
+             "height": args.size[0], "width": args.size[1], "fps": 30 if not args.quick else 10}
+    root = scratch / "msrvtt" if args.data is None else args.data
+    marker = root / "bench_batch_fixture.json"
+    if args.data is not None and marker.exists():
+        if json.loads(marker.read_text()) == shape:
+            return root
+        sys.exit(f"--data {root}: it holds a fixture of another shape ({marker.read_text().strip()}); "
+                 f"use another directory")
+    write_fixture(root, **shape)
+    marker.write_text(json.dumps(shape))
+    return root
 
 
 def summarize(rows: list[dict], counts: list[int], processes: int = 1) -> dict:

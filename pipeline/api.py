@@ -248,11 +248,13 @@ class Pipeline:
               videos: str | os.PathLike | None = None, limit: int | None = None, shard: str | None = None,
               out: str | os.PathLike | None = None, ray: str | None = None, workers: int | None = None,
               in_flight: int | None = None, videos_per_task: int | None = None, stock_tokens: bool = False,
-              progress: bool | None = False) -> BatchSummary:
+              progress: bool | None = False, vlm_server: str | None = None) -> BatchSummary:
         """Answer every question of a dataset split, as `python -m pipeline batch` does: resumable
         (complete videos are skipped), locally or on Ray Data (ray: 'auto', 'local' or an address).
         shard: 'i/n', every n-th video from the i-th; out: default <dataset>_<split>.zarr;
-        stock_tokens: send every visual token (the baseline)."""
+        stock_tokens: send every visual token (the baseline); vlm_server: the socket of a shared
+        VLM process to answer with instead of loading one (`batch --processes` starts it and sets
+        its key in the environment: pipeline/vlm/server.py)."""
         from sources.msrvtt import load_msrvtt
 
         from .runners.batch import IN_FLIGHT, default_out, make_plan, parse_shard, run_batch
@@ -263,6 +265,8 @@ class Pipeline:
         plan = make_plan(data, limit=limit, shard=parse_shard(shard))
         out = out if out is not None else default_out(dataset, split)
         in_flight = IN_FLIGHT if in_flight is None else in_flight
+        if ray is not None and vlm_server is not None:
+            raise ConfigError("a shared VLM process (vlm_server) serves the local path; Ray actors load their own")
         if ray is not None:
             from .runners.ray_batch import run_ray_batch
             return run_ray_batch(plan, out, self._config, address=ray, stock=stock_tokens, workers=workers,
@@ -270,8 +274,12 @@ class Pipeline:
                                  query_encoder=self._query_encoder)
         if videos_per_task is not None:
             raise ConfigError("--videos-per-task is for --ray runs (actor calls); the local path streams its videos")
+        server = None
+        if vlm_server is not None:
+            from .vlm.server import ServerAddress
+            server = ServerAddress.from_env(vlm_server)
         return run_batch(plan, out, self._config, stock=stock_tokens, progress=progress, in_flight=in_flight,
-                         vlm_factory=self._load_vlm, query_encoder=self._query_encoder)
+                         vlm_factory=self._load_vlm, query_encoder=self._query_encoder, vlm_server=server)
 
     def _query(self, question: str) -> Any:
         """The query_encoder's vector of `question` (checked by the runner), None: MiniLM's."""

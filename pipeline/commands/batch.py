@@ -27,6 +27,10 @@ POLL_S = 0.5                       # how often the parent looks at the store and
 def cmd_batch(args: Any) -> int:
     if args.overlay:
         raise ConfigError("--overlay renders one video; batch does not support it")
+    if args.vlm_server is not None and (args.ray is not None or args.processes not in (None, 1)):
+        raise ConfigError("--vlm-server is set by batch --processes for its shard processes")
+    if args.shared_vlm and (args.processes is None or args.processes < 2):
+        raise ConfigError("--shared-vlm shares one VLM between the processes of --processes N (N >= 2)")
     if args.processes is not None:
         if args.processes < 1:
             raise ConfigError(f"--processes must be >= 1, got {args.processes}")
@@ -40,7 +44,7 @@ def cmd_batch(args: Any) -> int:
     summary = pipe.batch(args.root, dataset=args.dataset, split=args.split, task=args.task, videos=args.videos,
                          limit=args.limit, shard=args.shard, out=args.out, ray=args.ray, workers=args.workers,
                          in_flight=args.in_flight, videos_per_task=args.videos_per_task,
-                         stock_tokens=args.stock_tokens, progress=args.progress)
+                         stock_tokens=args.stock_tokens, progress=args.progress, vlm_server=args.vlm_server)
     row = summary.to_dict()
     if pipe.config.runtime.vlm.startswith("tiny-random"):
         row["notes"] = ["tiny-random is a built-in random model for smoke tests: its answers are meaningless"]
@@ -48,10 +52,10 @@ def cmd_batch(args: Any) -> int:
     return EXIT_OK
 
 
-def _child_argv(argv: list[str], i: int, n: int, out: str) -> list[str]:
-    """This command line for shard i of n: without --processes (and without --out / progress
-    flags, which the parent sets)."""
-    drop_with_value = {"--processes", "--out"}
+def _child_argv(argv: list[str], i: int, n: int, out: str, vlm_server: str | None = None) -> list[str]:
+    """This command line for shard i of n: without --processes (and without --out / progress /
+    shared-VLM flags, which the parent sets; vlm_server: the shared VLM's socket)."""
+    drop_with_value = {"--processes", "--out", "--vlm-server"}
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -60,10 +64,11 @@ def _child_argv(argv: list[str], i: int, n: int, out: str) -> list[str]:
         if a in drop_with_value:
             skip = True
             continue
-        if a.split("=", 1)[0] in drop_with_value or a in ("--progress", "--no-progress"):
+        if a.split("=", 1)[0] in drop_with_value or a in ("--progress", "--no-progress", "--shared-vlm"):
             continue
         rest.append(a)
-    return [sys.executable, "-m", "pipeline", *rest, "--shard", f"{i}/{n}", "--out", out, "--no-progress"]
+    server = [] if vlm_server is None else ["--vlm-server", vlm_server]
+    return [sys.executable, "-m", "pipeline", *rest, "--shard", f"{i}/{n}", "--out", out, "--no-progress", *server]
 
 
 def _side_by_side(args: Any) -> int:
@@ -72,7 +77,7 @@ def _side_by_side(args: Any) -> int:
     from ..runners.batch import default_out, make_plan
 
     n = args.processes
-    load_run_config(args)                                  # a bad option fails here, once, before any start
+    cfg = load_run_config(args)                            # a bad option fails here, once, before any start
     data = load_msrvtt(args.root, args.split, task=args.task, videos_dir=args.videos)
     plan = make_plan(data, limit=args.limit)
     out = args.out if args.out is not None else default_out(args.dataset, args.split)
@@ -82,14 +87,22 @@ def _side_by_side(args: Any) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     procs: list[subprocess.Popen] = []
     outputs: dict[int, str] = {}
+    server = None
     try:                                                    # Ctrl-C while starting them stops those started
+        if args.shared_vlm:
+            server = _start_vlm_server(cfg)
+            env.update(server.address.to_env())
         for i in range(n):
-            procs.append(subprocess.Popen(_child_argv(args.argv, i, n, str(out)), stdout=subprocess.PIPE, text=True,
-                                          env=env))
+            argv = _child_argv(args.argv, i, n, str(out), None if server is None else server.address.path)
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
         _wait(procs, outputs, [w.video_id for w in plan], out, args.progress)
+        batches = _server_batches(server)
     except KeyboardInterrupt:
         _stop(procs)
         raise
+    finally:
+        if server is not None:
+            server.close()
     failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
     if failed:
         i, code = failed[0]
@@ -97,8 +110,37 @@ def _side_by_side(args: Any) -> int:
               f"the store keeps what they finished", file=sys.stderr)
         return code if code != EXIT_INTERRUPTED else EXIT_INTERRUPTED
     rows = [json.loads(outputs[i].strip().splitlines()[-1]) for i in range(n)]
-    print(json.dumps(merge_summaries(rows, time.monotonic() - started)))
+    merged = merge_summaries(rows, time.monotonic() - started)
+    if batches is not None:
+        merged["shared_vlm"] = batches
+    print(json.dumps(merged))
     return EXIT_OK
+
+
+def _server_batches(server: Any) -> dict | None:
+    """How the shared VLM batched the processes' videos: calls and videos per call (None without one)."""
+    if server is None:
+        return None
+    from ..vlm.server import SharedVLM
+
+    client = SharedVLM(server.address)
+    try:
+        sizes = client.counters.get("batch_sizes", [])
+    finally:
+        client.close()
+    return {"calls": len(sizes), "videos_per_call": round(sum(sizes) / len(sizes), 2) if sizes else 0.0}
+
+
+def _start_vlm_server(cfg: Any) -> Any:
+    """The VLM runtime.vlm names, loaded once in a process of its own that every shard asks."""
+    import functools
+
+    from ..runners.batch import config_vlm
+    from ..vlm.server import VLMServer
+
+    if cfg.runtime.vlm == "none":
+        raise ConfigError("batch answers questions, so it needs a VLM: pass --vlm ID|PATH|tiny-random")
+    return VLMServer(functools.partial(config_vlm, cfg), max_batch=cfg.vlm.max_batch)
 
 
 def _wait(procs: list[subprocess.Popen], outputs: dict[int, str], video_ids: list[str], out, progress) -> None:

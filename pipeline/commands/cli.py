@@ -95,8 +95,13 @@ def _add_batch(sub: Any) -> None:
     p.add_argument("--stock-tokens", action="store_true",
                    help="send the VLM every visual token (the baseline ARR-COC is measured against)")
     p.add_argument("--processes", type=int, metavar="N",
-                   help="run the local path as N processes side by side on one store (--shard i/N each; each "
-                        "loads its own VLM): on one GPU several keep it busier than one (default: 1)")
+                   help="run the local path as N processes side by side on one store (--shard i/N each): on "
+                        "one GPU several keep it busier than one (default: 1)")
+    p.add_argument("--shared-vlm", action="store_true",
+                   help="with --processes: one VLM process answers every process's videos, batched together, "
+                        "instead of a VLM in each (one model in GPU memory; faster with stock tokens, slower "
+                        "with ARR-COC's: docs/performance.md)")
+    p.add_argument("--vlm-server", help=argparse.SUPPRESS)  # set by --processes: the shared VLM's socket
     _common(p)
     p.set_defaults(func=_lazy("batch", "cmd_batch"))
 

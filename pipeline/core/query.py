@@ -65,7 +65,18 @@ def _model_dir() -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=4)
+_LOADING = threading.Lock()
+
+
 def sentence_encoder(device: str = "cpu") -> SentenceEncoder:
-    """Shared encoder per device (loading takes about a second)."""
+    """Shared encoder per device (loading takes about a second). Thread-safe: the first videos in
+    flight of a batch worker ask for it together, and two threads importing transformers' lazy
+    modules at once can fail ("cannot import name 'AutoModel'"), as a shard process whose VLM is
+    shared (so nothing had imported transformers before) did."""
+    with _LOADING:
+        return _sentence_encoder(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _sentence_encoder(device: str) -> SentenceEncoder:
     return SentenceEncoder(device)

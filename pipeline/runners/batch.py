@@ -48,6 +48,7 @@ from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 if TYPE_CHECKING:  # the VLM's modules import lazily: `pipeline --help` builds this module's options
     from ..vlm.batcher import VLMBatcher
     from ..vlm.model import WindowQuestions
+    from ..vlm.server import ServerAddress
 
 DATASETS = ("msrvtt",)
 KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -201,7 +202,7 @@ class VideoAnswerer:
 
     def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False, keep_policy: KeepPolicy | None = None,
                  vlm_factory: Callable[[torch.device], Any] | None = None,
-                 query_encoder: QueryEncoder | None = None) -> None:
+                 query_encoder: QueryEncoder | None = None, vlm_server: ServerAddress | None = None) -> None:
         if cfg.runtime.vlm == "none":
             raise ConfigError("batch answers questions, so it needs a VLM: pass --vlm ID|PATH|tiny-random")
         if cfg.runtime.every_s is not None:
@@ -210,8 +211,14 @@ class VideoAnswerer:
         self.cfg, self.stock, self.keep_policy = cfg, stock, keep_policy
         self.config_dict = to_dict(cfg)
         self.device = resolve_device(cfg.runtime.device)
+        # vlm_server: the VLM of another process, shared with other workers (batch --processes);
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
-        self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
+        self.shared = vlm_server is not None
+        if self.shared:
+            from ..vlm.server import SharedVLM
+            self.vlm = SharedVLM(vlm_server)
+        else:
+            self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
         # query_encoder: question -> (384,) instead of MiniLM (benchmarks on a machine without its wheel)
         self.query_encoder = query_encoder
         self.store = self.create_store(cfg, out)
@@ -228,11 +235,13 @@ class VideoAnswerer:
         # Threads kept from video to video (CUDA libraries' per-thread state stays warm): the
         # graphs' stages, and the VLM's one, to which the videos in flight hand their questions: it
         # answers whatever is waiting together (up to vlm.max_batch videos: one tower call, one
-        # decode loop)
+        # decode loop). A shared VLM batches every client's videos itself (vlm/server.py): each
+        # video sends its own request.
         from ..vlm.batcher import VLMBatcher
         self._stage_workers = Workers("stage")
-        self._batcher = VLMBatcher(self.vlm, max_batch=cfg.vlm.max_batch, max_wait_s=0.0,
-                                   answer=lambda jobs: answer_windows(self.vlm, jobs, self.keep_policy))
+        self._batcher = None if self.shared else VLMBatcher(
+            self.vlm, max_batch=cfg.vlm.max_batch, max_wait_s=0.0,
+            answer=lambda jobs: answer_windows(self.vlm, jobs, self.keep_policy))
 
     @staticmethod
     def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
@@ -304,7 +313,10 @@ class VideoAnswerer:
         for worker in workers:
             worker.close()
         self._stage_workers.close()
-        self._batcher.close()
+        if self._batcher is not None:
+            self._batcher.close()
+        if self.shared:
+            self.vlm.close()
 
     def _run_video(self, work: VideoWork,
                    worker: DecodeWorker | None) -> tuple[int, list[AnswerItem], dict[str, float], bool]:
@@ -434,13 +446,15 @@ def mean_busy(outcomes: list[VideoOutcome]) -> dict[str, float]:
 def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, stock: bool = False,
               keep_policy: KeepPolicy | None = None,
               progress: bool | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
-              in_flight: int = IN_FLIGHT, query_encoder: QueryEncoder | None = None) -> BatchSummary:
+              in_flight: int = IN_FLIGHT, query_encoder: QueryEncoder | None = None,
+              vlm_server: ServerAddress | None = None) -> BatchSummary:
     """The local path: this process answers the plan's videos, `in_flight` at a time.
-    query_encoder: question -> (384,) instead of MiniLM (see VideoAnswerer)."""
+    query_encoder: question -> (384,) instead of MiniLM; vlm_server: a shared VLM process's address
+    instead of a VLM of this process's own (see VideoAnswerer)."""
     check_in_flight(in_flight)  # before the models load
     start = time.perf_counter()
     answerer = VideoAnswerer(cfg, out, stock=stock, keep_policy=keep_policy, vlm_factory=vlm_factory,
-                             query_encoder=query_encoder)
+                             query_encoder=query_encoder, vlm_server=vlm_server)
     outcomes = []
     try:
         for outcome in _with_progress(answerer.answer_all(plan, in_flight), len(plan), progress):
@@ -450,6 +464,12 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
         answerer.close()
     return BatchSummary(store_location(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
                         outcomes)
+
+
+def config_vlm(cfg: PipelineConfig) -> Any:
+    """The VLM runtime.vlm names, on runtime.device: a shared VLM process's factory (picklable
+    with functools.partial)."""
+    return load_answerer(cfg, resolve_device(cfg.runtime.device))
 
 
 def report_outcome(outcome: VideoOutcome) -> None:

@@ -216,12 +216,45 @@ class TestWholeFlow:
         stdout, err = capfd.readouterr()
         assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["skipped_complete"] == 4, err
 
-    def test_ctrl_c_stops_every_process_and_leaves_a_valid_store(self, tmp_path):
+    def test_shared_vlm_answers_every_process_as_one_process_does(self, capfd, tmp_path):
+        """`batch --processes 2 --shared-vlm`: one VLM process answers both shards' videos (the
+        summary counts its calls), with the answers a single process gives."""
+        root = tmp_path / "ds"
+        fixture(root, videos=4, questions=2, seconds=0.6)
+        stores = {k: tmp_path / f"{k}.zarr" for k in ("one", "shared")}
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(stores["one"]), *FAST])
+        _, err = capfd.readouterr()
+        assert code == 0, err
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(stores["shared"]),
+                     "--processes", "2", "--shared-vlm", *FAST])
+        stdout, err = capfd.readouterr()
+        assert code == 0, err
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        assert (summary["done"], summary["answered"]) == (4, 8)
+        calls = summary["shared_vlm"]["calls"]
+        assert 1 <= calls <= 4 and summary["shared_vlm"]["videos_per_call"] * calls == pytest.approx(4)
+        assert stored_answers(stores["shared"]) == stored_answers(stores["one"])
+
+    def test_shared_vlm_that_cannot_load_is_one_error_before_any_process(self, capfd, tmp_path):
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=1, seconds=0.6)
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), "--processes", "2",
+                     "--shared-vlm", "--vlm", str(tmp_path / "nowhere"), "--device", "cpu", "--no-progress"])
+        _, err = capfd.readouterr()
+        assert code == 2 and "Traceback" not in err
+        assert err.count("error:") == 1 and "nowhere" in err and "error: process" not in err
+        assert not out.exists()                                              # no shard started
+
+    @pytest.mark.parametrize("shared", [[], ["--shared-vlm"]], ids=["own-vlms", "shared-vlm"])
+    def test_ctrl_c_stops_every_process_and_leaves_a_valid_store(self, tmp_path, shared):
+        import tempfile
+
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=8, questions=1, seconds=2.0)
+        servers = set(Path(tempfile.gettempdir()).glob("arrcoc-vlm-*"))    # a shared VLM's socket directory
         parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
-                                   "--out", str(out), "--processes", "2", *FAST], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                   "--out", str(out), "--processes", "2", *shared, *FAST], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + 120
         while not (out / "zarr.json").exists() and time.monotonic() < deadline:   # the shards are running
             time.sleep(0.2)
@@ -240,6 +273,7 @@ class TestWholeFlow:
             except OSError:                                                  # gone meanwhile
                 pass
         assert left == []
+        assert set(Path(tempfile.gettempdir()).glob("arrcoc-vlm-*")) == servers   # the shared VLM was closed
 
     def test_a_failing_process_stops_the_others_with_its_code(self, capfd, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
@@ -407,6 +441,7 @@ class TestBadInputs:
         (["--processes", "2", "--shard", "0/2"], "--processes shards the split itself (--shard i/N each); drop --shard"),
         (["--processes", "2", "--ray", "local"],
          "--processes runs the local path side by side; Ray spreads work with --workers"),
+        (["--shared-vlm"], "--shared-vlm shares one VLM between the processes of --processes N (N >= 2)"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
         (["--videos-per-task", "4"], "--videos-per-task is for --ray runs (actor calls); the local path streams its videos"),
     ])

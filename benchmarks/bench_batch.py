@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fixed_query, host_topology  # noqa: E402
+from benchmarks.common import fixed_query, host_topology, random_qwen2_vl_2b  # noqa: E402
 from pipeline.runners.batch import IN_FLIGHT, BatchSummary, config_vlm, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
@@ -44,18 +44,9 @@ from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
 
 
 def qwen2_vl_2b_factory(device: torch.device):
-    """Qwen2-VL-2B architecture, random bf16 weights, built on the actor's own device."""
-    from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer
-    from pipeline.vlm.loading import _wrap
-
-    tokenizer = build_tokenizer("english")  # questions cost about as many tokens as with Qwen's vocabulary
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(arch_config("qwen2-vl-2b", tokenizer), device=device, dtype=dtype)
-    vlm = _wrap(model, tokenizer, "qwen2_vl", "qwen2-vl-2b (random weights)", BENCH_VLM, {}, None)
-    # random weights emit EOS at random, and where depends on the visual tokens: every answer runs
-    # to vlm.max_new_tokens, so both arms decode the same number of tokens
-    vlm.eos_ids = torch.empty(0, dtype=torch.long, device=device)
-    return vlm
+    """Qwen2-VL-2B architecture, random bf16 weights, built on the actor's own device; every answer
+    runs to vlm.max_new_tokens (benchmarks/common.py)."""
+    return random_qwen2_vl_2b(device, BENCH_VLM)
 
 
 BENCH_VLM = None  # set in main (VLMConfig of this run), read by the factory in every worker
@@ -191,7 +182,8 @@ def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: in
                 # the VLM process's time: its calls (busy_s over the run's wall time says how loaded it was)
                 "call_ms_p50": round(1e3 * float(np.median(answer_s)), 1) if answer_s else None,
                 "busy_s": round(float(np.sum(answer_s)), 2),
-                "queued_ms_p50": round(1e3 * float(np.median(queued_s)), 1) if queued_s else None})
+                "queued_ms_p50": round(1e3 * float(np.median(queued_s)), 1) if queued_s else None,
+                "vlm_counters": counters.get("vlm")})
     finally:
         if server is not None:
             server.close()

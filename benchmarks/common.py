@@ -64,3 +64,19 @@ def fixed_query(question: str = "") -> torch.Tensor:
     query_encoder): the GPU machines lack the MiniLM wheel, and what a question says does not change
     the work a speed benchmark measures."""
     return torch.nn.functional.normalize(torch.ones(384), dim=0)
+
+
+def random_qwen2_vl_2b(device: torch.device, config: Any = None):
+    """The Qwen2-VL-2B architecture with random weights (bf16 on CUDA), built on `device` with
+    VLMConfig `config` (None: defaults). Random weights choose EOS at random, and where depends on
+    the visual tokens: its EOS set is emptied, so every answer runs to vlm.max_new_tokens and the
+    arms of a benchmark decode the same number of tokens."""
+    from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer
+    from pipeline.vlm.loading import _wrap
+
+    tokenizer = build_tokenizer("english")  # questions cost about as many tokens as with Qwen's vocabulary
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(arch_config("qwen2-vl-2b", tokenizer), device=device, dtype=dtype)
+    vlm = _wrap(model, tokenizer, "qwen2_vl", "qwen2-vl-2b (random weights)", config, {}, None)
+    vlm.eos_ids = torch.empty(0, dtype=torch.long, device=device)
+    return vlm

@@ -73,6 +73,23 @@ def test_profile_batch_quick_times_every_phase(tmp_path):
         assert phases["vlm_vision"] > 0 and phases["open_video"] > 0
 
 
+def test_profile_answer_windows_quick_times_every_phase(tmp_path):
+    """profile_answer_windows' CPU smoke run: its phase timers wrap VLM methods that exist, and
+    both token settings are timed at each batch size."""
+    import json
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "aw.json"
+    subprocess.run([sys.executable, "benchmarks/profile_answer_windows.py", "--quick", "--videos", "1", "2",
+                    "--repeats", "1", "--json", str(out)], cwd=root, check=True, capture_output=True, timeout=300)
+    calls = json.loads(out.read_text())["calls"]
+    assert [(c["tokens"], c["videos"]) for c in calls] == [("arrcoc", 1), ("arrcoc", 2), ("stock", 1), ("stock", 2)]
+    for c in calls:
+        assert set(c["phases_ms"]) == {"vision", "window_prefix", "question_prefixes", "generate"}
+        assert c["call_ms"] > 0 and all(v > 0 for v in c["phases_ms"].values())
+    assert calls[0]["tokens_kept"] < calls[2]["tokens_kept"]                 # the keep map drops tokens
+
+
 def test_profile_ttft_summarizes_a_trace(tmp_path):
     """profile_ttft.summarize: GPU busy time, host syncs and the idle gaps per profiled call; the
     --tiny run writes its summary."""
@@ -97,7 +114,8 @@ def test_profile_ttft_summarizes_a_trace(tmp_path):
     assert summary["arch"] == "tiny-qwen2_5_vl" and summary["ttft_ms"] > 0
 
 
-@pytest.mark.parametrize("module", ["benchmarks.bench_vlm", "benchmarks.profile_ttft"])
+@pytest.mark.parametrize("module", ["benchmarks.bench_vlm", "benchmarks.profile_ttft",
+                                    "benchmarks.profile_answer_windows"])
 def test_vlm_benchmarks_import_without_av_or_zarr(module):
     """The GPU machines have torch and transformers but neither av nor zarr: the VLM benchmarks
     (which decode no video and write no store) must start there without them."""

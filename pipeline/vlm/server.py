@@ -35,6 +35,7 @@ from typing import Any, Callable
 from pipeline.vlm.remote import VLMProcessError, _send_error
 
 AUTHKEY_ENV = "ARRCOC_VLM_AUTHKEY"       # a client process's key to the server (hex), not on its command line
+MAX_SOCKET_DIR = 90                      # longer socket directories move to /tmp (sun_path is 108 bytes)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,9 @@ class VLMServer:
 
     def __init__(self, factory: Callable[[], Any], *, max_batch: int, start_timeout_s: float = 900.0) -> None:
         self._dir = tempfile.mkdtemp(prefix="arrcoc-vlm-")
+        if len(self._dir) > MAX_SOCKET_DIR:                 # a long TMPDIR: Unix socket paths hold ~107 bytes
+            os.rmdir(self._dir)
+            self._dir = tempfile.mkdtemp(prefix="arrcoc-vlm-", dir="/tmp")
         self.address = ServerAddress(str(Path(self._dir) / "vlm.sock"), os.urandom(16))
         ctx = mp.get_context("spawn")
         self._control, child = ctx.Pipe()

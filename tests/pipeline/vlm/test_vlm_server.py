@@ -92,6 +92,23 @@ def test_a_wrong_key_or_no_server_is_one_error(server, tmp_path):
         ServerAddress.from_env(str(tmp_path / "none.sock"))
 
 
+def test_a_long_temporary_directory_still_gives_a_usable_socket(tmp_path, monkeypatch):
+    """TMPDIR deep enough that its socket path would not fit a Unix socket: the server moves to /tmp."""
+    import tempfile
+    from pathlib import Path
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with VLMServer(FACTORY, max_batch=2) as server:
+        assert len(server.address.path) < 108 and Path(server.address.path).parent.parent == Path("/tmp")
+        client = SharedVLM(server.address)
+        try:
+            assert client.answer_windows([WindowQuestions(make_frames(2, 56, 84), None, ["q?"])])[0][0].text is not None
+        finally:
+            client.close()
+
+
 def test_a_factory_that_fails_raises_its_error():
     with pytest.raises(FileNotFoundError, match="no weights at /nowhere"):
         VLMServer(failing_factory, max_batch=2)

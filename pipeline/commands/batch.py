@@ -96,7 +96,7 @@ def _side_by_side(args: Any) -> int:
             argv = _child_argv(args.argv, i, n, str(out), None if server is None else server.address.path)
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
         _wait(procs, outputs, [w.video_id for w in plan], out, args.progress)
-        batches = _server_batches(server)
+        batches = _server_batches(server) if all(p.returncode == 0 for p in procs) else None
     except KeyboardInterrupt:
         _stop(procs)
         raise
@@ -121,9 +121,13 @@ def _server_batches(server: Any) -> dict | None:
     """How the shared VLM batched the processes' videos: calls and videos per call (None without one)."""
     if server is None:
         return None
+    from ..vlm.remote import VLMProcessError
     from ..vlm.server import SharedVLM
 
-    client = SharedVLM(server.address)
+    try:
+        client = SharedVLM(server.address)
+    except VLMProcessError:                                 # gone after the shards finished: no counts
+        return None
     try:
         sizes = client.counters.get("batch_sizes", [])
     finally:

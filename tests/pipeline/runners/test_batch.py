@@ -235,6 +235,46 @@ class TestWholeFlow:
         assert 1 <= calls <= 4 and summary["shared_vlm"]["videos_per_call"] * calls == pytest.approx(4)
         assert stored_answers(stores["shared"]) == stored_answers(stores["one"])
 
+    def test_a_shared_vlm_that_dies_fails_the_run_and_keeps_the_store(self, tmp_path):
+        """The shared VLM process killed mid-run: each shard says so in one line, the parent exits
+        non-zero naming the shard, and the store stays valid with what was finished."""
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=8, questions=1, seconds=2.0)
+        parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+                                   "--out", str(out), "--processes", "2", "--shared-vlm", *FAST], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def children(pid: int) -> list[int]:
+            kids = []
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                kids += [int(k) for k in task.read_text().split()]
+            return kids
+        deadline = time.monotonic() + 120
+        server = None
+        while server is None and time.monotonic() < deadline:               # the one child that is no shard
+            for kid in children(parent.pid):
+                try:
+                    cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
+                    server = kid
+            time.sleep(0.1)
+        assert server is not None
+        def answered() -> int:
+            try:
+                return len(stored_answers(out))
+            except Exception:                                                # not there yet, or mid-write
+                return 0
+        while answered() == 0 and time.monotonic() < deadline:              # the shards are answering
+            time.sleep(0.05)
+        os.kill(server, signal.SIGKILL)
+        _, err = parent.communicate(timeout=120)
+        assert parent.returncode == 1, err
+        assert "Traceback" not in err and "shared VLM process" in err
+        assert "error: process" in err and "exited with code 1" in err
+        assert validate_store(out) == []
+
     def test_shared_vlm_that_cannot_load_is_one_error_before_any_process(self, capfd, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=2, questions=1, seconds=0.6)

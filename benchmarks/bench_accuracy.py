@@ -33,6 +33,8 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
                      allocation at that rung; relevance: the same share of every frame pair's tokens,
                      the best rated first (both pass 2 off); attention: pass 2's (vlm.pass2=attention).
                      --fallback: which pass answers when none is confident (vlm.tempering.fallback);
+                     --confidence / --probe: the confidence measure (vlm.tempering.confidence; probe:
+                     the learned one, its file from benchmarks/fit_probe.py);
                      --precision / --escalate: the calibration rule
 
     python benchmarks/bench_accuracy.py --root data/synthqa --make 200 --vlm arrcoc-synth-qa
@@ -85,7 +87,8 @@ def ensure_split(root: Path, count: int, split: str = "test") -> None:
 
 
 def tempering_overrides(ladder: tuple[float, ...], threshold: float | None = None, passes: int | None = None,
-                        rank: str | None = None, fallback: str | None = None) -> list[str]:
+                        rank: str | None = None, fallback: str | None = None, confidence: str | None = None,
+                        probe: Path | None = None) -> list[str]:
     """The tempering variant's settings; rank attention turns pass 2 on, relevance (or None: the
     config's default rank) leaves it as configured."""
     out = [*VARIANTS["tempering"], f"vlm.tempering.ladder=[{','.join(f'{r:g}' for r in ladder)}]",
@@ -94,6 +97,10 @@ def tempering_overrides(ladder: tuple[float, ...], threshold: float | None = Non
         out += [f"vlm.tempering.rank={rank}"] + (["vlm.pass2=attention"] if rank == "attention" else ["vlm.pass2=off"])
     if fallback is not None:
         out.append(f"vlm.tempering.fallback={fallback}")
+    if confidence is not None:
+        out.append(f"vlm.tempering.confidence={confidence}")
+    if probe is not None:
+        out.append(f"vlm.tempering.probe={probe}")
     return out + ([f"vlm.tempering.threshold={threshold:g}"] if threshold is not None else [])
 
 
@@ -270,7 +277,8 @@ def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encod
 
     ensure_split(args.val_root, args.val_make, "val")
     val = load_msrvtt(args.val_root, "val")
-    cfg = run_config(args, *tempering_overrides(ladder, 0.0, rank=args.rank, fallback=args.fallback))
+    cfg = run_config(args, *tempering_overrides(ladder, 0.0, rank=args.rank, fallback=args.fallback,
+                                                confidence=args.confidence, probe=args.probe))
     row = run_row("arrcoc", ladder[-1], make_plan(val, limit=args.limit), val, cfg, load_answerer(cfg, device),
                   workdir, query_encoder, "tempering-calibration")
     calibration = calibrate_threshold(row.pop("_report"), precision=args.precision, escalate=args.escalate)
@@ -317,6 +325,9 @@ def main(argv=None) -> int:
                     help="tempering's ranking of each rung's tokens (default: vlm.tempering.rank's default)")
     ap.add_argument("--fallback", choices=("last", "most_confident"),
                     help="tempering's answer when no pass is confident (default: vlm.tempering.fallback's)")
+    ap.add_argument("--confidence", choices=("margin", "entropy", "answer", "coverage", "probe"),
+                    help="tempering's confidence measure (default: vlm.tempering.confidence's)")
+    ap.add_argument("--probe", type=Path, help="with --confidence probe: the probe file (benchmarks/fit_probe.py's)")
     ap.add_argument("--threshold", type=float, help="tempering's confidence threshold (default: calibrated on "
                                                     "--val-root)")
     ap.add_argument("--precision", type=float,
@@ -415,7 +426,8 @@ def main(argv=None) -> int:
             threshold = args.threshold
             if threshold is None:
                 threshold = calibrate_on_val(args, ladder, workdir, query_encoder, device, result)
-            overrides = tempering_overrides(ladder, threshold, rank=args.rank, fallback=args.fallback)
+            overrides = tempering_overrides(ladder, threshold, rank=args.rank, fallback=args.fallback,
+                                            confidence=args.confidence, probe=args.probe)
             variant_retentions = [ladder[-1]]                # the ladder replaces the retention
         cfg = run_config(args, *overrides)
         if not args.ttft_only:

@@ -10,7 +10,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 ENCODE_MODES = ("all", "kept")
 KEPT_WINDOWS = ("whole", "cells")
 PASS2 = ("off", "attention")
-CONFIDENCE = ("margin", "entropy", "answer", "coverage")
+CONFIDENCE = ("margin", "entropy", "answer", "coverage", "probe")
 RANKS = ("allocation", "relevance", "attention")
 DEFAULT_PASS2_LAYERS = 2               # FastV's: a VLM whose snapshot names no layer of its own
 FALLBACKS = ("last", "most_confident")
@@ -32,8 +32,11 @@ class TemperingConfig:
     # log(vocabulary size); answer: the smallest margin over every token of the answer (each pass
     # then decodes its answer before the next is decided: "bottom right" is decided at "right");
     # coverage: 1 - the question's attention (pass 2's, at vlm.pass2_layers) beyond uniform over
-    # pass 1's candidates that the rung drops: low when the rung dropped what it looks for
-    confidence: Literal["margin", "entropy", "answer", "coverage"] = "margin"
+    # pass 1's candidates that the rung drops: low when the rung dropped what it looks for; probe:
+    # 1 - P(ask again) from a logistic regression over the first token's distribution (pipeline/vlm/probe.py)
+    confidence: Literal["margin", "entropy", "answer", "coverage", "probe"] = "margin"
+    # confidence probe: the probe file it reads (benchmarks/fit_probe.py fits and writes one)
+    probe: str | None = None
     # which of pass 1's candidates each rung keeps (pass 1 keeping the top rung's budget, vlm.pass2
     # off): allocation, what ARR-COC's own allocation at the rung's retention keeps (each frame's
     # best cells, as many as that retention buys); relevance, the same share of every frame pair's
@@ -55,6 +58,14 @@ class TemperingConfig:
         check_int("vlm.tempering.max_passes", self.max_passes)
         check_range("vlm.tempering.max_passes", self.max_passes, 1, 255)
         check_choice("vlm.tempering.confidence", self.confidence, CONFIDENCE)
+        if self.probe is not None and (not isinstance(self.probe, str) or not self.probe):
+            raise ConfigError(f"vlm.tempering.probe must be a file path, got {self.probe!r}")
+        if self.confidence == "probe" and self.probe is None:
+            raise ConfigError("vlm.tempering.confidence=probe needs vlm.tempering.probe, the probe file "
+                              "(benchmarks/fit_probe.py writes one)")
+        if self.confidence != "probe" and self.probe is not None:
+            raise ConfigError(f"vlm.tempering.probe is read only with vlm.tempering.confidence=probe, got "
+                              f"confidence={self.confidence}")
         check_choice("vlm.tempering.rank", self.rank, RANKS)
         check_choice("vlm.tempering.fallback", self.fallback, FALLBACKS)
 

@@ -30,6 +30,7 @@ from pipeline.vlm.kept_graph import KeptGraphs
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures, nonzero_each
 from pipeline.vlm.passes import Passes
 from pipeline.vlm.preprocess import VideoPreprocessor
+from pipeline.vlm.probe import Probe
 from pipeline.vlm.selection import (allocation_keys, pair_lod, select_tokens, snap_to_windows, token_cells,
                                     token_relevance)
 from pipeline.vlm.tempering import PER_TOKEN, first_token_confidence
@@ -291,6 +292,8 @@ class VLM:
         self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
         self._pad_embed: torch.Tensor | None = None
+        # vlm.tempering.confidence=probe: the learned confidence every answer reports (and tempering reads)
+        self.probe = Probe.load(config.tempering.probe) if config.tempering.confidence == "probe" else None
         # pass 2 and tempering (vlm.pass2, vlm.tempering): None while pass 2 is off
         self.passes = Passes(self) if config.multipass else None
         self.video_token_id = model.config.video_token_id
@@ -757,7 +760,7 @@ class VLM:
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
         B = batch
         measure = cfg.tempering.confidence
-        confidence = first_token_confidence(logits, measure)                 # (B,), before a replay overwrites
+        confidence = self.first_confidence(logits)                           # (B,), before a replay overwrites
         per_token = measure in PER_TOKEN                                      # the least sure of every token
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
@@ -789,6 +792,13 @@ class VLM:
         lengths_list = lengths.tolist()
         n = max(lengths_list)
         return Generation(torch.stack(tokens[:n], 1), lengths_list, step_logits[:n], decode_s, confidence.tolist())
+
+    def first_confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) first-token logits -> (B,) float32 confidence in [0, 1] by vlm.tempering.confidence
+        (the probe's when it is `probe`; `answer` and `coverage` report the first token's margin)."""
+        if self.probe is not None:
+            return self.probe.confidence(logits)
+        return first_token_confidence(logits, self.config.tempering.confidence)
 
     def _sync(self) -> None:
         """Wait for this thread's VLM work (the current stream, where every replay lands too). Not a

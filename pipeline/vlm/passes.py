@@ -260,6 +260,8 @@ class Passes:
             elif per_token:
                 gen = vlm.generate_from(decoder, logits, len(prefixes))
                 sure = gen.confidence
+            elif vlm.probe is not None:
+                sure = vlm.probe.confidence(logits).tolist()
             else:
                 sure = first_token_confidence(logits, self.tempering.confidence).tolist()
             accepted = [k == len(sizes[i]) - 1 or c >= self.tempering.threshold for i, c in zip(undecided, sure)]

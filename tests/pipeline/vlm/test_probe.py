@@ -157,3 +157,11 @@ class TestInTempering:
         out = v.generate(prefixes, return_logits=True)
         margin = probe_features(out.step_logits[0])[0, FEATURES.index("margin")]
         assert out.confidence[0] == pytest.approx(float(torch.sigmoid(3 * margin)), abs=1e-5)
+
+
+def test_the_shipped_models_probe_loads():
+    from pipeline.vlm.loading import SHIPPED
+    probe = Probe.load(SHIPPED["arrcoc-synth-qa"] / "tempering_probe.json")
+    assert probe.fitted_on["ladder"] == [0.05, 0.25] and probe.fitted_on["vlm"] == "arrcoc-synth-qa"
+    sure, flat = torch.tensor([[12.0] + [0.0] * 40]), torch.zeros(1, 41)
+    assert float(probe.confidence(sure)) > float(probe.confidence(flat))    # a certain answer is trusted more

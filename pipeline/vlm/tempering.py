@@ -10,8 +10,11 @@ first generated token: short answers (a colour, a count, yes/no) are decided the
            several tokens, "bottom right", is often sure of its first word and not of its second)
   coverage: not the answer's: 1 - the question's attention (pass 2's) beyond uniform over the
            candidates that a rung drops (pipeline/vlm/passes.py); answers report the first token's margin
+  probe:   learned, 1 - the probability that the answer should be asked again, from a logistic
+           regression over a summary of the first token's distribution (pipeline/vlm/probe.py)
 
-All are 1 for a certain answer and near 0 for a flat distribution. `calibrate` picks the
+All lie in [0, 1]; all but probe are 1 for a certain answer and near 0 for a flat distribution
+(the probe is as sure as its fit makes it). `calibrate` picks the
 threshold from answers of a validation split whose correctness is known.
 """
 from __future__ import annotations

@@ -232,7 +232,9 @@ class TestWholeFlow:
         summary = json.loads(stdout.strip().splitlines()[-1])
         assert (summary["done"], summary["answered"]) == (4, 8)
         calls = summary["shared_vlm"]["calls"]
-        assert 1 <= calls <= 4 and summary["shared_vlm"]["videos_per_call"] * calls == pytest.approx(4)
+        # videos_per_call is rounded to 2 decimals: 4 videos in 3 calls read 1.33
+        per_call = summary["shared_vlm"]["videos_per_call"]
+        assert 1 <= calls <= 4 and per_call * calls == pytest.approx(4, abs=0.005 * calls)
         assert stored_answers(stores["shared"]) == stored_answers(stores["one"])
 
     def test_a_shared_vlm_that_dies_fails_the_run_and_keeps_the_store(self, tmp_path):

@@ -12,6 +12,7 @@ KEPT_WINDOWS = ("whole", "cells")
 PASS2 = ("off", "attention")
 CONFIDENCE = ("margin", "entropy", "answer", "coverage", "probe")
 RANKS = ("allocation", "relevance", "attention")
+KV_CACHE_GIB = 6.0                     # vlm.kv_cache_gib's default
 DEFAULT_PASS2_LAYERS = 2               # FastV's: a VLM whose snapshot names no layer of its own
 FALLBACKS = ("last", "most_confident")
 
@@ -92,6 +93,11 @@ class VLMConfig:
     # by a replayed CUDA graph (with cuda_graphs, on CUDA): short, pruned prefixes are bound by
     # kernel launches, not by the GPU; longer ones run eagerly. 0: every prefill eager, unpadded
     graph_prefill_max_tokens: int = 2048
+    # GPU memory (GiB) the VLM keeps for the decoders it has built (their KV caches and prefill
+    # graphs, by batch rows and cache length): past it the least recently used go (counters
+    # "evicted") and a later batch of that shape builds and captures them again. What one batch
+    # needs is allocated even beyond it. Many videos in flight with stock tokens outgrow 6 GiB
+    kv_cache_gib: float = KV_CACHE_GIB
     # the LM's decoder layers through pipeline.vlm.text_model (fused norms, one q+k GEMM, rotary
     # on both at once: the same results in fewer kernels); false: through HF's own forward
     fast_lm: bool = True
@@ -155,6 +161,7 @@ class VLMConfig:
         check_range("vlm.max_batch", self.max_batch, 1, 256)
         check_range("vlm.max_wait_s", self.max_wait_s, 0.0, 60.0)
         check_range("vlm.graph_prefill_max_tokens", self.graph_prefill_max_tokens, 0, 65536)
+        check_range("vlm.kv_cache_gib", self.kv_cache_gib, 0.0, 4096.0)
         check_range("vlm.min_pixels", self.min_pixels, 28 * 28, 16384 * 16384)
         check_range("vlm.max_pixels", self.max_pixels, self.min_pixels, 16384 * 16384)
         check_choice("vlm.dtype", self.dtype, DTYPES)

@@ -20,7 +20,7 @@ import torch
 
 from arr_coc.lod import token_frames
 from pipeline.core.cuda import to_device
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm.config import KV_CACHE_GIB, VLMConfig
 from pipeline.vlm.decoding import (MAX_PREFILL_GRAPHS, PACKED_SDPA, PrefillGraph, StaticDecoder,  # noqa: F401
                                    StaticKVCache, register_packed_sdpa, sample_next, sdpa_packed_gqa)
 from pipeline.vlm import hf
@@ -44,8 +44,9 @@ CACHE_BUCKET = 256        # static KV caches are this many slots apart, so nearb
 PREFILL_BUCKET = 64       # short prefixes are left padded up to a multiple of this, so prefill shapes repeat
 SUFFIX_BUCKET = 16        # questions after a shared window are left padded up to a multiple of this
 # Decoders (one per (batch bucket, cache length), see batch_bucket) are kept, least recently used
-# dropped first, while their KV caches and prefill-graph input buffers fit this many bytes. A cache
-# slot of one row holds K and V of every layer: 2 x 28 layers x 2 KV heads x 128 dims x 2 bytes
+# dropped first, while their KV caches and prefill-graph input buffers fit vlm.kv_cache_gib (6 GiB by
+# default: KV_CACHE_BUDGET bytes). A cache slot of one row holds K and V of every layer: 2 x 28
+# layers x 2 KV heads x 128 dims x 2 bytes
 # (bf16) = 28 KiB for Qwen2-VL-2B, 56 KiB for Qwen2.5-VL-7B (4 KV heads). 6 GiB are 224k slot-rows
 # (2B) or 112k (7B). Every bucket 1+2+4+8+16 = 31 rows at the live-mode cache length 768 (a pruned
 # ~500-token prefix + 64 new tokens) is 23.8k slot-rows, 0.64 GiB (2B) / 1.27 GiB (7B): 9 (2B) or
@@ -54,7 +55,7 @@ SUFFIX_BUCKET = 16        # questions after a shared window are left padded up t
 # up to 4 x 16 x 2304 slot-rows: 3.9 GiB for the 2B, 7.9 GiB for the 7B.) Not counted: the graphs'
 # shared memory pool (decode-step activations are small; prefill activations are reused across
 # prefill graphs, which never run at once).
-KV_CACHE_BUDGET = 6 << 30
+KV_CACHE_BUDGET = int(KV_CACHE_GIB * (1 << 30))       # bytes, at vlm.kv_cache_gib's default
 # A graph-replayed prefill runs every row of the batch bucket, padding rows included. An eager
 # prefill of a short prefix is bound by its ~20 ms of kernel launches (28 layers, whatever the model
 # size), which is about what an H100 needs for this many FLOPs (~600 TFLOP/s dense bf16). So a batch
@@ -266,7 +267,7 @@ class VLM:
                              f"supported (a sliding window needs its own mask)")
         # (rows, cache length) -> decoder, least recently used first; kept within kv_cache_budget bytes
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
-        self.kv_cache_budget = KV_CACHE_BUDGET
+        self.kv_cache_budget = int(config.kv_cache_gib * (1 << 30))         # bytes
         # decoders of batch_bucket(batch) rows (their graphs captured once per bucket); False: of the
         # exact batch, as with cuda_graphs off, where no capture is amortised
         self.bucket_batches = config.cuda_graphs

@@ -9,6 +9,7 @@ import torch
 
 from conftest import make_frames, mixed_requests, random_keep, request
 from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer
+from arr_coc._validate import ConfigError
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.loading import _wrap
 from pipeline.vlm.model import CACHE_BUCKET, KV_CACHE_BUDGET, MAX_LAYOUTS, Prefix, batch_bucket
@@ -155,6 +156,15 @@ class TestDecoderReuse:
         v.kv_cache_budget = 0                                        # the one in use is kept regardless
         gen(16)
         assert list(v._decoders) == [(16, CACHE_BUCKET)]
+
+    def test_the_budget_is_a_setting(self, vlm):
+        """vlm.kv_cache_gib sets the budget (GiB); out-of-range values are one ConfigError."""
+        assert VLMConfig().kv_cache_gib == 6.0 and vlm.kv_cache_budget == KV_CACHE_BUDGET == 6 << 30
+        assert rewrap(vlm, kv_cache_gib=0.5).kv_cache_budget == 1 << 29
+        assert rewrap(vlm, kv_cache_gib=0).kv_cache_budget == 0
+        for bad in (-1.0, 5000.0):
+            with pytest.raises(ConfigError, match="vlm.kv_cache_gib"):
+                VLMConfig(kv_cache_gib=bad)
 
 
 class TestWarmUp:

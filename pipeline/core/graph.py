@@ -30,6 +30,7 @@ class Policy(enum.Enum):
 
 
 _END = object()  # end-of-stream marker that flows through every channel
+_FINISHING = object()  # what a stage "works on" in finish(), after its last input (StageError names it)
 
 
 class StageError(RuntimeError):
@@ -319,7 +320,8 @@ class Graph:
     def _fail(self, stage: Stage, item: Any, error: BaseException) -> None:
         with self._lock:
             if self._error is None:
-                described = stage.describe(item) if item is not None else "start-up"
+                described = ("start-up" if item is None else "finishing" if item is _FINISHING
+                             else stage.describe(item))
                 self._error = StageError(stage.name, described, error)
         self._stop.set()
         for ch in self.inputs.values():
@@ -364,7 +366,7 @@ class Graph:
                         on_progress(stage, item)
                     if not self._emit(stage, outs):
                         return
-            item = None
+            item = _FINISHING
             if self._error is None and not self._aborted:
                 t0 = time.perf_counter()
                 tail = list(stage.finish())

@@ -124,6 +124,17 @@ class TestFailures:
         assert (type(again), str(again), again.stage, again.item) == (StageError, str(info.value), "collect", "item 14")
         assert type(again.error) is RuntimeError and str(again.error) == "cannot take 14"
 
+    def test_error_in_finish_names_it(self):
+        """A stage that fails after its last input (a batch video's VLM answers in finish()) says
+        so, not "start-up"."""
+        class Closing(Collect):
+            def finish(self):
+                raise RuntimeError("the VLM process exited")
+        g, _ = chain(Numbers(5), Closing())
+        with pytest.raises(StageError) as info:
+            g.run()
+        assert str(info.value) == "stage 'collect' failed on finishing: RuntimeError: the VLM process exited"
+
     def test_error_in_source_stops_everything(self):
         class Broken(Numbers):
             def produce(self):

@@ -1,10 +1,14 @@
 """Helpers shared by the benchmark scripts (run as scripts: they put the repo root on sys.path)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import platform
+import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -80,3 +84,43 @@ def random_qwen2_vl_2b(device: torch.device, config: Any = None):
     vlm = _wrap(model, tokenizer, "qwen2_vl", "qwen2-vl-2b (random weights)", config, {}, None)
     vlm.eos_ids = torch.empty(0, dtype=torch.long, device=device)
     return vlm
+
+
+class PhaseTimers:
+    """Times calls of the functions `phases` names ({label: (owner, attribute)}) while installed():
+    each call between two device syncs (the GPU work it queued counted in), seconds summed per
+    label in `s`; after(label, args), if given, sees every timed call's arguments."""
+
+    def __init__(self, device: torch.device, phases: dict[str, tuple[Any, str]],
+                 after: Callable[[str, tuple], None] | None = None) -> None:
+        self.device, self.phases, self.after = device, phases, after
+        self.s: defaultdict[str, float] = defaultdict(float)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = {label: getattr(owner, attr) for label, (owner, attr) in self.phases.items()}
+        try:
+            for label, (owner, attr) in self.phases.items():
+                setattr(owner, attr, self._timed(label, saved[label]))
+            yield self
+        finally:
+            for label, (owner, attr) in self.phases.items():
+                setattr(owner, attr, saved[label])
+
+    def _timed(self, label: str, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            self.sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.s[label] += time.perf_counter() - t0
+                if self.after is not None:
+                    self.after(label, args)
+        return wrapper

@@ -21,23 +21,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
-from collections import defaultdict  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.common import PhaseTimers  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from pipeline.vlm import model as vlm_model  # noqa: E402
 from pipeline.vlm.model import WindowQuestions  # noqa: E402
 
-PHASES = {"vision": "_window_tokens", "window_prefix": "window_prefix", "question_prefixes": "question_prefixes",
-          "generate": "generate"}
+PHASES = {label: (vlm_model.VLM, attr) for label, attr in (
+    ("vision", "_window_tokens"), ("window_prefix", "window_prefix"), ("question_prefixes", "question_prefixes"),
+    ("generate", "generate"))}
 OTHER_CONTEXT = r'''
 import sys, time, torch
 x = torch.randn(20, 3, 240, 320, device="cuda"); k = torch.randn(8, 3, 3, 3, device="cuda")
@@ -70,38 +69,6 @@ def make_jobs(vlm, videos: int, stock: bool, shape: tuple[int, int, int], questi
         keep = None if stock else rng.choice(3, size=(T, gh, gw), p=(0.95, 0.035, 0.015)).astype(np.int64)
         jobs.append(WindowQuestions(rng.integers(0, 255, (T, H, W, 3), dtype=np.uint8), keep, qs, None))
     return jobs
-
-
-class PhaseTimer:
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.s = device, defaultdict(float)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextlib.contextmanager
-    def installed(self):
-        saved = {label: getattr(vlm_model.VLM, attr) for label, attr in PHASES.items()}
-        try:
-            for label, attr in PHASES.items():
-                setattr(vlm_model.VLM, attr, self._timed(label, saved[label]))
-            yield
-        finally:
-            for label, attr in PHASES.items():
-                setattr(vlm_model.VLM, attr, saved[label])
-
-    def _timed(self, label: str, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            self.sync()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sync()
-                self.s[label] += time.perf_counter() - t0
-        return wrapper
 
 
 def call_ms(vlm, jobs, device, repeats: int) -> float:
@@ -149,7 +116,7 @@ def main() -> None:
         for videos in args.videos:
             jobs = make_jobs(vlm, videos, stock, shape, questions)
             ms = call_ms(vlm, jobs, device, args.repeats)
-            timer = PhaseTimer(device)
+            timer = PhaseTimers(device, PHASES)
             with timer.installed():
                 for _ in range(args.repeats):
                     result = vlm.answer_windows(jobs)

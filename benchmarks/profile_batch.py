@@ -18,8 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not pip-installed on the GPU box
 
 import argparse
-import contextlib
-import functools
 import json
 import shutil
 import tempfile
@@ -29,7 +27,7 @@ from collections import defaultdict
 import torch
 
 import benchmarks.bench_batch as bb
-from benchmarks.common import fixed_query
+from benchmarks.common import PhaseTimers, fixed_query
 import pipeline.runners.batch as batch_mod
 from pipeline.core import frontend_graphs as cudagraph, graph as graph_mod
 from pipeline.runners.batch import VideoAnswerer, make_plan
@@ -49,59 +47,27 @@ PHASES = {  # label: (owner, attribute) wrapped with a timer
 }
 
 
-class Timers:
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.s = device, defaultdict(float)
-        self.reports: list[list[dict]] = []
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextlib.contextmanager
-    def installed(self):
-        saved = {label: getattr(owner, attr) for label, (owner, attr) in PHASES.items()}
-        try:
-            for label, (owner, attr) in PHASES.items():
-                setattr(owner, attr, self._timed(label, saved[label]))
-            yield
-        finally:
-            for label, (owner, attr) in PHASES.items():
-                setattr(owner, attr, saved[label])
-
-    def _timed(self, label: str, fn):
-        timers = self
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            timers.sync()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timers.sync()
-                timers.s[label] += time.perf_counter() - t0
-                if label == "graph_run":
-                    timers.reports.append(args[0].report())
-        return wrapper
-
-
 def profile(plan, cfg, factory, device, *, stock: bool, scratch: Path, in_flight: int) -> dict:
     out = scratch / f"profile_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)     # a complete video would be skipped
     # a fixed question vector: the GPU machines have no MiniLM (as bench_batch)
     answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=factory, query_encoder=fixed_query)
     answerer.answer(plan[0])                       # model build, first captures: not in the means
-    timers = Timers(device)
+    reports: list[list[dict]] = []                 # each graph run's per-stage report
+
+    def keep_report(label: str, args: tuple) -> None:
+        if label == "graph_run":
+            reports.append(args[0].report())
+    timers = PhaseTimers(device, PHASES, after=keep_report)
     with timers.installed():
         t0 = time.perf_counter()
         outcomes = list(answerer.answer_all(plan[1:], in_flight))
         wall = time.perf_counter() - t0
     n = len(outcomes)
     busy = defaultdict(float)
-    for report in timers.reports:
+    for report in reports:
         for row in report:
-            busy[row["stage"]] += row["busy"] / len(timers.reports)
+            busy[row["stage"]] += row["busy"] / len(reports)
     return {"tokens": "stock" if stock else "arrcoc", "videos": n,
             "s_per_video": round(wall / n, 4),
             "questions_per_s": round(sum(o.questions for o in outcomes) / wall, 3),

@@ -161,7 +161,7 @@ def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: in
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from pipeline.vlm.server import SharedVLM, VLMServer
+    from pipeline.vlm.server import VLMServer
 
     start = time.perf_counter()
     server = VLMServer(functools.partial(_server_vlm, cfg, factory), max_batch=cfg.vlm.max_batch) if shared_vlm else None
@@ -172,9 +172,7 @@ def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: in
                        for i in range(processes)]
             parts = [f.result() for f in futures]
         if server is not None and server_stats is not None:
-            client = SharedVLM(server.address)
-            counters = client.counters
-            client.close()
+            counters = server.counters()
             sizes, answer_s, queued_s = (counters.get(k, []) for k in ("batch_sizes", "answer_s", "queued_s"))
             server_stats.update({
                 "batches": len(sizes), "videos_per_batch": round(float(np.mean(sizes)), 2) if sizes else 0.0,

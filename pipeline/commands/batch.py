@@ -122,16 +122,11 @@ def _server_batches(server: Any) -> dict | None:
     if server is None:
         return None
     from ..vlm.remote import VLMProcessError
-    from ..vlm.server import SharedVLM
 
     try:
-        client = SharedVLM(server.address)
+        sizes = server.counters().get("batch_sizes", [])
     except VLMProcessError:                                 # gone after the shards finished: no counts
         return None
-    try:
-        sizes = client.counters.get("batch_sizes", [])
-    finally:
-        client.close()
     return {"calls": len(sizes), "videos_per_call": round(sum(sizes) / len(sizes), 2) if sizes else 0.0}
 
 

@@ -182,6 +182,15 @@ class VLMServer:
             raise
         self.name = info["name"]
 
+    def counters(self) -> dict:
+        """SharedVLM.counters, read through a client of this parent's own (VLMProcessError when the
+        server cannot be reached)."""
+        client = SharedVLM(self.address)
+        try:
+            return client.counters
+        finally:
+            client.close()
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the server (after the batch it is answering) and remove its socket."""
         try:

@@ -30,14 +30,15 @@ class VLMProcessError(RuntimeError):
     """The VLM process failed: an answer's error (its type and message), or the process itself."""
 
 
-def _send_error(conn: Any, error: BaseException) -> None:
-    """The error itself where it pickles (the parent raises the same type: a bad model path stays a
-    VLMLoadError), else its type and message."""
+def _send_error(conn: Any, error: BaseException, *tag: Any) -> None:
+    """(*tag, "error", info): the error itself where it pickles (the parent raises the same type: a
+    bad model path stays a VLMLoadError), else its type and message. tag: what comes first in every
+    message on conn (vlm/server.py: the request id)."""
     text = f"{type(error).__name__}: {error}"
     try:
-        conn.send(("error", (error if isinstance(error, Exception) else None, text)))
+        conn.send((*tag, "error", (error if isinstance(error, Exception) else None, text)))
     except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
-        conn.send(("error", (None, text)))
+        conn.send((*tag, "error", (None, text)))
 
 
 def _serve(factory: Callable[[], Any], conn: Any) -> None:

@@ -115,7 +115,7 @@ def _client(conn: Any, batcher: Any, vlm: Any, info: dict) -> None:
             return
         with lock:
             try:
-                _send_error(_Tagged(conn, rid), error)
+                _send_error(conn, error, rid)
             except (OSError, ValueError):
                 pass
 
@@ -137,16 +137,6 @@ def _client(conn: Any, batcher: Any, vlm: Any, info: dict) -> None:
                               "queued_s": [q for t in timings for q in t.queued_s]})
         else:
             reply(rid, "error", (None, f"unknown request {method!r}"))
-
-
-class _Tagged:
-    """A connection whose send() prefixes a request id: _send_error's ("error", info) -> (id, "error", info)."""
-
-    def __init__(self, conn: Any, rid: int) -> None:
-        self.conn, self.rid = conn, rid
-
-    def send(self, message: tuple) -> None:
-        self.conn.send((self.rid, *message))
 
 
 class VLMServer:

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from concurrent.futures import Future
@@ -275,4 +276,13 @@ class SharedVLM:
 
     def close(self) -> None:
         self._fail("the shared VLM client was closed")
+        # wake the reader first (its read returns end-of-file) and let it end: closing the
+        # descriptor under it let a later connection that got the same number lose bytes to it
+        # (its handshake then read "bad message length")
+        try:
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:                                 # closed already
+            pass
+        self._reader.join(5.0)
         self._conn.close()

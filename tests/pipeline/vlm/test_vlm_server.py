@@ -68,8 +68,12 @@ def test_clients_get_the_answers_of_the_vlm_in_process(server):
     finally:
         for c in clients:
             c.close()
+    # their readers ended with them: one left reading a closed descriptor number took the bytes of
+    # the next connection given that number
+    assert not any(c._reader.is_alive() for c in clients)
     with pytest.raises(VLMProcessError, match="closed"):
         clients[0].answer_windows(work[:1])
+    clients[0].close()                                                       # twice: nothing to do
 
 
 def test_an_answers_error_reaches_its_client_and_the_server_goes_on(server):

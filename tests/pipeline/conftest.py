@@ -1,0 +1,68 @@
+"""A fake NVIDIA MPS control binary for the tests of `--mps` (pipeline/core/mps.py), on CPU."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipeline.core import mps
+
+FAKE_MPS = """#!/bin/sh
+# nvidia-cuda-mps-control as the tests see it: -d records its environment, starts a "daemon" (a
+# sleep) and makes the control pipe and the pid file; `quit` on stdin stops it and records that.
+if [ "$1" = "-d" ]; then
+    env | grep '^CUDA_MPS_' | sort > "{record}/start.env"
+    echo "[fake] control daemon starting" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
+    {on_start}
+    sleep 300 </dev/null >/dev/null 2>&1 &
+    echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+    {make_control}
+    exit 0
+fi
+read command
+echo "$command" >> "{record}/commands"
+if [ "$command" = "quit" ] && [ "{quits}" = "yes" ]; then
+    kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")"
+    rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+fi
+"""
+
+
+@dataclass
+class FakeMPS:
+    record: Path                         # start.env (the -d run's CUDA_MPS_* variables), commands (stdin lines)
+
+    def start_env(self) -> dict[str, str]:
+        text = (self.record / "start.env").read_text()
+        return dict(line.split("=", 1) for line in text.splitlines())
+
+    def commands(self) -> list[str]:
+        path = self.record / "commands"
+        return path.read_text().split() if path.exists() else []
+
+
+@pytest.fixture
+def fake_mps(tmp_path, monkeypatch):
+    """fake_mps(fails=False, control=True, quits=True) -> FakeMPS: the only nvidia-cuda-mps-control
+    on PATH; no MPS daemon counts as running (CUDA_MPS_PIPE_DIRECTORY unset, the default pipe
+    directory moved to an empty place). fails: -d logs a line and exits 1; control: -d makes the
+    control pipe; quits: `quit` stops the daemon."""
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    monkeypatch.delenv(mps.LOG_ENV, raising=False)
+    monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", str(tmp_path / "no-default-mps"))
+
+    def make(fails: bool = False, control: bool = True, quits: bool = True) -> FakeMPS:
+        bin_dir, record = tmp_path / "fake-bin", tmp_path / "fake-record"
+        bin_dir.mkdir()
+        record.mkdir()
+        on_start = ('echo "[fake] cannot open the GPU: operation not permitted" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"'
+                    "; exit 1") if fails else ":"
+        script = bin_dir / mps.BINARY
+        script.write_text(FAKE_MPS.format(record=record, on_start=on_start, quits="yes" if quits else "no",
+                                          make_control='mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"' if control else ":"))
+        script.chmod(0o755)
+        monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
+        return FakeMPS(record)
+    return make

@@ -3,7 +3,9 @@
 `--processes N` runs the local path as N processes side by side (`--shard i/N` each, on one store):
 on one GPU, several processes keep it busier than one, whose host side caps its rate
 (docs/performance.md). The parent checks the options, starts them, shows their progress from the
-store and prints one summary of all of them.
+store and prints one summary of all of them. With `--mps` they are clients of an NVIDIA MPS daemon
+(pipeline/core/mps.py), so that their kernels run on the GPU at once rather than in turns; the
+parent itself never initialises CUDA.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def cmd_batch(args: Any) -> int:
         raise ConfigError("--vlm-server is set by batch --processes for its shard processes")
     if args.shared_vlm and (args.processes is None or args.processes < 2):
         raise ConfigError("--shared-vlm shares one VLM between the processes of --processes N (N >= 2)")
+    if args.mps and (args.processes is None or args.processes < 2):
+        raise ConfigError("--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon")
     if args.processes is not None:
         if args.processes < 1:
             raise ConfigError(f"--processes must be >= 1, got {args.processes}")
@@ -54,7 +58,7 @@ def cmd_batch(args: Any) -> int:
 
 def _child_argv(argv: list[str], i: int, n: int, out: str, vlm_server: str | None = None) -> list[str]:
     """This command line for shard i of n: without --processes (and without --out / progress /
-    shared-VLM flags, which the parent sets; vlm_server: the shared VLM's socket)."""
+    shared-VLM / MPS flags, which the parent sets; vlm_server: the shared VLM's socket)."""
     drop_with_value = {"--processes", "--out", "--vlm-server"}
     rest, skip = [], False
     for a in argv:
@@ -64,7 +68,7 @@ def _child_argv(argv: list[str], i: int, n: int, out: str, vlm_server: str | Non
         if a in drop_with_value:
             skip = True
             continue
-        if a.split("=", 1)[0] in drop_with_value or a in ("--progress", "--no-progress", "--shared-vlm"):
+        if a.split("=", 1)[0] in drop_with_value or a in ("--progress", "--no-progress", "--shared-vlm", "--mps"):
             continue
         rest.append(a)
     server = [] if vlm_server is None else ["--vlm-server", vlm_server]
@@ -76,33 +80,40 @@ def _side_by_side(args: Any) -> int:
 
     from ..runners.batch import default_out, make_plan
 
+    from ..core.mps import check_cuda, mps_clients
+
     n = args.processes
     cfg = load_run_config(args)                            # a bad option fails here, once, before any start
+    if args.mps:
+        check_cuda(cfg.runtime.device)
     data = load_msrvtt(args.root, args.split, task=args.task, videos_dir=args.videos)
     plan = make_plan(data, limit=args.limit)
     out = args.out if args.out is not None else default_out(args.dataset, args.split)
     started = time.monotonic()
     # the packages beside this one (sources, sinks, arr_coc) importable from any directory, installed or not
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     procs: list[subprocess.Popen] = []
     outputs: dict[int, str] = {}
     server = None
-    try:                                                    # Ctrl-C while starting them stops those started
-        if args.shared_vlm:
-            server = _start_vlm_server(cfg)
-            env.update(server.address.to_env())
-        for i in range(n):
-            argv = _child_argv(args.argv, i, n, str(out), None if server is None else server.address.path)
-            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
-        _wait(procs, outputs, [w.video_id for w in plan], out, args.progress)
-        batches = _server_batches(server) if all(p.returncode == 0 for p in procs) else None
-    except KeyboardInterrupt:
-        _stop(procs)
-        raise
-    finally:
-        if server is not None:
-            server.close()
+    # --mps: the daemon's variables in os.environ until every process has ended (the shared VLM's,
+    # spawned, inherits them; then the daemon quits)
+    with mps_clients(args.mps) as mps:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        try:                                                # Ctrl-C while starting them stops those started
+            if args.shared_vlm:
+                server = _start_vlm_server(cfg)
+                env.update(server.address.to_env())
+            for i in range(n):
+                argv = _child_argv(args.argv, i, n, str(out), None if server is None else server.address.path)
+                procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
+            _wait(procs, outputs, [w.video_id for w in plan], out, args.progress)
+            batches = _server_batches(server) if all(p.returncode == 0 for p in procs) else None
+        except KeyboardInterrupt:
+            _stop(procs)
+            raise
+        finally:
+            if server is not None:
+                server.close()
     failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
     if failed:
         i, code = failed[0]
@@ -113,6 +124,8 @@ def _side_by_side(args: Any) -> int:
     merged = merge_summaries(rows, time.monotonic() - started)
     if batches is not None:
         merged["shared_vlm"] = batches
+    if mps is not None:
+        merged["mps"] = mps.state
     print(json.dumps(merged))
     return EXIT_OK
 

@@ -101,6 +101,11 @@ def _add_batch(sub: Any) -> None:
                    help="with --processes: one VLM process answers every process's videos, batched together, "
                         "instead of a VLM in each (one model in GPU memory; faster with stock tokens, slower "
                         "with ARR-COC's: docs/performance.md)")
+    p.add_argument("--mps", action="store_true",
+                   help="with --processes on a CUDA GPU: run the processes as clients of an NVIDIA MPS daemon (the "
+                        "one running, else one started and stopped for the run; needs the driver's "
+                        "nvidia-cuda-mps-control), so that their kernels share the GPU at once instead of taking "
+                        "turns (+32-34%% questions/s with 4 processes on an H100: docs/performance.md)")
     p.add_argument("--vlm-server", help=argparse.SUPPRESS)  # set by --processes: the shared VLM's socket
     _common(p)
     p.set_defaults(func=_lazy("batch", "cmd_batch"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.commands.cli import main
 from pipeline.runners.evaluate import evaluate
@@ -236,6 +238,76 @@ class TestWholeFlow:
         per_call = summary["shared_vlm"]["videos_per_call"]
         assert 1 <= calls <= 4 and per_call * calls == pytest.approx(4, abs=0.005 * calls)
         assert stored_answers(stores["shared"]) == stored_answers(stores["one"])
+
+    @pytest.mark.parametrize("shared", [[], ["--shared-vlm"]], ids=["own-vlms", "shared-vlm"])
+    def test_mps_runs_the_processes_under_a_daemon_of_their_own(self, capfd, tmp_path, monkeypatch, fake_mps, shared):
+        """`batch --processes 2 --mps` (a fake daemon; the CUDA check passed over on CPU): the shards
+        (and the shared VLM's process, spawned: it inherits os.environ) start with the daemon's
+        variables and without --mps, the summary says it was started, and it has quit when the
+        command returns."""
+        from pipeline.commands import batch as command
+        from pipeline.core import mps
+
+        fake = fake_mps()
+        monkeypatch.setattr(mps, "check_cuda", lambda device: None)
+        started = []
+        real_popen = subprocess.Popen
+
+        class Recording(real_popen):
+            def __init__(self, args, *rest, **kw):
+                if "pipeline" in args:
+                    started.append((list(args), dict(kw["env"])))
+                super().__init__(args, *rest, **kw)
+        monkeypatch.setattr(subprocess, "Popen", Recording)
+        server_env = []
+        real_server = command._start_vlm_server
+
+        def start_server(cfg):
+            server_env.append({k: os.environ.get(k) for k in (mps.PIPE_ENV, mps.LOG_ENV)})
+            return real_server(cfg)
+        monkeypatch.setattr(command, "_start_vlm_server", start_server)
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=2, seconds=0.6)
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), "--processes", "2",
+                     "--mps", *shared, *FAST])
+        stdout, err = capfd.readouterr()
+        assert code == 0, err
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        assert (summary["mps"], summary["done"], summary["answered"]) == ("started", 2, 4)
+        daemon = fake.start_env()
+        assert len(started) == 2
+        for argv, env in started:
+            assert "--mps" not in argv
+            assert {k: env[k] for k in daemon} == daemon
+        assert server_env == ([daemon] if shared else [])
+        assert fake.commands() == ["quit"] and not Path(daemon[mps.PIPE_ENV]).parent.exists()
+        assert mps.PIPE_ENV not in os.environ                                # the parent's environment as it was
+
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    def test_mps_processes_answer_as_one_process_does(self, capfd, tmp_path):
+        """On a GPU, `batch --processes 2 --mps` with the driver's daemon stores the answers one
+        process gives (one video in flight: each answered alone in both runs)."""
+        from pipeline.core import mps
+
+        if shutil.which(mps.BINARY) is None and mps.running_pipe_dir() is None:
+            pytest.skip(f"needs the driver's {mps.BINARY}")
+        root = tmp_path / "ds"
+        fixture(root, videos=4, questions=2, seconds=0.6)
+        stores = {k: tmp_path / f"{k}.zarr" for k in ("one", "mps")}
+        gpu = ["--vlm", "tiny-random", "--device", "cuda", "--set", "vlm.max_new_tokens=2", "--no-progress",
+               "--in-flight", "1"]
+        one = subprocess.run([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+                              "--out", str(stores["one"]), *gpu], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)                                     # CUDA in a process of its own
+        assert one.returncode == 0, one.stderr
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(stores["mps"]),
+                     "--processes", "2", "--mps", *gpu])
+        stdout, err = capfd.readouterr()
+        assert code == 0, err
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        assert summary["mps"] in ("started", "existing") and (summary["done"], summary["answered"]) == (4, 8)
+        assert stored_answers(stores["mps"]) == stored_answers(stores["one"])
 
     def test_a_shared_vlm_that_dies_fails_the_run_and_keeps_the_store(self, tmp_path):
         """The shared VLM process killed mid-run: each shard says so in one line, the parent exits
@@ -484,6 +556,10 @@ class TestBadInputs:
         (["--processes", "2", "--ray", "local"],
          "--processes runs the local path side by side; Ray spreads work with --workers"),
         (["--shared-vlm"], "--shared-vlm shares one VLM between the processes of --processes N (N >= 2)"),
+        (["--mps"], "--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon"),
+        (["--processes", "1", "--mps"], "--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon"),
+        (["--processes", "2", "--mps"],
+         "--mps shares one CUDA GPU between processes; runtime.device is cpu (use --device cuda, or drop --mps)"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
         (["--videos-per-task", "4"], "--videos-per-task is for --ray runs (actor calls); the local path streams its videos"),
     ])
@@ -492,6 +568,17 @@ class TestBadInputs:
         fixture(root, videos=1, questions=1, seconds=0.4)
         code, _, err = batch(capsys, "--root", str(root), "--out", str(tmp_path / "o.zarr"), *args, *FAST)
         assert code == 2 and err.strip() == f"error: {message}"
+
+    def test_mps_without_a_cuda_gpu_is_one_line_before_any_process(self, capsys, tmp_path, monkeypatch, fake_mps):
+        fake = fake_mps()
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)            # also on a GPU machine
+        root, out = tmp_path / "ds", tmp_path / "o.zarr"
+        fixture(root, videos=1, questions=1, seconds=0.4)
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(out), "--processes", "2", "--mps", *FAST,
+                             "--device", "auto")
+        assert code == 2 and err.strip() == "error: --mps shares one CUDA GPU between processes; runtime.device " \
+            "auto has no CUDA GPU here (drop --mps)"
+        assert not out.exists() and not (fake.record / "start.env").exists()
 
     def test_unreachable_ray_cluster_is_one_line_at_once(self, capsys, tmp_path):
         pytest.importorskip("ray")

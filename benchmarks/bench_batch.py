@@ -19,6 +19,7 @@ vlm.max_batch=1`: one video per call).
     python3 benchmarks/bench_batch.py --device cuda                    # 1..all GPUs of this machine
     python3 benchmarks/bench_batch.py --device cuda --gpus 1 2 4       # choose the GPU counts
     python3 benchmarks/bench_batch.py --quick                          # CPU smoke test (tiny-random)
+    python3 benchmarks/bench_batch.py --paths local --processes 4 --mps   # 4 processes under one MPS daemon
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from arr_coc._validate import ConfigError  # noqa: E402
 from benchmarks.common import fixed_query, host_topology, random_qwen2_vl_2b  # noqa: E402
+from pipeline.core.mps import mps_clients  # noqa: E402
 from pipeline.runners.batch import IN_FLIGHT, BatchSummary, config_vlm, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
@@ -98,14 +101,17 @@ def overlap_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float
 
 
 def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int,
-            videos_per_task: int | None = None, warmup: int = 1, shared_vlm: bool = False) -> dict:
+            videos_per_task: int | None = None, warmup: int = 1, shared_vlm: bool = False, mps: bool = False) -> dict:
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     made = []                                                                # the local path's VLM, for its counters
     server_stats: dict = {}
+    mps_state = None
     if path == "local" and workers > 1:
-        s = local_processes(plan, out, cfg, stock=stock, factory=factory, in_flight=in_flight, processes=workers,
-                            shared_vlm=shared_vlm, server_stats=server_stats)
+        with mps_clients(mps) as daemon:           # as `batch --processes N --mps`: the processes are its clients
+            mps_state = None if daemon is None else daemon.state
+            s = local_processes(plan, out, cfg, stock=stock, factory=factory, in_flight=in_flight,
+                                processes=workers, shared_vlm=shared_vlm, server_stats=server_stats)
     elif path == "local":
         local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
         s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight,
@@ -128,7 +134,9 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             # decoders made and CUDA graphs captured during the run (each capture a few hundred ms)
             "vlm_counters": dict(made[0].counters) if made else None,
             # --shared-vlm: one VLM process for every worker, and the batches it answered
-            "shared_vlm": server_stats or None}
+            "shared_vlm": server_stats or None,
+            # --mps: the processes ran under an MPS daemon started for the run, or one already running
+            "mps": mps_state}
 
 
 def _shard(plan, out: Path, cfg, stock: bool, factory, in_flight: int, vlm_server=None) -> BatchSummary:
@@ -249,6 +257,9 @@ def main() -> None:
     ap.add_argument("--shared-vlm", action="store_true",
                     help="with --processes: one VLM process answers every process's videos (as `batch "
                          "--processes` does by default) instead of a VLM in each")
+    ap.add_argument("--mps", action="store_true",
+                    help="with --processes: run them as clients of an NVIDIA MPS daemon (as `batch --mps`: the "
+                         "one running, else one started for each run and stopped after it)")
     ap.add_argument("--warmup-videos", type=int, default=1, metavar="N",
                     help="steady rates count from each worker's N-th finished video on (default 1: the first "
                          "carries the model load; more leave out the first CUDA-graph captures too)")
@@ -263,6 +274,8 @@ def main() -> None:
         sys.exit(f"--processes must be >= 1, got {args.processes}")
     if args.shared_vlm and args.processes < 2:
         sys.exit("--shared-vlm shares one VLM between --processes N >= 2")
+    if args.mps and (args.processes < 2 or args.device != "cuda" or args.quick):
+        sys.exit("--mps shares one CUDA GPU between --processes N >= 2 (--device cuda)")
     if args.warmup_videos < 1:
         sys.exit(f"--warmup-videos must be >= 1, got {args.warmup_videos}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -295,7 +308,7 @@ def main() -> None:
             if "local" in paths:
                 rows.append(one_run(plan, cfg, path="local", workers=args.processes, stock=stock, factory=factory,
                                     scratch=scratch, in_flight=args.in_flight, warmup=args.warmup_videos,
-                                    shared_vlm=args.shared_vlm))
+                                    shared_vlm=args.shared_vlm, mps=args.mps))
                 print(json.dumps(rows[-1]), flush=True)
             for n in counts:
                 rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch,
@@ -307,12 +320,14 @@ def main() -> None:
         if "vlm-only" in paths:
             rows.append(vlm_only_run(plan, cfg, factory=factory))
             print(json.dumps(rows[-1]), flush=True)
+    except ConfigError as e:                    # --mps without the driver's daemon, or one that did not start
+        sys.exit(str(e))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
-              "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "shared_vlm": args.shared_vlm, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
+              "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "shared_vlm": args.shared_vlm, "mps": args.mps, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
               "summary": summarize(rows, counts, args.processes), "command": " ".join(["python3"] + sys.argv),
               "host": host_topology()}
     print(json.dumps(result["summary"], indent=1))

@@ -4,6 +4,7 @@ running one is reused and left alone; every way it can fail is one ConfigError l
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 
 from arr_coc._validate import ConfigError
 from pipeline.core import mps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))           # benchmarks/
 
 
 def gone(pid_file: Path, pid: int) -> bool:
@@ -163,3 +166,26 @@ def test_check_cuda(monkeypatch, device, gpus, message):
             mps.check_cuda(device)
         assert str(e.value) == message
 
+
+@pytest.mark.parametrize("asked", [True, False], ids=["mps", "time-sliced"])
+def test_bench_batch_runs_its_processes_under_the_same_daemon(fake_mps, monkeypatch, tmp_path, asked):
+    """bench_batch --mps: its side-by-side processes start under mps_clients (the code batch --mps
+    runs), and each run records whether a daemon was started."""
+    from benchmarks import bench_batch
+    from pipeline.runners.batch import BatchSummary
+
+    fake = fake_mps()
+    seen = []
+
+    def local_processes(plan, out, cfg, **kw):
+        seen.append(os.environ.get(mps.PIPE_ENV))
+        return BatchSummary(out, 0, 0, 1.0, [])
+    monkeypatch.setattr(bench_batch, "local_processes", local_processes)
+    row = bench_batch.one_run([], None, path="local", workers=2, stock=True, factory=None, scratch=tmp_path,
+                              in_flight=1, mps=asked)
+    if asked:
+        assert row["mps"] == "started" and seen == [fake.start_env()[mps.PIPE_ENV]]
+        assert fake.commands() == ["quit"]
+    else:
+        assert row["mps"] is None and seen == [None] and not (fake.record / "start.env").exists()
+    assert mps.PIPE_ENV not in os.environ

@@ -338,6 +338,9 @@ def main(argv=None) -> int:
     ap.add_argument("--escalate", type=float,
                     help="calibrate the threshold as a token budget: at most this share of the validation "
                          "split's first-pass answers (the least confident) is asked again")
+    ap.add_argument("--hold-share", action="store_true",
+                    help="with --escalate: tempering also holds that share while it answers "
+                         "(vlm.tempering.escalate; the calibrated threshold decides its first answers)")
     ap.add_argument("--val-root", type=Path, help="validation split root for the tempering threshold "
                                                   "(generated with --val-make clips when it has none)")
     ap.add_argument("--val-make", type=int, default=100, help="validation clips to generate (default 100)")
@@ -375,6 +378,8 @@ def main(argv=None) -> int:
         ap.error("--ttft-only with the tempering variant needs --threshold (no split is answered to calibrate it)")
     if "tempering" in variants and args.threshold is None and args.val_root is None:
         ap.error("the tempering variant needs --threshold or --val-root (the split its threshold is calibrated on)")
+    if args.hold_share and args.escalate is None:
+        ap.error("--hold-share holds the --escalate share: give it")
     if args.ttft_window is not None and not args.ttft_window.is_file():
         ap.error(f"--ttft-window {args.ttft_window}: no such file")
     workdir = Path(tempfile.mkdtemp(prefix="bench_accuracy_"))
@@ -428,6 +433,8 @@ def main(argv=None) -> int:
                 threshold = calibrate_on_val(args, ladder, workdir, query_encoder, device, result)
             overrides = tempering_overrides(ladder, threshold, rank=args.rank, fallback=args.fallback,
                                             confidence=args.confidence, probe=args.probe)
+            if args.hold_share:
+                overrides.append(f"vlm.tempering.escalate={args.escalate:g}")
             variant_retentions = [ladder[-1]]                # the ladder replaces the retention
         cfg = run_config(args, *overrides)
         if not args.ttft_only:

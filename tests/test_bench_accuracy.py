@@ -47,6 +47,7 @@ def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
                            "--policies", "arrcoc", "--retentions", "0.25", "--limit", "1",
                            "--variants", "pass2,kept,tempering", "--ladder", "0.05,0.25",
                            "--val-root", str(tmp_path / "val"), "--val-make", "2", "--ttft", "--out", str(out),
+                           "--escalate", "0.3", "--hold-share",
                            "--arrcoc-weights", "arr_coc/weights/synth-qa.safetensors"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -60,6 +61,7 @@ def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
     calibration = result["tempering_calibration"]
     assert calibration["split"] == "val" and calibration["answers"] > 0 and 0.0 <= calibration["threshold"] <= 1.0
     assert f"vlm.tempering.threshold={calibration['threshold']:g}" in result["variants"]["tempering"]
+    assert "vlm.tempering.escalate=0.3" in result["variants"]["tempering"]     # --hold-share
     tempering = rows["arrcoc+tempering", 0.25]
     assert 1.0 <= tempering["mean_passes"] <= 2.0
     assert tempering["mean_tokens_spent"] >= tempering["mean_tokens_kept"]
@@ -67,6 +69,14 @@ def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
     assert rows["arrcoc+pass2", 0.25]["mean_tokens_kept"] <= 1.5 * rows["arrcoc", 0.25]["mean_tokens_kept"] + 4
     assert {r["policy"] for r in result["ttft"]} == {"arrcoc", "arrcoc+pass2", "arrcoc+kept", "arrcoc+tempering",
                                                      "arrcoc+finetuned"}
+
+
+def test_hold_share_needs_escalate(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--variants", "tempering", "--threshold", "0.5", "--hold-share"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--hold-share holds the --escalate share" in done.stderr
+    assert not (tmp_path / "data").exists()
 
 
 def test_ttft_window_runs_without_pyav_or_zarr(tmp_path):

@@ -47,6 +47,11 @@ class TemperingConfig:
     # no rung confident enough: answer from the last pass (the largest budget), or from the pass
     # whose first answer token was the most confident
     fallback: Literal["last", "most_confident"] = "last"
+    # a share of the answers to ask again at each rung, held whatever the input (the least confident
+    # of the last `window` answers that rung saw; `threshold` decides until 32 are seen), or None: the
+    # fixed threshold alone. It bounds the tokens spent: first rung + escalate x the next
+    escalate: float | None = None
+    window: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.ladder, tuple):
@@ -69,6 +74,10 @@ class TemperingConfig:
                               f"confidence={self.confidence}")
         check_choice("vlm.tempering.rank", self.rank, RANKS)
         check_choice("vlm.tempering.fallback", self.fallback, FALLBACKS)
+        if self.escalate is not None:
+            check_range("vlm.tempering.escalate", self.escalate, 0.0, 1.0)
+        check_int("vlm.tempering.window", self.window)
+        check_range("vlm.tempering.window", self.window, 1, 1_000_000)
 
     @property
     def rungs(self) -> tuple[float, ...]:

@@ -37,7 +37,7 @@ import torch
 from arr_coc._validate import ConfigError
 from pipeline.vlm.config import DEFAULT_PASS2_LAYERS
 from pipeline.vlm.selection import allocation_sizes
-from pipeline.vlm.tempering import PER_TOKEN, first_token_confidence
+from pipeline.vlm.tempering import PER_TOKEN, EscalationShare, first_token_confidence
 from pipeline.vlm.text_model import FastTextModel, unsupported
 
 if TYPE_CHECKING:
@@ -168,6 +168,8 @@ class Passes:
         self.vlm = vlm
         self.shares = cfg.keep_shares()                                      # one per answering pass
         self.tempering = cfg.tempering
+        t = cfg.tempering                     # escalate: the share asked again held by a running quantile
+        self.share = None if t.escalate is None else EscalationShare(t.escalate, t.window, t.threshold)
         # relevance: pass 1's scores rank the candidates; attention: pass 2's (the VLM's own)
         self.rank = "attention" if cfg.pass2 != "off" else cfg.tempering.rank
         self.layer, self.text_model = 0, None
@@ -264,7 +266,9 @@ class Passes:
                 sure = vlm.probe.confidence(logits).tolist()
             else:
                 sure = first_token_confidence(logits, self.tempering.confidence).tolist()
-            accepted = [k == len(sizes[i]) - 1 or c >= self.tempering.threshold for i, c in zip(undecided, sure)]
+            threshold = self.tempering.threshold if self.share is None else \
+                self.share.threshold_at(k, [c for i, c in zip(undecided, sure) if k < len(sizes[i]) - 1])
+            accepted = [k == len(sizes[i]) - 1 or c >= threshold for i, c in zip(undecided, sure)]
             for j, i in enumerate(undecided):
                 passes[i], spent[i] = k + 1, spent[i] + prefixes[j].tokens_kept
                 # the answer's pass: the last one tried (the accepted one, or the last rung); with

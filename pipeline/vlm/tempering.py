@@ -20,6 +20,8 @@ threshold from answers of a validation split whose correctness is known.
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from typing import Literal, Sequence
 
 import torch
@@ -72,13 +74,7 @@ def calibrate(confidence: Sequence[float], correct: Sequence[bool], *, precision
         if precision is not None:
             raise ValueError("calibrate takes a precision or an escalate share, not both")
         check_range("escalate", escalate, 0.0, 1.0)
-        ordered = sorted(conf)
-        k = math.floor(escalate * len(ordered) + 1e-9)                     # answers that may be asked again
-        if k == 0:
-            return 0.0
-        if k >= len(ordered):
-            return min(1.0, ordered[-1] + 1e-6)
-        return (ordered[k - 1] + ordered[k]) / 2
+        return share_threshold(conf, escalate)
     levels = sorted(set(conf))
     # candidates: accept all, between each pair of neighbours, accept none
     thresholds = [0.0] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [min(1.0, levels[-1] + 1e-6)]
@@ -93,3 +89,44 @@ def calibrate(confidence: Sequence[float], correct: Sequence[bool], *, precision
         if score > best_score:
             best, best_score = t, score
     return best
+
+
+def share_threshold(confidence: Sequence[float], share: float) -> float:
+    """The threshold under which at most `share` of these confidences fall (the least confident
+    are asked again): halfway between neighbours, 0 when none may be, just above the highest (at
+    most 1) when all are."""
+    ordered = sorted(confidence)
+    k = math.floor(share * len(ordered) + 1e-9)                             # answers that may be asked again
+    if k == 0:
+        return 0.0
+    if k >= len(ordered):
+        return min(1.0, ordered[-1] + 1e-6)
+    return (ordered[k - 1] + ordered[k]) / 2
+
+
+MIN_SEEN = 32                          # confidences a rung must have seen before its share decides
+
+
+class EscalationShare:
+    """vlm.tempering.escalate: asks again the least confident `share` of the answers at each rung,
+    whatever the confidences' level. A threshold calibrated on a validation split drifts with the
+    input (test clips less sure than validation ones ask again more often, and spend more tokens);
+    this one follows it: each decision's threshold is share_threshold over the last `window`
+    confidences that rung saw, the decision's own batch included. Until MIN_SEEN of them, the
+    fixed threshold decides. Decisions depend on the order answers come in (one VLM's answers,
+    every stream's together)."""
+
+    def __init__(self, share: float, window: int, threshold: float) -> None:
+        self.share, self.window, self.threshold = share, window, threshold
+        self._seen: dict[int, deque[float]] = {}
+        self._lock = threading.Lock()                                       # answers from several threads
+
+    def threshold_at(self, rung: int, confidence: Sequence[float]) -> float:
+        """The threshold of rung's decision on these confidences (of answers that have a next
+        rung), which it then remembers."""
+        with self._lock:
+            seen = self._seen.setdefault(rung, deque(maxlen=self.window))
+            seen.extend(c if math.isfinite(c) else 0.0 for c in (float(x) for x in confidence))
+            if len(seen) < MIN_SEEN:
+                return self.threshold
+            return share_threshold(seen, self.share)

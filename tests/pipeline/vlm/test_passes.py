@@ -300,6 +300,24 @@ class TestTempering:
         direct = vlm.generate(final)
         assert [r.text for r in results] == [vlm.decode(direct.tokens[b], direct.lengths[b]) for b in range(2)]
 
+    def test_escalate_holds_a_share_where_the_threshold_would_ask_all(self, vlm, window_case, monkeypatch):
+        """vlm.tempering.escalate: with the confidences seen so far spread over [0, 1], the answer below
+        their median is asked again and the one above is not, though the fixed threshold (0.9)
+        asks both again (as it does without escalate)."""
+        frames, keep, window = window_case
+        sure = [0.3, 0.7]
+        monkeypatch.setattr(passes_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(sure[:len(logits)]))
+        reqs = [request(frames, keep, q) for q in QUESTIONS]
+        fixed = self.tempered(vlm, threshold=0.9, max_passes=2).answer(reqs)
+        assert [r.passes for r in fixed] == [2, 2]
+        v = self.tempered(vlm, threshold=0.9, max_passes=2, escalate=0.5)
+        v.passes.share.threshold_at(0, np.linspace(0.0, 1.0, 40).tolist())   # what earlier answers were
+        held = v.answer(reqs)
+        assert [r.passes for r in held] == [2, 1]
+        assert [r.confidence for r in held] == pytest.approx([0.3, 0.7])
+        assert len(v.passes.share._seen[0]) == 42                           # this call's confidences remembered
+
     def test_answer_fields_reach_the_store(self, vlm, tmp_path):
         """run_video with tempering: the answers' passes and tokens_spent land in the store."""
         from pipeline.config import PipelineConfig, RuntimeConfig

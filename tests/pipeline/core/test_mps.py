@@ -4,6 +4,7 @@ running one is reused and left alone; every way it can fail is one ConfigError l
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -62,6 +63,24 @@ def test_a_running_daemon_is_reused_and_left_running(fake_mps, tmp_path, monkeyp
     with mps.mps_daemon() as daemon:
         assert (daemon.state, daemon.env) == ("existing", {mps.PIPE_ENV: str(pipe)})
     assert (pipe / "control").exists() and fake.commands() == [] and not (fake.record / "start.env").exists()
+
+
+def test_a_crashed_daemons_leftover_pipe_is_not_a_daemon(fake_mps, tmp_path, monkeypatch):
+    """A control pipe whose pid file names a process that has ended: a private daemon is started."""
+    fake = fake_mps()
+    pipe = tmp_path / "crashed"
+    pipe.mkdir()
+    os.mkfifo(pipe / "control")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (pipe / mps.PID_FILE).write_text(f"{gone.pid}\n")
+    monkeypatch.setenv(mps.PIPE_ENV, str(pipe))
+    with mps.mps_daemon() as daemon:
+        assert daemon.state == "started" and daemon.env[mps.PIPE_ENV] != str(pipe)
+    assert fake.commands() == ["quit"]
+    (pipe / mps.PID_FILE).write_text(f"{os.getpid()}\n")                  # a live pid: that daemon is used
+    with mps.mps_daemon() as daemon:
+        assert daemon.state == "existing"
 
 
 def test_the_default_daemon_is_reused_over_a_stale_variable(fake_mps, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -227,6 +228,15 @@ def shared_windows(prefixes: list[Prefix]) -> tuple[list[WindowPrefix], list[int
     return (windows, window_of) if len(windows) < len(prefixes) else None
 
 
+def snapshot_dir(name: str) -> str | None:
+    """The snapshot directory of the VLM named `name` (a shipped name or a local directory), else None."""
+    from pipeline.vlm.loading import SHIPPED              # loading builds VLMs: imported here, not above
+
+    if name in SHIPPED:
+        return str(SHIPPED[name])
+    return name if name and Path(name).is_dir() else None
+
+
 class VLM:
     def __init__(self, model, tokenizer, *, family: str, name: str, config: VLMConfig,
                  preprocessor: VideoPreprocessor, warning: str | None = None) -> None:
@@ -294,7 +304,8 @@ class VLM:
         self._before_ids: list[int] | None = None
         self._pad_embed: torch.Tensor | None = None
         # vlm.tempering.confidence=probe: the learned confidence every answer reports (and tempering reads)
-        self.probe = Probe.load(config.tempering.probe) if config.tempering.confidence == "probe" else None
+        self.probe = (Probe.load(config.tempering.probe, snapshot=snapshot_dir(name))
+                      if config.tempering.confidence == "probe" else None)
         # pass 2 and tempering (vlm.pass2, vlm.tempering): None while pass 2 is off
         self.passes = Passes(self) if config.multipass else None
         self.video_token_id = model.config.video_token_id

@@ -74,9 +74,14 @@ class Probe:
                                           "bias": self.bias, "fitted_on": self.fitted_on}, indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Probe:
-        """The probe file `path` (Probe.save's), or a one-line ConfigError naming what is wrong."""
+    def load(cls, path: str | Path, snapshot: str | Path | None = None) -> Probe:
+        """The probe file `path` (Probe.save's), or a one-line ConfigError naming what is wrong. A
+        relative path that names no file here is looked for in `snapshot`, the VLM's snapshot
+        directory, where a model ships its probe (vlm.tempering.probe: tempering_probe.json)."""
         where = f"vlm.tempering.probe={str(path)!r}"
+        if snapshot is not None and not Path(path).is_absolute() and not Path(path).exists() \
+                and (Path(snapshot) / path).is_file():
+            path = Path(snapshot) / path
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:

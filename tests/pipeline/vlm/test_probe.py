@@ -107,6 +107,23 @@ class TestFile:
         assert "\n" not in str(e.value)
 
 
+def test_a_relative_name_is_read_from_the_snapshot(tmp_path, monkeypatch):
+    """Probe.load(name, snapshot): a path that exists is read as given; a relative one that does not
+    is read from the VLM's snapshot directory; found in neither, the error names the path given."""
+    snapshot, here = tmp_path / "snapshot", tmp_path / "here"
+    snapshot.mkdir()
+    here.mkdir()
+    fit_probe(torch.randn(40, 9), torch.arange(40) % 2 == 0, l2=1.0).save(snapshot / "p.json")
+    monkeypatch.chdir(here)
+    shipped = Probe.load("p.json", snapshot=snapshot)
+    assert torch.equal(shipped.weight, Probe.load(snapshot / "p.json").weight)
+    fit_probe(torch.randn(40, 9), torch.arange(40) % 3 == 0, l2=1.0).save(here / "p.json")
+    local = Probe.load("p.json", snapshot=snapshot)                           # the working directory's first
+    assert not torch.equal(local.weight, shipped.weight)
+    with pytest.raises(ConfigError, match=r"^vlm.tempering.probe='q.json': no such file$"):
+        Probe.load("q.json", snapshot=snapshot)
+
+
 class TestConfig:
     def test_probe_needs_its_file_and_the_file_needs_probe(self):
         with pytest.raises(ConfigError, match=r"^vlm.tempering.confidence=probe needs vlm.tempering.probe, "

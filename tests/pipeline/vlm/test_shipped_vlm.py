@@ -106,3 +106,25 @@ def test_answers_where_and_shape_above_chance():
         results = vlm.answer([r for r, _ in asked[family]])
         right = sum(r.text == truth for r, (_, truth) in zip(results, asked[family]))
         assert right >= least, (family, right)
+
+
+def test_the_tempering_config_runs_from_any_directory(tmp_path, monkeypatch, capsys):
+    """configs/tempering_synth_qa.yaml: its probe, named by file name, is read from the shipped
+    snapshot whatever the working directory; the answers record the passes they took."""
+    from pathlib import Path
+
+    from pipeline.commands.cli import main
+    from sinks import read_stream
+    from sources.synthetic import Shot, render_clip, write_video
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "tempering_synth_qa.yaml"
+    clip = render_clip([Shot("moving_object", 12, speed=2.0)], height=224, width=224, seed=2)
+    video = write_video(tmp_path / "clip.mp4", clip.frames, fps=6)
+    monkeypatch.chdir(tmp_path)
+    assert not (tmp_path / "tempering_probe.json").exists()
+    assert main(["run", str(video), "--query", "Which color is the object that moves?", "--vlm", NAME,
+                 "--device", "cpu", "--config", str(config), "--out", str(tmp_path / "t.zarr"),
+                 "--set", "runtime.every_s=1.0"]) == 0, capsys.readouterr().err
+    answers = read_stream(tmp_path / "t.zarr", "clip")["answers"]
+    assert len(answers["passes"]) >= 1 and set(answers["passes"].tolist()) <= {1, 2}
+    assert (answers["tokens_spent"] >= answers["tokens_kept"]).all()

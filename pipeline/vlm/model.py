@@ -229,11 +229,8 @@ def shared_windows(prefixes: list[Prefix]) -> tuple[list[WindowPrefix], list[int
 
 
 def snapshot_dir(name: str) -> str | None:
-    """The snapshot directory of the VLM named `name` (a shipped name or a local directory), else None."""
-    from pipeline.vlm.loading import SHIPPED              # loading builds VLMs: imported here, not above
-
-    if name in SHIPPED:
-        return str(SHIPPED[name])
+    """The snapshot directory of the VLM named `name`, else None: load_vlm names a VLM loaded from
+    a snapshot (a shipped one by name, or a local directory) by that directory."""
     return name if name and Path(name).is_dir() else None
 
 

@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from arr_coc._validate import ConfigError
+from pipeline.core.sockets import short_tempdir
 
 BINARY = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
@@ -58,7 +58,7 @@ def mps_daemon() -> Iterator[MPS]:
     if binary is None:
         raise ConfigError(f"--mps needs NVIDIA's {BINARY} on PATH (it ships with the driver); none was found, "
                           f"so run without --mps or install the driver's utilities")
-    root = _short_tempdir()
+    root = short_tempdir("arrcoc-mps-", MAX_DIR)
     env = {PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
     for d in env.values():
         os.mkdir(d)
@@ -113,14 +113,6 @@ def _uninterrupted() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)   # None: not set from Python
-
-
-def _short_tempdir() -> Path:
-    root = tempfile.mkdtemp(prefix="arrcoc-mps-")
-    if len(root) > MAX_DIR:                                # a long TMPDIR
-        os.rmdir(root)
-        root = tempfile.mkdtemp(prefix="arrcoc-mps-", dir="/tmp")
-    return Path(root)
 
 
 def _start(binary: str, env: dict[str, str], root: Path) -> None:

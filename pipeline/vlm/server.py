@@ -25,7 +25,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any, Callable
 
+from pipeline.core.sockets import short_tempdir
 from pipeline.vlm.remote import VLMProcessError, _send_error
 
 AUTHKEY_ENV = "ARRCOC_VLM_AUTHKEY"       # a client process's key to the server (hex), not on its command line
@@ -144,10 +144,7 @@ class VLMServer:
     """Start `factory()`'s VLM in a spawned process that serves SharedVLM clients at `address`."""
 
     def __init__(self, factory: Callable[[], Any], *, max_batch: int, start_timeout_s: float = 900.0) -> None:
-        self._dir = tempfile.mkdtemp(prefix="arrcoc-vlm-")
-        if len(self._dir) > MAX_SOCKET_DIR:                 # a long TMPDIR: Unix socket paths hold ~107 bytes
-            os.rmdir(self._dir)
-            self._dir = tempfile.mkdtemp(prefix="arrcoc-vlm-", dir="/tmp")
+        self._dir = str(short_tempdir("arrcoc-vlm-", MAX_SOCKET_DIR))
         self.address = ServerAddress(str(Path(self._dir) / "vlm.sock"), os.urandom(16))
         ctx = mp.get_context("spawn")
         self._control, child = ctx.Pipe()

@@ -256,7 +256,7 @@ def main() -> None:
                          "and every N-th video (default 1)")
     ap.add_argument("--shared-vlm", action="store_true",
                     help="with --processes: one VLM process answers every process's videos (as `batch "
-                         "--processes` does by default) instead of a VLM in each")
+                         "--processes N --shared-vlm` does) instead of a VLM in each")
     ap.add_argument("--mps", action="store_true",
                     help="with --processes: run them as clients of an NVIDIA MPS daemon (as `batch --mps`: the "
                          "one running, else one started for each run and stopped after it)")

@@ -1,5 +1,5 @@
 """One VLM for several processes: a spawned process loads it and answers every client's videos,
-batched together (`batch --processes N`, bench_batch --shared-vlm).
+batched together (`batch --processes N --shared-vlm`, bench_batch --shared-vlm).
 
 Why: on one GPU, `batch --processes N` runs N shard processes so that their host sides together keep
 the GPU busy (one process's front end tops out first). With a VLM in each, every process decodes its

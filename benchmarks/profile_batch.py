@@ -9,6 +9,11 @@ setting the mean seconds per video of: opening the video, capturing the front en
 the whole graph run, and inside it the VLM's vision tower, prefixes (the window's selection + M-RoPE, then each question's), and
 generation; plus the graph's per-stage busy shares. The first video of each setting (model
 build, first captures) is left out of the means.
+
+With --kernels it profiles instead (torch.profiler, no device syncs, so the videos in flight keep
+overlapping as in a real run) and prints per video the GPU kernel time in all, under each stage's
+process() and each VLM phase, and the kernels that took the most time: the GPU work per video,
+which bounds a run whose processes keep the GPU busy (bench_batch --processes N --mps).
 """
 from __future__ import annotations
 
@@ -27,9 +32,9 @@ from collections import defaultdict
 import torch
 
 import benchmarks.bench_batch as bb
-from benchmarks.common import PhaseTimers, fixed_query
+from benchmarks.common import KernelRanges, PhaseTimers, fixed_query, kernel_summary
 import pipeline.runners.batch as batch_mod
-from pipeline.core import frontend_graphs as cudagraph, graph as graph_mod
+from pipeline.core import frontend_graphs as cudagraph, graph as graph_mod, stages as stages_mod
 from pipeline.runners.batch import VideoAnswerer, make_plan
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
@@ -45,14 +50,44 @@ PHASES = {  # label: (owner, attribute) wrapped with a timer
     "vlm_question_prefixes": (vlm_model.VLM, "question_prefixes"),
     "vlm_generate": (vlm_model.VLM, "generate"),
 }
+KERNEL_PHASES = {  # --kernels: profiler ranges (the VLM's phases nest inside vlm_call)
+    "decode": (stages_mod.DecodeStage, "process"),
+    "texture": (stages_mod.TextureStage, "process"),
+    "realize": (stages_mod.RealizeStage, "process"),
+    "vlm_stage": (stages_mod.VLMStage, "process"),
+    "questions_finish": (batch_mod.QuestionsStage, "finish"),
+    "sink": (stages_mod.SinkStage, "process"),
+    "vlm_call": (vlm_model.VLM, "answer_windows"),
+    **{k: v for k, v in PHASES.items() if k.startswith("vlm_")},
+}
 
 
-def profile(plan, cfg, factory, device, *, stock: bool, scratch: Path, in_flight: int) -> dict:
+def profile_kernels(answerer, plan, in_flight: int) -> dict:
+    """The steady run of profile() under torch.profiler: GPU kernel ms per video (kernel_summary)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    batcher = getattr(answerer, "_batcher", None)
+    seen = len(batcher.batch_sizes) if batcher is not None else 0
+    with KernelRanges(KERNEL_PHASES).installed(), \
+            torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        outcomes = list(answerer.answer_all(plan[1:], in_flight))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    n = len(outcomes)
+    calls = batcher.batch_sizes[seen:] if batcher is not None else []
+    return {"videos": n, "s_per_video_profiled": round(wall / n, 4), "vlm_calls": len(calls),
+            "videos_per_vlm_call": round(sum(calls) / len(calls), 2) if calls else None,
+            **kernel_summary(prof, list(KERNEL_PHASES), n)}
+
+
+def profile(plan, cfg, factory, device, *, stock: bool, scratch: Path, in_flight: int, kernels: bool = False) -> dict:
     out = scratch / f"profile_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)     # a complete video would be skipped
     # a fixed question vector: the GPU machines have no MiniLM (as bench_batch)
     answerer = VideoAnswerer(cfg, out, stock=stock, vlm_factory=factory, query_encoder=fixed_query)
     answerer.answer(plan[0])                       # model build, first captures: not in the means
+    if kernels:
+        return {"tokens": "stock" if stock else "arrcoc", **profile_kernels(answerer, plan, in_flight)}
     reports: list[list[dict]] = []                 # each graph run's per-stage report
 
     def keep_report(label: str, args: tuple) -> None:
@@ -87,11 +122,15 @@ def main() -> None:
     p.add_argument("--settings", nargs="*", default=[""],
                    help="extra config overrides per setting, ';'-separated (e.g. 'runtime.cuda_graphs=false')")
     p.add_argument("--in-flight", type=int, default=1, help="videos in work at once (phase sums then overlap)")
+    p.add_argument("--kernels", action="store_true",
+                   help="profile GPU kernel time per video by stage and VLM phase instead (CUDA only)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
         args.device, args.videos, args.questions, args.seconds, args.size = "cpu", 3, 3, 1.0, [64, 96]
     device = torch.device(args.device)
+    if args.kernels and device.type != "cuda":
+        sys.exit("--kernels profiles CUDA kernels: it needs --device cuda")
     scratch = Path(tempfile.mkdtemp(prefix="profile_batch_"))
     rows = []
     try:
@@ -108,7 +147,8 @@ def main() -> None:
             factory = None if args.quick else bb.qwen2_vl_2b_factory
             for stock in (True, False):
                 row = {"setting": setting or "default", **profile(plan, cfg, factory, device, stock=stock,
-                                                                  scratch=scratch, in_flight=args.in_flight)}
+                                                                  scratch=scratch, in_flight=args.in_flight,
+                                                                  kernels=args.kernels)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:

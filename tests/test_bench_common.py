@@ -90,6 +90,18 @@ def test_profile_answer_windows_quick_times_every_phase(tmp_path):
     assert calls[0]["tokens_kept"] < calls[2]["tokens_kept"]                 # the keep map drops tokens
 
 
+def test_profile_lm_step_quick_times_a_decode_step(tmp_path):
+    """profile_lm_step's CPU smoke run: a started decoder of the VLM steps, and the row is written."""
+    import json
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "step.json"
+    subprocess.run([sys.executable, "benchmarks/profile_lm_step.py", "--quick", "--json", str(out)],
+                   cwd=root, check=True, capture_output=True, timeout=300)
+    steps = json.loads(out.read_text())["steps"]
+    assert [(s["rows"], s["slots"]) for s in steps] == [(2, 64)] and steps[0]["step_ms"] > 0
+
+
 def test_profile_ttft_summarizes_a_trace(tmp_path):
     """profile_ttft.summarize: GPU busy time, host syncs and the idle gaps per profiled call; the
     --tiny run writes its summary."""
@@ -115,7 +127,7 @@ def test_profile_ttft_summarizes_a_trace(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["benchmarks.bench_vlm", "benchmarks.profile_ttft",
-                                    "benchmarks.profile_answer_windows"])
+                                    "benchmarks.profile_answer_windows", "benchmarks.profile_lm_step"])
 def test_vlm_benchmarks_import_without_av_or_zarr(module):
     """The GPU machines have torch and transformers but neither av nor zarr: the VLM benchmarks
     (which decode no video and write no store) must start there without them."""
@@ -149,3 +161,33 @@ def test_side_by_side_processes_count_only_while_all_run():
     assert videos == pytest.approx(5 / 2.5) and questions == pytest.approx(10 / 2.5)
     assert overlap_rates(side, 2, warmup=2) == pytest.approx((3 / 1.5, 6 / 1.5))   # 2.0, 2.5, 3.0 in (1.5, 3.0]
     assert all(np.isnan(overlap_rates(side, 3)))                                  # a process without videos
+
+
+class _Worker:
+    def scale(self, x):
+        return x * 2
+
+    def items(self, n):
+        for i in range(n):
+            yield self.scale(i)
+
+
+def test_kernel_ranges_label_calls_and_restore_them():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.common import KernelRanges, kernel_summary
+
+    original = _Worker.items
+    ranges = KernelRanges({"items": (_Worker, "items"), "scale": (_Worker, "scale")})
+    with ranges.installed(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = _Worker().items(3)
+        assert out == [0, 2, 4]                      # a generator runs inside its range
+        torch.ones(3).add_(1)
+    assert _Worker.items is original                 # uninstalled
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts["items"] == 1 and counts["scale"] == 3
+    summary = kernel_summary(prof, ["items", "scale", "absent"], per=2)
+    # no CUDA here: no kernels, but every label that ran has a row and an absent one none
+    assert summary["kernel_ms"] == 0 and summary["kernels"] == 0
+    assert set(summary["by_label_ms"]) == {"items", "scale"} and summary["top_kernels_ms"] == []

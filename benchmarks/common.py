@@ -70,51 +70,15 @@ def fixed_query(question: str = "") -> torch.Tensor:
     return torch.nn.functional.normalize(torch.ones(384), dim=0)
 
 
-class KernelRanges:
-    """Profiler ranges (torch.profiler.record_function) around the functions `phases` names
-    ({label: (owner, attribute)}) while installed(), so a profile attributes the GPU kernels each
-    call launched, graph replays included, to its label. Unlike PhaseTimers it adds no device sync,
-    so concurrent work keeps overlapping. A generator's items are produced inside the range (a
-    stage's process() does its work while iterated)."""
-
-    def __init__(self, phases: dict[str, tuple[Any, str]]) -> None:
-        self.phases = phases
-
-    @contextlib.contextmanager
-    def installed(self):
-        saved = {label: getattr(owner, attr) for label, (owner, attr) in self.phases.items()}
-        try:
-            for label, (owner, attr) in self.phases.items():
-                setattr(owner, attr, self._ranged(label, saved[label]))
-            yield self
-        finally:
-            for label, (owner, attr) in self.phases.items():
-                setattr(owner, attr, saved[label])
-
-    @staticmethod
-    def _ranged(label: str, fn):
-        import types
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            with torch.profiler.record_function(label):
-                out = fn(*args, **kwargs)
-                return list(out) if isinstance(out, types.GeneratorType) else out
-        return wrapper
-
-
-def kernel_summary(prof, labels: list[str], per: int, top: int = 20) -> dict[str, Any]:
+def kernel_summary(prof, per: int, top: int = 20) -> dict[str, Any]:
     """A finished torch.profiler run -> GPU kernel time per unit of work (`per` units: videos,
-    calls): in all, under each label of KernelRanges (kernels launched inside its calls, nested
-    labels counted in each), and the `top` kernels by time, in ms per unit."""
+    calls): in all, and the `top` kernels by time, in ms per unit. Kernels of every thread count
+    (CUPTI sees the whole process; the profiler's CPU ranges would cover only its own thread)."""
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in kernels)
-    ranges = {e.key: e for e in events if e.key in labels}
     return {"kernel_ms": round(total_us / per / 1e3, 2),
             "kernels": round(sum(e.count for e in kernels) / per),
-            "by_label_ms": {label: round(ranges[label].device_time_total / per / 1e3, 2)
-                            for label in labels if label in ranges},
             "top_kernels_ms": [[e.key[:90], round(e.self_device_time_total / per / 1e3, 3), round(e.count / per, 1)]
                                for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]]}
 

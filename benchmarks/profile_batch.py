@@ -11,9 +11,9 @@ generation; plus the graph's per-stage busy shares. The first video of each sett
 build, first captures) is left out of the means.
 
 With --kernels it profiles instead (torch.profiler, no device syncs, so the videos in flight keep
-overlapping as in a real run) and prints per video the GPU kernel time in all, under each stage's
-process() and each VLM phase, and the kernels that took the most time: the GPU work per video,
-which bounds a run whose processes keep the GPU busy (bench_batch --processes N --mps).
+overlapping as in a real run) and prints per video the GPU kernel time, the kernels that took the
+most of it and the videos per VLM call: the GPU work per video, which bounds a run whose processes
+keep the GPU busy (bench_batch --processes N --mps).
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from collections import defaultdict
 import torch
 
 import benchmarks.bench_batch as bb
-from benchmarks.common import KernelRanges, PhaseTimers, fixed_query, kernel_summary
+from benchmarks.common import PhaseTimers, fixed_query, kernel_summary
 import pipeline.runners.batch as batch_mod
-from pipeline.core import frontend_graphs as cudagraph, graph as graph_mod, stages as stages_mod
+from pipeline.core import frontend_graphs as cudagraph, graph as graph_mod
 from pipeline.runners.batch import VideoAnswerer, make_plan
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
@@ -50,25 +50,12 @@ PHASES = {  # label: (owner, attribute) wrapped with a timer
     "vlm_question_prefixes": (vlm_model.VLM, "question_prefixes"),
     "vlm_generate": (vlm_model.VLM, "generate"),
 }
-KERNEL_PHASES = {  # --kernels: profiler ranges (the VLM's phases nest inside vlm_call)
-    "decode": (stages_mod.DecodeStage, "process"),
-    "texture": (stages_mod.TextureStage, "process"),
-    "realize": (stages_mod.RealizeStage, "process"),
-    "vlm_stage": (stages_mod.VLMStage, "process"),
-    "questions_finish": (batch_mod.QuestionsStage, "finish"),
-    "sink": (stages_mod.SinkStage, "process"),
-    "vlm_call": (vlm_model.VLM, "answer_windows"),
-    **{k: v for k, v in PHASES.items() if k.startswith("vlm_")},
-}
-
-
 def profile_kernels(answerer, plan, in_flight: int) -> dict:
     """The steady run of profile() under torch.profiler: GPU kernel ms per video (kernel_summary)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     batcher = getattr(answerer, "_batcher", None)
     seen = len(batcher.batch_sizes) if batcher is not None else 0
-    with KernelRanges(KERNEL_PHASES).installed(), \
-            torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         outcomes = list(answerer.answer_all(plan[1:], in_flight))
         torch.cuda.synchronize()
@@ -77,7 +64,7 @@ def profile_kernels(answerer, plan, in_flight: int) -> dict:
     calls = batcher.batch_sizes[seen:] if batcher is not None else []
     return {"videos": n, "s_per_video_profiled": round(wall / n, 4), "vlm_calls": len(calls),
             "videos_per_vlm_call": round(sum(calls) / len(calls), 2) if calls else None,
-            **kernel_summary(prof, list(KERNEL_PHASES), n)}
+            **kernel_summary(prof, n)}
 
 
 def profile(plan, cfg, factory, device, *, stock: bool, scratch: Path, in_flight: int, kernels: bool = False) -> dict:

@@ -78,6 +78,7 @@ def step_kernels(vlm, decoder, replays: int = 5, top: int = 25) -> dict:
                          round(e.self_device_time_total / replays, 1)] for e in rows[:top]]}
 
 
+@torch.no_grad()                     # as VLM.generate: no autograd graph recorded into the captured step
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128], help="decoder rows (answers decoded at once)")

@@ -131,6 +131,7 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             "tokens_kept_per_video": row["tokens_kept_per_video"], "tokens_full_per_video": row["tokens_full_per_video"],
             "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"],
             "seconds_per_video": row["seconds_per_video"], "stage_busy_per_video_s": row["stage_busy_per_video_s"],
+            "videos_per_vlm_call": row["videos_per_vlm_call"],
             # decoders made and CUDA graphs captured during the run (each capture a few hundred ms)
             "vlm_counters": dict(made[0].counters) if made else None,
             # --shared-vlm: one VLM process for every worker, and the batches it answered
@@ -196,7 +197,7 @@ def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: in
     for i in range(processes):
         shutil.rmtree(out.with_name(f"{out.stem}_p{i}.zarr"), ignore_errors=True)
     return BatchSummary(out, len(plan), sum(p.questions for p in parts), time.perf_counter() - start,
-                        [o for p in parts for o in p.outcomes])
+                        [o for p in parts for o in p.outcomes], vlm_calls=[n for p in parts for n in p.vlm_calls])
 
 
 def vlm_only_run(plan, cfg, *, factory) -> dict:

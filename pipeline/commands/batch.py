@@ -233,6 +233,10 @@ def merge_summaries(rows: list[dict], wall_s: float) -> dict:
     merged["stage_busy_per_video_s"] = {
         s: round(sum(r["stage_busy_per_video_s"].get(s, 0.0) * r["done"] for r in rows) / done, 4) if done else 0.0
         for s in stages}
+    calls = sum(r.get("vlm_calls", 0) for r in rows)
+    merged["vlm_calls"] = calls
+    merged["videos_per_vlm_call"] = round(sum(r["videos_per_vlm_call"] * r["vlm_calls"] for r in rows
+                                              if r.get("vlm_calls")) / calls, 2) if calls else None
     merged["processes"] = len(rows)
     merged["shards"] = rows
     notes = [note for r in rows for note in r.get("notes", [])]

@@ -305,6 +305,10 @@ class VideoAnswerer:
         with self._lock:
             self._idle_workers.append(worker)
 
+    def vlm_calls(self) -> list[int]:
+        """Videos in each call this process's VLM batcher made so far ([] with a shared VLM process)."""
+        return list(self._batcher.batch_sizes) if self._batcher is not None else []
+
     def close(self) -> None:
         """Stop the decode worker processes (they also exit by themselves when this process ends)
         and the kept threads."""
@@ -412,6 +416,7 @@ class BatchSummary:
     wall_s: float
     outcomes: list[VideoOutcome] = field(default_factory=list)
     backend: str = "local"
+    vlm_calls: list[int] = field(default_factory=list)   # videos in each call of this process's VLM batcher
 
     def count(self, status: str) -> int:
         return sum(o.status == status for o in self.outcomes)
@@ -433,6 +438,10 @@ class BatchSummary:
             # the videos done; with videos in flight these overlap)
             "seconds_per_video": round(sum(o.wall_s for o in done) / len(done), 4) if done else 0.0,
             "stage_busy_per_video_s": mean_busy(done),
+            # how the videos in flight shared the VLM: its calls, and videos per call (a shared VLM
+            # process reports its own batches instead)
+            "vlm_calls": len(self.vlm_calls),
+            "videos_per_vlm_call": round(sum(self.vlm_calls) / len(self.vlm_calls), 2) if self.vlm_calls else None,
         }
 
 
@@ -463,7 +472,7 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
     finally:
         answerer.close()
     return BatchSummary(store_location(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
-                        outcomes)
+                        outcomes, vlm_calls=answerer.vlm_calls())
 
 
 def config_vlm(cfg: PipelineConfig) -> Any:

@@ -60,6 +60,8 @@ class TestWholeFlow:
         busy = summary["stage_busy_per_video_s"]
         assert list(busy) == ["decode", "texture", "realize", "vlm", "sink"]
         assert all(v > 0 for v in busy.values()) and max(busy.values()) <= summary["seconds_per_video"]
+        assert summary["vlm_calls"] >= 1
+        assert summary["videos_per_vlm_call"] * summary["vlm_calls"] == pytest.approx(3, abs=0.005 * summary["vlm_calls"])
         assert validate_store(out) == []
         answers = stored_answers(out)
         assert sorted(answers) == ["video7010", "video7011", "video7012"]
@@ -212,6 +214,9 @@ class TestWholeFlow:
         assert (summary["processes"], summary["videos"], summary["done"], summary["answered"]) == (2, 4, 4, 8)
         assert [s["done"] for s in summary["shards"]] == [2, 2] and summary["backend"] == "local x 2 processes"
         assert summary["questions_per_s"] == pytest.approx(8 / summary["wall_s"], rel=1e-3)
+        # each process's own VLM: its calls summed, videos per call over both
+        assert summary["vlm_calls"] == sum(s["vlm_calls"] for s in summary["shards"]) >= 2
+        assert summary["videos_per_vlm_call"] * summary["vlm_calls"] == pytest.approx(4, abs=0.005 * summary["vlm_calls"])
         answers = stored_answers(out)
         assert sorted(answers) == ["video7010", "video7011", "video7012", "video7013"]
         assert all(len(a) == 2 for a in answers.values())
@@ -238,6 +243,7 @@ class TestWholeFlow:
         # videos_per_call is rounded to 2 decimals: 4 videos in 3 calls read 1.33
         per_call = summary["shared_vlm"]["videos_per_call"]
         assert 1 <= calls <= 4 and per_call * calls == pytest.approx(4, abs=0.005 * calls)
+        assert summary["vlm_calls"] == 0 and summary["videos_per_vlm_call"] is None     # none of their own
         assert stored_answers(stores["shared"]) == stored_answers(stores["one"])
 
     @pytest.mark.parametrize("shared", [[], ["--shared-vlm"]], ids=["own-vlms", "shared-vlm"])

@@ -50,6 +50,8 @@ PHASES = {  # label: (owner, attribute) wrapped with a timer
     "vlm_question_prefixes": (vlm_model.VLM, "question_prefixes"),
     "vlm_generate": (vlm_model.VLM, "generate"),
 }
+
+
 def profile_kernels(answerer, plan, in_flight: int) -> dict:
     """The steady run of profile() under torch.profiler: GPU kernel ms per video (kernel_summary)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -110,7 +112,7 @@ def main() -> None:
                    help="extra config overrides per setting, ';'-separated (e.g. 'runtime.cuda_graphs=false')")
     p.add_argument("--in-flight", type=int, default=1, help="videos in work at once (phase sums then overlap)")
     p.add_argument("--kernels", action="store_true",
-                   help="profile GPU kernel time per video by stage and VLM phase instead (CUDA only)")
+                   help="profile GPU kernel time per video (in all, the top kernels) instead (CUDA only)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:

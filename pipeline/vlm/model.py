@@ -742,11 +742,13 @@ class VLM:
     @torch.no_grad()
     def generate(self, prefixes: list[Prefix], *, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                 return_logits: bool = False, timed: bool = False) -> Generation:
+                 return_logits: bool = False, timed: bool = False,
+                 confidence: torch.Tensor | None = None) -> Generation:
         max_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         decoder, logits = self.prefill(prefixes, max_new)                    # (B, V)
         return self.generate_from(decoder, logits, len(prefixes), max_new_tokens=max_new, temperature=temperature,
-                                  top_p=top_p, seed=seed, return_logits=return_logits, timed=timed)
+                                  top_p=top_p, seed=seed, return_logits=return_logits, timed=timed,
+                                  confidence=confidence)
 
     @torch.no_grad()
     def prefill(self, prefixes: list[Prefix], max_new_tokens: int | None = None) -> tuple[StaticDecoder, torch.Tensor]:
@@ -760,8 +762,10 @@ class VLM:
     def generate_from(self, decoder: StaticDecoder, logits: torch.Tensor, batch: int, *,
                       max_new_tokens: int | None = None, temperature: float | None = None,
                       top_p: float | None = None, seed: int | None = None, return_logits: bool = False,
-                      timed: bool = False) -> Generation:
-        """The decoding loop after prefill(): `batch` rows, from the first token's logits (B, V) on."""
+                      timed: bool = False, confidence: torch.Tensor | None = None) -> Generation:
+        """The decoding loop after prefill(): `batch` rows, from the first token's logits (B, V) on.
+        confidence: the first token's (B,) first_confidence, where the caller already has it (None:
+        computed here)."""
         cfg = self.config
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         temperature = cfg.temperature if temperature is None else temperature
@@ -769,7 +773,10 @@ class VLM:
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed if seed is None else seed)
         B = batch
         measure = cfg.tempering.confidence
-        confidence = self.first_confidence(logits)                           # (B,), before a replay overwrites
+        if confidence is None:
+            confidence = self.first_confidence(logits)                       # (B,), before a replay overwrites
+        else:
+            confidence = confidence.to(self.device, torch.float32)
         per_token = measure in PER_TOKEN                                      # the least sure of every token
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)

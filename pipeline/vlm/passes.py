@@ -37,7 +37,7 @@ import torch
 from arr_coc._validate import ConfigError
 from pipeline.vlm.config import DEFAULT_PASS2_LAYERS
 from pipeline.vlm.selection import allocation_sizes
-from pipeline.vlm.tempering import PER_TOKEN, EscalationShare, first_token_confidence
+from pipeline.vlm.tempering import PER_TOKEN, EscalationShare
 from pipeline.vlm.text_model import FastTextModel, unsupported
 
 if TYPE_CHECKING:
@@ -257,15 +257,15 @@ class Passes:
             kept = [keep_best(scores[i], sizes[i][k]) for i in undecided]
             prefixes = [vlm.question_prefix(narrow(windows[i], best), questions[i]) for i, best in zip(undecided, kept)]
             decoder, logits = vlm.prefill(prefixes)                           # (B, V)
+            first = None                                                     # the first token's confidence
             if attention is not None:
                 sure = [coverage(attention[i], best) for i, best in zip(undecided, kept)]
             elif per_token:
                 gen = vlm.generate_from(decoder, logits, len(prefixes))
                 sure = gen.confidence
-            elif vlm.probe is not None:
-                sure = vlm.probe.confidence(logits).tolist()
             else:
-                sure = first_token_confidence(logits, self.tempering.confidence).tolist()
+                first = vlm.first_confidence(logits)                         # the probe's, or the measure's
+                sure = first.tolist()
             threshold = self.tempering.threshold if self.share is None else \
                 self.share.threshold_at(k, [c for i, c in zip(undecided, sure) if k < len(sizes[i]) - 1])
             accepted = [k == len(sizes[i]) - 1 or c >= threshold for i, c in zip(undecided, sure)]
@@ -280,11 +280,12 @@ class Passes:
                         texts[i] = vlm.decode(gen.tokens[j], gen.lengths[j])
             if not per_token and all(accepted) and len(undecided) == n and \
                     all(final[i] is prefixes[j] for j, i in enumerate(undecided)):
-                out = vlm.generate_from(decoder, logits, n)   # every answer from this prefill: decode on from it
+                # every answer from this prefill: decode on from it
+                out = vlm.generate_from(decoder, logits, n, confidence=first)
             undecided, k = [i for i, a in zip(undecided, accepted) if not a], k + 1
         if not per_token:
             if out is None:                             # answered from different passes: one generate for all
-                out = vlm.generate(final)
+                out = vlm.generate(final, confidence=None if attention is not None else torch.tensor(confidence))
             texts = [vlm.decode(out.tokens[i], out.lengths[i]) for i in range(n)]
         ready = time.monotonic()                        # the answers came back to the host: done
         return [dict(text=texts[i], tokens_kept=p.tokens_kept, tokens_full=p.tokens_full,

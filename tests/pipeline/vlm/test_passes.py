@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import make_frames, random_keep, record_prefills, request, rewrap, visual_positions
 
-from pipeline.vlm import passes as passes_module
+from pipeline.vlm import model as model_module, passes as passes_module
 from pipeline.vlm.config import TemperingConfig
 from pipeline.vlm.model import AnswerRequest, WindowQuestions
 from pipeline.vlm.passes import blend_ranks, keep_best, narrow
@@ -286,7 +286,7 @@ class TestTempering:
         frames, keep, window = window_case
         v = self.tempered(vlm)
         sure = iter([[0.9, 0.1], [0.8]])
-        monkeypatch.setattr(passes_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(model_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         reqs = [request(frames, keep, q) for q in QUESTIONS]
         results = v.answer(reqs)
@@ -297,8 +297,19 @@ class TestTempering:
         assert [len(c) for c in calls] == [2, 1, 2]                         # pass 1, pass 2, one decode of both
         final = calls[-1]
         assert visual_positions(calls[0][1]) < visual_positions(final[1])   # rung 2 holds rung 1's tokens
-        direct = vlm.generate(final)
+        direct = vlm.generate(final, confidence=torch.zeros(2))                 # no stubbed value used up
         assert [r.text for r in results] == [vlm.decode(direct.tokens[b], direct.lengths[b]) for b in range(2)]
+
+    def test_generate_reports_a_first_confidence_it_is_given(self, vlm, window_case):
+        """Passes hands generate the confidence it already measured: reported as given, not measured
+        again, and the answers are the same."""
+        frames, keep, window = window_case
+        prefixes = [vlm.question_prefix(window, q) for q in QUESTIONS]
+        own = vlm.generate(prefixes)
+        given = vlm.generate(prefixes, confidence=torch.tensor([0.25, 0.75]))
+        assert given.confidence == pytest.approx([0.25, 0.75])
+        assert own.confidence == pytest.approx(vlm.first_confidence(vlm.prefill(prefixes)[1]).tolist())
+        assert torch.equal(given.tokens, own.tokens) and given.lengths == own.lengths
 
     def test_escalate_holds_a_share_where_the_threshold_would_ask_all(self, vlm, window_case, monkeypatch):
         """vlm.tempering.escalate: with the confidences seen so far spread over [0, 1], the answer below
@@ -306,7 +317,7 @@ class TestTempering:
         asks both again (as it does without escalate)."""
         frames, keep, window = window_case
         sure = [0.3, 0.7]
-        monkeypatch.setattr(passes_module, "first_token_confidence",
+        monkeypatch.setattr(model_module, "first_token_confidence",
                             lambda logits, measure: torch.tensor(sure[:len(logits)]))
         reqs = [request(frames, keep, q) for q in QUESTIONS]
         fixed = self.tempered(vlm, threshold=0.9, max_passes=2).answer(reqs)

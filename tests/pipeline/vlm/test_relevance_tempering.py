@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_frames, random_keep, record_prefills, rewrap, visual_positions
 
-from pipeline.vlm import passes as passes_module
+from pipeline.vlm import model as model_module, passes as passes_module
 from pipeline.vlm.config import TemperingConfig
 from pipeline.vlm.model import AnswerRequest
 from pipeline.vlm.passes import keep_best, per_frame_order
@@ -219,7 +219,7 @@ class TestFallback:
         keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
         v = tempered(vlm, threshold=0.9, fallback=fallback)
         sure = iter([[0.3], [0.6], [0.2]])
-        monkeypatch.setattr(passes_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(model_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         return v, v.answer([scored(frames, keep, seed=13)])[0], calls
 
@@ -236,7 +236,7 @@ class TestFallback:
         assert (result.passes, result.tokens_kept, result.tokens_spent) == (3, sizes[1], sum(sizes))
         assert result.confidence == pytest.approx(0.6)
         assert calls[-1][0] is calls[1][0]                                   # decoded from pass 2's prefix
-        direct = vlm.generate([calls[1][0]])
+        direct = vlm.generate([calls[1][0]], confidence=torch.zeros(1))      # no stubbed value used up
         assert result.text == vlm.decode(direct.tokens[0], direct.lengths[0])
 
     def test_an_accepted_pass_is_the_answer_either_way(self, vlm, monkeypatch):
@@ -244,7 +244,7 @@ class TestFallback:
         keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
         v = tempered(vlm, threshold=0.5, fallback="most_confident")
         sure = iter([[0.3], [0.6]])
-        monkeypatch.setattr(passes_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(model_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         result = v.answer([scored(frames, keep, seed=13)])[0]
         assert (result.passes, result.tokens_kept) == (2, calls[1][0].tokens_kept)

@@ -267,12 +267,17 @@ def main() -> None:
     ap.add_argument("--data", type=Path, metavar="DIR",
                     help="keep the generated clips here and reuse them in later runs of the same shape "
                          "(default: a temporary directory)")
+    ap.add_argument("--unique-clips", type=int, metavar="K",
+                    help="render only K distinct clips; the other videos reuse them under their own names "
+                         "and questions (longer runs without the rendering time; default: every clip distinct)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.quick:
         args.device, args.videos, args.questions, args.seconds, args.size = "cpu", 3, 3, 1.0, [64, 96]
     if args.processes < 1:
         sys.exit(f"--processes must be >= 1, got {args.processes}")
+    if args.unique_clips is not None and not 1 <= args.unique_clips <= args.videos:
+        sys.exit(f"--unique-clips must be between 1 and --videos ({args.videos}), got {args.unique_clips}")
     if args.shared_vlm and args.processes < 2:
         sys.exit("--shared-vlm shares one VLM between --processes N >= 2")
     if args.mps and (args.processes < 2 or args.device != "cuda" or args.quick):
@@ -327,7 +332,8 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
-              "videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
+              "videos": args.videos, "unique_clips": args.unique_clips or args.videos,
+              "questions_per_video": args.questions, "seconds": args.seconds,
               "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "shared_vlm": args.shared_vlm, "mps": args.mps, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
               "summary": summarize(rows, counts, args.processes), "command": " ".join(["python3"] + sys.argv),
               "host": host_topology()}
@@ -338,9 +344,12 @@ def main() -> None:
 
 def fixture(args, scratch: Path) -> Path:
     """The generated MSR-VTT-shaped split: written into scratch, or kept in --data and reused by
-    later runs with the same shape (writing 288 clips takes ~100 s of one core)."""
+    later runs with the same shape (writing 288 clips takes ~100 s of one core; --unique-clips K
+    writes K and lets the other videos reuse them)."""
     shape = {"videos": args.videos, "questions_per_video": args.questions, "seconds": args.seconds,
              "height": args.size[0], "width": args.size[1], "fps": 30 if not args.quick else 10}
+    if args.unique_clips is not None and args.unique_clips < args.videos:
+        shape["unique"] = args.unique_clips                                  # recorded: another shape
     root = scratch / "msrvtt" if args.data is None else args.data
     marker = root / "bench_batch_fixture.json"
     if args.data is not None and marker.exists():

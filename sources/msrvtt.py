@@ -296,12 +296,18 @@ FIXTURE_QUESTIONS = (("what is moving across the screen?", "square", 0), ("who i
 def write_fixture(root: str | Path, *, layout: Layout = "msrvtt-qa", split: str = "test", videos: int = 3,
                   questions_per_video: int = 2, first_video: int = 7010, seconds: float = 1.0, fps: int = 10,
                   height: int = 64, width: int = 96, videos_subdir: str = "videos/all",
-                  seed: int = 0) -> list[Question]:
+                  seed: int = 0, unique: int | None = None) -> list[Question]:
     """Write generated videos (video<N>.mp4, each with a cut) and annotations in `layout` under root.
     Returns the questions written. Real layouts exactly: the release's int ids, the zero-shot files'
-    string ids, and a videodatainfo file with three captions per video."""
+    string ids, and a videodatainfo file with three captions per video. unique: render only the
+    first `unique` clips; each later video v is a hard link to (else a copy of) clip v % unique,
+    under its own name and with its own questions (long benchmark runs without the rendering time)."""
+    import shutil
+
     from sources.synthetic import Shot, render_clip, write_video
 
+    if unique is not None and (isinstance(unique, bool) or not isinstance(unique, int) or unique < 1):
+        raise ValueError(f"Invalid unique ({unique!r}): must be an integer >= 1")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     frames = max(2, int(round(seconds * fps)))
@@ -309,9 +315,18 @@ def write_fixture(root: str | Path, *, layout: Layout = "msrvtt-qa", split: str 
     release, zero_q, zero_a, vids, sentences = [], [], [], [], []
     for v in range(videos):
         n = first_video + v
-        clip = render_clip([Shot("moving_object", frames // 2), Shot("pan", frames - frames // 2)],
-                           height=height, width=width, seed=seed + n)
-        write_video(root / videos_subdir / f"video{n}.mp4", clip.frames, fps=fps)
+        path = root / videos_subdir / f"video{n}.mp4"
+        if unique is None or v < unique:
+            clip = render_clip([Shot("moving_object", frames // 2), Shot("pan", frames - frames // 2)],
+                               height=height, width=width, seed=seed + n)
+            write_video(path, clip.frames, fps=fps)
+        else:
+            source = root / videos_subdir / f"video{first_video + v % unique}.mp4"
+            path.unlink(missing_ok=True)
+            try:
+                path.hardlink_to(source)
+            except OSError:                                              # a file system without links
+                shutil.copyfile(source, path)
         vids.append({"category": v % 20, "url": "", "video_id": f"video{n}", "start time": 0.0,
                      "end time": seconds, "split": CAPTION_SPLIT_NAMES[split], "id": n})
         for c in range(3):

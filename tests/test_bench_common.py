@@ -174,3 +174,20 @@ def test_kernel_summary_counts_kernels_per_unit():
         torch.ones(3).add_(1)
     # no CUDA here: no kernels, and every field present
     assert kernel_summary(prof, per=2) == {"kernel_ms": 0, "kernels": 0, "top_kernels_ms": []}
+
+
+def test_bench_batch_fixture_with_unique_clips_is_its_own_shape(tmp_path):
+    """bench_batch --unique-clips K: K clips rendered, the other videos reuse them; --data records
+    the shape, so a fixture of another K is not reused."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_batch import fixture
+
+    args = SimpleNamespace(videos=4, questions=1, seconds=0.2, size=[32, 48], quick=False, data=tmp_path / "fx",
+                           unique_clips=2)
+    root = fixture(args, tmp_path)
+    clips = [(root / f"videos/all/video{7010 + i}.mp4").read_bytes() for i in range(4)]
+    assert clips[2] == clips[0] and clips[3] == clips[1] and clips[0] != clips[1]
+    assert fixture(args, tmp_path) == root                                   # same shape: reused
+    with pytest.raises(SystemExit, match="another shape"):
+        fixture(SimpleNamespace(**{**vars(args), "unique_clips": None}), tmp_path)

@@ -37,6 +37,25 @@ class TestRelease:
         assert q.video_id == f"video{raw['video_id']}" and q.question == raw["question"]
         assert q.answer == raw["answer"] and q.type == ("what", "who", "how", "when", "where")[raw["category_id"]]
 
+    def test_unique_renders_that_many_clips_and_reuses_them(self, tmp_path, monkeypatch):
+        import sources.synthetic as synthetic
+        rendered = []
+        real = synthetic.render_clip
+        monkeypatch.setattr(synthetic, "render_clip", lambda *a, **k: rendered.append(1) or real(*a, **k))
+        written = write_fixture(tmp_path, videos=5, questions_per_video=2, height=32, width=48, seconds=0.4, unique=2)
+        assert len(rendered) == 2                                   # clips 0 and 1; the rest reuse them
+        videos = load_msrvtt(tmp_path).videos()
+        assert [v.video_id for v in videos] == [f"video{7010 + i}" for i in range(5)]
+        data = {v.video_id: v.path.read_bytes() for v in videos}
+        assert data["video7012"] == data["video7014"] == data["video7010"] and data["video7013"] == data["video7011"]
+        assert data["video7010"] != data["video7011"]
+        assert len(written) == 10 and len({q.question_id for q in written}) == 10   # each video its own questions
+        # written again over the same root (a link already there is replaced)
+        write_fixture(tmp_path, videos=5, questions_per_video=2, height=32, width=48, seconds=0.4, unique=2)
+        assert (tmp_path / "videos/all/video7014.mp4").read_bytes() == data["video7010"]
+        with pytest.raises(ValueError, match="unique"):
+            write_fixture(tmp_path, videos=2, unique=0)
+
     def test_missing_video_has_no_path(self, tmp_path):
         write_fixture(tmp_path, videos=2, questions_per_video=1, height=32, width=48, seconds=0.4)
         (tmp_path / "videos/all/video7011.mp4").unlink()

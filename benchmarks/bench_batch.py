@@ -6,7 +6,9 @@ included) and steady-state (each worker from its first finished video, which car
 load, or its --warmup-videos N-th, to its last, summed over the workers), plus
 the ARR-COC/stock speed-up and the Ray scaling efficiency qps(n GPUs) / (n * qps(1 GPU)), and
 per run the mean wall seconds per video and each stage's busy seconds per video (decode, texture,
-realize, vlm, sink): a stage whose busy time grows with the worker count marks what the workers share.
+realize, vlm, sink): a stage whose busy time grows with the worker count marks what the workers share,
+and the load of the host CPUs and the GPU over the steady window (`load`) and the run (`load_run`):
+which of the two bounds it.
 "Stock" is the same pipeline with every token sent to the VLM (`--stock-tokens`: the ARR-COC front
 end still runs); the `vlm-only` path is the stock VLM alone (frames decoded at vlm.fps, no front
 end, no store), the alternative a user without ARR-COC would run.
@@ -38,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arr_coc._validate import ConfigError  # noqa: E402
-from benchmarks.common import fixed_query, host_topology, random_qwen2_vl_2b  # noqa: E402
+from benchmarks.common import LoadSampler, fixed_query, host_topology, random_qwen2_vl_2b  # noqa: E402
 from pipeline.core.mps import mps_clients  # noqa: E402
 from pipeline.runners.batch import IN_FLIGHT, BatchSummary, config_vlm, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
@@ -89,15 +91,36 @@ def overlap_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float
     while every one is in steady state: from the latest of their `warmup`-th finished videos to the
     earliest of their last ones, every video finished in that window over its length. Summing each
     worker's own rate (steady_rates) would count workers that did not overlap as if they had."""
-    steady = _steady_workers(s, workers, warmup)
-    if steady is None:
+    window = overlap_window(s, workers, warmup)
+    if window is None:
         return float("nan"), float("nan")
-    start = max(o[0].finished_at for o in steady.values())
-    end = min(o[-1].finished_at for o in steady.values())
-    inside = [o for outcomes in steady.values() for o in outcomes if start < o.finished_at <= end]
-    if end <= start or not inside:
+    start, end = window
+    inside = [o for o in s.outcomes if o.status == "done" and start < o.finished_at <= end]
+    if not inside:
         return float("nan"), float("nan")
     return len(inside) / (end - start), sum(o.questions for o in inside) / (end - start)
+
+
+def overlap_window(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float, float] | None:
+    """(start, end), time.time(), of the window overlap_rates counts: every worker past its
+    `warmup`-th finished video and none past its last; None when there is none."""
+    steady = _steady_workers(s, workers, warmup)
+    if steady is None:
+        return None
+    start = max(o[0].finished_at for o in steady.values())
+    end = min(o[-1].finished_at for o in steady.values())
+    return (start, end) if end > start else None
+
+
+def steady_span(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float, float] | None:
+    """(start, end) of the spans steady_rates counts, all workers together: from the first worker's
+    `warmup`-th finished video to the last worker's last one; None without a steady state."""
+    steady = _steady_workers(s, workers, warmup)
+    if steady is None:
+        return None
+    start = min(o[0].finished_at for o in steady.values())
+    end = max(o[-1].finished_at for o in steady.values())
+    return (start, end) if end > start else None
 
 
 def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int,
@@ -107,23 +130,27 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
     made = []                                                                # the local path's VLM, for its counters
     server_stats: dict = {}
     mps_state = None
-    if path == "local" and workers > 1:
-        with mps_clients(mps) as daemon:           # as `batch --processes N --mps`: the processes are its clients
-            mps_state = None if daemon is None else daemon.state
-            s = local_processes(plan, out, cfg, stock=stock, factory=factory, in_flight=in_flight,
-                                processes=workers, shared_vlm=shared_vlm, server_stats=server_stats)
-    elif path == "local":
-        local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
-        s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory, in_flight=in_flight,
-                      query_encoder=fixed_query)
-    else:
-        from pipeline.runners.ray_batch import run_ray_batch
-        s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
-                          vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task,
-                          query_encoder=fixed_query)
+    # the host CPUs' and the GPU's load, sampled through the run and read over its steady window
+    with LoadSampler(gpu=torch.cuda.is_available()) as load:
+        if path == "local" and workers > 1:
+            with mps_clients(mps) as daemon:       # as `batch --processes N --mps`: the processes are its clients
+                mps_state = None if daemon is None else daemon.state
+                s = local_processes(plan, out, cfg, stock=stock, factory=factory, in_flight=in_flight,
+                                    processes=workers, shared_vlm=shared_vlm, server_stats=server_stats)
+        elif path == "local":
+            local_factory = None if factory is None else (lambda device: made.append(factory(device)) or made[-1])
+            s = run_batch(plan, out, cfg, stock=stock, progress=False, vlm_factory=local_factory,
+                          in_flight=in_flight, query_encoder=fixed_query)
+        else:
+            from pipeline.runners.ray_batch import run_ray_batch
+            s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
+                              vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task,
+                              query_encoder=fixed_query)
     row = s.to_dict()
-    rates = overlap_rates if path == "local" and workers > 1 else steady_rates
+    side_by_side = path == "local" and workers > 1
+    rates = overlap_rates if side_by_side else steady_rates
     vps, qps = rates(s, workers, warmup)
+    window = (overlap_window if side_by_side else steady_span)(s, workers, warmup)
     shutil.rmtree(out, ignore_errors=True)
     return {"path": path, "workers": workers, "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
@@ -137,7 +164,11 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
             # --shared-vlm: one VLM process for every worker, and the batches it answered
             "shared_vlm": server_stats or None,
             # --mps: the processes ran under an MPS daemon started for the run, or one already running
-            "mps": mps_state}
+            "mps": mps_state,
+            # the host CPUs' busy share (0-1, all CPUs) and the GPU's utilization (%), mean / p50 /
+            # max of 0.5 s samples: over the steady window (None without one), and over the run
+            "load": load.summary(*window) if window is not None else None,
+            "load_run": load.summary()}
 
 
 def _shard(plan, out: Path, cfg, stock: bool, factory, in_flight: int, vlm_server=None) -> BatchSummary:

@@ -70,6 +70,84 @@ def fixed_query(question: str = "") -> torch.Tensor:
     return torch.nn.functional.normalize(torch.ones(384), dim=0)
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat (None off Linux): busy leaves out idle and iowait."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    total = sum(fields[:8])                     # user nice system idle iowait irq softirq steal
+    return total - fields[3] - fields[4], total
+
+
+def _gpu_utilization() -> list[float] | None:
+    """Each GPU's utilization (% of the last sample period with a kernel running) from nvidia-smi,
+    None where it cannot be read."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5)
+        return [float(x) for x in out.stdout.split()] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+class LoadSampler:
+    """What a benchmark's run keeps busy, sampled in a background thread while entered: every
+    `period` s the host CPUs' busy share since the last sample (all CPUs, 0-1) and each GPU's
+    utilization (nvidia-smi, % of the period with a kernel running; absent without it).
+    summary(start, end) reduces the samples taken in (start, end] (time.time()), e.g. a benchmark's
+    steady window, to mean / p50 / max: whether the CPUs or the GPU bound that window."""
+
+    def __init__(self, period: float = 0.5, gpu: bool = True) -> None:
+        import threading
+
+        self.period, self.gpu = period, gpu
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = _cpu_times()
+        while not self._stop.wait(self.period):
+            now = _cpu_times()
+            sample: dict[str, Any] = {"t": time.time()}
+            if now is not None and last is not None and now[1] > last[1]:
+                sample["cpu_busy"] = (now[0] - last[0]) / (now[1] - last[1])
+            last = now
+            if self.gpu:
+                util = _gpu_utilization()
+                if util:
+                    sample["gpu_util"] = sum(util) / len(util)
+            self.samples.append(sample)
+
+    def summary(self, start: float | None = None, end: float | None = None) -> dict[str, Any]:
+        inside = [x for x in self.samples if (start is None or x["t"] > start) and (end is None or x["t"] <= end)]
+        out: dict[str, Any] = {"samples": len(inside), "period_s": self.period}
+        if start is not None and end is not None:
+            out["window_s"] = round(end - start, 3)
+        for key in ("cpu_busy", "gpu_util"):
+            values = [x[key] for x in inside if key in x]
+            if values:
+                digits = 3 if key == "cpu_busy" else 1
+                out[key] = {"mean": round(sum(values) / len(values), digits),
+                            "p50": round(float(sorted(values)[len(values) // 2]), digits),
+                            "max": round(max(values), digits)}
+        return out
+
+
 def kernel_summary(prof, per: int, top: int = 20) -> dict[str, Any]:
     """A finished torch.profiler run -> GPU kernel time per unit of work (`per` units: videos,
     calls): in all, and the `top` kernels by time, in ms per unit. Kernels of every thread count

@@ -161,6 +161,30 @@ def test_side_by_side_processes_count_only_while_all_run():
     assert videos == pytest.approx(5 / 2.5) and questions == pytest.approx(10 / 2.5)
     assert overlap_rates(side, 2, warmup=2) == pytest.approx((3 / 1.5, 6 / 1.5))   # 2.0, 2.5, 3.0 in (1.5, 3.0]
     assert all(np.isnan(overlap_rates(side, 3)))                                  # a process without videos
+    # the windows the load is read over: the overlap, and (one process, Ray) the steady spans together
+    from benchmarks.bench_batch import overlap_window, steady_span
+    assert overlap_window(side, 2) == (0.5, 3.0) and overlap_window(apart, 2) is None
+    assert steady_span(apart, 2) == (0.0, 12.0) and steady_span(side, 3) is None
+
+
+def test_load_sampler_reads_the_cpus_over_a_window():
+    import time
+
+    from benchmarks.common import LoadSampler
+
+    with LoadSampler(period=0.05, gpu=False) as load:
+        t0 = time.time()
+        end = t0 + 0.6
+        while time.time() < end:                     # keep a CPU busy
+            sum(range(1000))
+    assert len(load.samples) >= 5 and all("gpu_util" not in x for x in load.samples)
+    whole = load.summary()
+    assert whole["samples"] == len(load.samples) and "gpu_util" not in whole
+    busy = whole["cpu_busy"]
+    assert 0 < busy["mean"] <= busy["max"] <= 1 and 0 <= busy["p50"] <= 1
+    later = load.summary(load.samples[2]["t"], None)             # samples after the third
+    assert later["samples"] == len(load.samples) - 3
+    assert load.summary(0.0, 1.0) == {"samples": 0, "period_s": 0.05, "window_s": 1.0}   # before any sample
 
 
 

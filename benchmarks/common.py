@@ -148,17 +148,49 @@ class LoadSampler:
         return out
 
 
+def cuda_kernels(prof) -> list:
+    """A finished torch.profiler run's GPU kernels (its key_averages rows of device type CUDA),
+    most time first. Only the kernels' own rows count: a CPU op's row holds the time of the kernels
+    it launched as well, and summing every row would count those kernels twice. Kernels of every
+    thread are there (CUPTI sees the whole process; the profiler's CPU ranges cover only its own
+    thread)."""
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(rows, key=lambda e: -e.self_device_time_total)
+
+
 def kernel_summary(prof, per: int, top: int = 20) -> dict[str, Any]:
     """A finished torch.profiler run -> GPU kernel time per unit of work (`per` units: videos,
-    calls): in all, and the `top` kernels by time, in ms per unit. Kernels of every thread count
-    (CUPTI sees the whole process; the profiler's CPU ranges would cover only its own thread)."""
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    calls): in all, and the `top` kernels by time, in ms per unit."""
+    kernels = cuda_kernels(prof)
     total_us = sum(e.self_device_time_total for e in kernels)
     return {"kernel_ms": round(total_us / per / 1e3, 2),
             "kernels": round(sum(e.count for e in kernels) / per),
             "top_kernels_ms": [[e.key[:90], round(e.self_device_time_total / per / 1e3, 3), round(e.count / per, 1)]
-                               for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]]}
+                               for e in kernels[:top]]}
+
+
+def profiler_device(quick: bool) -> torch.device:
+    """The device of a VLM profiler: the CPU for its --quick smoke run, else CUDA (one line and
+    exit where there is none)."""
+    import sys
+
+    device = torch.device("cpu" if quick else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA GPU here (use --quick on CPU)")
+    return device
+
+
+def profiler_vlm(device: torch.device, quick: bool, overrides: list[str]):
+    """A VLM profiler's model with these config overrides: tiny-random for --quick, else the
+    random-weight Qwen2-VL-2B on `device`."""
+    from pipeline.config import PipelineConfig
+    from pipeline.configio import load_config
+
+    cfg = load_config(PipelineConfig, None, overrides)
+    if quick:
+        from pipeline.vlm.loading import build_tiny_vlm
+        return build_tiny_vlm("qwen2_vl", config=cfg.vlm)
+    return random_qwen2_vl_2b(device, cfg.vlm)
 
 
 def random_qwen2_vl_2b(device: torch.device, config: Any = None):

@@ -28,9 +28,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import PhaseTimers  # noqa: E402
-from pipeline.config import PipelineConfig  # noqa: E402
-from pipeline.configio import load_config  # noqa: E402
+from benchmarks.common import PhaseTimers, kernel_summary, profiler_device, profiler_vlm  # noqa: E402
 from pipeline.vlm import model as vlm_model  # noqa: E402
 from pipeline.vlm.model import WindowQuestions  # noqa: E402
 
@@ -50,13 +48,8 @@ while time.time() < end:
 
 
 def build_vlm(device: torch.device, quick: bool):
-    cfg = load_config(PipelineConfig, None, ["vlm.max_new_tokens=8" if not quick else "vlm.max_new_tokens=2",
-                                             "vlm.fps=2.0", "vlm.kept_context=0"])
-    if quick:
-        from pipeline.vlm.loading import build_tiny_vlm
-        return build_tiny_vlm("qwen2_vl", config=cfg.vlm)
-    from benchmarks.common import random_qwen2_vl_2b
-    return random_qwen2_vl_2b(device, cfg.vlm)
+    return profiler_vlm(device, quick, ["vlm.max_new_tokens=8" if not quick else "vlm.max_new_tokens=2",
+                                        "vlm.fps=2.0", "vlm.kept_context=0"])
 
 
 def make_jobs(vlm, videos: int, stock: bool, shape: tuple[int, int, int], questions: int) -> list[WindowQuestions]:
@@ -89,10 +82,8 @@ def kernel_stats(vlm, jobs, repeats: int = 3) -> dict:
         for _ in range(repeats):
             vlm.answer_windows(jobs)
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"gpu_kernel_ms": round(sum(e.self_device_time_total for e in events) / repeats / 1e3, 1),
-            "kernels": round(sum(e.count for e in device_events) / repeats)}
+    summary = kernel_summary(prof, repeats, top=0)
+    return {"gpu_kernel_ms": round(summary["kernel_ms"], 1), "kernels": summary["kernels"]}
 
 
 def main() -> None:
@@ -105,9 +96,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny-random, small frames")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
-    device = torch.device("cpu" if args.quick else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA GPU here (use --quick on CPU)")
+    device = profiler_device(args.quick)
     shape, questions = ((4, 56, 84), 3) if args.quick else ((20, 240, 320), 16)
     vlm = build_vlm(device, args.quick)
     rows = []

@@ -23,17 +23,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from pipeline.config import PipelineConfig  # noqa: E402
-from pipeline.configio import load_config  # noqa: E402
-
-
-def build_vlm(device: torch.device, quick: bool, overrides: list[str]):
-    cfg = load_config(PipelineConfig, None, overrides)
-    if quick:
-        from pipeline.vlm.loading import build_tiny_vlm
-        return build_tiny_vlm("qwen2_vl", config=cfg.vlm)
-    from benchmarks.common import random_qwen2_vl_2b
-    return random_qwen2_vl_2b(device, cfg.vlm)
+from benchmarks.common import cuda_kernels, profiler_device, profiler_vlm  # noqa: E402
 
 
 def ready_decoder(vlm, rows: int, length: int, prefix_len: int):
@@ -70,12 +60,11 @@ def step_kernels(vlm, decoder, replays: int = 5, top: int = 25) -> dict:
         for _ in range(replays):
             decoder.step(token)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = cuda_kernels(prof)
     total = sum(e.self_device_time_total for e in kernels) / replays
-    rows = sorted(kernels, key=lambda e: -e.self_device_time_total)
     return {"kernel_us": round(total, 1), "kernels": round(sum(e.count for e in kernels) / replays),
             "by_name": [[e.key[:100], round(e.count / replays, 1), round(e.self_device_time_total / max(e.count, 1), 2),
-                         round(e.self_device_time_total / replays, 1)] for e in rows[:top]]}
+                         round(e.self_device_time_total / replays, 1)] for e in kernels[:top]]}
 
 
 @torch.no_grad()                     # as VLM.generate: no autograd graph recorded into the captured step
@@ -89,12 +78,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny-random, one small shape")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
-    device = torch.device("cpu" if args.quick else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA GPU here (use --quick on CPU)")
+    device = profiler_device(args.quick)
     if args.quick:
         args.rows, args.lengths, args.repeats = [2], [64], 3
-    vlm = build_vlm(device, args.quick, args.overrides)
+    vlm = profiler_vlm(device, args.quick, args.overrides)
     rows = []
     print(f"{'rows':>5} {'slots':>6} {'step ms':>8} {'kernel us':>9} {'kernels':>7}")
     for length in args.lengths:

@@ -91,7 +91,7 @@ def overlap_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float
     while every one is in steady state: from the latest of their `warmup`-th finished videos to the
     earliest of their last ones, every video finished in that window over its length. Summing each
     worker's own rate (steady_rates) would count workers that did not overlap as if they had."""
-    window = overlap_window(s, workers, warmup)
+    window = steady_window(s, workers, warmup, overlap=True)
     if window is None:
         return float("nan"), float("nan")
     start, end = window
@@ -101,25 +101,17 @@ def overlap_rates(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float
     return len(inside) / (end - start), sum(o.questions for o in inside) / (end - start)
 
 
-def overlap_window(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float, float] | None:
-    """(start, end), time.time(), of the window overlap_rates counts: every worker past its
-    `warmup`-th finished video and none past its last; None when there is none."""
+def steady_window(s: BatchSummary, workers: int, warmup: int = 1, *, overlap: bool) -> tuple[float, float] | None:
+    """(start, end), time.time(), of the steady state, from each worker's `warmup`-th finished
+    video to its last: overlap, the window overlap_rates counts (every worker in it: the latest
+    start to the earliest end); else the spans steady_rates counts, all together (the earliest
+    start to the latest end). None where there is none."""
     steady = _steady_workers(s, workers, warmup)
     if steady is None:
         return None
-    start = max(o[0].finished_at for o in steady.values())
-    end = min(o[-1].finished_at for o in steady.values())
-    return (start, end) if end > start else None
-
-
-def steady_span(s: BatchSummary, workers: int, warmup: int = 1) -> tuple[float, float] | None:
-    """(start, end) of the spans steady_rates counts, all workers together: from the first worker's
-    `warmup`-th finished video to the last worker's last one; None without a steady state."""
-    steady = _steady_workers(s, workers, warmup)
-    if steady is None:
-        return None
-    start = min(o[0].finished_at for o in steady.values())
-    end = max(o[-1].finished_at for o in steady.values())
+    starts = [o[0].finished_at for o in steady.values()]
+    ends = [o[-1].finished_at for o in steady.values()]
+    start, end = (max(starts), min(ends)) if overlap else (min(starts), max(ends))
     return (start, end) if end > start else None
 
 
@@ -150,7 +142,7 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
     side_by_side = path == "local" and workers > 1
     rates = overlap_rates if side_by_side else steady_rates
     vps, qps = rates(s, workers, warmup)
-    window = (overlap_window if side_by_side else steady_span)(s, workers, warmup)
+    window = steady_window(s, workers, warmup, overlap=side_by_side)
     shutil.rmtree(out, ignore_errors=True)
     return {"path": path, "workers": workers, "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],

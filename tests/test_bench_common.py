@@ -162,9 +162,9 @@ def test_side_by_side_processes_count_only_while_all_run():
     assert overlap_rates(side, 2, warmup=2) == pytest.approx((3 / 1.5, 6 / 1.5))   # 2.0, 2.5, 3.0 in (1.5, 3.0]
     assert all(np.isnan(overlap_rates(side, 3)))                                  # a process without videos
     # the windows the load is read over: the overlap, and (one process, Ray) the steady spans together
-    from benchmarks.bench_batch import overlap_window, steady_span
-    assert overlap_window(side, 2) == (0.5, 3.0) and overlap_window(apart, 2) is None
-    assert steady_span(apart, 2) == (0.0, 12.0) and steady_span(side, 3) is None
+    from benchmarks.bench_batch import steady_window
+    assert steady_window(side, 2, overlap=True) == (0.5, 3.0) and steady_window(apart, 2, overlap=True) is None
+    assert steady_window(apart, 2, overlap=False) == (0.0, 12.0) and steady_window(side, 3, overlap=False) is None
 
 
 def test_load_sampler_reads_the_cpus_over_a_window():

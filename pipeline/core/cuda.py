@@ -4,8 +4,9 @@ machine without CUDA all but capture run.
 """
 from __future__ import annotations
 
+import gc
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -94,14 +95,30 @@ def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,
     capture), then capture it there -> (graph, fn's outputs: the buffers each replay overwrites).
     The stream first waits for the current stream's work, and the current stream for the capture.
     thread_local: other threads (the stages, the VLM) keep launching work on their own streams
-    while this one captures; CAPTURE_LOCK: but none allocates page-locked memory meanwhile."""
+    while this one captures; CAPTURE_LOCK: but none allocates page-locked memory meanwhile.
+    Python's cyclic collector is off during the capture: run in this thread, it could free a
+    graph held in a reference cycle, and destroying a graph is not permitted while capturing."""
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
         graph = torch.cuda.CUDAGraph()
-        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with CAPTURE_LOCK, no_cyclic_gc(), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                            capture_error_mode="thread_local"):
             outputs = fn()
     current.wait_stream(stream)
     return graph, outputs
+
+
+@contextmanager
+def no_cyclic_gc():
+    """Python's automatic cyclic garbage collection off inside (process-wide; callers hold
+    CAPTURE_LOCK, so no two captures toggle it at once), back on after if it was on."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()

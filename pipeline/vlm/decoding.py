@@ -150,6 +150,15 @@ class StaticDecoder:
         """Memory kv_cache_budget counts: the cache and the prefill graphs' static buffers."""
         return self.cache.nbytes + sum(g.nbytes for g in self.prefill_graphs.values())
 
+    def release(self) -> None:
+        """Let the cache and the graphs go when the VLM drops this decoder (make_room). Its prefill
+        graphs refer back to it, so without this the cycle would keep its memory past the budget
+        until Python's cyclic collector ran, in whatever thread, maybe one capturing a graph, whose
+        capture the freed graphs then broke (seen on an H100: "operation not permitted when stream
+        is capturing (function reset)", stock tokens under a 3 GiB budget). Still usable after:
+        a later prefill captures its graph again."""
+        self.prefill_graphs.clear()
+
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int], pool=None) -> torch.Tensor:
         """embeds (B, L, D), positions (3, B, L), left pads per row -> (B, V) float32 logits of the
         token after the last one; fills slots [0, L) of cache rows [0, B). With a CUDA graph pool

@@ -644,7 +644,9 @@ class VLM:
             if held + nbytes <= self.kv_cache_budget:
                 break
             if self._decoders[key] is not keep:
-                held -= self._decoders.pop(key).nbytes
+                dropped = self._decoders.pop(key)
+                held -= dropped.nbytes
+                dropped.release()
                 self.counters["evicted"] += 1
 
     @torch.no_grad()

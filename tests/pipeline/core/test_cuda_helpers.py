@@ -1,11 +1,14 @@
-"""pipeline.core.cuda's host <-> device helpers (CPU here; the CUDA run takes the same code)."""
+"""pipeline.core.cuda's host <-> device helpers (CPU here; the CUDA run takes the same code), and
+graph capture beside Python's cyclic collector (CUDA)."""
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.core.cuda import read_back, upload
+from pipeline.core.cuda import capture, no_cyclic_gc, read_back, upload
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs CUDA")])]
@@ -30,3 +33,53 @@ def test_read_back_returns_every_tensor_in_its_shape(device):
     for g, m in zip(got, masks):
         assert isinstance(g, np.ndarray) and g.shape == tuple(m.shape) and np.array_equal(g, m.numpy())
     assert read_back([]) == []
+
+
+def test_no_cyclic_gc_turns_collection_off_inside_and_restores_it():
+    was_on = gc.isenabled()
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            with no_cyclic_gc():
+                assert not gc.isenabled()
+            assert gc.isenabled() == before
+        gc.enable()
+        with pytest.raises(RuntimeError), no_cyclic_gc():
+            raise RuntimeError
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was_on else gc.disable)()
+
+
+class _Cycle:
+    """A captured graph held only by a reference cycle: freed when the cyclic collector runs."""
+
+    def __init__(self, graph):
+        self.graph, self.me = graph, self
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_capture_survives_garbage_graphs_collectable_meanwhile():
+    """Destroying a graph is not permitted while this thread captures: the collector must not run
+    inside a capture (a decoder evicted by the VLM used to be such a cycle)."""
+    x = torch.ones(8, device="cuda")
+    old, _ = capture(lambda: x * 2, torch.cuda.Stream())
+    thresholds = gc.get_threshold()
+
+    def forward():
+        _Cycle(old_ref.pop())                                   # garbage from here on: a cycle
+        [[] for _ in range(50)]                                 # allocations that would trigger a collection
+        return x + 1
+
+    old_ref = [old]
+    del old
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph, out = capture(forward, torch.cuda.Stream(), warmup=0)
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(x, 2.0))

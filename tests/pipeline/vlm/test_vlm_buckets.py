@@ -3,6 +3,9 @@
 of time; the real rows give exactly what a decoder of the exact batch gives, and the padding rows
 stay finite and out of reach. And the shared prefix of one window (window_prefix + question_prefix)
 equals the per-question prefix built from the full ids and get_rope_index."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -156,6 +159,27 @@ class TestDecoderReuse:
         v.kv_cache_budget = 0                                        # the one in use is kept regardless
         gen(16)
         assert list(v._decoders) == [(16, CACHE_BUCKET)]
+
+    def test_a_dropped_decoder_is_freed_at_once(self, vlm):
+        """Its prefill graphs refer back to it: make_room breaks that cycle, so the cache is freed
+        when it is dropped, not whenever (and in whichever thread) Python's collector next runs."""
+        v = rewrap(vlm)
+        v.generate([random_prefix(vlm, 50, seed=0)], max_new_tokens=3)
+        one = v._decoders[(1, CACHE_BUCKET)]
+        one._graph(64, lambda b: None, {"embeds": torch.zeros(1, 64, 8)}, pool=None)  # captured on first call
+        assert len(one.prefill_graphs) == 1
+        dropped = weakref.ref(one)
+        del one
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            v.kv_cache_budget = 0
+            v.generate([random_prefix(vlm, 50, seed=b) for b in range(2)], max_new_tokens=3)
+            assert list(v._decoders) == [(2, CACHE_BUCKET)] and v.counters["evicted"] == 1
+            assert dropped() is None
+        finally:
+            if was_on:
+                gc.enable()
 
     def test_the_budget_is_a_setting(self, vlm):
         """vlm.kv_cache_gib sets the budget (GiB); out-of-range values are one ConfigError."""

@@ -287,11 +287,11 @@ class Pipeline:
 
     def _load_vlm(self, device: Any = None) -> Any:
         """The VLM runtime.vlm names, loaded on first use and kept (None for 'none')."""
-        from .core.setup import load_answerer, resolve_device
+        from .core.setup import load_answerer, runtime_device
 
         with self._vlm_lock:
             if not self._vlm_loaded:
-                device = resolve_device(self._config.runtime.device) if device is None else device
+                device = runtime_device(self._config) if device is None else device
                 self._vlm = load_answerer(self._config, device)
                 self._vlm_loaded = True
             return self._vlm

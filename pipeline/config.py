@@ -59,6 +59,10 @@ class RuntimeConfig:
     queue_capacity: int = 4           # batches buffered between two stages
     cuda_graphs: bool = True          # replay full batches of the front end as CUDA graphs (GPU only)
     model_weights: str = "default"    # ARR-COC weights: "default" (shipped, trained), "none" (initial values) or a path
+    # how a thread waiting for the GPU waits (pipeline/core/cuda.py set_cuda_wait): "block" sleeps
+    # until the GPU is done; "auto" is CUDA's own choice, which spins a core per waiting thread
+    # while the process has fewer CUDA contexts than CPUs
+    cuda_wait: Literal["block", "auto"] = "block"
 
     def __post_init__(self) -> None:
         if self.every_s is not None:

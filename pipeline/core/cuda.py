@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Sequence
 
@@ -31,6 +32,44 @@ def resolve_device(name: str | torch.device) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {name} was asked for, but no CUDA GPU is available (use --device auto or cpu)")
     return torch.device(name)
+
+
+CU_CTX_SCHED_MASK, CU_CTX_SCHED_BLOCKING_SYNC = 0x07, 0x04
+
+
+def set_cuda_wait(mode: str, device: torch.device) -> bool:
+    """How this process's threads wait for the GPU (runtime.cuda_wait), set on every visible GPU's
+    primary context before the first CUDA call uses it. "block": a waiting thread sleeps on a
+    sync primitive until the GPU is done. "auto" (CUDA's default) spins the thread on its core
+    while the process has fewer CUDA contexts than the host has CPUs: with several processes on
+    one GPU (batch --processes), each spinning VLM and stage thread takes a core from the decoders.
+    -> whether blocking waits are set. A driver that refuses is one warning, not an error."""
+    if mode == "auto" or device.type != "cuda":
+        return False
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        warnings.warn(f"runtime.cuda_wait={mode}: the CUDA driver library was not found ({e}); "
+                      "threads wait for the GPU as CUDA chooses", RuntimeWarning, stacklevel=2)
+        return False
+    count, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    failed = cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count))
+    for ordinal in range(count.value if not failed else 0):
+        dev = ctypes.c_int()
+        failed = (cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
+                  or cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)))
+        if not failed and flags.value & CU_CTX_SCHED_MASK != CU_CTX_SCHED_BLOCKING_SYNC:
+            failed = cuda.cuDevicePrimaryCtxSetFlags_v2(
+                dev, (flags.value & ~CU_CTX_SCHED_MASK) | CU_CTX_SCHED_BLOCKING_SYNC)
+        if failed:
+            break
+    if failed:
+        warnings.warn(f"runtime.cuda_wait={mode}: the CUDA driver refused it (error {failed}); threads "
+                      "wait for the GPU as CUDA chooses", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

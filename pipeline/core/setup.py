@@ -17,11 +17,19 @@ from arr_coc.attending import AttendingConfig
 from arr_coc.model import ARRCOC
 
 from ..config import PipelineConfig
-from .cuda import resolve_device
+from .cuda import resolve_device, set_cuda_wait
 from .query import QUERY_DIM
 
 __all__ = ["QUERY_DIM", "build_model", "candidate_attending", "check_query", "encode_query", "load_answerer",
-           "open_source", "open_writer", "resolve_device"]
+           "open_source", "open_writer", "resolve_device", "runtime_device"]
+
+
+def runtime_device(cfg: PipelineConfig) -> torch.device:
+    """runtime.device resolved, with runtime.cuda_wait set on it: call before the first CUDA work
+    of the process (the models' loading)."""
+    device = resolve_device(cfg.runtime.device)
+    set_cuda_wait(cfg.runtime.cuda_wait, device)
+    return device
 
 
 def build_model(cfg: PipelineConfig, device: torch.device, *, answering: bool = False) -> ARRCOC:

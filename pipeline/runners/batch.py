@@ -41,7 +41,7 @@ from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
 from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
-from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, resolve_device
+from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, runtime_device
 from ..core.cuda import window_frames
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
@@ -210,7 +210,7 @@ class VideoAnswerer:
                               "does not apply (leave it unset)")
         self.cfg, self.stock, self.keep_policy = cfg, stock, keep_policy
         self.config_dict = to_dict(cfg)
-        self.device = resolve_device(cfg.runtime.device)
+        self.device = runtime_device(cfg)
         # vlm_server: the VLM of another process, shared with other workers (batch --processes);
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
         self.shared = vlm_server is not None
@@ -478,7 +478,7 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
 def config_vlm(cfg: PipelineConfig) -> Any:
     """The VLM runtime.vlm names, on runtime.device: a shared VLM process's factory (picklable
     with functools.partial)."""
-    return load_answerer(cfg, resolve_device(cfg.runtime.device))
+    return load_answerer(cfg, runtime_device(cfg))
 
 
 def report_outcome(outcome: VideoOutcome) -> None:

@@ -93,11 +93,11 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         stream id and its Gap), after the store has it (the server's event streams).
     """
     from ..core.live_status import StatusReporter, snapshot
-    from ..core.setup import build_model, check_query, encode_query, load_answerer, open_writer, resolve_device
+    from ..core.setup import build_model, check_query, encode_query, load_answerer, open_writer, runtime_device
 
     live, options = live or LiveConfig(), options or LiveOptions()
     stop = stop or threading.Event()
-    device = resolve_device(cfg.runtime.device)
+    device = runtime_device(cfg)
     if query_embedding is not None:
         check_query(query_embedding)
     sources = open_sources(specs, live, stream_ids)

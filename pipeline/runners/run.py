@@ -22,7 +22,7 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose
 from ..core.graph import Graph
-from ..core.setup import build_model, check_query, encode_query, load_answerer, open_source, open_writer, resolve_device
+from ..core.setup import build_model, check_query, encode_query, load_answerer, open_source, open_writer, runtime_device
 from ..core.stages import AnswerItem, FrameAllocation, RunStatus, VLMStage
 from ..vlm.geometry import VLMGeometry
 
@@ -70,7 +70,7 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     """
     from sinks import OverlayWriter
 
-    device = resolve_device(cfg.runtime.device)
+    device = runtime_device(cfg)
     if query_embedding is not None:
         check_query(query_embedding)
     # without a VLM or an overlay no pixels are read on the host: the worker may hand over YUV

@@ -20,7 +20,7 @@ from sources.live import LiveConfig
 from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.live_stages import LiveOptions
-from ..core.setup import build_model, resolve_device
+from ..core.setup import build_model, runtime_device
 from ..core.stages import AnswerItem
 from ..runners.live import run_live
 from ..runners.run import run_video
@@ -71,7 +71,7 @@ class Engine:
         from .streams import LiveStreams
 
         self.cfg, self.options, self.service = cfg, options, service
-        self.device = resolve_device(cfg.runtime.device)
+        self.device = runtime_device(cfg)
         self.model_id = options.model_id or cfg.runtime.vlm   # what --vlm named
         self.model = build_model(cfg, self.device, answering=True)
         ZarrStore.open(options.store, config=to_dict(cfg))    # created (or refused) now, not on a request

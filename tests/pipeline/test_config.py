@@ -54,6 +54,7 @@ def test_a_string_that_is_no_number_stays_an_error():
     ("runtime.batch_size=0", "runtime.batch_size=0 is out of range; allowed: [1, 4096]"),
     ("decode.decoder=ffmpeg", "decode.decoder='ffmpeg' is not supported; allowed: pyav, decord"),
     ("runtime.device=tpu", "runtime.device='tpu' is not supported; allowed: auto, cuda, cpu"),
+    ("runtime.cuda_wait=spin", "runtime.cuda_wait='spin' is not supported; allowed: block, auto"),
     ("model.attending.curve=cubic", "cubic"),
     ("model.bogus=1", "unknown config key model.bogus; known keys: attending, balancing, knowing, realizing, texture"),
     ("runtime.batch_size=1.5", "runtime.batch_size must be an integer, got 1.5"),

@@ -1,14 +1,19 @@
 """pipeline.core.cuda's host <-> device helpers (CPU here; the CUDA run takes the same code), and
-graph capture beside Python's cyclic collector (CUDA)."""
+graph capture beside Python's cyclic collector, and how threads wait for the GPU (CUDA)."""
 from __future__ import annotations
 
+import ctypes.util
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.core.cuda import capture, no_cyclic_gc, read_back, upload
+from pipeline.core.cuda import capture, no_cyclic_gc, read_back, set_cuda_wait, upload
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs CUDA")])]
@@ -83,3 +88,60 @@ def test_a_capture_survives_garbage_graphs_collectable_meanwhile():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, torch.full_like(x, 2.0))
+
+
+def test_cuda_wait_touches_nothing_where_it_does_not_apply():
+    assert set_cuda_wait("auto", torch.device("cuda")) is False
+    assert set_cuda_wait("block", torch.device("cpu")) is False
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is installed here")
+def test_cuda_wait_without_a_driver_is_one_warning():
+    with pytest.warns(RuntimeWarning, match="runtime.cuda_wait=block: the CUDA driver library was not found"):
+        assert set_cuda_wait("block", torch.device("cuda")) is False
+
+
+WAIT_PROBE = """
+import json, sys, time
+import torch
+from pipeline.core.cuda import set_cuda_wait
+mode, order = sys.argv[1:]
+device = torch.device("cuda")
+if order == "after":                                    # the context exists already
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize()
+applied = set_cuda_wait(mode, device)
+torch.zeros(1, device=device)
+torch.cuda.synchronize()
+torch.cuda._sleep(10 ** 6)                              # warm the kernel
+torch.cuda.synchronize()
+start = time.perf_counter()
+torch.cuda._sleep(10 ** 8)
+torch.cuda.synchronize()
+cycles = int(10 ** 8 * 0.4 / (time.perf_counter() - start))   # about 0.4 s of GPU sleep
+torch.cuda._sleep(cycles)
+cpu, wall = time.thread_time(), time.perf_counter()
+torch.cuda.synchronize()
+print(json.dumps({"applied": applied, "cpu": time.thread_time() - cpu, "wall": time.perf_counter() - wall}))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("order", ["before", "after"], ids=["set before the first CUDA call", "set after it"])
+def test_blocking_waits_leave_the_cpu_free(order):
+    """A thread waiting ~0.4 s for the GPU spins on its core as CUDA chooses (one process, fewer
+    contexts than CPUs) and sleeps with runtime.cuda_wait=block (in a fresh process each)."""
+    root = Path(__file__).resolve().parents[3]
+
+    def probe(mode):
+        out = subprocess.run([sys.executable, "-c", WAIT_PROBE, mode, order], capture_output=True, text=True,
+                             cwd=root, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    spun, slept = probe("auto"), probe("block")
+    assert slept["applied"] and not spun["applied"]
+    assert spun["wall"] > 0.2 and slept["wall"] > 0.2, (spun, slept)
+    assert spun["cpu"] > 0.5 * spun["wall"], spun
+    assert slept["cpu"] < 0.2 * slept["wall"], slept

@@ -177,8 +177,8 @@ def _server_vlm(cfg, factory):
     BENCH_VLM = cfg.vlm
     if factory is None:
         return config_vlm(cfg)
-    from pipeline.core.setup import resolve_device
-    return factory(resolve_device(cfg.runtime.device))
+    from pipeline.core.setup import runtime_device
+    return factory(runtime_device(cfg))
 
 
 def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: int, processes: int,
@@ -229,10 +229,10 @@ def vlm_only_run(plan, cfg, *, factory) -> dict:
     front end and no store; one video at a time. Steady rates leave out the first video."""
     import time
 
-    from pipeline.core.setup import load_answerer, resolve_device
+    from pipeline.core.setup import load_answerer, runtime_device
     from sources import open_video
 
-    device = resolve_device(cfg.runtime.device)
+    device = runtime_device(cfg)
     t0 = time.perf_counter()
     vlm = load_answerer(cfg, device) if factory is None else factory(device)
     done, questions, tokens = [], 0, 0

@@ -25,7 +25,7 @@ from arr_coc.lod import token_frames
 from sources.frame import Frame
 from sources.live import Gap, LiveSource
 
-from ..config import PipelineConfig
+from ..config import PipelineConfig, validate_every
 from .graph import Channel, Stage
 from .cuda import pins_frames, window_frames
 from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
@@ -33,6 +33,7 @@ from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, Textu
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame
 _GOLDEN = (5 ** 0.5 - 1) / 2   # LiveOptions.stagger's phase step
+_DURATION_MAX_S = 10 * 365 * 86_400.0   # --duration: ten years is "until stopped" in practice
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,9 @@ class LiveOptions:
     stagger: bool = True
 
     def __post_init__(self) -> None:
-        check_range("--every", self.every_s, 0.0, None, lo_open=True)
-        if self.duration_s is not None:
-            check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
+        validate_every(self.every_s, name="--every")
+        if self.duration_s is not None:   # finite: a timer cannot wait forever (OverflowError)
+            check_range("--duration", self.duration_s, 0.0, _DURATION_MAX_S, lo_open=True)
         check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
         check_range("window_frames", self.window_frames, 1, 4096)
         for name in ("vlm_process", "stagger"):

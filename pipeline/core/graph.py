@@ -360,8 +360,8 @@ class Graph:
         """Run every stage in its own thread until all drained, close the stages, then re-raise the
         first failure. workers: take the threads from there (kept warm across runs) instead of new ones.
 
-        Ctrl-C (KeyboardInterrupt in this thread; the CLI turns SIGTERM into one) calls `on_interrupt`
-        and stops the sources; what they produced drains. A second one aborts the drain (`abort`).
+        Ctrl-C or the CLI's SIGTERM (queued for this wait: Interrupts; or a KeyboardInterrupt in this
+        thread) calls `on_interrupt` and stops the sources; what they produced drains. A second one aborts the drain (`abort`).
         Either way run() returns only once every stage thread has ended and every stage is closed,
         then re-raises KeyboardInterrupt: threads that ran torch code must not outlive the
         interpreter ("terminate called without an active exception", exit 134), and a close cut

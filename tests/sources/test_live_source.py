@@ -353,15 +353,20 @@ class TestFlappingSource:
     failure, and --max-reconnects N gives up after N of them. (The attempt count used to start over
     at each successful open: GETs at the first step's rate forever, and never giving up.)"""
 
-    def test_backoff_grows_with_each_failed_read(self, tmp_path):
-        cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.8,
-                         backoff_jitter=0.2)
+    @staticmethod
+    def watch(tmp_path, cfg: LiveConfig, seconds: float):
+        """Capture a flapping server for up to `seconds`: (frames, gaps, stats, source, GET times)."""
         with FlappingServer(tmp_path) as server, warnings.catch_warnings():
             warnings.simplefilter("ignore", StreamInterruptedWarning)
             with open_live(server.url(), config=cfg) as src:
-                frames, _ = drain(src, 4.0)
+                frames, gaps = drain(src, seconds)
                 stats = src.stats()
-            gets = list(server.gets)
+            return frames, gaps, stats, src, list(server.gets)
+
+    def test_backoff_grows_with_each_failed_read(self, tmp_path):
+        cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.8,
+                         backoff_jitter=0.2)
+        frames, _, stats, _, gets = self.watch(tmp_path, cfg, 4.0)
         # delays 0.05, 0.1, 0.2, 0.4, then 0.8 (each +-20 %): about 8 GETs in 4 s, not one per 0.05 s
         assert frames == [] and not stats.connected and stats.gaps == 1
         assert 4 <= len(gets) <= 12, len(gets)
@@ -371,13 +376,9 @@ class TestFlappingSource:
     def test_max_reconnects_counts_failed_reads(self, tmp_path):
         cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.02, backoff_max_s=0.05,
                          max_reconnects=3)
-        with FlappingServer(tmp_path) as server, warnings.catch_warnings():
-            warnings.simplefilter("ignore", StreamInterruptedWarning)
-            with open_live(server.url(), config=cfg) as src:
-                _, gaps = drain(src, 10.0)
-                assert src.finished, "the source never gave up"
-            gets = len(server.gets)
-        assert gets == 1 + 3                              # the first open, then three failed reconnects
+        _, gaps, stats, src, gets = self.watch(tmp_path, cfg, 10.0)
+        assert src.finished, "the source never gave up"
+        assert len(gets) == 1 + 3                         # the first open, then three failed reconnects
         assert src.error is not None and "\n" not in str(src.error)
         assert "gave up after 3 failed reconnect attempts (--max-reconnects 3)" in str(src.error)
         assert len(gaps) == 1 and gaps[0][1].reason.endswith("(3 attempts); gave up"), gaps[0][1].reason

@@ -105,6 +105,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     sources = open_sources(specs, live, stream_ids)
     remote = None
     try:
+        if (vlm is not None or cfg.runtime.vlm != "none") and not options.on_scene_change:
+            check_every(options.every_s, sources)   # before a model is loaded or anything written
         if vlm is None and options.vlm_process and cfg.runtime.vlm != "none":
             from ..vlm.remote import RemoteVLM
             vlm = remote = RemoteVLM(functools.partial(load_answerer, cfg, device))
@@ -124,8 +126,6 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         vlm_stage = None
         if vlm is not None:
             from ..vlm.batcher import VLMBatcher
-            if not options.on_scene_change:
-                check_every(options.every_s, sources)
             if device.type == "cuda" and cfg.vlm.cuda_graphs:
                 warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
             vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options, vlm_fps=cfg.vlm.fps)

@@ -101,6 +101,7 @@ class TestAnswerPeriod:
         assert code == 2, err
         assert err.strip() == (f"error: {clip}: --every=0.01 s is out of range: an answer period is at least 0.04 s "
                                f"(one frame at 25 fps) and at most 86400 s (a day)")
+        assert not (tmp_path / "o.zarr").exists()
 
     def test_one_frame_periods_stop_at_the_duration(self, capsys, tmp_path, clip):
         """The shortest valid period (one frame) answers as often as the VLM can and stops at

@@ -39,7 +39,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="where the model runs (default: auto)")
     p.add_argument("--decoder", choices=["pyav", "decord"], help="video decoder (default: pyav)")
     p.add_argument("--vlm", help="VLM: HF id, local snapshot path, tiny-random, or none (default: none)")
-    p.add_argument("--every", type=float, metavar="SECONDS", help="one answer per window of this length")
+    p.add_argument("--every", type=float, metavar="SECONDS",
+                   help="one answer per window of this length (one frame to a day)")
     p.add_argument("--overlay", metavar="FILE.mp4", help="also render the homunculus heat map over the video")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="force the progress bar (default: only on a terminal)")
@@ -178,7 +179,8 @@ def _add_live(sub: Any) -> None:
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this long (default: until Ctrl-C)")
     p.add_argument("--realtime", action="store_true", help="allow files, played at their real frame rate")
     p.add_argument("--max-reconnects", type=int, metavar="N",
-                   help="give up a source after N failed reconnect attempts in a row (default: retry forever)")
+                   help="give up a source after N failed reconnect attempts in a row, an attempt that opens but "
+                        "brings no frame included (default: retry forever)")
     p.add_argument("--transport", choices=["tcp", "udp"], default="tcp", help="RTSP transport (default: tcp)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="open / read timeout: a stream silent this long is reconnected (default: 5)")

@@ -1,4 +1,4 @@
-"""How live sources connect: their configuration, what a SOURCE argument names, and one open
+"""How live sources connect: their configuration, a parsed SOURCE (SourceSpec), and one open
 connection per kind (network stream through PyAV, camera through OpenCV, file paced at its frame
 rate). sources/live.py runs the capture thread over them; sources/reconnect.py decides when to
 try again after an outage.

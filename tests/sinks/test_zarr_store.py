@@ -549,31 +549,53 @@ class TestCrashSafety:
         assert {group[s.name].shape[0] for s in FRAMES.fields} == {128}
         assert read_stream(path, "v")["answers"]["text"].tolist() == ["before the crash"]
 
-    def test_sigkill_at_a_random_point_of_writing(self, tmp_path):
-        proc = spawn(tmp_path, """
-            w = store.stream("v", **META, chunk_frames=8)
-            print("ready", flush=True)
-            s = 0
-            while True:
-                w.append(**columns(s, 3)); s += 3
-                if s % 30 == 0:
-                    w.add_answer(0.0, s / 25, "q", f"after {s}", s, 10 * s, 0.1)
-        """)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-            deadline = time.monotonic() + 30
-            meta = tmp_path / "out.zarr" / "streams/v/zarr.json"
-            while json.loads(meta.read_text())["attributes"]["frames"] < 40 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.137)  # land somewhere inside a write, not on a boundary we chose
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            proc.stdout.close()
-        self._assert_consistent_incomplete(tmp_path / "out.zarr", 40)
-        redo = ZarrStore.open(tmp_path / "out.zarr").stream("v", **META)  # the resumed batch redoes it
+    def test_a_crash_at_any_write_leaves_a_consistent_store(self, tmp_path, monkeypatch):
+        """The writer dies at its k-th file write (each file write is atomic: the k-th never lands,
+        nothing after it happens), for every k of a run of appends and answers: the store is valid,
+        every committed frame and answer is real, and a resumed run redoes the stream."""
+        from sinks import store_files
+
+        class Crash(BaseException):
+            pass
+
+        real_write, writes = store_files.Location.write, []
+
+        def write(loc, rel, data):
+            if len(writes) == crash_at:
+                raise Crash
+            writes.append(rel)
+            real_write(loc, rel, data)
+
+        def scenario(path: Path) -> None:
+            """Two rounds of a chunk of frames (one commit each) and an answer after it."""
+            writer = ZarrStore.open(path, config={}).stream("v", **META, chunk_frames=4)
+            writes.clear()
+            try:
+                for s in (4, 8):
+                    writer.append(**columns(s - 4, 4))
+                    writer.add_answers([dict(t_start=0.0, t_end=s / 25, question="q", text=f"after {s}",
+                                             tokens_kept=s, tokens_full=10 * s, latency_s=0.1)])
+            except Crash:
+                pass
+            del writer                                    # the crashed process's lock goes with it
+
+        monkeypatch.setattr(store_files.Location, "write", write)
+        crash_at = -1
+        scenario(tmp_path / "all.zarr")
+        total = len(writes)
+        assert total > 40 and sum(w.endswith("zarr.json") for w in writes) > 4
+        for crash_at in range(total):
+            path = tmp_path / f"crash{crash_at}.zarr"
+            scenario(path)
+            assert len(writes) == crash_at
+            committed = self._assert_consistent_incomplete(path, 0)
+            texts = read_stream(path, "v")["answers"]["text"].tolist()
+            assert texts == [f"after {s}" for s in (4, 8)][:len(texts)], crash_at
+            assert committed >= 4 * len(texts), crash_at          # an answer comes after its frames
+        monkeypatch.undo()
+        redo = ZarrStore.open(tmp_path / "crash20.zarr").stream("v", **META)  # the resumed batch redoes it
         redo.close(complete=True)
-        assert validate_store(tmp_path / "out.zarr") == []
+        assert validate_store(tmp_path / "crash20.zarr") == []
 
 
 class TestOwnership:

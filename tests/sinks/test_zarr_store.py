@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from pathlib import Path
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import sys
@@ -44,6 +45,8 @@ from ..core.graph import StageError, Workers, wait_through_interrupts
 from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, runtime_device
 from ..core.cuda import window_frames
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the VLM's modules import lazily: `pipeline --help` builds this module's options
     from ..vlm.batcher import VLMBatcher
@@ -483,7 +486,7 @@ def config_vlm(cfg: PipelineConfig) -> Any:
 
 def report_outcome(outcome: VideoOutcome) -> None:
     if outcome.status in ("missing", "failed"):
-        print(f"warning: skipped {outcome.video_id}: {outcome.message}", file=sys.stderr)
+        log.warning("skipped %s: %s", outcome.video_id, outcome.message)
 
 
 def _with_progress(items: Iterator[VideoOutcome], total: int, progress: bool | None) -> Iterator[VideoOutcome]:

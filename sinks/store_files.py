@@ -166,7 +166,7 @@ _TEMPLATES: dict[tuple, dict[str, bytes]] = {}
 def stream_template(grid: tuple[int, int], chunk_frames: int) -> dict[str, bytes]:
     """The metadata files (relative path -> bytes) zarr writes for an empty stream group of this
     grid and chunking, made by zarr itself once per process and shape (a stream per video would
-    otherwise pay zarr's ~20 array creations, ~50 ms, every time). The codecs are named, not
+    otherwise pay zarr's ~20 array creations every time). The codecs are named, not
     zarr's defaults of the day: ArrayFiles encodes chunks with exactly these."""
     key = (grid, chunk_frames)
     if key not in _TEMPLATES:
@@ -202,9 +202,9 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 class ArrayFiles:
     """One array of a stream group this process created, appended to by writing its files the way
-    zarr writes them, without zarr's per-call machinery (each zarr resize or write is ~1 ms of
-    Python on an event-loop thread; a batch video made ~40 of them, ~40 ms of a GIL every stage of
-    the process shares). Chunks: the rows padded with the fill value to the chunk shape, through
+    zarr writes them, without zarr's per-call machinery (each zarr resize or write runs Python on an
+    event-loop thread, holding the GIL every stage of the process shares, and a batch video made
+    dozens of them). Chunks: the rows padded with the fill value to the chunk shape, through
     the array's own codecs (little-endian bytes or vlen-utf8, then zstd), at zarr's default chunk
     keys; a chunk of fill values only is not written (zarr's write_empty_chunks=False). Then the
     array's zarr.json with the new shape (one-line JSON; zarr indents it). The rows of the last,

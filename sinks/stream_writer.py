@@ -101,8 +101,8 @@ class StreamWriter:
 
     def add_answers(self, rows: list[Mapping[str, Any]]) -> None:
         """Write several answers (dicts by field name, sinks.schema.answer_row) immediately, in one
-        commit: each array is resized and written once (a batch video's questions, ~1 ms instead
-        of ~17 each). One bad row refuses them all, before anything is written."""
+        commit: each array is resized and written once for all of them (a batch video's questions).
+        One bad row refuses them all, before anything is written."""
         self._check_open()
         checked = [answer_row(row) for row in rows]
         self.answers = self._append_rows(self._answers, self.answers, checked, ANSWERS.count_attr, "an answer")

@@ -106,7 +106,7 @@ def _add_batch(sub: Any) -> None:
                    help="with --processes on a CUDA GPU: run the processes as clients of an NVIDIA MPS daemon (the "
                         "one running, else one started and stopped for the run; needs the driver's "
                         "nvidia-cuda-mps-control), so that their kernels share the GPU at once instead of taking "
-                        "turns (+32-34%% questions/s with 4 processes on an H100: docs/performance.md)")
+                        "turns (docs/performance.md)")
     p.add_argument("--vlm-server", help=argparse.SUPPRESS)  # set by --processes: the shared VLM's socket
     _common(p)
     p.set_defaults(func=_lazy("batch", "cmd_batch"))
@@ -195,7 +195,7 @@ def _add_live(sub: Any) -> None:
                         "it; default: %(default)s; 1: none held back; 0: FFmpeg's choice, up to one per core)")
     p.add_argument("--vlm-process", action="store_true",
                    help="run the VLM in a process of its own (no interpreter lock shared with the capture and "
-                        "front-end threads; on an H100 at 16 streams no faster than the default thread)")
+                        "front-end threads; off by default: docs/performance.md)")
     p.set_defaults(func=_lazy("live", "cmd_live"))
 
 

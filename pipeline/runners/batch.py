@@ -58,8 +58,7 @@ KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
 MODEL_SEED = 0
 # videos a worker has in flight at once: while one video's questions are answered on the GPU, the next
 # ones are decoded and allocated (decode is CPU-bound, in its own process), so the VLM rarely waits.
-# On H100s (MSR-VTT-sized clips at 2 fps, bench_batch): one Ray actor 152.8 questions/s with 2, 192.8
-# with 4; four actors 585.0 with 2, 644.2 with 4 (one run each, 2026-11-27)
+# 4 answered the most questions/s per actor and in total (docs/performance.md).
 IN_FLIGHT = 4
 
 

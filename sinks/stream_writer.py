@@ -130,23 +130,25 @@ class StreamWriter:
             raise SinkError(f"cannot write {what} of {self._where}: {e.strerror or e}") from e
         return n + k
 
-    def close(self, complete: bool, *, damaged: bool = False, truncated_at_s: float | None = None) -> None:
+    def close(self, complete: bool, *, damaged: bool = False, truncated_at_s: float | None = None,
+              attrs: Mapping[str, Any] | None = None) -> None:
         """Flush, then record `complete` (True only when the stream was processed to its end), and
         give the stream up (also when that fails: the writer is closed either way).
 
         damaged: the input's damage stopped decoding and everything before it was processed; the
         stream is then recorded as `damaged` (done: nothing more can be decoded) but not complete,
-        with `truncated_at_s`, the pts of its last frame. Rows are committed before that is written."""
+        with `truncated_at_s`, the pts of its last frame. Rows are committed before that is written.
+        attrs: more of sinks.schema.STREAM_ATTRS, written with `complete` (live: stopped_by, outage_s)."""
         self._check_open()
         if damaged and complete:
             raise ValueError("a damaged stream is not complete: pass complete=False with damaged=True")
         try:
             self._write(full_chunks_only=False)
-            attrs: dict[str, Any] = {"complete": bool(complete), "frames": self.frames}
+            final: dict[str, Any] = {**(attrs or {}), "complete": bool(complete), "frames": self.frames}
             if damaged:
-                attrs.update(damaged=True, truncated_at_s=None if truncated_at_s is None else float(truncated_at_s))
+                final.update(damaged=True, truncated_at_s=None if truncated_at_s is None else float(truncated_at_s))
             try:
-                self._set_attrs(attrs)
+                self._set_attrs(final)
             except OSError as e:
                 raise SinkError(f"cannot finish {self._where}: {e.strerror or e}") from e
         finally:

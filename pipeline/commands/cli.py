@@ -12,6 +12,7 @@ Exit codes: 0 ok, 2 bad input or options, 1 a stage failed, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import signal
@@ -319,7 +320,10 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends cleanly, like Ctrl-C
+    from ..core.graph import INTERRUPTS
+
+    INTERRUPTS.reset()
+    signal.signal(signal.SIGTERM, functools.partial(_raise_interrupt, INTERRUPTS))  # SIGTERM ends cleanly, like Ctrl-C
     warnings.formatwarning = _one_line_warning
     _quiet_ffmpeg()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
@@ -378,5 +382,8 @@ def _quiet_ffmpeg() -> None:
         pass
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _raise_interrupt(interrupts: Any, signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: while a graph waits (or once the command was interrupted) the signal is
+    queued for the wait to act on (core/graph.py: Interrupts), else KeyboardInterrupt."""
+    if not interrupts.absorb():
+        raise KeyboardInterrupt

@@ -45,11 +45,9 @@ class LiveConfig:
     realtime:          files are allowed and played at their frame rate (demos, tests).
     decode_threads:    FFmpeg decoding threads per network stream. Frame threads each hold a frame
                        back, counted in the latencies (they run from a frame's packet arrival).
-                       2 (default): one frame held back (33 ms at 30 fps), two cores' decode rate,
-                       plenty for 720p/1080p H.264; 1: none held back; 0: FFmpeg's choice, up to
-                       one thread per core (16 threads: 15 frames, half a second at 30 fps: on an
-                       H100 box, 16 streams of 720p30 had frame latency p95 580 ms against 109 ms
-                       at 2 threads, bench_live_cuda_h100_16_kept_dt*.json).
+                       2 (default): one frame held back, two cores' decode rate, plenty for
+                       720p/1080p H.264; 1: none held back; 0: FFmpeg's choice, up to one thread
+                       per core, each holding a frame back (many frames of latency on a big host).
     """
 
     transport: Literal["tcp", "udp"] = "tcp"

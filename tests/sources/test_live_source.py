@@ -92,6 +92,19 @@ class TestParse:
             assert np.mean(ds) == pytest.approx(base, rel=0.05)
         assert max(delays[7]) <= 1.2
 
+    def test_backoff_jitter_spreads_both_ways_around_the_delay(self):
+        """Jitter scales a delay by a factor in [1 - j, 1 + j], centred on 1: as many reconnects come
+        early as late, and the extremes are reached (a jitter that only lengthens would still pass
+        the bounds check above)."""
+        cfg = LiveConfig(backoff_initial_s=0.1, backoff_max_s=1.0, backoff_jitter=0.2)
+        rng = random.Random(1)
+        for attempt in (0, 3, 9):
+            base = min(1.0, 0.1 * 2 ** attempt)
+            factors = np.array([cfg.backoff_s(attempt, rng) for _ in range(2000)]) / base
+            assert abs(factors.mean() - 1.0) < 0.01
+            assert 0.4 < (factors < 1.0).mean() < 0.6
+            assert factors.min() < 0.82 and factors.max() > 1.18
+
 
 class TestLatestFrames:
     def test_keeps_newest_and_counts_drops(self):

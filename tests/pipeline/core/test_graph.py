@@ -109,6 +109,21 @@ class TestFlow:
         ch.put(6)
         assert [ch.get() for _ in range(4)] == [4, 5, _END, 6] and ch.dropped == 4
 
+    def test_drop_oldest_never_drops_the_end_marker_at_the_head(self):
+        """A full queue whose oldest entry is the end marker drops the oldest item behind it; a
+        queue holding only the marker takes the new item beside it (the consumer still ends)."""
+        ch = Channel(2, Policy.DROP_OLDEST)
+        ch.put(0)
+        ch.put(_END)
+        assert ch.get() == 0                              # the marker is now at the head
+        ch.put(1)
+        ch.put(2)                                          # full: 1 goes, the marker stays
+        assert [ch.get() for _ in range(2)] == [_END, 2] and ch.dropped == 1
+        only = Channel(1, Policy.DROP_OLDEST)
+        only.put(_END)
+        only.put(7)
+        assert [only.get() for _ in range(2)] == [_END, 7] and only.dropped == 0
+
     def test_drop_oldest_keeps_newest_and_counts_drops(self):
         src, sink = Numbers(200), Collect(delay=0.002)
         g, chans = chain(src, sink, capacity=2, policy=Policy.DROP_OLDEST)

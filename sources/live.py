@@ -241,7 +241,8 @@ class LiveSource:
     def begin(self) -> None:
         """The consumer is ready for frames (the first `take()` calls this too). A file starts
         playing now, at pts 0 of the session; a stream forgets the frames that arrived before,
-        uncounted, so that the consumer's first frames are the newest."""
+        uncounted, so that the consumer's first frames are the newest (stats() count outages from here
+        on, the one still open included)."""
         with self._begin_lock:
             if self.began_at is not None:
                 return
@@ -252,6 +253,8 @@ class LiveSource:
                     self._start_capture()
             else:
                 self.buffer.clear()
+                with self._lock:   # and the outages that ended before (their gaps rode on those frames)
+                    self._outages, self._outage_s = int(self._outage is not None), 0.0
 
     def _start_capture(self) -> None:
         self._thread = threading.Thread(target=self._capture, name=f"capture-{self.stream_id}", daemon=True)

@@ -22,7 +22,8 @@ from ..config import PipelineConfig
 from .frontend_graphs import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
 from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters
-from .stages import DecodeStage, FrameAllocation, Outcome, RealizeStage, RunStatus, SinkStage, TextureStage
+from .items import FrameAllocation, Outcome, RunStatus
+from .stages import DecodeStage, RealizeStage, SinkStage, TextureStage
 
 
 def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, cfg: PipelineConfig,

@@ -23,7 +23,7 @@ from arr_coc.model import ARRCOC, Allocation
 from arr_coc.realizing import STATE_TENSORS, StreamState
 from arr_coc.texture import Texture
 
-from .cuda import capture
+from ..runtime.cuda import capture
 
 STATE_FIELDS = STATE_TENSORS
 # A shape no prepare() covered (a file's short last batch) runs eagerly the first time it comes and

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from arr_coc._validate import ConfigError
-from pipeline.core.sockets import short_tempdir
+from pipeline.runtime.sockets import short_tempdir
 
 BINARY = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"

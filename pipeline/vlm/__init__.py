@@ -1,6 +1,6 @@
 """VLM stage: answer questions about a window of frames from only the visual tokens ARR-COC kept.
 
-The names below are imported on first use (PEP 562): `pipeline.vlm.config` is read by every
+The names below are imported on first use (PEP 562): `pipeline.vlm_config` is read by every
 command's configuration, and importing the model code with it would import transformers (about
 2.4 s) for commands that never load a VLM, `--help` included.
 """
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from arr_coc._lazy import lazy_exports
 
-_HOMES = {"VLMConfig": "config", "VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading",
-          "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model", "WindowQuestions": "model",
+_HOMES = {"VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading", "VLM": "model",
           "KeptFeatures": "kept_vision"}
 __all__ = list(_HOMES)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.core.cuda import capture
+from pipeline.runtime.cuda import capture
 from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention
 

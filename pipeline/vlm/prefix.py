@@ -17,7 +17,8 @@ from arr_coc.lod import token_frames
 from pipeline.runtime.cuda import to_device
 from pipeline.vlm import hf
 from pipeline.vlm.geometry import VLMGeometry
-from pipeline.vlm.selection import allocation_keys, pair_lod, select_tokens, snap_to_windows, token_cells, token_relevance
+from pipeline.vlm.selection import (allocation_keys, pair_lod, select_tokens, snap_to_windows, token_cells,
+                                    token_relevance)
 from pipeline.vlm_config import VLMConfig
 
 SYSTEM_PROMPT = "You are a helpful assistant."

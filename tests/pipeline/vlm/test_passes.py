@@ -256,7 +256,7 @@ class TestTempering:
     def test_rung_sizes_grow_or_are_dropped(self, vlm):
         v = self.tempered(vlm)                                              # shares 1/15, 2/15, 1/3
         assert v.passes.plan.pass_sizes(30) == [2, 4, 10]
-        assert v.passes.plan.pass_sizes(5) == [1, 2]                             # 0.33 -> 1, 0.67 -> 1 (again), 1.67 -> 2
+        assert v.passes.plan.pass_sizes(5) == [1, 2]                        # 0.33 -> 1, 0.67 -> 1 (again), 1.67 -> 2
         assert v.passes.plan.pass_sizes(1) == [1] and v.passes.plan.pass_sizes(0) == [0]
         assert on(vlm, candidate_factor=1.0).passes.plan.pass_sizes(7) == [7]
 
@@ -286,7 +286,8 @@ class TestTempering:
         frames, keep, window = window_case
         v = self.tempered(vlm)
         sure = iter([[0.9, 0.1], [0.8]])
-        monkeypatch.setattr(generation_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         reqs = [request(frames, keep, q) for q in QUESTIONS]
         results = v.answer(reqs)
@@ -305,7 +306,8 @@ class TestTempering:
         frames, keep, window = window_case
         v = self.tempered(vlm, threshold=0.5)
         sure = iter([[0.5, 0.5]] * 3)
-        monkeypatch.setattr(generation_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         results = v.answer([request(frames, keep, q) for q in QUESTIONS])
         first = self.rung_sizes(v, window)[0]
         assert [(r.passes, r.tokens_kept) for r in results] == [(1, first), (1, first)]
@@ -316,7 +318,8 @@ class TestTempering:
         frames, keep, window = window_case
         v = self.tempered(vlm, threshold=0.9, max_passes=2, fallback="most_confident")
         sure = iter([[0.4], [0.4]])
-        monkeypatch.setattr(generation_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         result = v.answer([request(frames, keep, QUESTIONS[0])])[0]
         sizes = self.rung_sizes(v, window)
         assert (result.passes, result.tokens_kept, result.tokens_spent) == (2, sizes[1], sizes[0] + sizes[1])

@@ -219,7 +219,8 @@ class TestFallback:
         keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
         v = tempered(vlm, threshold=0.9, fallback=fallback)
         sure = iter([[0.3], [0.6], [0.2]])
-        monkeypatch.setattr(generation_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         return v, v.answer([scored(frames, keep, seed=13)])[0], calls
 
@@ -244,7 +245,8 @@ class TestFallback:
         keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
         v = tempered(vlm, threshold=0.5, fallback="most_confident")
         sure = iter([[0.3], [0.6]])
-        monkeypatch.setattr(generation_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         result = v.answer([scored(frames, keep, seed=13)])[0]
         assert (result.passes, result.tokens_kept) == (2, calls[1][0].tokens_kept)

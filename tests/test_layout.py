@@ -1,4 +1,5 @@
-"""The layout is the architecture: dependencies point one way (DESIGN.md, "Where things live").
+"""The layout is the architecture: dependencies point one way (docs/architecture.md: the packages
+and their order).
 
 Every import counts: at module level, inside a function (lazy imports still tie modules together)
 and under `if TYPE_CHECKING:` (a type-only import is a dependency all the same: a reader needs the

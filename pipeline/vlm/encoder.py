@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline.runtime.requests import AnswerRequest
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.preprocess import VideoPreprocessor
-from pipeline.runtime.requests import AnswerRequest
 from pipeline.vlm.vision_attention import batched_attention
 from pipeline.vlm.vision_graph import VisionGraphs
 from pipeline.vlm_config import VLMConfig

@@ -43,6 +43,7 @@ from pipeline.vlm.vision_blocks import patch_vision_blocks
 from pipeline.vlm.vision_graph import VisionGraphs
 from pipeline.vlm_config import VLMConfig
 
+
 def snapshot_dir(name: str) -> str | None:
     """The snapshot directory of the VLM named `name`, else None: load_vlm names a VLM loaded from
     a snapshot (a shipped one by name, or a local directory) by that directory."""

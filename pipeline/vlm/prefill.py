@@ -12,9 +12,8 @@ import torch
 
 from pipeline.runtime.cuda import to_device
 from pipeline.vlm import hf
-from pipeline.vlm.decoding import StaticDecoder
+from pipeline.vlm.decoding import PACKED_SDPA, StaticDecoder, register_packed_sdpa
 from pipeline.vlm.prefix import Prefix, WindowPrefix, shared_windows
-from pipeline.vlm.decoding import PACKED_SDPA, register_packed_sdpa
 from pipeline.vlm.text_model import FastTextModel, unsupported
 from pipeline.vlm_config import KV_CACHE_GIB, VLMConfig
 

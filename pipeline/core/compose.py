@@ -96,7 +96,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     if graphs is not None:
         # every batch shape the capture stage can hand over (a source's buffer caps a batch),
         # captured now: a capture mid-run stalls the stream that needs it, and it races the other
-        # threads' CUDA calls (two live runs on an H100 failed inside or just after one)
+        # threads' CUDA calls (two live runs failed inside or just after one)
         largest = min(cfg.runtime.batch_size, max(s.config.buffer_frames for s in sources))
         for height, width in sorted({(s.height, s.width) for s in sources}):
             for batch in range(1, largest + 1):

@@ -2,8 +2,7 @@
 
 Each CUDA process has its own context, and the GPU time-slices between contexts: the kernels of
 N shard processes never run at once. Under an MPS control daemon the processes' work goes through
-one MPS server and one context, so their kernels overlap (on one H100, 4 batch processes: +32-34%
-questions/s; docs/performance.md).
+one MPS server and one context, so their kernels overlap (the gain: docs/performance.md).
 
 `mps_daemon()` reuses a daemon that is already running (CUDA_MPS_PIPE_DIRECTORY's control pipe,
 else the default /tmp/nvidia-mps/control) and starts nothing; else it starts a private one

@@ -48,7 +48,10 @@ def check_scores(scores: np.ndarray | torch.Tensor, expected: int | tuple[int, .
     if not fits:
         want = f"(T={expected}, gh, gw)" if isinstance(expected, int) else f"the keep map's shape {expected}"
         raise ValueError(f"AnswerRequest.scores must be {want}, got {shape}")
-    floating = scores.is_floating_point() if isinstance(scores, torch.Tensor) else np.issubdtype(scores.dtype, np.floating)
+    if isinstance(scores, torch.Tensor):
+        floating = scores.is_floating_point()
+    else:
+        floating = np.issubdtype(scores.dtype, np.floating)
     if not floating:
         raise ValueError(f"AnswerRequest.scores must be floats, got {scores.dtype}")
     finite = bool(torch.isfinite(scores).all()) if isinstance(scores, torch.Tensor) else bool(np.isfinite(scores).all())

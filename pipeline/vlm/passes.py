@@ -179,7 +179,7 @@ def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
     the text before the video and every position stay as they are (the full video's M-RoPE)."""
     K = window.tokens_kept
     if keep.numel() == K:
-        return window                                                        # the same object: shared prefills stay shared
+        return window                                         # the same object: shared prefills stay shared
     v0 = window.embeds.shape[0] - K
     rows = torch.cat([torch.arange(v0, device=keep.device), v0 + keep])     # (v0 + n,)
     return dataclasses.replace(window, embeds=window.embeds[rows], positions=window.positions[:, rows],

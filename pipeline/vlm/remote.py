@@ -1,8 +1,9 @@
 """A VLM in a process of its own, answering over a pipe (live: LiveOptions.vlm_process).
 
 Why: under many live streams a VLM call takes several times as long as the same call alone
-(docs/performance.md): the capture, front-end and sink threads share the interpreter lock with the VLM thread, which launches thousands of small
-kernels per call and waits for the lock again after every host sync. In its own process the VLM has
+(docs/performance.md): the capture, front-end and sink threads share the interpreter lock with the
+VLM thread, which launches thousands of small kernels per call and waits for the lock again after
+every host sync. In its own process the VLM has
 an interpreter to itself; the requests (frames, keep maps, relevance) travel pickled over a pipe,
 the answers come back the same way.
 

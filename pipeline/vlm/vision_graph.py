@@ -2,7 +2,8 @@
 
 Run eagerly, Qwen2-VL-2B's 32 vision blocks launch about 600 kernels for a window, and with the
 batch path's other threads competing for the GIL the host, not the GPU, sets the pace (in
-`pipeline batch` the eager tower took several times its GPU time: docs/performance.md). A graph replays those launches in one call.
+`pipeline batch` the eager tower took several times its GPU time: docs/performance.md). A graph
+replays those launches in one call.
 
 What a graph needs, and how it gets it:
 - No host reads while capturing. HF computes the tower's grid-derived inputs (rotary position ids,

@@ -82,7 +82,7 @@ class TestWindowAfterAGap:
 
 
 def window(vlm, frames: int, height: int, width: int, retention: float, seed: int) -> AnswerRequest:
-    """A window whose keep maps hold what fraction mode keeps: retained_tokens(cells, retention) per frame."""
+    """A window whose keep maps hold what fraction mode keeps: retained_tokens(cells, retention) a frame."""
     rng = np.random.default_rng(seed)
     gh, gw = vlm.geometry.grid(height, width)
     k = retained_tokens(gh * gw, retention)

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 
-from ..core.stages import AnswerItem
+from ..core.items import AnswerItem
 
 
 class LocalVLM:

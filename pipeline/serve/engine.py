@@ -21,7 +21,7 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.live_stages import LiveOptions
 from ..core.setup import build_model, runtime_device
-from ..core.stages import AnswerItem
+from ..core.items import AnswerItem
 from ..runners.live import run_live
 from ..runners.run import run_video
 from .answering import RequestVLM, answer_row, item_row, result_row

@@ -27,7 +27,7 @@ from ray import serve
 from arr_coc._validate import ConfigError
 
 from ..config import PipelineConfig
-from ..core.setup import load_answerer, runtime_device
+from ..core.setup import runtime_device
 from .options import ServeOptions
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class VLMDeployment:
     """One loaded VLM per replica; `answer` batches the requests of every ingress call."""
 
     def __init__(self, cfg: PipelineConfig) -> None:
+        from ..vlm.loading import load_answerer
         self.vlm = load_answerer(cfg, runtime_device(cfg))
         self.answer.set_max_batch_size(cfg.vlm.max_batch)
         self.answer.set_batch_wait_timeout_s(cfg.vlm.max_wait_s)

@@ -10,7 +10,7 @@ from typing import Any
 from arr_coc._validate import ConfigError
 
 from ..config import PipelineConfig
-from ..core.setup import load_answerer, runtime_device
+from ..core.setup import runtime_device
 from .answering import LocalVLM
 from .engine import Engine
 from .options import ServeOptions
@@ -23,6 +23,7 @@ def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
     if cfg.runtime.vlm == "none":
         raise ConfigError("serve answers questions: name a VLM with --vlm (a Hugging Face id, a local snapshot, "
                           "or tiny-random for smoke tests)")
+    from ..vlm.loading import load_answerer
     vlm = load_answerer(cfg, runtime_device(cfg))
     service = LocalVLM(vlm)
     try:

@@ -18,7 +18,7 @@ from sources.live import Gap, LiveConfig
 
 from ..core.graph import StageError
 from ..core.live_stages import LiveOptions
-from ..core.stages import AnswerItem
+from ..core.items import AnswerItem
 from ..runners.live import run_live
 from .answering import RequestVLM, item_row
 from .errors import ApiError

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import pytest
 
 from pipeline.config import DecodeConfig, PipelineConfig, RuntimeConfig
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from sources.synthetic import Shot, default_demo_clip, render_clip, write_video
 
 from serve_client import API_KEY  # this directory's helpers

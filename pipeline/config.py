@@ -5,6 +5,7 @@ the CLI's own flags (--device, --decoder, --vlm, ...) are shorthands for such ov
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -12,6 +13,20 @@ from arr_coc._validate import ConfigError, check_int, check_range
 from arr_coc.model import ARRCOCConfig
 
 from .vlm.config import VLMConfig
+
+# the longest answer period (and live duration) a request may ask for: a day. Beyond it a number
+# is a typo, and sums like `next_due += every` stop changing (1e308) or overflow
+MAX_PERIOD_S = 86_400.0
+
+
+def check_period(name: str, value: object, *, at_least: float, at_most: float = MAX_PERIOD_S) -> float:
+    """`value` as a number of seconds in [at_least, at_most] (at_least > 0: one frame interval for
+    an answer period); else ConfigError naming it. NaN, infinities and booleans are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number of seconds, got {value!r}")
+    if not at_least <= value <= at_most:
+        raise ConfigError(f"{name}={value!r} is out of range; allowed: [{at_least:g}, {at_most:g}] seconds")
+    return float(value)
 
 
 @dataclass(frozen=True)

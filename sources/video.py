@@ -556,8 +556,8 @@ def _open_container(path: Path) -> tuple[av.container.InputContainer, av.video.s
     codec = videos[0].codec_context.codec
     if codec.name in NOT_VIDEO_CODECS:
         container.close()
-        raise SourceError(f"{path}: not a video (FFmpeg would draw it as {codec.long_name}, {codec.name!r}: "
-                          f"text or karaoke graphics, not camera or film footage)")
+        raise SourceError(f"{path}: not a video, FFmpeg would draw it as {codec.long_name} ({codec.name!r}): "
+                          f"text or karaoke graphics, not camera or film footage")
     return container, videos[0]
 
 

@@ -36,9 +36,11 @@ def raw_get(server, path: str, key: str = API_KEY) -> bytes:
 
 
 def long_chat(videos, n: int) -> dict:
-    """n messages, each different (the old parser's messages.index compared them one by one)."""
-    history = [{"role": "user" if k % 2 else "assistant", "content": str(k)} for k in range(n - 1)]
-    return {"model": "tiny-random", "messages": history + chat_body(videos.small.as_uri())["messages"]}
+    """n messages, each different, the video in the first: follow-up questions about it (the old
+    parser looked each user message up with messages.index, comparing it with those before it)."""
+    first = chat_body(videos.small.as_uri(), "what is this?")["messages"]
+    history = [{"role": "assistant" if k % 2 else "user", "content": str(k)} for k in range(1, n - 1)]
+    return {"model": "tiny-random", "messages": first + history + [{"role": "user", "content": "what moves?"}]}
 
 
 class TestMessages:

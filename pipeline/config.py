@@ -14,19 +14,27 @@ from arr_coc.model import ARRCOCConfig
 
 from .vlm.config import VLMConfig
 
-# the longest answer period (and live duration) a request may ask for: a day. Beyond it a number
-# is a typo, and sums like `next_due += every` stop changing (1e308) or overflow
-MAX_PERIOD_S = 86_400.0
+
+# An answer period (`--every`, runtime.every_s, POST /v1/streams' `every`) is at least one frame
+# interval: a window shorter than that holds no frame of its own. Without the source's frame rate,
+# the bound is one frame at 1000 fps, the highest rate a source may declare (sources/live.py); at
+# most a day, so that due times stay exact floats and window arithmetic cannot overflow.
+EVERY_MIN_S = 1e-3
+EVERY_MAX_S = 86_400.0
 
 
-def check_period(name: str, value: object, *, at_least: float, at_most: float = MAX_PERIOD_S) -> float:
-    """`value` as a number of seconds in [at_least, at_most] (at_least > 0: one frame interval for
-    an answer period); else ConfigError naming it. NaN, infinities and booleans are refused."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number of seconds, got {value!r}")
-    if not at_least <= value <= at_most:
-        raise ConfigError(f"{name}={value!r} is out of range; allowed: [{at_least:g}, {at_most:g}] seconds")
-    return float(value)
+def validate_every(every_s: object, fps: float | None = None, *, name: str = "every") -> float:
+    """`every_s` as a float if it is an answer period in [EVERY_MIN_S, EVERY_MAX_S] and, with the
+    source's frame rate `fps` known, at least one frame interval (1 / fps); else ConfigError, one
+    line naming `name`, the value and the allowed range."""
+    if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not math.isfinite(every_s):
+        raise ConfigError(f"{name} must be a finite number of seconds, got {every_s!r}")
+    low = EVERY_MIN_S if fps is None or not fps > 0 else max(EVERY_MIN_S, 1.0 / fps)
+    if not low <= every_s <= EVERY_MAX_S:
+        frame = f" (one frame at {fps:g} fps)" if low > EVERY_MIN_S else " (one frame at 1000 fps)"
+        raise ConfigError(f"{name}={every_s!r} s is out of range: an answer period is at least {low:.4g} s"
+                          f"{frame} and at most {EVERY_MAX_S:g} s (a day)")
+    return float(every_s)
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,18 @@ parsed off the event loop so that a large one never stalls the other connections
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from arr_coc._validate import ConfigError
 
-from ..config import PipelineConfig, check_period
+from ..config import PipelineConfig, validate_every
 from .errors import ApiError
 
 # a chat's messages: only the last user message's text and the newest video are used; a history
 # longer than this is a client's mistake (or an attack on the parser), not a conversation
 MAX_MESSAGES = 1024
+MAX_DURATION_S = 365 * 86_400.0     # a live stream's `duration`: longer is a typo (1e308 overflows)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -52,17 +54,18 @@ def check_question_tokens(prompt_tokens: int, max_new_tokens: int, context: int 
 
 
 def answer_period(cfg: PipelineConfig, value: Any, param: str = "every") -> float:
-    """A request's answer period (seconds): finite, at least one of the VLM's frame intervals
+    """A request's answer period (seconds): finite, at least one of the frames the VLM sees
     (1 / vlm.fps: a shorter window holds no frame of its own) and at most a day; else 400."""
     try:
-        return check_period(param, value, at_least=1.0 / cfg.vlm.fps)
+        return validate_every(value, cfg.vlm.fps, name=param)
     except ConfigError as e:
         raise ApiError(400, str(e), param=param, code="invalid_period") from None
 
 
 def duration_s(value: Any, param: str = "duration") -> float:
     """A live stream's duration (seconds): finite, positive, at most a year; else 400."""
-    try:
-        return check_period(param, value, at_least=1e-3, at_most=365 * 86_400.0)
-    except ConfigError as e:
-        raise ApiError(400, str(e), param=param, code="invalid_duration") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_DURATION_S:
+        raise ApiError(400, f"{param} must be a number of seconds in (0, {MAX_DURATION_S:g}], got {value!r}",
+                       param=param, code="invalid_duration")
+    return float(value)

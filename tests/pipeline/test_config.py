@@ -1,13 +1,12 @@
 """YAML configs onto typed dataclasses, `--set` overrides, and the errors users see."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from arr_coc._validate import ConfigError
-from pipeline.config import PipelineConfig, check_period
+from pipeline.config import PipelineConfig
 from pipeline.configio import apply_overrides, load_config, to_dict
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -86,23 +85,3 @@ def test_apply_overrides_builds_nested_sections():
     assert apply_overrides({}, ["a.b.c=3"]) == {"a": {"b": {"c": 3}}}
     with pytest.raises(ConfigError, match="a is not a section"):
         apply_overrides({"a": 1}, ["a.b=2"])
-
-
-class TestCheckPeriod:
-    @pytest.mark.parametrize("value", [0.5, 1, 86_400.0])
-    def test_the_bounds_are_inclusive(self, value):
-        assert check_period("every", value, at_least=0.5) == float(value)
-
-    @pytest.mark.parametrize("value, message", [
-        (0.4999, "every=0.4999 is out of range; allowed: [0.5, 86400] seconds"),
-        (86_400.5, "every=86400.5 is out of range"),
-        (1e-20, "every=1e-20 is out of range"),
-        (1e308, "every=1e+308 is out of range"),
-        (float("nan"), "every must be a finite number of seconds, got nan"),
-        (float("inf"), "every must be a finite number of seconds, got inf"),
-        (True, "every must be a finite number of seconds, got True"),
-        ("2", "every must be a finite number of seconds, got '2'"),
-    ])
-    def test_refusals_name_the_value_and_the_range(self, value, message):
-        with pytest.raises(ConfigError, match=re.escape(message)):
-            check_period("every", value, at_least=0.5)

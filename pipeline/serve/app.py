@@ -31,9 +31,9 @@ from ..core.graph import StageError
 from .engine import Engine
 from .errors import ApiError, error_body
 from .limits import answer_period, duration_s, parse_json
-from .owners import OWNER, owner_of, request_owner
 from .media import too_large
 from .openai_api import DONE, chunk, completion_body, extension, parse_chat, sse, window_line
+from .owners import OWNER, owner_of, request_owner
 
 STATIC = Path(__file__).with_name("static")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -81,9 +81,9 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = await json_body(request)
-        chat = await blocking(parse_chat, body, engine.model_id, engine.cfg, engine.options.max_question_chars)
+        chat = await blocking(parse_chat, body, engine.model_id, engine.cfg)      # off the loop: linear, not free
         await blocking(engine.check_question, chat.question, "messages")
-        ref = await blocking(engine.media.resolve, chat.video, request_owner(request))     # refused (4xx) before anything runs
+        ref = await blocking(engine.media.resolve, chat.video, request_owner(request))   # 4xx before anything runs
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         windowed = ref.kind == "file" and (chat.every_s or engine.cfg.runtime.every_s) is not None
         if not chat.stream:

@@ -18,7 +18,7 @@ from typing import Any
 from ..config import PipelineConfig
 from .engine import Completion
 from .errors import ApiError
-from .limits import answer_period, check_message_count, check_question_chars
+from .limits import answer_period, check_message_count
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -32,7 +32,7 @@ class ChatRequest:
     every_s: float | None = None
 
 
-def parse_chat(body: Any, model_id: str, cfg: PipelineConfig, max_question_chars: int) -> ChatRequest:
+def parse_chat(body: Any, model_id: str, cfg: PipelineConfig) -> ChatRequest:
     """The request, or a 4xx naming the field at fault (linear in the body's size: call it off the
     event loop for large ones)."""
     if not isinstance(body, dict):
@@ -56,7 +56,6 @@ def parse_chat(body: Any, model_id: str, cfg: PipelineConfig, max_question_chars
     if not question:
         raise ApiError(400, "no question: the last user message has no text (add a text content part)",
                        param="messages", code="missing_question")
-    check_question_chars(question, max_question_chars, "messages")
     videos = []
     for k in reversed(users):     # a follow-up question may refer to a video sent earlier
         videos = _videos(messages[k], k)

@@ -68,7 +68,7 @@ class TestMessages:
         monkeypatch.setattr("pipeline.serve.limits.MAX_MESSAGES", 100_000)
         body = long_chat(videos, 40_000)
         start = time.perf_counter()
-        chat = parse_chat(body, "tiny-random", server.engine.cfg, 8192)
+        chat = parse_chat(body, "tiny-random", server.engine.cfg)
         assert time.perf_counter() - start < 1.0
         assert chat.question == "what moves?" and chat.video == videos.small.as_uri()
 
@@ -162,7 +162,8 @@ class TestKeys:
     def test_each_key_sees_only_its_own_uploads(self, server, videos):
         mine = upload(server, videos.small, API_KEY)["id"]
         theirs = upload(server, videos.small, OTHER_KEY)["id"]
-        listed = {k: {f["id"] for f in call(server, "GET", "/v1/files", key=k)[1]["data"]} for k in (API_KEY, OTHER_KEY)}
+        listed = {key: {f["id"] for f in call(server, "GET", "/v1/files", key=key)[1]["data"]}
+                  for key in (API_KEY, OTHER_KEY)}
         assert mine in listed[API_KEY] and theirs not in listed[API_KEY]
         assert theirs in listed[OTHER_KEY] and mine not in listed[OTHER_KEY]
         for method, path in (("GET", f"/v1/files/{mine}"), ("GET", f"/v1/files/{mine}/content"),

@@ -224,7 +224,7 @@ def _add_serve(sub: Any) -> None:
                    help="live streams over HTTP at once (default: %(default)s)")
     p.add_argument("--max-question-chars", type=int, default=8192, metavar="N",
                    help="longest question a request may ask, in characters (default: %(default)s)")
-    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--header-timeout-s", type=float, default=10.0, metavar="SECONDS",
                    help="close a connection whose request head is not in by then (default: %(default)g)")
     p.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="open connections; at the cap the oldest one still sending its head is closed "

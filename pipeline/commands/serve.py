@@ -20,7 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            uploads=Path(args.uploads) if args.uploads else None, max_upload_mb=args.max_upload_mb,
                            max_fetch_mb=args.max_fetch_mb, live_window_s=args.live_window,
                            max_concurrent=args.max_concurrent, max_streams=args.max_streams,
-                           max_question_chars=args.max_question_chars, header_timeout_s=args.header_timeout,
+                           max_question_chars=args.max_question_chars, header_timeout_s=args.header_timeout_s,
                            max_connections=args.max_connections)
     if args.config is None and not any(o.startswith("decode.process=") for o in args.overrides):
         # many short clips at once: a decode process per request (spawn, shared memory) costs more

@@ -43,7 +43,8 @@ class ServeOptions:
         if self.api_keys and (self.api_key is None or not all(k.strip() for k in self.api_keys)
                               or len(set(self.keys)) != len(self.keys)):
             raise ConfigError("each --api-key must be non-empty and different from the others")
-        for name in ("max_upload_mb", "max_fetch_mb", "fetch_timeout_s", "live_window_s", "header_timeout_s"):
+        check_range("--header-timeout-s", self.header_timeout_s, 0.0, 3600.0, lo_open=True)
+        for name in ("max_upload_mb", "max_fetch_mb", "fetch_timeout_s", "live_window_s"):
             check_range(f"--{name.replace('_', '-')}", getattr(self, name), 0.0, None, lo_open=True)
         for name in ("max_concurrent", "max_streams", "stream_events", "max_question_chars", "max_connections"):
             check_int(f"--{name.replace('_', '-')}", getattr(self, name))

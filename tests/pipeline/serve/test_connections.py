@@ -1,5 +1,5 @@
 """Slowloris against a real `python -m pipeline serve` process: connections that send their request
-head a byte at a time are closed after --header-timeout, and past the connection cap the oldest of
+head a byte at a time are closed after --header-timeout-s, and past the connection cap the oldest of
 them make room, so legitimate requests keep being answered (issue 41, item 5)."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def serve(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("ARRCOC_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", "--vlm", "tiny-random", "--device", "cpu",
-                             "--port", str(port), "--out", str(tmp_path / "serve.zarr"), "--header-timeout", "2",
+                             "--port", str(port), "--out", str(tmp_path / "serve.zarr"), "--header-timeout-s", "2",
                              "--set", "runtime.model_weights=none"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=limit_open_files)

@@ -31,6 +31,9 @@ class TestRefusals:
         (["--overlay", "x.mp4"], "--overlay is not supported"),
         (["--port", "70000"], "--port=70000 is out of range"),
         (["--max-upload-mb", "0"], "--max-upload-mb=0.0 is out of range"),
+        (["--api-key", "a", "--api-key", "a"], "each --api-key must be non-empty and different from the others"),
+        (["--max-question-chars", "0"], "--max-question-chars=0 is out of range"),
+        (["--header-timeout-s", "inf"], "--header-timeout-s=inf is out of range"),
     ])
     def test_one_line_and_exit_2(self, argv, words, capsys, monkeypatch, tmp_path):
         monkeypatch.delenv("ARRCOC_API_KEY", raising=False)

@@ -78,7 +78,6 @@ def guarded_h11(header_timeout_s: float, max_connections: int) -> type[H11Protoc
         if timer is not None:
             timer.cancel()
 
-    GuardedH11.waiting = waiting      # what tests and metrics may read
     return GuardedH11
 
 

@@ -89,7 +89,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.every_s is not None:
-            check_range("runtime.every_s", self.every_s, 0.0, None, lo_open=True)
+            validate_every(self.every_s, name="runtime.every_s")
         check_range("runtime.batch_size", self.batch_size, 1, 4096)
         check_range("runtime.queue_capacity", self.queue_capacity, 1, 1024)
         if not self.vlm.strip():

@@ -2,8 +2,8 @@
 for `python -m pipeline serve`, or in a thread for tests and benchmarks)."""
 from __future__ import annotations
 
+import logging
 import socket
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -16,6 +16,8 @@ from ..core.setup import load_answerer, runtime_device
 from .answering import LocalVLM
 from .engine import Engine
 from .options import ServeOptions
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
@@ -75,17 +77,16 @@ def serve_forever(cfg: PipelineConfig, options: ServeOptions) -> None:
         sock.close()
         raise
     if engine.service.warning:
-        print(f"warning: {engine.service.warning}", file=sys.stderr)
+        log.warning("%s", engine.service.warning)
     server = create_server(create_app(engine), options.host, options.port, options)
     url = replace(options, port=sock.getsockname()[1]).url      # --port 0: the port it got
-    print(f"serving {engine.model_id} on {url} (store {options.store}; "
-          f"file:// inside {', '.join(map(str, options.allow_dirs)) or 'nothing'}; "
-          f"API key {'required' if options.api_key else 'off'})", file=sys.stderr, flush=True)
+    log.info("serving %s on %s (store %s; file:// inside %s; API key %s)", engine.model_id, url, options.store,
+             ", ".join(map(str, options.allow_dirs)) or "nothing", "required" if options.api_key else "off")
     try:
         server.run(sockets=[sock])      # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then re-raises the signal
     except KeyboardInterrupt:
         pass
-    print("server stopped", file=sys.stderr)
+    log.info("server stopped")
 
 
 class BackgroundServer:

@@ -156,3 +156,12 @@ def test_the_walker_sees_imports():
         assert any("pipeline.core.graph" in c for c in _cycles())
     finally:
         GRAPH["pipeline.core.graph"].discard("pipeline.runners.run")
+
+
+def test_test_modules_have_unique_basenames():
+    """tests/ has no package __init__ files, so pytest imports each test module by its basename:
+    two files of one name stop the whole collection ('import file mismatch')."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}

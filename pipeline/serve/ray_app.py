@@ -28,6 +28,7 @@ from arr_coc._validate import ConfigError
 
 from ..config import PipelineConfig
 from ..core.setup import runtime_device
+from .answering import context_length
 from .options import ServeOptions
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class VLMDeployment:
 
     def info(self) -> dict[str, Any]:
         v = self.vlm
-        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning}
+        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning,
+                "context_length": context_length(v)}
 
     def count_tokens(self, text: str) -> int:
         return len(self.vlm.tokenizer(text).input_ids)
@@ -83,6 +85,7 @@ class RemoteVLM:
         self.handle = handle
         info = handle.info.remote().result()
         self.name, self.geometry, self.config, self.warning = info["name"], info["geometry"], info["config"], info["warning"]
+        self.context = info["context_length"]
         self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")
         self._pending = 0
         self._lock = threading.Lock()
@@ -111,6 +114,9 @@ class RemoteVLM:
 
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.handle.prefix_length.remote(question, visual_tokens).result()
+
+    def context_length(self) -> int | None:
+        return self.context
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False)

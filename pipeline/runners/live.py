@@ -142,7 +142,9 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             on_graph(graph)
         reporter = StatusReporter(sources, counters, every_s=options.metrics_every_s, stream=status_out,
                                   tty=status_tty).start()
-        timer = threading.Timer(options.duration_s, ending.end, ("duration",)) if options.duration_s is not None else None
+        timer = None
+        if options.duration_s is not None:
+            timer = threading.Timer(options.duration_s, ending.end, ("duration",))
         if timer is not None:
             timer.daemon = True
             timer.start()

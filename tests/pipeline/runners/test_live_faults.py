@@ -96,8 +96,8 @@ class TestAnswerPeriod:
         assert not (tmp_path / "o.zarr").exists()
 
     def test_a_period_shorter_than_a_frame_names_the_source(self, capsys, tmp_path, clip):
-        code, _, err = live_cli(capsys, str(clip), "--realtime", "--query", "q", "--every", "0.01", "--vlm", "tiny-random",
-                                "--device", "cpu", "--out", str(tmp_path / "o.zarr"), *UNTRAINED)
+        code, _, err = live_cli(capsys, str(clip), "--realtime", "--query", "q", "--every", "0.01", "--vlm",
+                                "tiny-random", "--device", "cpu", "--out", str(tmp_path / "o.zarr"), *UNTRAINED)
         assert code == 2, err
         assert err.strip() == (f"error: {clip}: --every=0.01 s is out of range: an answer period is at least 0.04 s "
                                f"(one frame at 25 fps) and at most 86400 s (a day)")

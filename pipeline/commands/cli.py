@@ -69,10 +69,18 @@ def build_parser(prog: str = "python -m pipeline") -> argparse.ArgumentParser:
     return parser
 
 
+# The choices and defaults the parsers show, written here because their homes import torch, zarr
+# or PyAV (runners/batch.py, sinks/): --help and a one-line input error must not wait for those.
+# tests/pipeline/commands/test_startup.py checks each against its home.
+DATASETS = ("msrvtt",)              # pipeline.runners.batch.DATASETS
+IN_FLIGHT = 4                       # pipeline.runners.batch.IN_FLIGHT
+EXPORT_FORMATS = ("jsonl", "csv")   # sinks.export.EXPORT_FORMATS
+COLOUR_BY = ("relevance", "tokens")  # sinks.overlay.COLOUR_BY
+
+
 def _add_batch(sub: Any) -> None:
     from sources.msrvtt import TASKS
 
-    from ..runners.batch import DATASETS, IN_FLIGHT
     p = sub.add_parser("batch", help="answer every question of a dataset split (resumable, optionally on Ray)")
     p.add_argument("--dataset", required=True, choices=DATASETS, help="dataset layout")
     p.add_argument("--root", required=True, help="dataset root (annotation JSON files; videos under videos/ ...)")
@@ -134,8 +142,6 @@ def _add_eval(sub: Any) -> None:
 
 
 def _add_export(sub: Any) -> None:
-    from sinks.export import EXPORT_FORMATS
-
     p = sub.add_parser("export", help="a store's answers and scene changes as JSON lines or CSV (one row each)")
     p.add_argument("store", help="the zarr store (a path or an fsspec URL)")
     p.add_argument("--stream", metavar="ID", help="only this stream (default: every stream of the store)")
@@ -146,8 +152,6 @@ def _add_export(sub: Any) -> None:
 
 
 def _add_render(sub: Any) -> None:
-    from sinks.overlay import COLOUR_BY
-
     p = sub.add_parser("render", help="a store's token maps over its video: an overlay video or a contact sheet, "
                                       "labelled, with a legend")
     p.add_argument("store", help="the zarr store (a path or an fsspec URL)")
@@ -272,18 +276,26 @@ def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     return call
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from sinks import SinkError
-    from sources import SourceError
+# the user errors of modules a command may import: (module, class)
+_USER_ERRORS = (("sources.errors", "SourceError"), ("sinks.zarr_store", "SinkError"),
+                (f"{__package__.rpartition('.')[0]}.core.query", "QueryEncoderError"),
+                (f"{__package__.rpartition('.')[0]}.vlm.loading", "VLMLoadError"))
 
-    from ..core.query import QueryEncoderError
-    errors: list[type[BaseException]] = [UsageError, ConfigError, SourceError, SinkError, QueryEncoderError]
-    try:
-        from ..vlm import VLMLoadError
-        errors.append(VLMLoadError)
-    except ImportError:
-        pass
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes that mean bad input. An exception of a class can only exist once its
+    module was imported, so only the modules already loaded are asked: an input error found before
+    the model code loads (a missing file) is reported without importing torch for it."""
+    errors: list[type[BaseException]] = [UsageError, ConfigError]
+    for module, name in _USER_ERRORS:
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
+
+
+def _stage_error() -> type[BaseException] | None:
+    graph = sys.modules.get(f"{__package__.rpartition('.')[0]}.core.graph")
+    return graph.StageError if graph is not None else None
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -310,18 +322,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 signal.signal(sig, handler)
         return EXIT_INTERRUPTED
     except Exception as e:  # one line for the user; the traceback only on request
-        from ..core.graph import StageError
-
         if verbose:
             traceback.print_exc()
-        from sources import DecoderCrashed
+        from sources.errors import DecoderCrashed
 
-        cause = e.error if isinstance(e, StageError) else e
+        StageError = _stage_error()
+        staged = StageError is not None and isinstance(e, StageError)
+        cause = e.error if staged else e
         # a decoder that died (out of memory?) is a failed stage, not bad input
         user = isinstance(cause, _user_errors()) and not isinstance(cause, DecoderCrashed)
-        message = str(cause) if isinstance(e, StageError) and isinstance(cause, _user_errors()) else str(e)
+        message = str(cause) if staged and isinstance(cause, _user_errors()) else str(e)
         first = message.strip().splitlines()[0] if message.strip() else type(e).__name__
-        if not user and not isinstance(e, StageError):
+        if not user and not staged:
             first = f"{type(e).__name__}: {first}"
         print(f"error: {first}", file=sys.stderr)
         return EXIT_USAGE if user else EXIT_FAILED

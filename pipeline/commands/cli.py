@@ -30,14 +30,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", help="output zarr store (default: <video stem>.zarr)")
+def _common(p: argparse.ArgumentParser, *, out: str = "<video stem>.zarr",
+            vlm: str = "none: allocation only, no answers") -> None:
+    p.add_argument("--out", help=f"output zarr store (default: {out})")
     p.add_argument("--config", help="YAML config (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set model.attending.retention=0.1 (repeatable)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="where the model runs (default: auto)")
     p.add_argument("--decoder", choices=["pyav", "decord"], help="video decoder (default: pyav)")
-    p.add_argument("--vlm", help="VLM: HF id, local snapshot path, tiny-random, or none (default: none)")
+    p.add_argument("--vlm", help="VLM: HF id, local snapshot path, arrcoc-synth-qa (shipped, offline; generated "
+                                 f"scenes only), tiny-random, or none (default: {vlm})")
     p.add_argument("--every", type=float, metavar="SECONDS", help="one answer per window of this length")
     p.add_argument("--overlay", metavar="FILE.mp4", help="also render the homunculus heat map over the video")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
@@ -54,9 +56,15 @@ def build_parser(prog: str = "python -m pipeline") -> argparse.ArgumentParser:
     run.add_argument("--query", required=True, help="the question to answer / attend to")
     _common(run)
     run.set_defaults(func=_lazy("run", "cmd_run"))
-    demo = sub.add_parser("demo", help="generate a sample video and run the pipeline on it")
-    demo.add_argument("--query", default="where is the red square?", help="question (default: %(default)s)")
-    _common(demo)
+    demo = sub.add_parser("demo", help="generate a sample video and run the pipeline on it",
+                          description="Generate a sample clip, answer questions about it with the shipped model "
+                                      "and draw the homunculus (overlay video, contact sheet). Each run starts "
+                                      "its store afresh.")
+    demo.add_argument("--query", help="with the QA model: one more question about the clip, after its own six; "
+                                      "with --vlm none: the question relevance is realized for "
+                                      "(default: 'where is the red square?')")
+    _common(demo, out="out/demo.zarr, replaced on each run",
+            vlm="arrcoc-synth-qa when installed, else none")
     demo.set_defaults(func=_lazy("demo", "cmd_demo"))
     _add_batch(sub)
     _add_eval(sub)
@@ -114,6 +122,9 @@ def _add_batch(sub: Any) -> None:
                         "one running, else one started and stopped for the run; needs the driver's "
                         "nvidia-cuda-mps-control), so that their kernels share the GPU at once instead of taking "
                         "turns (+32-34%% questions/s with 4 processes on an H100: docs/performance.md)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start --out afresh. Without it a re-run resumes: it skips the videos already answered, "
+                        "and refuses a store answered with other settings (docs/usage.md)")
     p.add_argument("--vlm-server", help=argparse.SUPPRESS)  # set by --processes: the shared VLM's socket
     _common(p)
     p.set_defaults(func=_lazy("batch", "cmd_batch"))

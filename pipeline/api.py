@@ -52,6 +52,7 @@ class Answer:
     passes: int = 1       # answering passes (vlm.tempering: one per budget tried)
     tokens_spent: int | None = None   # visual tokens over all passes (None: tokens_kept, one pass)
     confidence: float = float("nan")  # of the answer's first token (vlm.tempering.confidence)
+    no_answer: str = ""   # why `text` is no answer: empty, or not one the model gives ("": an answer)
 
     def __post_init__(self) -> None:
         if self.tokens_spent is None:
@@ -186,7 +187,8 @@ class Pipeline:
                            progress=False, vlm_factory=self._load_vlm, query_embedding=self._query(question))
         answers = tuple(Answer(text=a.text, t_start=a.t_start, t_end=a.t_end, question=a.question,
                                tokens_kept=a.tokens_kept, tokens_full=a.tokens_full, latency_s=a.latency_s,
-                               passes=a.passes, tokens_spent=a.tokens_spent, confidence=a.confidence)
+                               passes=a.passes, tokens_spent=a.tokens_spent, confidence=a.confidence,
+                               no_answer=a.no_answer)
                         for a in result.answers)
         return VideoAnswers(stream_id=result.stream_id, question=question, answers=answers, frames=result.frames,
                             grid=result.grid, store=result.out, notes=tuple(result.notes))

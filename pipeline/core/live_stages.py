@@ -289,4 +289,5 @@ class LiveVLMStage(Stage):
         future, (t_start, t_end) = win.pending, win.pending_meta
         win.pending = win.pending_meta = None
         result = future.result()   # a VLM error fails the stage, naming the stream
-        return [AnswerItem.of(sid, t_start, t_end, self.question, result)]
+        return [AnswerItem.of(sid, t_start, t_end, self.question, result,
+                              getattr(getattr(self.batcher, "vlm", None), "name", None))]

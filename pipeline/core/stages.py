@@ -110,6 +110,7 @@ class AnswerItem:
     passes: int = 1                   # answering passes (vlm.tempering)
     tokens_spent: int | None = None   # visual tokens over all passes (None: tokens_kept)
     confidence: float = float("nan")  # of the answer's first token (pipeline/vlm/tempering.py)
+    no_answer: str = ""               # why `text` is no answer ("": an answer; pipeline/vlm/answer_words.py)
 
     frames_count = 0
     description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
@@ -119,19 +120,23 @@ class AnswerItem:
             self.tokens_spent = self.tokens_kept
 
     @classmethod
-    def of(cls, stream_id: str, t_start: float, t_end: float, question: str, result: Any) -> AnswerItem:
-        """The item of a VLM's AnswerResult (pipeline/vlm/model.py) for one window."""
+    def of(cls, stream_id: str, t_start: float, t_end: float, question: str, result: Any,
+           model: str | None = None) -> AnswerItem:
+        """The item of a VLM's AnswerResult (pipeline/vlm/model.py) for one window; `model`: the
+        VLM's name, whose snapshot may list the answers it gives (pipeline/vlm/answer_words.py)."""
+        from ..vlm.answer_words import no_answer
+
         return cls(stream_id=stream_id, t_start=float(t_start), t_end=float(t_end), question=question,
                    text=result.text, tokens_kept=result.tokens_kept, tokens_full=result.tokens_full,
                    latency_s=float(result.latency_s), passes=result.passes, tokens_spent=result.tokens_spent,
-                   confidence=float(result.confidence))
+                   confidence=float(result.confidence), no_answer=no_answer(result.text, model))
 
     def row(self) -> dict[str, Any]:
         """The store's answer columns (StreamWriter.add_answers)."""
         return dict(t_start=self.t_start, t_end=self.t_end, question=self.question, text=self.text,
                     tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s,
                     passes=self.passes, tokens_spent=self.tokens_spent,
-                    confidence=self.confidence if math.isfinite(self.confidence) else None)
+                    confidence=self.confidence if math.isfinite(self.confidence) else None, no_answer=self.no_answer)
 
 
 @dataclass(frozen=True)
@@ -465,7 +470,8 @@ class VLMStage(Stage):
         result = self.vlm.answer([request])[0]
         self.rgb, self.lod, self.relevance, self.stride, self.offered = [], [], [], 1, 0
         self.answered += 1
-        return AnswerItem.of(self.stream_id, request.t_start, request.t_end, self.question, result)
+        return AnswerItem.of(self.stream_id, request.t_start, request.t_end, self.question, result,
+                             getattr(self.vlm, "name", None))
 
 
 def frame_rows(frames: list[Frame], allocation: Any) -> dict[str, np.ndarray]:
@@ -564,7 +570,7 @@ class SinkStage(Stage):
             for a in answers:
                 self.answers_out.write(json.dumps({
                     "stream": a.stream_id, "t_start": round(a.t_start, 3), "t_end": round(a.t_end, 3),
-                    "question": a.question, "text": a.text, "tokens_kept": a.tokens_kept,
+                    "question": a.question, "text": a.text, "no_answer": a.no_answer, "tokens_kept": a.tokens_kept,
                     "tokens_full": a.tokens_full, "latency_s": round(a.latency_s, 4), "passes": a.passes,
                     "tokens_spent": a.tokens_spent}) + "\n")
             self.answers_out.flush()

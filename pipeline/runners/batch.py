@@ -158,7 +158,8 @@ class QuestionsStage(VLMStage):
             results = self.batcher.submit(job).result()
         t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)
-        answers = [AnswerItem.of(self.work.video_id, t_start, t_end, q, r) for q, r in zip(questions, results)]
+        model = getattr(self.vlm, "name", None)
+        answers = [AnswerItem.of(self.work.video_id, t_start, t_end, q, r, model) for q, r in zip(questions, results)]
         return [AnswerItems(answers)] if answers else []
 
 

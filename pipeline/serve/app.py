@@ -32,7 +32,7 @@ from ..core.graph import StageError
 from .engine import Engine
 from .errors import ApiError, error_body
 from .media import too_large
-from .openai_api import DONE, chunk, completion_body, extension, parse_chat, sse, window_line
+from .openai_api import DONE, answer_text, chunk, completion_body, extension, parse_chat, sse, window_line
 
 STATIC = Path(__file__).with_name("static")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -210,7 +210,7 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
     sent = 0
 
     def piece(row: dict[str, Any]) -> str:
-        text = window_line(row) if windowed else row["text"]
+        text = window_line(row) if windowed else answer_text(row)
         return chunk(request_id, model, created, {"content": ("\n" if sent else "") + text})
     try:
         while not work.done() or not answers.empty():

@@ -19,8 +19,9 @@ from .options import ServeOptions
 def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
     """The VLM named by runtime.vlm behind one batcher, the ARR-COC model, the store and the uploads."""
     if cfg.runtime.vlm == "none":
-        raise ConfigError("serve answers questions: name a VLM with --vlm (a Hugging Face id, a local snapshot, "
-                          "or tiny-random for smoke tests)")
+        raise ConfigError("serve answers questions: name a VLM with --vlm: arrcoc-synth-qa (shipped, offline; "
+                          "generated scenes only), a Hugging Face id such as Qwen/Qwen2-VL-2B-Instruct, a local "
+                          "snapshot, or tiny-random for smoke tests")
     vlm = load_answerer(cfg, runtime_device(cfg))
     service = LocalVLM(vlm)
     try:

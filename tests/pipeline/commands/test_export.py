@@ -62,7 +62,7 @@ class TestExport:
         assert rows[2] == {"kind": "answer", "stream": "b_clip", "t_start": 0.0, "t_end": 1.0,
                            "question": "what, \"exactly\", moves?", "text": "a red square,\nthen a pan",
                            "tokens_kept": 4, "tokens_full": 30, "latency_s": 0.1234, "passes": 1,
-                           "tokens_spent": 4, "confidence": None}            # none stored: null, not NaN
+                           "tokens_spent": 4, "confidence": None, "no_answer": ""}   # none stored: null, not NaN
         assert rows[4]["text"] == "ünïcode" and rows[4]["confidence"] == 0.75
 
     def test_csv_round_trips_through_a_csv_reader(self, capsys, store):

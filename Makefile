@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU wheel for machines without a GPU; GPU users install their own torch first.
 TORCH_SPEC ?= torch==2.13.0
+# pip's notices (a newer pip, running as root in a container) are not this project's to show
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PIP_ROOT_USER_ACTION := ignore
 
 .PHONY: setup demo test bench-frontend clean
 

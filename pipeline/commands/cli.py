@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import traceback
@@ -317,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends cleanly, like Ctrl-C
     warnings.formatwarning = _one_line_warning
     _quiet_ffmpeg()
+    _quiet_progress_bars()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     try:
         args = build_parser(_prog()).parse_args(argv)
@@ -370,6 +372,15 @@ def _quiet_ffmpeg() -> None:
         av.logging.set_level(None)
     except (ImportError, AttributeError):
         pass
+
+
+def _quiet_progress_bars() -> None:
+    """Hugging Face's progress bars ("Loading weights" ...) only on a terminal: piped into a file
+    or a log they are carriage-return noise between the one-line errors and JSON metric lines.
+    The environment variable is read when huggingface_hub is first imported (after this) and is
+    inherited by the processes a command starts; a value the user set is kept."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -3,7 +3,6 @@ the answer (the message content, the page's answer list and live view), the mode
 the reason beside it in ARR-COC's extension."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.vlm
 from pipeline.vlm.answer_words import EMPTY
 
 from serve_client import API_KEY, call, chat_body, sse
@@ -21,7 +19,7 @@ APP_JS = Path(__file__).resolve().parents[3] / "pipeline" / "serve" / "static" /
 
 
 @pytest.fixture(scope="module")
-def silent_server(videos, tmp_path_factory):
+def silent_server(videos, tmp_path_factory, silent_vlms):
     """The serve tests' server, with a VLM that generates nothing."""
     from pipeline.config import DecodeConfig, PipelineConfig, RuntimeConfig
     from pipeline.serve.app import create_app
@@ -29,20 +27,11 @@ def silent_server(videos, tmp_path_factory):
     from pipeline.serve.server import BackgroundServer, build_engine
     from pipeline.vlm.config import VLMConfig
 
-    load = pipeline.vlm.load_vlm
-
-    def load_silent(*args, **kwargs):
-        vlm = load(*args, **kwargs)
-        answer = vlm.answer
-        vlm.answer = lambda requests, *a, **k: [dataclasses.replace(r, text="") for r in answer(requests, *a, **k)]
-        return vlm
-
     cfg = PipelineConfig(runtime=RuntimeConfig(device="cpu", vlm="tiny-random", batch_size=8, model_weights="none"),
                          vlm=VLMConfig(max_new_tokens=2), decode=DecodeConfig(process=False))
     options = ServeOptions(allow_dirs=(videos.allowed,), api_key=API_KEY,
                            store=str(tmp_path_factory.mktemp("silent") / "serve.zarr"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pipeline.vlm, "load_vlm", load_silent)
+    with silent_vlms():
         engine = build_engine(cfg, options)
     background = BackgroundServer(create_app(engine)).start()
     yield background

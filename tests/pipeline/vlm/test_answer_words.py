@@ -2,7 +2,6 @@
 shown as "no answer" with the reason: in `run`'s summary, `live`'s answer lines and the store."""
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.vlm
 from pipeline.commands.cli import main
 from pipeline.vlm.answer_words import EMPTY, WORDS_FILE, answer_words, no_answer, shown
 from pipeline.vlm.loading import SHIPPED
@@ -27,18 +25,6 @@ ROOT = Path(__file__).resolve().parents[3]
 def clip(tmp_path_factory) -> Path:
     frames = render_clip([Shot("moving_object", 30, speed=2.0)], height=96, width=128, seed=7).frames
     return write_video(tmp_path_factory.mktemp("no_answer") / "clip.mp4", frames, fps=10)
-
-
-def silenced(monkeypatch) -> None:
-    """Every VLM loaded from now on generates nothing (what the shipped model did on real footage)."""
-    load = pipeline.vlm.load_vlm
-
-    def load_silent(*args, **kwargs):
-        vlm = load(*args, **kwargs)
-        answer = vlm.answer
-        vlm.answer = lambda requests, *a, **k: [dataclasses.replace(r, text="") for r in answer(requests, *a, **k)]
-        return vlm
-    monkeypatch.setattr(pipeline.vlm, "load_vlm", load_silent)
 
 
 class TestReason:
@@ -60,11 +46,11 @@ class TestReason:
         assert shown(text, reason) == (f"no answer ({reason})" if reason else text)
 
 
-def test_run_records_and_shows_an_empty_generation_as_no_answer(capsys, tmp_path, clip, monkeypatch):
-    silenced(monkeypatch)
+def test_run_records_and_shows_an_empty_generation_as_no_answer(capsys, tmp_path, clip, silent_vlms):
     out = tmp_path / "o.zarr"
-    code = main(["run", str(clip), "--query", "what moves?", "--vlm", "tiny-random", "--device", "cpu",
-                 "--out", str(out), "--no-progress", "--set", "vlm.max_new_tokens=2"])
+    with silent_vlms():
+        code = main(["run", str(clip), "--query", "what moves?", "--vlm", "tiny-random", "--device", "cpu",
+                     "--out", str(out), "--no-progress", "--set", "vlm.max_new_tokens=2"])
     stdout, err = capsys.readouterr()
     assert code == 0, err
     answer = json.loads(stdout.strip().splitlines()[-1])["answers"][0]
@@ -95,11 +81,12 @@ def test_run_says_when_the_shipped_model_answers_outside_its_words(capsys, tmp_p
                                                       "snapshot was trained to give")
 
 
-def test_live_lines_say_no_answer(capsys, tmp_path, clip, monkeypatch):
-    silenced(monkeypatch)
+def test_live_lines_say_no_answer(capsys, tmp_path, clip, silent_vlms):
     out = tmp_path / "o.zarr"
-    code = main(["live", str(clip), "--realtime", "--query", "what moves?", "--vlm", "tiny-random", "--device", "cpu",
-                 "--every", "1", "--out", str(out), "--set", "vlm.max_new_tokens=2", "--set", "runtime.model_weights=none"])
+    with silent_vlms():
+        code = main(["live", str(clip), "--realtime", "--query", "what moves?", "--vlm", "tiny-random", "--device",
+                     "cpu", "--every", "1", "--out", str(out), "--set", "vlm.max_new_tokens=2",
+                     "--set", "runtime.model_weights=none"])
     stdout, err = capsys.readouterr()
     assert code == 0, err
     lines = [json.loads(line) for line in stdout.splitlines()]

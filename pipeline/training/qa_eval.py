@@ -101,7 +101,7 @@ def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: P
         {**processor, "video_processor_type": "Qwen2VLVideoProcessor", "fps": fps}, indent=2) + "\n")
     (root / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     # every answer the model was trained to give: anything else it says is shown as no answer
-    from sources.synth_qa import ANSWER_WORDS
+    from evaluation.synth_qa import ANSWER_WORDS
 
     from pipeline.vlm.answer_words import WORDS_FILE
     (root / WORDS_FILE).write_text(json.dumps(list(ANSWER_WORDS), indent=1) + "\n")

@@ -2,7 +2,7 @@
 
 A model may say which answers it can give: a snapshot's `answer_words.json` lists them (the
 shipped arrcoc-synth-qa writes one: it was trained on generated QA whose every answer is one of a
-few words, sources/synth_qa.py: ANSWER_WORDS). An empty generation, or one outside that list, is
+few words, evaluation/synth_qa.py: ANSWER_WORDS). An empty generation, or one outside that list, is
 not an answer a user can act on: the store keeps the text as generated and records the reason in
 `answers/no_answer`, and every way an answer is shown (run, live, the API, the web page) says
 "no answer" with that reason. Models without the file answer free text: only an empty one is none.

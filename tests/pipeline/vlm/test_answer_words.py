@@ -29,7 +29,7 @@ def clip(tmp_path_factory) -> Path:
 
 class TestReason:
     def test_the_shipped_models_answer_words_are_its_training_answers(self):
-        from sources.synth_qa import ANSWER_WORDS
+        from evaluation.synth_qa import ANSWER_WORDS
 
         assert answer_words(SHIPPED_QA) == frozenset(ANSWER_WORDS)
         assert json.loads((Path(SHIPPED_QA) / WORDS_FILE).read_text()) == list(ANSWER_WORDS)

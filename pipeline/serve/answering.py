@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 
-from ..core.stages import AnswerItem
+from ..core.items import AnswerItem
 
 
 class LocalVLM:
@@ -46,6 +46,9 @@ class LocalVLM:
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.vlm.prefix_length(question, visual_tokens)
 
+    def context_length(self) -> int | None:
+        return context_length(self.vlm)
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -78,10 +81,18 @@ class RequestVLM:
         return []
 
 
+def context_length(vlm: Any) -> int | None:
+    """The most tokens the VLM's language model takes (prompt and answer); None if it does not say."""
+    config = getattr(getattr(vlm, "model", None), "config", None)
+    text = getattr(config, "text_config", None) or config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
+
+
 def answer_row(t_start: float, t_end: float, text: str, tokens_kept: int, tokens_full: int,
                latency_s: float, passes: int = 1, tokens_spent: int | None = None, no_answer: str = "") -> dict[str, Any]:
     """One answer as the API shows it; passes and tokens_spent as the store keeps them (tempering);
-    no_answer: why `text` is no answer ("": an answer; pipeline/vlm/answer_words.py)."""
+    no_answer: why `text` is no answer ("": an answer; pipeline/runtime/answer_words.py)."""
     return {"t_start": round(float(t_start), 3), "t_end": round(float(t_end), 3), "text": text,
             "no_answer": str(no_answer),
             "tokens_kept": int(tokens_kept), "tokens_full": int(tokens_full), "latency_s": round(float(latency_s), 4),
@@ -90,7 +101,7 @@ def answer_row(t_start: float, t_end: float, text: str, tokens_kept: int, tokens
 
 def result_row(t_start: float, t_end: float, result: Any, model: str | None = None) -> dict[str, Any]:
     """answer_row of a VLM's AnswerResult for the window [t_start, t_end]; model: the VLM's name."""
-    from ..vlm.answer_words import no_answer
+    from ..runtime.answer_words import no_answer
 
     return answer_row(t_start, t_end, result.text, result.tokens_kept, result.tokens_full, result.latency_s,
                       result.passes, result.tokens_spent, no_answer(result.text, model))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pipeline.training.qa_data import cell_colors, keep_map, vlm_frame_indices
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
@@ -103,6 +103,6 @@ def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: P
     # every answer the model was trained to give: anything else it says is shown as no answer
     from evaluation.synth_qa import ANSWER_WORDS
 
-    from pipeline.vlm.answer_words import WORDS_FILE
+    from pipeline.runtime.answer_words import WORDS_FILE
     (root / WORDS_FILE).write_text(json.dumps(list(ANSWER_WORDS), indent=1) + "\n")
     return root

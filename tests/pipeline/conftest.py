@@ -76,7 +76,7 @@ def silent_vlms():
     import contextlib
     import dataclasses
 
-    import pipeline.vlm
+    import pipeline.vlm.loading as loading
 
     def silent(load):
         def load_silent(*args, **kwargs):
@@ -89,6 +89,6 @@ def silent_vlms():
     @contextlib.contextmanager
     def silenced():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(pipeline.vlm, "load_vlm", silent(pipeline.vlm.load_vlm))
+            patch.setattr(loading, "load_vlm", silent(loading.load_vlm))   # load_answerer's
             yield
     return silenced

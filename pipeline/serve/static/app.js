@@ -154,7 +154,7 @@ async function ask(event) {
   }
 }
 
-// an answer as a person reads it: its text, or "no answer (why)" (pipeline/vlm/answer_words.py)
+// an answer as a person reads it: its text, or "no answer (why)" (pipeline/runtime/answer_words.py)
 const answerText = (a) => (a.no_answer ? `no answer (${a.no_answer})` : a.text);
 
 function showAnswers(answers, usage, notes) {

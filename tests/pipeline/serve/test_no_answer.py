@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.vlm.answer_words import EMPTY
+from pipeline.runtime.answer_words import EMPTY
 
 from serve_client import API_KEY, call, chat_body, sse
 

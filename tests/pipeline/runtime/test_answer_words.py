@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.commands.cli import main
-from pipeline.vlm.answer_words import EMPTY, WORDS_FILE, answer_words, no_answer, shown
+from pipeline.runtime.answer_words import EMPTY, WORDS_FILE, answer_words, no_answer, shown
 from pipeline.vlm.loading import SHIPPED
 from sinks import export_store, read_stream, validate_store
 from sources.synthetic import Shot, render_clip, write_video

@@ -25,7 +25,7 @@ def silent_server(videos, tmp_path_factory, silent_vlms):
     from pipeline.serve.app import create_app
     from pipeline.serve.options import ServeOptions
     from pipeline.serve.server import BackgroundServer, build_engine
-    from pipeline.vlm.config import VLMConfig
+    from pipeline.vlm_config import VLMConfig
 
     cfg = PipelineConfig(runtime=RuntimeConfig(device="cpu", vlm="tiny-random", batch_size=8, model_weights="none"),
                          vlm=VLMConfig(max_new_tokens=2), decode=DecodeConfig(process=False))

@@ -157,6 +157,21 @@ class TestWholeFlow:
         code, _, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST, "--overwrite", "--shard", "0/2")
         assert code == 2 and "--overwrite with --shard" in err
 
+    def test_processes_start_afresh_once(self, capfd, tmp_path):
+        """--processes N --overwrite: the parent starts the store afresh once, the processes only
+        resume (each one deleting it would lose the others' answers)."""
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=4, questions=1, seconds=0.6)
+        assert main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), *FAST]) == 0
+        capfd.readouterr()
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), "--processes", "2",
+                     "--overwrite", "--set", "model.attending.retention=0.5", *FAST])
+        stdout, err = capfd.readouterr()
+        assert code == 0, err
+        assert json.loads(stdout.strip().splitlines()[-1])["done"] == 4
+        for vid in ("video7010", "video7011", "video7012", "video7013"):
+            assert read_stream(out, vid)["attrs"]["config"]["model"]["attending"]["retention"] == 0.5
+
     def test_eval_refuses_a_store_that_mixes_runs(self, capsys, tmp_path):
         """A store whose streams were answered with different settings (one written before batch
         checked them) is not one run: eval says so instead of scoring the mixture."""

@@ -175,7 +175,8 @@ def _add_render(sub: Any) -> None:
     what.add_argument("--out", metavar="OVERLAY.mp4", help="an overlay video of every stored frame (.mp4, .mkv, .mov)")
     what.add_argument("--contact-sheet", metavar="SHEET.png", help="a PNG grid of frames spread over the stream")
     p.add_argument("--color", choices=COLOUR_BY, default="tokens",
-                   help="what the colours show: tokens per kept cell, or the relevance of every cell (default: %(default)s)")
+                   help="what the colours show: tokens per kept cell, or the relevance of every cell "
+                        "(default: %(default)s)")
     p.add_argument("--tiles", type=int, default=8, metavar="N", help="contact sheet: frames on it (default: %(default)s)")
     p.add_argument("--columns", type=int, default=4, metavar="N", help="contact sheet: tiles per row (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")

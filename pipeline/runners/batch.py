@@ -250,7 +250,8 @@ class VideoAnswerer:
             answer=lambda jobs: answer_windows(self.vlm, jobs, self.keep_policy))
 
     @staticmethod
-    def create_store(cfg: PipelineConfig, out: str | Path, *, stock: bool = False, overwrite: bool = False) -> ZarrStore:
+    def create_store(cfg: PipelineConfig, out: str | Path, *, stock: bool = False,
+                     overwrite: bool = False) -> ZarrStore:
         """The batch's store: new, afresh (overwrite), or one made with the same settings (a resume;
         anything else is refused: runners/settings.py)."""
         config = batch_config(to_dict(cfg), stock)

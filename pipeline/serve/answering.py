@@ -90,7 +90,8 @@ def context_length(vlm: Any) -> int | None:
 
 
 def answer_row(t_start: float, t_end: float, text: str, tokens_kept: int, tokens_full: int,
-               latency_s: float, passes: int = 1, tokens_spent: int | None = None, no_answer: str = "") -> dict[str, Any]:
+               latency_s: float, passes: int = 1, tokens_spent: int | None = None,
+               no_answer: str = "") -> dict[str, Any]:
     """One answer as the API shows it; passes and tokens_spent as the store keeps them (tempering);
     no_answer: why `text` is no answer ("": an answer; pipeline/runtime/answer_words.py)."""
     return {"t_start": round(float(t_start), 3), "t_end": round(float(t_end), 3), "text": text,

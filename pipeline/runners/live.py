@@ -10,6 +10,7 @@ import functools
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
@@ -113,6 +114,10 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             from ..vlm.remote import RemoteVLM
             vlm = remote = RemoteVLM(functools.partial(load_answerer, cfg, device))
         vlm = load_answerer(cfg, device) if vlm is None else vlm
+        if vlm is None:   # the sources are open: say what this run makes before it starts
+            warnings.warn(f"no VLM is loaded (--vlm none): allocation only. Every frame's homunculus goes to {out}; "
+                          "no answers are printed. For answers: --vlm arrcoc-synth-qa (shipped, generated scenes "
+                          "only) or a Qwen2-VL id or snapshot", stacklevel=2)
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
         grids = {s.stream_id: geometry.grid(s.height, s.width) for s in sources}

@@ -56,8 +56,9 @@ class VLMDeployment:
         self._lock = threading.Lock()      # the VLM's caches are not shared between threads
 
     def info(self) -> dict[str, Any]:
+        from ..vlm.hf_forward import model_card
         v = self.vlm
-        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning}
+        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning, "card": model_card(v)}
 
     def count_tokens(self, text: str) -> int:
         return len(self.vlm.tokenizer(text).input_ids)
@@ -80,6 +81,7 @@ class RemoteVLM:
         self.handle = handle
         info = handle.info.remote().result()
         self.name, self.geometry, self.config, self.warning = info["name"], info["geometry"], info["config"], info["warning"]
+        self.card = info["card"]
         self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")
         self._pending = 0
         self._lock = threading.Lock()

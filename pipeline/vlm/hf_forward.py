@@ -42,6 +42,7 @@ from pipeline.vlm.tempering import PER_TOKEN, first_token_confidence
 FALLBACK_WARNING = ("{family} runs through transformers' own forward (no static KV cache, CUDA graphs or "
                     "batched decoding yet; every patch through the vision tower): slower than the fast engine")
 ENGINE = "transformers forward"
+MAX_LAYOUTS = 16          # prompt layouts (per frame count and grid) kept
 
 
 @dataclass
@@ -117,12 +118,17 @@ class HFForwardVLM:
         nothing is allocated by it."""
         return len(self._header) + visual_tokens + 1 + len(self.question_ids(question))
 
-    def _layout(self, Tp: int, gh: int, gw: int) -> tuple:
-        """(VideoLayout, positions (3, L) of its slots, text_start) for one grid, made once."""
-        key = (Tp, gh, gw)
+    def _layout(self, T: int, gh: int, gw: int) -> tuple:
+        """(VideoLayout, positions (3, L) of its slots, text_start) for T frames on a (gh, gw) grid,
+        made once. The timestamps are of the T frames (the last one's index repeated to fill the
+        last group, as HF's processor does), not of the repeated frame the patches are padded with."""
+        key = (T, gh, gw)
         if key not in self._layouts:
+            if len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))                 # the oldest
             tp = self.geometry.temporal_patch_size
-            times = group_timestamps(range(Tp * tp), self.config.fps, tp)
+            Tp = token_frames(T, tp)
+            times = group_timestamps(range(T), self.config.fps, tp)
             stamps = stamp_ids(times, lambda text: self.tokenizer(text).input_ids)
             layout = video_layout(self._header, stamps, gh * gw, vision_start=self._vision_start,
                                   vision_end=self._vision_end, video_token=self.video_token_id)
@@ -134,9 +140,9 @@ class HFForwardVLM:
             self._layouts[key] = (layout, positions, int(positions[0, -1]) + 1)
         return self._layouts[key]
 
-    def full_prompt_ids(self, question: str, Tp: int, gh: int, gw: int) -> torch.Tensor:
-        """(L,) ids of the unpruned prompt (every video token) about a (T', gh, gw) window."""
-        layout = self._layout(Tp, gh, gw)[0]
+    def full_prompt_ids(self, question: str, T: int, gh: int, gw: int) -> torch.Tensor:
+        """(L,) ids of the unpruned prompt (every video token) about T frames on a (gh, gw) grid."""
+        layout = self._layout(T, gh, gw)[0]
         return torch.cat([layout.ids, torch.tensor(self.question_ids(question))])
 
     # ---- vision ----
@@ -183,7 +189,7 @@ class HFForwardVLM:
         lod = self._lod(frames, keep, scores, (Tp, gh, gw))
         tokens, index = select_tokens(merged, lod)                           # (K, D), (K,) raster cells
         kept_deepstack = [select_tokens(d, lod, index)[0] for d in deepstack]  # K x (D,) each
-        layout, positions, text_start = self._layout(Tp, gh, gw)
+        layout, positions, text_start = self._layout(frames.shape[0], gh, gw)
         slots = kept_slots(layout, index, gh * gw, self.config.empty_frame_groups)  # (L,) bool
         ids = layout.ids.to(self.device)[slots]                              # (S,)
         visual = ids == self.video_token_id                                  # (S,) in raster order, as tokens

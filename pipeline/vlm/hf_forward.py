@@ -75,7 +75,7 @@ class HFForwardVLM:
     def __init__(self, model, tokenizer, *, family: str, name: str, config: VLMConfig,
                  preprocessor: VideoPreprocessor, warning: str | None = None) -> None:
         if config.multipass:
-            raise ConfigError(f"{family} runs through transformers' own forward, which has no pass 2 or tempering "
+            raise ConfigError(f"{_display(family)} runs through transformers' own forward, which has no pass 2 or tempering "
                               f"yet: set vlm.pass2=off and vlm.tempering.ladder=[] (got pass2={config.pass2}, "
                               f"ladder={list(config.tempering.ladder)})")
         self.model = model.eval()

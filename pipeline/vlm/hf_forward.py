@@ -61,6 +61,13 @@ class Window:
 
 
 @dataclass
+class Decoded:
+    tokens: list[int]               # generated ids, up to and including EOS
+    confidence: float               # vlm.tempering.confidence of the answer (first token, or its least sure)
+    decode_s: float                 # wall time from the first token to the last
+
+
+@dataclass
 class Prompt:
     """One question's LM input: the window's slots, then its text at consecutive positions."""
     window: Window
@@ -229,8 +236,8 @@ class HFForwardVLM:
         return first_token_confidence(logits, self.config.tempering.confidence)
 
     @torch.no_grad()
-    def generate(self, prompt: Prompt, *, max_new_tokens: int | None = None) -> tuple[list[int], float]:
-        """Decode from a prompt -> (generated ids up to and including EOS, confidence)."""
+    def generate(self, prompt: Prompt, *, max_new_tokens: int | None = None) -> Decoded:
+        """Decode from a prompt (greedy or nucleus, as vlm.temperature / top_p say)."""
         cfg = self.config
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -240,6 +247,7 @@ class HFForwardVLM:
         confidence = self.first_confidence(logits)
         per_token = cfg.tempering.confidence in PER_TOKEN
         tokens: list[int] = []
+        first = time.perf_counter()
         for step in range(max_new):
             if per_token and step:
                 confidence = torch.minimum(confidence, first_token_confidence(logits, cfg.tempering.confidence))
@@ -250,17 +258,17 @@ class HFForwardVLM:
             position = torch.full((3, 1, 1), prompt.next_position + step, device=self.device)
             hidden = qwen3_vl.lm_forward(self.model, self._embed(token)[None], position, cache)
             logits = head(hidden[0, -1:]).float()
-        return tokens, float(confidence[0])
+        return Decoded(tokens, float(confidence[0]), time.perf_counter() - first)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
     # ---- answering ----
     def _answer(self, window: Window, question: str, started: float) -> AnswerResult:
-        tokens, confidence = self.generate(self.prompt(window, question))
-        return AnswerResult(text=self.decode(tokens), tokens_kept=window.tokens_kept,
+        out = self.generate(self.prompt(window, question))
+        return AnswerResult(text=self.decode(out.tokens), tokens_kept=window.tokens_kept,
                             tokens_full=window.tokens_full, latency_s=time.monotonic() - started,
-                            confidence=confidence)
+                            confidence=out.confidence)
 
     def answer(self, requests: list[AnswerRequest]) -> list[AnswerResult]:
         started = time.monotonic()

@@ -286,7 +286,7 @@ class TestAnswering:
         frames = make_frames(4, 64, 96, seed=16)
         keep = keep_fraction(vlm, frames, 0.3, seed=17)
         prompt = vlm.prompt(vlm.window(frames, keep), QUESTION)
-        tokens, _ = vlm.generate(prompt, max_new_tokens=4)
+        tokens = vlm.generate(prompt, max_new_tokens=4).tokens
         expected = []
         for step in range(len(tokens)):
             logits = vlm.prompt_logits(prompt)[-1]

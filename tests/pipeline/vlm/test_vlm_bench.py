@@ -62,3 +62,31 @@ def test_bench_kept_context_rows_encode_more_cells(tmp_path):
     plain, ring = rows["arr-coc 25%, kept"], rows["arr-coc 25%, kept, context 1"]
     assert plain["kept_context"] == 0 and ring["kept_context"] == 1 and rows["stock"]["kept_context"] is None
     assert ring["tokens_kept"] == plain["tokens_kept"] and ring["vision_cells"] > plain["vision_cells"]
+
+
+def test_bench_qwen3_vl_through_transformers_forward(tmp_path):
+    """--arch tiny-qwen3_vl: a stock row and one per retention, every patch through the tower."""
+    bench = load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--arch", "tiny-qwen3_vl", "--new-tokens", "3", "--retention", "0.5", "0.25",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["setting"] for r in rows] == ["stock", "arr-coc 50%", "arr-coc 25%"]
+    full = rows[0]["tokens_full"]
+    assert full == rows[0]["tokens_kept"] == 2 * 3 * 3 and all(r["vision_cells"] == full for r in rows)
+    assert full > rows[1]["tokens_kept"] > rows[2]["tokens_kept"] >= 1
+    assert all(r["decode_tokens"] == 3 and r["ttft_ms"] > 0 and r["front_end_ms"] > 0 for r in rows)
+    assert all(r["ttft_x_stock"] == rows[0]["ttft_ms"] / r["ttft_ms"] for r in rows)
+
+
+def test_qwen3_vl_arch_configs_are_the_published_sizes():
+    """The benchmark's random-weight Qwen3-VL configs (no weights built: counted from the config)."""
+    from pipeline.vlm import qwen3_vl
+    from pipeline.vlm.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    big, small = (qwen3_vl.arch_config(a, tok) for a in ("qwen3-vl-8b", "qwen3-vl-2b"))
+    assert (big.text_config.num_hidden_layers, big.text_config.hidden_size, big.vision_config.depth) == (36, 4096, 27)
+    assert (small.text_config.num_hidden_layers, small.text_config.hidden_size, small.vision_config.depth) == (28, 2048, 24)
+    assert big.vision_config.deepstack_visual_indexes == [8, 16, 24] and small.vision_config.deepstack_visual_indexes == [5, 11, 17]
+    assert big.text_config.rope_parameters["mrope_interleaved"] and small.tie_word_embeddings and not big.tie_word_embeddings

@@ -374,3 +374,26 @@ def save_snapshot(vlm, path) -> None:
         {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": 16, "temporal_patch_size": 2,
          "merge_size": 2, "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "resample": 3,
          "rescale_factor": 1 / 255}))
+
+
+class TestHubId:
+    """`--vlm Qwen/Qwen3-VL-8B-Instruct` with the Hub unreachable: as for Qwen2-VL (test_vlm_hub_offline)."""
+
+    def test_not_cached_is_one_line(self, tmp_path):
+        from test_vlm_hub_offline import load_offline
+
+        out, err, seconds = load_offline("Qwen/Qwen3-VL-8B-Instruct", tmp_path / "hf")
+        assert out == [] and len(err) == 1, err
+        assert err[0].startswith("VLM 'Qwen/Qwen3-VL-8B-Instruct' is not in the local Hugging Face cache")
+        assert seconds < 10.0
+
+    def test_cached_loads_through_transformers_forward(self, vlm, tmp_path):
+        from test_vlm_hub_offline import load_offline
+
+        repo = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3-VL-8B-Instruct"
+        snapshot = repo / "snapshots" / ("0" * 40)
+        save_snapshot(vlm, snapshot)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0" * 40)
+        out, err, _ = load_offline("Qwen/Qwen3-VL-8B-Instruct", tmp_path / "hf")
+        assert out == ["loaded qwen3_vl"] and not any("Retrying" in line for line in err), err

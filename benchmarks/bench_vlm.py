@@ -260,7 +260,7 @@ def build_vlm(name: str, device: torch.device, dtype: torch.dtype, cfg: VLMConfi
     tokenizer = build_tokenizer("bytes" if name.startswith("tiny-") else "english")
     if name in QWEN3_ARCHS:
         model_cfg = qwen3_vl.tiny_config(tokenizer) if name.startswith("tiny-") else qwen3_vl.arch_config(name, tokenizer)
-        vlm = _wrap(qwen3_vl.build_model(model_cfg, device=device, dtype=dtype), tokenizer, model_cfg.model_type, name,
+        vlm = _wrap(build_model(model_cfg, device=device, dtype=dtype), tokenizer, model_cfg.model_type, name,
                     cfg, {}, "random weights (benchmark)")
         vlm.eos_ids = set()          # a fixed count of decoded tokens, as below
         return vlm

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                           Qwen2VLConfig, Qwen2VLForConditionalGeneration)
 
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
 
 Family = Literal["qwen2_vl", "qwen2_5_vl"]
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
@@ -199,7 +199,8 @@ def build_model(config, *, device: torch.device | str = "cpu", dtype: torch.dtyp
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = MODEL_CLASSES[family_of(config)](config)
+            family = config.model_type
+            model = (qwen3_vl.model_class(family) if family in qwen3_vl.FAMILIES else MODEL_CLASSES[family_of(config)])(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()

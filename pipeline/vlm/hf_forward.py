@@ -205,6 +205,7 @@ class HFForwardVLM:
         return Window(embeds, positions[:, slots], visual, kept_deepstack, text_start, int(index.numel()),
                       Tp * gh * gw)
 
+    @torch.no_grad()
     def prompt(self, window: Window, question: str) -> Prompt:
         ids = to_device(self.question_ids(question), self.device, torch.long)
         n = ids.numel()
@@ -286,7 +287,8 @@ class HFForwardVLM:
         (max_batch: accepted for the fast engine's interface; answers here are not batched)."""
         started = time.monotonic()
         for w in windows:      # AnswerRequest validates the window's arrays and every question
-            [AnswerRequest("", w.frames, w.keep, q, 0.0, 0.0, scores=w.scores) for q in w.questions]
+            for q in w.questions:
+                AnswerRequest("", w.frames, w.keep, q, 0.0, 0.0, scores=w.scores)
         results = []
         for w in windows:
             shared = self.window(w.frames, w.keep, w.scores) if w.questions else None

@@ -61,10 +61,8 @@ def shipped_path(spec: str) -> str | None:
 def build_tiny_vlm(family: str = "qwen2_vl", *, device="cpu", dtype=torch.float32,
                    config: VLMConfig | None = None) -> VLM:
     tokenizer = build_tokenizer()
-    if family == "qwen3_vl":
-        model = qwen3_vl.build_model(qwen3_vl.tiny_config(tokenizer), device=device, dtype=dtype)
-    else:
-        model = build_model(tiny_config(family, tokenizer), device=device, dtype=dtype)
+    model_config = qwen3_vl.tiny_config(tokenizer) if family == "qwen3_vl" else tiny_config(family, tokenizer)
+    model = build_model(model_config, device=device, dtype=dtype)
     return _wrap(model, tokenizer, family, f"tiny-random ({family})", config or VLMConfig(), {}, TINY_WARNING)
 
 

@@ -99,19 +99,6 @@ def arch_config(arch: str, tokenizer):
     raise ValueError(f"Invalid architecture ({arch!r}). Supported values are {', '.join(ARCHS)}.")
 
 
-def build_model(config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 1234):
-    """Random-weight model built directly in `dtype` on `device`."""
-    previous = torch.get_default_dtype()
-    torch.manual_seed(seed)
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device(device):
-            model = model_class(config.model_type)(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
-
-
 # ---- the model's parts ----
 def text_model(model: nn.Module) -> nn.Module:
     """The LM (embed_tokens, layers, norm, rotary_emb), which takes DeepStack arguments."""

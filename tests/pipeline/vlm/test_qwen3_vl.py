@@ -15,6 +15,7 @@ import torch
 from arr_coc._validate import ConfigError
 from conftest import make_frames, request
 from pipeline.vlm import VLMConfig, VLMLoadError, load_vlm, qwen3_vl
+from pipeline.vlm.builtin import build_model
 from pipeline.vlm.config import TemperingConfig
 from pipeline.vlm.frame_groups import group_timestamps, kept_slots, video_layout
 from pipeline.vlm.hf_forward import HFForwardVLM, model_card
@@ -347,7 +348,7 @@ class TestLoading:
             text.pop(key, None)
         vision = {k: v for k, v in cfg["vision_config"].items() if k not in ("model_type", "dtype", "transformers_version")}
         ids = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-        moe = qwen3_vl.build_model(Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids))
+        moe = build_model(Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids))
         moe.save_pretrained(tmp_path)
         vlm.tokenizer.save_pretrained(tmp_path)
         assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_vl_moe"

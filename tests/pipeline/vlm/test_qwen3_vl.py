@@ -326,6 +326,13 @@ class TestLoading:
                                    "engine": "transformers forward"}
         assert vlm.geometry.patch_size == 16 and vlm.preprocessor.image_mean == (0.5, 0.5, 0.5)
 
+    def test_an_untested_transformers_is_said_too(self, monkeypatch):
+        from pipeline.vlm import hf
+
+        monkeypatch.setattr(hf, "installed_version", lambda: "9.0.0")
+        warning = build_tiny_vlm("qwen3_vl").warning
+        assert "outside the range" in warning and "transformers' own forward" in warning and "\n" not in warning
+
     def test_snapshot_round_trip(self, vlm, tmp_path):
         save_snapshot(vlm, tmp_path)
         loaded = load_vlm(str(tmp_path), device="cpu", dtype="float32", config=VLMConfig(max_new_tokens=4))

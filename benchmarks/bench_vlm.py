@@ -60,11 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_topology, scratch_result  # noqa: E402
 from pipeline.core.cuda import window_frames  # noqa: E402
+from pipeline.vlm import qwen3_vl  # noqa: E402
 from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
 from pipeline.vlm.config import VLMConfig  # noqa: E402
 from pipeline.vlm.loading import _wrap  # noqa: E402
 from pipeline.vlm.model import AnswerRequest  # noqa: E402
-from pipeline.vlm import qwen3_vl  # noqa: E402
 QUESTION = "What is the person on the left doing with the red object?"
 HF_STOCK = "stock, HF forward"         # every token, the LM through transformers' own forward (fast_lm off)
 

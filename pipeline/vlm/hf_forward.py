@@ -97,7 +97,6 @@ class HFForwardVLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.passes = None
-        self.architecture = type(model).__name__
         self.video_token_id = model.config.video_token_id
         self._vision_start = model.config.vision_start_token_id
         self._vision_end = model.config.vision_end_token_id

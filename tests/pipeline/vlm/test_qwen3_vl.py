@@ -133,6 +133,18 @@ class TestAgainstTransformers:
         ref = hf_kept_logits(vlm, frames, cells, drop_groups=(1,) if empty_groups == "drop" else ())
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
+    @pytest.mark.parametrize("empty_groups", ["keep", "drop"])
+    def test_no_kept_token_equals_transformers_without_video_tokens(self, vlm, empty_groups):
+        frames = make_frames(4, 64, 96, seed=24)
+        keep = np.zeros((4, *grid_of(vlm, frames)[1:]), dtype=np.int64)
+        with configured(vlm, empty_frame_groups=empty_groups):
+            window = vlm.window(frames, keep)
+            ours = vlm.prompt_logits(vlm.prompt(window, QUESTION))
+            assert vlm.answer([request(frames, keep)])[0].tokens_kept == window.tokens_kept == 0
+        ref = hf_kept_logits(vlm, frames, torch.zeros(0, dtype=torch.long),
+                             drop_groups=(0, 1) if empty_groups == "drop" else ())
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
     def test_a_wrong_position_would_show(self, vlm):
         """The comparison above can fail: the same kept tokens at positions counted as if the
         dropped ones were not there (plain consecutive M-RoPE of the pruned prompt) differ."""

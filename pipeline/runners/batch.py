@@ -130,7 +130,7 @@ class QuestionsStage(VLMStage):
     (as VLMStage does), then answers all the video's questions from one set of vision tokens.
     `stock`: send every visual token (the baseline ARR-COC is measured against). `keep_policy`:
     (frames (T, H, W, 3), ARR-COC's LODs (T, gh, gw)) -> the keep map the VLM gets instead (the
-    accuracy benchmark's query-agnostic baselines, pipeline/vlm/baselines.py). `batcher`: a
+    accuracy benchmark's query-agnostic baselines, evaluation/baselines.py). `batcher`: a
     VLMBatcher over answer_windows (VideoAnswerer's), through which the videos in flight share one
     VLM thread and are answered together (None: this stage calls the VLM itself)."""
 

@@ -1,5 +1,5 @@
 """Train `arrcoc-synth-qa`: a small Qwen2-VL (the real architecture, HF transformers) learnt from
-scratch on generated video QA (sources/synth_qa.py), robust to missing visual tokens.
+scratch on generated video QA (evaluation/synth_qa.py), robust to missing visual tokens.
 
     python -m pipeline.training.qa_vlm --config configs/qa_vlm.yaml [--out-dir DIR] [--set key=value ...]
                                        [--resume] [--export-shipped]
@@ -46,7 +46,7 @@ from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm import hf
-from sources.scenes import COLORS, SHAPES
+from evaluation.scenes import COLORS, SHAPES
 
 SHIPPED_NAME = "arrcoc-synth-qa"
 SHIPPED_NAMES = (SHIPPED_NAME,)
@@ -189,7 +189,7 @@ class ValConfig:
     clips: int = 200                  # the final validation's clips
     periodic_clips: int = 50          # the first this many of them (at most all) at each periodic validation
     first_seed: int = 1_000_000       # val clips make_qa_clip(first_seed + i, split="val"): the val split's
-                                      # first seeds (sources.synth_qa.SPLIT_SEEDS), as write_split's
+                                      # first seeds (evaluation.synth_qa.SPLIT_SEEDS), as write_split's
     every: int = 450                  # steps between periodic validations
     final_keep_ratios: tuple[float, ...] = (1.0, 0.25)   # the final validation also at random keep maps
 
@@ -293,7 +293,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     from pipeline.vlm.loading import resolve_device
 
     if make_clip is None:
-        from sources.synth_qa import make_qa_clip as make_clip
+        from evaluation.synth_qa import make_qa_clip as make_clip
     hf_logging.disable_progress_bar()       # save / load bars at every validation
     if cfg.train.init and not resume_found(out_dir, resume):
         init_root(cfg.train.init)                       # before anything is written
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
-        print(f"error: {e} (the training needs sources/synth_qa.py and the packages of pyproject.toml)",
+        print(f"error: {e} (the training needs evaluation/synth_qa.py and the packages of pyproject.toml)",
               file=sys.stderr)
         return 2
     return 0

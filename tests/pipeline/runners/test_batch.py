@@ -19,7 +19,8 @@ import torch
 from pipeline.commands.cli import main
 from pipeline.runners.evaluate import evaluate
 from sinks import ZarrStore, read_stream, validate_store
-from sources.msrvtt import load_msrvtt, write_fixture
+from evaluation.fixtures import write_fixture
+from sources.msrvtt import load_msrvtt
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "live"))
 from live_servers import free_port  # noqa: E402

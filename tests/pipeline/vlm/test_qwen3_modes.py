@@ -16,7 +16,7 @@ from pipeline.config import DecodeConfig, PipelineConfig, RuntimeConfig
 from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
 from sinks import read_stream, validate_store
-from sources.msrvtt import write_fixture
+from evaluation.fixtures import write_fixture
 from sources.synthetic import Shot, render_clip, write_video
 
 from test_qwen3_vl import save_snapshot

@@ -10,7 +10,8 @@ DeepStack feature is its block's mean, as its token is) -> the prompt with a tim
 group (pipeline/vlm/frame_groups.py), each kept slot at the M-RoPE position the full prompt gives
 it (the model's own get_rope_index over the unpruned prompt) -> transformers' text model forward
 with the kept tokens' DeepStack features at their positions (none for a dropped token) -> greedy or
-nucleus decoding over a DynamicCache, one request at a time.
+nucleus decoding over a DynamicCache, one request at a time (questions about one window start from
+a copy of its prefilled cache).
 
 Not here (yet): static KV caches, CUDA graphs, batched prefill and decoding, `vlm.encode: kept`
 (the tower attends over whole frames, so encoding only the kept patches would change the kept
@@ -225,6 +226,29 @@ class HFForwardVLM:
         return hidden[0]
 
     @torch.no_grad()
+    def window_cache(self, window: Window):
+        """The KV cache of a window's slots (DeepStack added at its visual ones), for the questions
+        about it to start from (generate's window_cache): the window is prefilled once."""
+        cache = qwen3_vl.new_cache(self.model)
+        kept = window.tokens_kept > 0
+        qwen3_vl.lm_forward(self.model, window.embeds[None], window.positions[:, None], cache,
+                            window.visual[None] if kept else None, window.deepstack if kept else None)
+        return cache
+
+    def first_logits(self, prompt: Prompt, window_cache=None) -> tuple[torch.Tensor, object]:
+        """The prompt prefilled -> (1, V) float32 logits of the first generated token and the cache
+        to decode on; window_cache (window_cache()): only the question's text is prefilled, on a
+        copy of it."""
+        if window_cache is None:
+            cache = qwen3_vl.new_cache(self.model)
+            hidden = self._prefill(prompt, cache)
+        else:
+            cache = qwen3_vl.copy_cache(window_cache)
+            S = prompt.window.embeds.shape[0]
+            hidden = qwen3_vl.lm_forward(self.model, prompt.embeds[None, S:], prompt.positions[:, None, S:], cache)[0]
+        return qwen3_vl.lm_head(self.model)(hidden[-1:]).float(), cache
+
+    @torch.no_grad()
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """(L, V) float32 logits over the whole prompt (each predicting the next token)."""
         hidden = self._prefill(prompt, qwen3_vl.new_cache(self.model))
@@ -236,14 +260,14 @@ class HFForwardVLM:
         return first_token_confidence(logits, self.config.tempering.confidence)
 
     @torch.no_grad()
-    def generate(self, prompt: Prompt, *, max_new_tokens: int | None = None) -> Decoded:
-        """Decode from a prompt (greedy or nucleus, as vlm.temperature / top_p say)."""
+    def generate(self, prompt: Prompt, *, max_new_tokens: int | None = None, window_cache=None) -> Decoded:
+        """Decode from a prompt (greedy or nucleus, as vlm.temperature / top_p say); window_cache:
+        the prompt's window already prefilled (window_cache())."""
         cfg = self.config
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         head = qwen3_vl.lm_head(self.model)
-        cache = qwen3_vl.new_cache(self.model)
-        logits = head(self._prefill(prompt, cache)[-1:]).float()             # (1, V)
+        logits, cache = self.first_logits(prompt, window_cache)              # (1, V)
         confidence = self.first_confidence(logits)
         per_token = cfg.tempering.confidence in PER_TOKEN
         tokens: list[int] = []
@@ -264,8 +288,8 @@ class HFForwardVLM:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
     # ---- answering ----
-    def _answer(self, window: Window, question: str, started: float) -> AnswerResult:
-        out = self.generate(self.prompt(window, question))
+    def _answer(self, window: Window, question: str, started: float, window_cache=None) -> AnswerResult:
+        out = self.generate(self.prompt(window, question), window_cache=window_cache)
         return AnswerResult(text=self.decode(out.tokens), tokens_kept=window.tokens_kept,
                             tokens_full=window.tokens_full, latency_s=time.monotonic() - started,
                             confidence=out.confidence)
@@ -282,16 +306,21 @@ class HFForwardVLM:
 
     @torch.no_grad()
     def answer_windows(self, windows: list[WindowQuestions], *, max_batch: int | None = None) -> list[list[AnswerResult]]:
-        """Each window's vision tower and selection once, then its questions one after another
-        (max_batch: accepted for the fast engine's interface; answers here are not batched)."""
+        """Each window's vision tower, selection and prefill once, then its questions one after
+        another from the window's cache (max_batch: accepted for the fast engine's interface;
+        answers here are not batched)."""
         started = time.monotonic()
         for w in windows:      # AnswerRequest validates the window's arrays and every question
             for q in w.questions:
                 AnswerRequest("", w.frames, w.keep, q, 0.0, 0.0, scores=w.scores)
         results = []
         for w in windows:
-            shared = self.window(w.frames, w.keep, w.scores) if w.questions else None
-            results.append([self._answer(shared, q, started) for q in w.questions])
+            if not w.questions:
+                results.append([])
+                continue
+            shared = self.window(w.frames, w.keep, w.scores)
+            cache = self.window_cache(shared) if len(w.questions) > 1 else None
+            results.append([self._answer(shared, q, started, cache) for q in w.questions])
         return results
 
     def warm_up(self, batch_sizes, prefix_lengths, *, max_new_tokens: int | None = None) -> list[tuple[int, int]]:

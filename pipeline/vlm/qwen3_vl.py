@@ -17,6 +17,7 @@ lets this file, with pipeline/vlm/hf.py, name those internals.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -137,6 +138,11 @@ def rope_index(model: nn.Module, input_ids: torch.Tensor, video_grid_thw: torch.
 def new_cache(model: nn.Module):
     from transformers import DynamicCache
     return DynamicCache(config=text_model(model).config)
+
+
+def copy_cache(cache: Any):
+    """An independent copy of a DynamicCache (a window's, each question then extends its own)."""
+    return copy.deepcopy(cache)
 
 
 def lm_forward(model: nn.Module, embeds: torch.Tensor, positions: torch.Tensor, cache: Any,

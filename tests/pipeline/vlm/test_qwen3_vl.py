@@ -316,6 +316,21 @@ class TestAnswering:
         alone = [vlm.answer([request(frames, keep, q)])[0] for q in ("a?", "what colour?")]
         assert [r.text for r in together] == [r.text for r in alone]
 
+    def test_a_shared_window_prefill_equals_the_whole_prompts(self, vlm):
+        """Questions about one window start from its prefilled cache: the first token's logits and
+        the answer equal prefilling the whole prompt, and the window's cache is left as it was."""
+        frames = make_frames(4, 64, 96, seed=25)
+        window = vlm.window(frames, keep_fraction(vlm, frames, 0.3, seed=26))
+        cache = vlm.window_cache(window)
+        length = cache.get_seq_length()
+        for question in ("a?", "what colour is it?"):
+            prompt = vlm.prompt(window, question)
+            shared, _ = vlm.first_logits(prompt, cache)
+            whole, _ = vlm.first_logits(prompt)
+            torch.testing.assert_close(shared, whole, atol=1e-4, rtol=1e-4)
+            assert vlm.generate(prompt, window_cache=cache).tokens == vlm.generate(prompt).tokens
+            assert cache.get_seq_length() == length == window.embeds.shape[0]
+
     def test_a_keep_map_of_another_grid_is_one_line(self, vlm):
         frames = make_frames(4, 64, 96)
         with pytest.raises(ValueError, match="does not match the VLM grid"):

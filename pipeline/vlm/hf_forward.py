@@ -156,11 +156,20 @@ class HFForwardVLM:
     def features(self, frames: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """frames (T, H, W, 3) -> merged tokens (T', gh, gw, D) and DeepStack features, one
         (T', gh, gw, D) per DeepStack layer, from the vision tower on every patch."""
-        pixels, grid = self.preprocessor(frames, self.device)
-        merged, deepstack = qwen3_vl.vision_features(self.model, pixels.to(self.dtype), grid[None].to(self.device))
+        return self.features_of([frames])[0]
+
+    @torch.no_grad()
+    def features_of(self, videos: list) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """features() of several windows (any sizes) from one vision tower call."""
+        pixels, grids = zip(*(self.preprocessor(v, self.device) for v in videos))
+        merged, deepstack = qwen3_vl.vision_features(self.model, torch.cat(pixels).to(self.dtype),
+                                                     torch.stack(grids).to(self.device))
         m = self.geometry.merge_size
-        shape = (int(grid[0]), int(grid[1]) // m, int(grid[2]) // m, -1)
-        return merged.view(shape), [d.view(shape) for d in deepstack]
+        shapes = [(t, h // m, w // m, -1) for t, h, w in torch.stack(grids).tolist()]
+        sizes = [t * h * w for t, h, w, _ in shapes]
+        layers = [d.split(sizes) for d in deepstack]                         # per layer: per window
+        return [(x.view(shape), [layer[i].view(shape) for layer in layers])
+                for i, (x, shape) in enumerate(zip(merged.split(sizes), shapes))]
 
     @torch.no_grad()
     def visual_tokens(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -189,9 +198,10 @@ class HFForwardVLM:
 
     @torch.no_grad()
     def window(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
-               scores: np.ndarray | torch.Tensor | None = None) -> Window:
-        """The question-independent prompt of a window: frames (T, H, W, 3), keep (T, gh, gw) LOD or None."""
-        merged, deepstack = self.features(frames)
+               scores: np.ndarray | torch.Tensor | None = None, features: tuple | None = None) -> Window:
+        """The question-independent prompt of a window: frames (T, H, W, 3), keep (T, gh, gw) LOD or
+        None; features: the frames' features() when the caller has them already."""
+        merged, deepstack = self.features(frames) if features is None else features
         Tp, gh, gw, _ = merged.shape
         lod = self._lod(frames, keep, scores, (Tp, gh, gw))
         tokens, index = select_tokens(merged, lod)                           # (K, D), (K,) raster cells
@@ -295,9 +305,11 @@ class HFForwardVLM:
                             confidence=out.confidence)
 
     def answer(self, requests: list[AnswerRequest]) -> list[AnswerResult]:
+        """Each request answered in turn, the vision tower run once for all of them."""
         started = time.monotonic()
-        return [self._answer(self.window(r.frames, r.keep, r.scores), r.question,
-                             started if r.arrival_s is None else r.arrival_s) for r in requests]
+        features = self.features_of([r.frames for r in requests]) if requests else []
+        return [self._answer(self.window(r.frames, r.keep, r.scores, f), r.question,
+                             started if r.arrival_s is None else r.arrival_s) for r, f in zip(requests, features)]
 
     @torch.no_grad()
     def answer_questions(self, frames, keep, questions: list[str], *, max_batch: int | None = None,
@@ -306,19 +318,21 @@ class HFForwardVLM:
 
     @torch.no_grad()
     def answer_windows(self, windows: list[WindowQuestions], *, max_batch: int | None = None) -> list[list[AnswerResult]]:
-        """Each window's vision tower, selection and prefill once, then its questions one after
-        another from the window's cache (max_batch: accepted for the fast engine's interface;
+        """One vision tower call for every window, each window's selection and prefill once, then
+        its questions one after another from the window's cache (max_batch: accepted for the fast engine's interface;
         answers here are not batched)."""
         started = time.monotonic()
         for w in windows:      # AnswerRequest validates the window's arrays and every question
             for q in w.questions:
                 AnswerRequest("", w.frames, w.keep, q, 0.0, 0.0, scores=w.scores)
+        asked = [w for w in windows if w.questions]
+        features = dict(zip(map(id, asked), self.features_of([w.frames for w in asked]))) if asked else {}
         results = []
         for w in windows:
             if not w.questions:
                 results.append([])
                 continue
-            shared = self.window(w.frames, w.keep, w.scores)
+            shared = self.window(w.frames, w.keep, w.scores, features[id(w)])
             cache = self.window_cache(shared) if len(w.questions) > 1 else None
             results.append([self._answer(shared, q, started, cache) for q in w.questions])
         return results

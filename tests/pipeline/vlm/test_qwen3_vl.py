@@ -331,6 +331,18 @@ class TestAnswering:
             assert vlm.generate(prompt, window_cache=cache).tokens == vlm.generate(prompt).tokens
             assert cache.get_seq_length() == length == window.embeds.shape[0]
 
+    def test_one_tower_call_for_windows_of_different_sizes(self, vlm):
+        videos = [make_frames(4, 64, 96, seed=27), make_frames(3, 96, 64, seed=28)]
+        together = vlm.features_of(videos)
+        for video, (merged, deepstack) in zip(videos, together):
+            alone_merged, alone_deepstack = vlm.features(video)
+            torch.testing.assert_close(merged, alone_merged, atol=1e-5, rtol=1e-5)
+            for a, b in zip(deepstack, alone_deepstack):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        keeps = [keep_fraction(vlm, v, 0.4, seed=29 + i) for i, v in enumerate(videos)]
+        batched = vlm.answer([request(v, k) for v, k in zip(videos, keeps)])
+        assert [r.text for r in batched] == [vlm.answer([request(v, k)])[0].text for v, k in zip(videos, keeps)]
+
     def test_a_keep_map_of_another_grid_is_one_line(self, vlm):
         frames = make_frames(4, 64, 96)
         with pytest.raises(ValueError, match="does not match the VLM grid"):

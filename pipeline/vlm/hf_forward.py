@@ -205,7 +205,7 @@ class HFForwardVLM:
         Tp, gh, gw, _ = merged.shape
         lod = self._lod(frames, keep, scores, (Tp, gh, gw))
         tokens, index = select_tokens(merged, lod)                           # (K, D), (K,) raster cells
-        kept_deepstack = [select_tokens(d, lod, index)[0] for d in deepstack]  # K x (D,) each
+        kept_deepstack = [select_tokens(d, lod, index)[0] for d in deepstack]  # (K, D) per layer
         layout, positions, text_start = self._layout(frames.shape[0], gh, gw)
         slots = kept_slots(layout, index, gh * gw, self.config.empty_frame_groups)  # (L,) bool
         ids = layout.ids.to(self.device)[slots]                              # (S,)
@@ -224,25 +224,28 @@ class HFForwardVLM:
                       window.text_start + n)
 
     # ---- language model ----
-    def _prefill(self, prompt: Prompt, cache) -> torch.Tensor:
-        """The prompt through transformers' text model -> hidden states (L, D)."""
-        w = prompt.window
-        L = prompt.embeds.shape[0]
-        visual = torch.zeros(L, dtype=torch.bool, device=self.device)
-        visual[:w.visual.numel()] = w.visual
-        kept = w.tokens_kept > 0
-        hidden = qwen3_vl.lm_forward(self.model, prompt.embeds[None], prompt.positions[:, None], cache,
-                                     visual[None] if kept else None, w.deepstack if kept else None)
+    def _forward(self, window: Window, embeds: torch.Tensor, positions: torch.Tensor, visual: torch.Tensor,
+                 cache) -> torch.Tensor:
+        """Slots starting with `window`'s through transformers' text model: embeds (L, D), positions
+        (3, L), visual (L,) bool the window's kept visual slots, which get its DeepStack features ->
+        hidden states (L, D)."""
+        kept = window.tokens_kept > 0
+        hidden = qwen3_vl.lm_forward(self.model, embeds[None], positions[:, None], cache,
+                                     visual[None] if kept else None, window.deepstack if kept else None)
         return hidden[0]
+
+    def _prefill(self, prompt: Prompt, cache) -> torch.Tensor:
+        """The whole prompt -> hidden states (L, D)."""
+        visual = torch.zeros(prompt.embeds.shape[0], dtype=torch.bool, device=self.device)
+        visual[:prompt.window.visual.numel()] = prompt.window.visual
+        return self._forward(prompt.window, prompt.embeds, prompt.positions, visual, cache)
 
     @torch.no_grad()
     def window_cache(self, window: Window):
         """The KV cache of a window's slots (DeepStack added at its visual ones), for the questions
         about it to start from (generate's window_cache): the window is prefilled once."""
         cache = qwen3_vl.new_cache(self.model)
-        kept = window.tokens_kept > 0
-        qwen3_vl.lm_forward(self.model, window.embeds[None], window.positions[:, None], cache,
-                            window.visual[None] if kept else None, window.deepstack if kept else None)
+        self._forward(window, window.embeds, window.positions, window.visual, cache)
         return cache
 
     def first_logits(self, prompt: Prompt, window_cache=None) -> tuple[torch.Tensor, object]:

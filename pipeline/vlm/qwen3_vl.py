@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 FAMILIES: tuple[str, ...] = ("qwen3_vl", "qwen3_vl_moe")
-ARCHS: tuple[str, ...] = ("qwen3-vl-8b", "qwen3-vl-2b")
 # Qwen3-VL's processors normalise with mean = std = 0.5 (IMAGENET_STANDARD), not CLIP's values
 PROCESSOR_DEFAULTS = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
                       "rescale_factor": 1 / 255}
@@ -80,24 +79,29 @@ def tiny_config(tokenizer):
     return _config(tokenizer, text, vision, tie=False)
 
 
+# The published config.json values: LM (hidden, intermediate, layers, attention heads), vision tower
+# (depth, width, MLP width, DeepStack blocks), tied embeddings. Shared by both: 8 KV heads of 128,
+# the 151936-token vocabulary, rope_theta 5e6 with interleaved sections [24, 20, 20], 16 vision
+# heads, a 48 x 48 learned position grid.
+ARCH_SIZES = {"qwen3-vl-8b": ((4096, 12288, 36, 32), (27, 1152, 4304, [8, 16, 24]), False),
+              "qwen3-vl-2b": ((2048, 6144, 28, 16), (24, 1024, 4096, [5, 11, 17]), True)}
+
+
+ARCHS: tuple[str, ...] = tuple(ARCH_SIZES)
+
+
 def arch_config(arch: str, tokenizer):
-    """Full-size architectures (the published config.json values) with the built-in tokenizer's
-    special ids; the vocabulary keeps the real size so the LM head costs what it costs."""
-    if arch == "qwen3-vl-8b":
-        text = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-                    rope_parameters=_rope(5e6, [24, 20, 20]))
-        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-                      num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
-        return _config(tokenizer, text, vision, tie=False)
-    if arch == "qwen3-vl-2b":
-        text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-                    rope_parameters=_rope(5e6, [24, 20, 20]))
-        vision = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
-                      num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17])
-        return _config(tokenizer, text, vision, tie=True)
-    raise ValueError(f"Invalid architecture ({arch!r}). Supported values are {', '.join(ARCHS)}.")
+    """Full-size architectures (ARCH_SIZES) with the built-in tokenizer's special ids; the
+    vocabulary keeps the real size so the LM head costs what it costs."""
+    if arch not in ARCH_SIZES:
+        raise ValueError(f"Invalid architecture ({arch!r}). Supported values are {', '.join(ARCHS)}.")
+    (hidden, inter, layers, heads), (depth, width, mlp, deepstack), tie = ARCH_SIZES[arch]
+    text = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                rope_parameters=_rope(5e6, [24, 20, 20]))
+    vision = dict(depth=depth, hidden_size=width, intermediate_size=mlp, num_heads=16, out_hidden_size=hidden,
+                  num_position_embeddings=2304, deepstack_visual_indexes=deepstack)
+    return _config(tokenizer, text, vision, tie=tie)
 
 
 # ---- the model's parts ----

@@ -90,3 +90,6 @@ def test_qwen3_vl_arch_configs_are_the_published_sizes():
     assert (small.text_config.num_hidden_layers, small.text_config.hidden_size, small.vision_config.depth) == (28, 2048, 24)
     assert big.vision_config.deepstack_visual_indexes == [8, 16, 24] and small.vision_config.deepstack_visual_indexes == [5, 11, 17]
     assert big.text_config.rope_parameters["mrope_interleaved"] and small.tie_word_embeddings and not big.tie_word_embeddings
+    assert (big.text_config.intermediate_size, big.vision_config.hidden_size, big.vision_config.out_hidden_size) == (12288, 1152, 4096)
+    assert (small.text_config.intermediate_size, small.vision_config.hidden_size, small.vision_config.out_hidden_size) == (6144, 1024, 2048)
+    assert big.text_config.num_key_value_heads == small.text_config.num_key_value_heads == 8

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from pipeline.core.cuda import resolve_device
-from pipeline.vlm.builtin import FAMILIES, MODEL_CLASSES, build_model, build_tokenizer, tiny_config
-from pipeline.vlm.config import VLMConfig
 from pipeline.vlm import qwen3_vl
+from pipeline.vlm.builtin import FAMILIES, build_model, build_tokenizer, model_class, tiny_config
+from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.model import VLM
 from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPreprocessor
@@ -91,8 +91,7 @@ def _load_pretrained(spec: str, device, dtype, config: VLMConfig, local_files_on
     _check_family(spec, family)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_files_only)
-        model_class = qwen3_vl.model_class(family) if family in qwen3_vl.FAMILIES else MODEL_CLASSES[family]
-        model = model_class.from_pretrained(spec, dtype=dtype, local_files_only=local_files_only).to(device)
+        model = model_class(family).from_pretrained(spec, dtype=dtype, local_files_only=local_files_only).to(device)
     except Exception as e:
         raise VLMLoadError(f"cannot load VLM {spec!r}: {str(e).splitlines()[0]}") from None
     # The processor configs are read as plain JSON: preprocessing runs on the device in our own code,

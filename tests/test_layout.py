@@ -1,4 +1,5 @@
-"""The layout is the architecture: dependencies point one way (DESIGN.md, "Where things live").
+"""The layout is the architecture: dependencies point one way (docs/architecture.md: the packages
+and their order).
 
 Every import counts, at module level or inside a function (lazy imports still tie modules
 together), except those under `if TYPE_CHECKING:`.

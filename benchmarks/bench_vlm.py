@@ -291,7 +291,8 @@ def bench_hf_forward(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
     front_s, window = timed(lambda: vlm.window(frames, keep), device, reps)
     prompt = vlm.prompt(window, QUESTION)
     prefill_s, _ = timed(lambda: vlm.generate(prompt, max_new_tokens=1), device, reps)
-    ttft_s, _ = timed(lambda: vlm.generate(vlm.prompt(vlm.window(frames, keep), QUESTION), max_new_tokens=1), device, reps)
+    ttft_s, _ = timed(lambda: vlm.generate(vlm.prompt(vlm.window(frames, keep), QUESTION), max_new_tokens=1),
+                      device, reps)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -364,12 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         relevance, source, arrcoc_ms, arrcoc_eager_ms = relevance_map(vlm, frames, reps)
         maps = keep_maps(relevance, args.retention, vlm.geometry.temporal_patch_size)
         if arch in QWEN3_ARCHS:       # transformers' forward: stock and each retention, every patch encoded
+            settings = [("stock", None)] + [(f"arr-coc {int(r * 100)}%", maps[r]) for r in args.retention]
             rows = [dict(bench_hf_forward(vlm, window, keep, new_tokens, reps), arch=arch, setting=label,
                          keep_source=None if keep is None else source, build_s=build_s, kept_windows=None,
                          snap_windows=0, kept_context=None, arrcoc_ms=None if keep is None else arrcoc_ms,
                          arrcoc_eager_ms=None if keep is None else arrcoc_eager_ms, arrcoc_share_of_vlm=None,
                          prefill_x_hf_stock=None)
-                    for label, keep in [("stock", None)] + [(f"arr-coc {int(r * 100)}%", maps[r]) for r in args.retention]]
+                    for label, keep in settings]
             for r in rows:
                 r["prefill_x_stock"] = rows[0]["prefill_ms"] / r["prefill_ms"]
                 r["ttft_x_stock"] = rows[0]["ttft_ms"] / r["ttft_ms"]

@@ -60,7 +60,8 @@ class VLMDeployment:
     def info(self) -> dict[str, Any]:
         from ..vlm.hf_forward import model_card
         v = self.vlm
-        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning, "card": model_card(v)}
+        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning,
+                "card": model_card(v)}
 
     def count_tokens(self, text: str) -> int:
         return len(self.vlm.tokenizer(text).input_ids)

@@ -4,7 +4,7 @@ pruned window keeps. Pure (token ids and torch index arithmetic, no model).
 transformers' Qwen3VLProcessor writes a video of T' frame groups (temporal patches of
 `temporal_patch` frames) inside the chat template's own <|vision_start|> ... <|vision_end|> as
 
-    <|vision_start|>  <t_0 seconds><|vision_start|> pad x n <|vision_end|>  ...  <t_T'-1 seconds>...<|vision_end|>  <|vision_end|>
+    <|vision_start|> <t_0 seconds><|vision_start|> pad x n <|vision_end|> ... <t_T'-1 seconds>... <|vision_end|>
 
 with n = gh x gw merged tokens a group and t_g the mean time of the group's first and last frame
 (frame i at indices[i] / fps; the last index repeated to fill the last group), written "%.1f". The

@@ -83,9 +83,9 @@ class HFForwardVLM:
     def __init__(self, model, tokenizer, *, family: str, name: str, config: VLMConfig,
                  preprocessor: VideoPreprocessor, warning: str | None = None) -> None:
         if config.multipass:
-            raise ConfigError(f"{_display(family)} runs through transformers' own forward, which has no pass 2 or tempering "
-                              f"yet: set vlm.pass2=off and vlm.tempering.ladder=[] (got pass2={config.pass2}, "
-                              f"ladder={list(config.tempering.ladder)})")
+            raise ConfigError(f"{_display(family)} runs through transformers' own forward, which has no pass 2 or "
+                              f"tempering yet: set vlm.pass2=off and vlm.tempering.ladder=[] (got "
+                              f"pass2={config.pass2}, ladder={list(config.tempering.ladder)})")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.family = family
@@ -320,7 +320,8 @@ class HFForwardVLM:
         return self.answer_windows([WindowQuestions(frames, keep, list(questions), scores)], max_batch=max_batch)[0]
 
     @torch.no_grad()
-    def answer_windows(self, windows: list[WindowQuestions], *, max_batch: int | None = None) -> list[list[AnswerResult]]:
+    def answer_windows(self, windows: list[WindowQuestions], *,
+                       max_batch: int | None = None) -> list[list[AnswerResult]]:
         """One vision tower call for every window, each window's selection and prefill once, then
         its questions one after another from the window's cache (max_batch: accepted for the fast engine's interface;
         answers here are not batched)."""

@@ -124,14 +124,16 @@ def deepstack_mergers(model: nn.Module) -> list[nn.Module]:
     return list(vision_tower(model).deepstack_merger_list)
 
 
-def vision_features(model: nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def vision_features(model: nn.Module, pixels: torch.Tensor,
+                    grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """pixels (N_patches, F), grid_thw (V, 3) -> merged tokens (N, D) and one (N, D) DeepStack
     feature per deepstack layer, rows in the merged-token raster order of the videos in turn."""
     out = vision_tower(model)(pixels, grid_thw=grid_thw, return_dict=True)
     return out.pooler_output, list(out.deepstack_features)
 
 
-def rope_index(model: nn.Module, input_ids: torch.Tensor, video_grid_thw: torch.Tensor, video_token_id: int) -> torch.Tensor:
+def rope_index(model: nn.Module, input_ids: torch.Tensor, video_grid_thw: torch.Tensor,
+               video_token_id: int) -> torch.Tensor:
     """(1, L) ids of the full prompt (timestamps and every video token), (1, 3) grid -> (3, 1, L)
     M-RoPE positions from the model's own get_rope_index."""
     types = (input_ids == video_token_id).int() * 2                          # 2: video

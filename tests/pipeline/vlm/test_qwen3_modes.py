@@ -89,8 +89,9 @@ def test_live(tmp_path, snapshot, video):
 
     out = io.StringIO()
     cfg = PipelineConfig(runtime=runtime(vlm=snapshot), vlm=VLMConfig(max_new_tokens=3))
-    result = run_live([str(video)], "what moves?", tmp_path / "live.zarr", cfg, live=LiveConfig(realtime=True, buffer_frames=32),
-                      options=LiveOptions(every_s=1.0), answers_out=out, status_out=io.StringIO())
+    result = run_live([str(video)], "what moves?", tmp_path / "live.zarr", cfg,
+                      live=LiveConfig(realtime=True, buffer_frames=32), options=LiveOptions(every_s=1.0),
+                      answers_out=out, status_out=io.StringIO())
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(lines) == len(result.answers) >= 1
     assert all(0 < line["tokens_kept"] <= line["tokens_full"] for line in lines)

@@ -218,7 +218,8 @@ class TestPrompt:
         g = vlm.geometry
         processor.video_processor = SimpleNamespace(merge_size=g.merge_size, temporal_patch_size=g.temporal_patch_size)
         inputs = {"video_grid_thw": torch.tensor([[grid[0], grid[1] * 2, grid[2] * 2]]),
-                  "video_metadata": [VideoMetadata(total_num_frames=T, fps=vlm.config.fps, frames_indices=list(range(T)))]}
+                  "video_metadata": [VideoMetadata(total_num_frames=T, fps=vlm.config.fps,
+                                                   frames_indices=list(range(T)))]}
         text, _ = processor.get_text_with_replacements([TEMPLATE.format(q=QUESTION)],
                                                        videos_replacements=[processor.replace_video_token(inputs, 0)])
         return vlm.tokenizer(text[0]).input_ids
@@ -242,7 +243,8 @@ class TestPrompt:
         processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=vlm.tokenizer,
                                      video_processor=Qwen3VLVideoProcessor(size=size, cap_pixels_per_frame=False))
         ref = processor(text=[TEMPLATE.format(q=QUESTION)], videos=[frames], do_sample_frames=False,
-                        video_metadata=[VideoMetadata(total_num_frames=4, fps=vlm.config.fps, frames_indices=[0, 1, 2, 3])],
+                        video_metadata=[VideoMetadata(total_num_frames=4, fps=vlm.config.fps,
+                                                      frames_indices=[0, 1, 2, 3])],
                         return_tensors="pt")
         grid = grid_of(vlm, frames)
         assert ref["input_ids"][0].tolist() == vlm.full_prompt_ids(QUESTION, 4, grid[1], grid[2]).tolist()
@@ -392,7 +394,8 @@ class TestLoading:
                     decoder_sparse_step=1, mlp_only_layers=[])
         for key in ("model_type", "architectures", "dtype", "transformers_version"):
             text.pop(key, None)
-        vision = {k: v for k, v in cfg["vision_config"].items() if k not in ("model_type", "dtype", "transformers_version")}
+        drop = ("model_type", "dtype", "transformers_version")
+        vision = {k: v for k, v in cfg["vision_config"].items() if k not in drop}
         ids = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
         moe = build_model(Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids))
         moe.save_pretrained(tmp_path)

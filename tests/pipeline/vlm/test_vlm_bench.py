@@ -86,10 +86,10 @@ def test_qwen3_vl_arch_configs_are_the_published_sizes():
 
     tok = build_tokenizer()
     big, small = (qwen3_vl.arch_config(a, tok) for a in ("qwen3-vl-8b", "qwen3-vl-2b"))
-    assert (big.text_config.num_hidden_layers, big.text_config.hidden_size, big.vision_config.depth) == (36, 4096, 27)
-    assert (small.text_config.num_hidden_layers, small.text_config.hidden_size, small.vision_config.depth) == (28, 2048, 24)
-    assert big.vision_config.deepstack_visual_indexes == [8, 16, 24] and small.vision_config.deepstack_visual_indexes == [5, 11, 17]
-    assert big.text_config.rope_parameters["mrope_interleaved"] and small.tie_word_embeddings and not big.tie_word_embeddings
-    assert (big.text_config.intermediate_size, big.vision_config.hidden_size, big.vision_config.out_hidden_size) == (12288, 1152, 4096)
-    assert (small.text_config.intermediate_size, small.vision_config.hidden_size, small.vision_config.out_hidden_size) == (6144, 1024, 2048)
-    assert big.text_config.num_key_value_heads == small.text_config.num_key_value_heads == 8
+    for cfg, text, vision, deepstack, tie in ((big, (36, 4096, 12288), (27, 1152, 4096), [8, 16, 24], False),
+                                              (small, (28, 2048, 6144), (24, 1024, 2048), [5, 11, 17], True)):
+        t, v = cfg.text_config, cfg.vision_config
+        assert (t.num_hidden_layers, t.hidden_size, t.intermediate_size) == text
+        assert (v.depth, v.hidden_size, v.out_hidden_size) == vision and v.deepstack_visual_indexes == deepstack
+        assert cfg.tie_word_embeddings is tie and t.num_key_value_heads == 8
+        assert t.rope_parameters["mrope_interleaved"] and t.rope_parameters["mrope_section"] == [24, 20, 20]

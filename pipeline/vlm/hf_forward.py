@@ -28,17 +28,18 @@ import torch
 
 from arr_coc._validate import ConfigError
 from arr_coc.lod import token_frames
-from pipeline.core.cuda import to_device
+from pipeline.runtime.cuda import to_device
+from pipeline.runtime.requests import AnswerRequest, AnswerResult, WindowQuestions
 from pipeline.vlm import hf, qwen3_vl
-from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.decoding import sample_next
 from pipeline.vlm.frame_groups import group_timestamps, kept_slots, stamp_ids, video_layout
 from pipeline.vlm.geometry import VLMGeometry
-from pipeline.vlm.model import AnswerRequest, AnswerResult, WindowQuestions, snapshot_dir
+from pipeline.vlm.model import snapshot_dir
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.probe import Probe
 from pipeline.vlm.selection import pair_lod, select_tokens, snap_to_windows
 from pipeline.vlm.tempering import PER_TOKEN, first_token_confidence
+from pipeline.vlm_config import VLMConfig
 
 FALLBACK_WARNING = ("{family} runs through transformers' own forward (no static KV cache, CUDA graphs or "
                     "batched decoding yet; every patch through the vision tower): slower than the fast engine")

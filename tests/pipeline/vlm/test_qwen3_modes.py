@@ -13,7 +13,7 @@ import pytest
 from pipeline.api import Pipeline
 from pipeline.commands.cli import main
 from pipeline.config import DecodeConfig, PipelineConfig, RuntimeConfig
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
 from sinks import read_stream, validate_store
 from evaluation.fixtures import write_fixture

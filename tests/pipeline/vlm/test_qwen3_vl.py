@@ -14,9 +14,9 @@ import torch
 
 from arr_coc._validate import ConfigError
 from conftest import make_frames, request
-from pipeline.vlm import VLMConfig, VLMLoadError, load_vlm, qwen3_vl
+from pipeline.vlm import VLMLoadError, load_vlm, qwen3_vl
 from pipeline.vlm.builtin import build_model
-from pipeline.vlm.config import TemperingConfig
+from pipeline.vlm_config import TemperingConfig, VLMConfig
 from pipeline.vlm.frame_groups import group_timestamps, kept_slots, video_layout
 from pipeline.vlm.hf_forward import HFForwardVLM, model_card
 from pipeline.vlm.loading import build_tiny_vlm

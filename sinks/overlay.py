@@ -132,7 +132,8 @@ def label_frame(image: np.ndarray, label: FrameLabel) -> np.ndarray:
     return image
 
 
-def legend_strip(width: int, *, colour_by: ColourBy, token_scale: float = 1.0, scale: float | None = None) -> np.ndarray:
+def legend_strip(width: int, *, colour_by: ColourBy, token_scale: float = 1.0,
+                 scale: float | None = None) -> np.ndarray:
     """A strip (h, width, 3) uint8 to put under a frame or a sheet, saying what the colours mean.
 
     colour_by "tokens": one swatch per count 0..token_scale (0: a dropped, darkened cell) under the

@@ -16,10 +16,12 @@ class LocalVLM:
 
     def __init__(self, vlm: Any) -> None:
         from ..vlm.batcher import VLMBatcher
+        from ..vlm.hf_forward import model_card
 
         self.vlm = vlm
         self.batcher = VLMBatcher(vlm)
         self.name, self.geometry, self.config, self.warning = vlm.name, vlm.geometry, vlm.config, vlm.warning
+        self.card = model_card(vlm)            # family, architecture, engine: what /v1/models says
         self._pending = 0
         self._lock = threading.Lock()
 

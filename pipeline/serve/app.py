@@ -76,7 +76,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": 0,
-                                            "owned_by": "arr-coc"}]}
+                                            "owned_by": "arr-coc", **engine.service.card}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -68,9 +68,11 @@ class TestWindowAfterAGap:
 
     def test_every_window_starts_after_the_gap(self):
         requests = self.run(LiveOptions(every_s=1.0))
-        # due one --every after the first frame after the gap (1.3 + 1.0), not at 1.0 (the old schedule)
-        assert [(r.t_start, r.t_end) for r in requests] == [(pytest.approx(1.3), pytest.approx(2.3))]
-        assert answer_frames(requests[0]) == list(range(10, 21))
+        # due one --every after the first frame after the gap (1.3 + 1.0), not at 1.0 (the old schedule);
+        # at the end, the frames since (2.4, 2.5) are the last, partial window
+        assert [(r.t_start, r.t_end) for r in requests] == [(pytest.approx(1.3), pytest.approx(2.3)),
+                                                            (pytest.approx(2.4), pytest.approx(2.5))]
+        assert answer_frames(requests[0]) == list(range(10, 21)) and answer_frames(requests[1]) == [21, 22]
         # pass 1's relevance travels with its frames (tempering ranks by it)
         assert requests[0].scores.shape == requests[0].keep.shape
         np.testing.assert_allclose(requests[0].scores[:, 0, 0] * 1000, range(10, 21), atol=1e-3)
@@ -147,10 +149,11 @@ class TestFeatureReuse:
             counts.append(dict(vlm.kept_encoder.counters))
         stage.close()
         # 5 frames (3 pairs) of 4 cells, then 5 frames of the same view: all reused; after the gap
-        # (the window starts over: due 1 s after 2.25 s) all anew
+        # (the window starts over: due 1 s after 2.25 s) all anew, and the last partial window (the
+        # frame at 3.5 s, asked by finish) of the same view reused
         assert [c["cells_encoded"] for c in counts] == [12, 12, 24]
-        assert [c["cells_reused"] for c in counts] == [0, 12, 12]
-        assert len(answers) == 3 and answers[0] == answers[1]
+        assert [c["cells_reused"] for c in counts] == [0, 12, 16]
+        assert len(answers) == 4 and answers[0] == answers[1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

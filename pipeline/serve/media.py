@@ -227,8 +227,10 @@ class Media:
 
     def upload(self, file_id: str, owner: str = "") -> Upload:
         """The upload `file_id` of `owner`; 404 if there is none (another key's uploads included)."""
-        meta = self.uploads / f"{file_id}.json"
-        d = json.loads(meta.read_text()) if UPLOAD_ID.fullmatch(file_id) and meta.is_file() else {}
+        try:
+            d = json.loads((self.uploads / f"{file_id}.json").read_text()) if UPLOAD_ID.fullmatch(file_id) else {}
+        except (FileNotFoundError, ValueError):       # none, or removed meanwhile
+            d = {}
         if not d or d.get("owner", "") != owner:
             raise ApiError(404, f"no uploaded file {file_id!r}; upload one with POST /v1/files",
                            code="file_not_found", param="file_id")

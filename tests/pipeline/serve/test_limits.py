@@ -75,6 +75,7 @@ class TestMessages:
     def test_json_nested_50000_deep_is_a_400(self, server):
         raw = b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
         assert_error(*call(server, "POST", "/v1/chat/completions", raw=raw, headers=JSON), 400, "nested too deeply")
+        raw = b'{"source": ' + b"[" * 25_000 + b"]" * 25_000 + b"}"          # within a stream body's size
         assert_error(*call(server, "POST", "/v1/streams", raw=raw, headers=JSON), 400, "nested too deeply")
 
 
@@ -85,8 +86,8 @@ class TestQuestions:
         status, reply = call(server, "POST", "/v1/chat/completions", chat_body(videos.small.as_uri(), question))
         assert_error(status, reply, 413, "100002 characters", "--max-question-chars")
         assert reply["error"]["code"] == "question_too_long" and time.perf_counter() - start < 5.0
-        status, reply = call(server, "POST", "/v1/streams", {"source": videos.small.as_uri(), "question": question})
-        assert_error(status, reply, 413, "--max-question-chars")
+        status, reply = call(server, "POST", "/v1/streams", {"source": videos.small.as_uri(), "question": "why" * 3000})
+        assert_error(status, reply, 413, "9000 characters", "--max-question-chars")
 
     def test_a_question_past_the_models_context_is_400(self, server, videos, monkeypatch):
         engine = server.engine

@@ -30,11 +30,14 @@ from sources import SourceError
 
 from ..core.graph import StageError
 from .engine import Engine
+from .admission import Admission, Admit
 from .errors import ApiError, error_body
 from .media import too_large
 from .openai_api import DONE, chunk, completion_body, extension, parse_chat, sse, window_line
 
 STATIC = Path(__file__).with_name("static")
+STREAM_BODY_LIMIT = 64 << 10      # POST /v1/streams: a source, a question, a few numbers
+OPEN_ROUTES = ("/", "/health", "/favicon.ico")   # no key: the page's shell and a liveness probe
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 log = logging.getLogger("pipeline.serve")
 
@@ -56,7 +59,9 @@ def create_app(engine: Engine) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(pool, partial(fn, *args, **kwargs))
 
     _error_handlers(app)
-    app.add_middleware(Guard, engine=engine)
+    app.add_middleware(Admit, admission=Admission(engine.options.max_concurrent, engine.options.per_key[0]),
+                       timeout_s=engine.options.request_timeout_s)
+    app.add_middleware(Guard, engine=engine)      # outermost: no key, no slot
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -80,13 +85,15 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         chat = parse_chat(await json_body(request), engine.model_id)
-        ref = await blocking(engine.media.resolve, chat.video)     # refused (4xx) before anything runs
+        deadline = request.state.deadline
+        ref = await blocking(engine.media.resolve, chat.video, deadline)     # refused (4xx) before anything runs
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         windowed = ref.kind == "file" and (chat.every_s or engine.cfg.runtime.every_s) is not None
         if not chat.stream:
-            completion = await blocking(engine.answer, ref, chat.question, request_id, every_s=chat.every_s)
+            completion = await blocking(engine.answer, ref, chat.question, request_id, every_s=chat.every_s,
+                                        deadline=deadline)
             return completion_body(completion, engine.model_id, windowed)
-        return StreamingResponse(_stream_answer(engine, blocking, ref, chat, request_id, windowed),
+        return StreamingResponse(_stream_answer(engine, blocking, ref, chat, request_id, windowed, deadline),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/files")
@@ -149,7 +156,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/streams")
     async def stream_start(request: Request) -> JSONResponse:
-        body = await json_body(request)
+        body = await json_body(request, STREAM_BODY_LIMIT)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         question = body.get("question")
@@ -167,7 +174,8 @@ def create_app(engine: Engine) -> FastAPI:
         if not isinstance(scene, bool):
             raise ApiError(400, f"on_scene_change must be true or false, got {scene!r}", param="on_scene_change")
         stream = await blocking(engine.streams.start, body["source"], question.strip(), every_s=float(every),
-                                on_scene_change=scene, duration_s=None if duration is None else float(duration))
+                                on_scene_change=scene, duration_s=None if duration is None else float(duration),
+                                client=request.state.client)
         return JSONResponse(stream.to_dict(), status_code=201)
 
     @app.get("/v1/streams")
@@ -197,7 +205,7 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any, chat: Any, request_id: str,
-                         windowed: bool):
+                         windowed: bool, deadline: Any):
     """chat.completion.chunk events: the role, each window's answer as it is ready, the finish (with
     ARR-COC's extension), usage if asked for, then [DONE]. An error after the first event is sent
     as an error event (the status line has gone out already)."""
@@ -205,7 +213,8 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue = asyncio.Queue()
     work = asyncio.ensure_future(blocking(engine.answer, ref, chat.question, request_id, every_s=chat.every_s,
-                                          on_answer=lambda row: loop.call_soon_threadsafe(answers.put_nowait, row)))
+                                          on_answer=lambda row: loop.call_soon_threadsafe(answers.put_nowait, row),
+                                          deadline=deadline))
     yield chunk(request_id, model, created, {"role": "assistant", "content": ""})
     sent = 0
 
@@ -241,9 +250,10 @@ def _video_type(name: str) -> str:
     return mimetypes.guess_type(name)[0] or "application/octet-stream"
 
 
-async def json_body(request: Request) -> Any:
-    """The body as JSON; 413 past the upload limit (a data: URL is the largest thing a body carries)."""
-    limit = request.app.state.engine.options.max_upload_bytes * 4 // 3 + (1 << 20)
+async def json_body(request: Request, limit: int | None = None) -> Any:
+    """The body as JSON, refused (413) past `limit` bytes before any of it is parsed (default: the
+    upload limit, as base64, plus a megabyte: a data: URL is the largest thing a chat body carries)."""
+    limit = limit or request.app.state.engine.options.max_upload_bytes * 4 // 3 + (1 << 20)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         await _drain(request.stream(), limit)
@@ -293,7 +303,7 @@ def _classify(e: BaseException) -> tuple[int, str]:
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -314,8 +324,9 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 class Guard:
-    """ASGI middleware: the API key on /v1 routes, and every response counted in the metrics (route
-    template, status, time until its last byte)."""
+    """ASGI middleware: the API key on every route but OPEN_ROUTES and the page's static files (a
+    route added later is covered without naming it), and every response counted in the metrics
+    (route template, status, time until its last byte)."""
 
     def __init__(self, app: Any, engine: Engine) -> None:
         self.app, self.engine = app, engine
@@ -335,7 +346,8 @@ class Guard:
                 route = scope.get("route")
                 self.engine.metrics.request(getattr(route, "path", "unmatched"), status[0], time.perf_counter() - start)
 
-        if self.expected is not None and scope["path"].startswith("/v1"):
+        path = scope["path"]
+        if self.expected is not None and path not in OPEN_ROUTES and not path.startswith("/static/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 why = "missing" if not given else "wrong"

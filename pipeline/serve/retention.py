@@ -110,9 +110,9 @@ class Retention:
         return sorted(found, key=lambda i: i.mtime)
 
     def usage(self) -> int:
-        """Bytes held now: the items, and the fetches and uploads being written."""
-        scratch = _tree_bytes(self.uploads / "tmp")[0] if (self.uploads / "tmp").is_dir() else 0
-        return sum(i.bytes for i in self.items()) + scratch
+        """Bytes on disk now: everything under the uploads directory (fetches and uploads being
+        written too) and under the store."""
+        return _tree_bytes(self.uploads)[0] + (_tree_bytes(self.store)[0] if self.store is not None else 0)
 
     # ---- removing ----
     def _remove(self, item: Item) -> bool:

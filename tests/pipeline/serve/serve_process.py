@@ -153,8 +153,8 @@ def media_server(directory: Path) -> http.server.ThreadingHTTPServer:
 
 def request(proc: ServeProcess, method: str, path: str, body: Any = None, *, key: str | None = "",
             raw: bytes | None = None, headers: dict[str, str] | None = None,
-            timeout: float = 60.0) -> tuple[int, Any, dict[str, str]]:
-    """(status, JSON body, headers) of one request to the serve process (errors come back)."""
+            timeout: float = 60.0) -> tuple[int, Any, Any]:
+    """(status, JSON body, headers (case-insensitive)) of one request to the serve process (errors come back)."""
     key = proc.api_key if key == "" else key
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(proc.url + path, data=data, method=method, headers=dict(headers or {}))
@@ -164,9 +164,9 @@ def request(proc: ServeProcess, method: str, path: str, body: Any = None, *, key
         req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, payload, got = r.status, r.read(), dict(r.headers)
+            status, payload, got = r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
-        status, payload, got = e.code, e.read(), dict(e.headers)
+        status, payload, got = e.code, e.read(), e.headers
     try:
         return status, json.loads(payload), got
     except ValueError:

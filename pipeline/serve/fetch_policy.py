@@ -20,6 +20,7 @@ internal host answered, and what, is not the client's business (the server's log
 from __future__ import annotations
 
 import base64
+import contextlib
 import fnmatch
 import http.client
 import ipaddress
@@ -28,7 +29,7 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 from .admission import Deadline
@@ -190,17 +191,20 @@ class Fetched:
 
 
 def fetch(url: str, dst: Path, policy: FetchPolicy, *, limit: int, read_timeout_s: float, deadline: Deadline,
-          shown: str, too_large: Callable[[int | None], ApiError]) -> Fetched:
+          shown: str, too_large: Callable[[int | None], ApiError],
+          room: Callable[[int], ContextManager[None]] = lambda n: contextlib.nullcontext()) -> Fetched:
     """Download url (http/https) into dst through the policy: each hop checked, redirects capped,
     user:password@ sent as Basic auth to the URL's own host only, at most `limit` bytes, every
     socket wait bounded by read_timeout_s and by the deadline, which also ends the download when
-    it is cancelled (the client left). dst is removed on any failure."""
+    it is cancelled (the client left). room(n): disk space for the body while it is written (its
+    Content-Length, else `limit`). dst is removed on any failure."""
     try:
         with _open(url, policy, read_timeout_s, deadline, shown) as (response, final, conn):
             declared = response.getheader("Content-Length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 raise too_large(int(declared))
-            size = _copy(response, conn, dst, limit, read_timeout_s, deadline, shown, too_large)
+            with room(int(declared) if declared is not None and declared.isdigit() else limit):
+                size = _copy(response, conn, dst, limit, read_timeout_s, deadline, shown, too_large)
         return Fetched(dst, size, final)
     except BaseException:
         dst.unlink(missing_ok=True)

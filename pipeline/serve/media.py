@@ -158,10 +158,9 @@ class Media:
         refusing more than max_fetch_mb; the deadline cuts it (and the client leaving does)."""
         limit, shown = self.options.max_fetch_bytes, redact(url)
         path = self.scratch / f"fetch-{uuid.uuid4().hex}"
-        with self._room(limit):
-            fetch(url, path, self.policy, limit=limit, read_timeout_s=self.options.fetch_timeout_s,
-                  deadline=deadline or Deadline(), shown=shown,
-                  too_large=lambda size: too_large(f"the video at {shown!r}", size, limit, "--max-fetch-mb"))
+        fetch(url, path, self.policy, limit=limit, read_timeout_s=self.options.fetch_timeout_s,
+              deadline=deadline or Deadline(), shown=shown, room=self._room,
+              too_large=lambda size: too_large(f"the video at {shown!r}", size, limit, "--max-fetch-mb"))
         return path
 
     @contextlib.contextmanager
@@ -206,7 +205,10 @@ class Media:
         """Copy an uploaded file in, refusing more than max_upload_mb and anything that is not a video."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         path = self.uploads / file_id
-        with self._room(self.options.max_upload_bytes):   # until the file is listed (and counted)
+        data.seek(0, os.SEEK_END)       # the parser spooled it whole: its size is known
+        expected = min(data.tell(), self.options.max_upload_bytes + 1)
+        data.seek(0)
+        with self._room(expected):   # until the file is listed (and counted)
             size = copy_limited(data, path, self.options.max_upload_bytes, f"upload {filename!r}", "--max-upload-mb")
             try:
                 self.probe(path, f"upload {filename!r}")

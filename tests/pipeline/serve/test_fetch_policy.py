@@ -158,3 +158,17 @@ def test_allow_private_media_lifts_the_check(tmp_path, media):
     with ServeProcess(tmp_path, "--allow-private-media") as proc:
         code, body, _ = request(proc, "POST", "/v1/chat/completions", chat_body(url))
         assert code == 200 and body["arrcoc"]["frames"] == 24, body
+
+
+def test_a_live_http_stream_of_a_named_host_is_followed(served, tmp_path):
+    """The live source is pinned to the checked address (FFmpeg given the Host header, no redirects)."""
+    from live_servers import http_ts_server
+    from serve_client import sse
+
+    with http_ts_server(tmp_path, seconds=3.0) as ts:
+        url = ts.url().replace("127.0.0.1", "media.allowed")
+        code, stream, _ = request(served, "POST", "/v1/streams", {"source": url, "question": "q", "every": 0.5,
+                                                                  "duration": 3})
+        assert code == 201, stream
+        events = [e for e, _, _ in sse(served, f"/v1/streams/{stream['id']}/events", key=served.api_key)]
+    assert "answer" in events and events[-1] == "end", events

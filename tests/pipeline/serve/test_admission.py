@@ -8,6 +8,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +65,10 @@ def media(videos):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, videos):
-    with ServeProcess(tmp_path_factory.mktemp("admission"), *FLAGS, "--allow-dir", str(videos.allowed)) as proc:
+    allowed = tmp_path_factory.mktemp("admission_videos")
+    (allowed / "small.mp4").write_bytes(videos.small.read_bytes())
+    with ServeProcess(tmp_path_factory.mktemp("admission"), *FLAGS, "--allow-dir", str(allowed)) as proc:
+        proc.allow_dir = allowed
         yield proc
 
 
@@ -112,8 +116,9 @@ def test_a_request_past_its_deadline_frees_its_slot(served, media, videos):
     assert code == 504 and body["error"]["code"] == "request_timeout", body
     assert _running(served) == 0
     results = []
+    small = (served.allow_dir / "small.mp4").as_uri()
     threads = [threading.Thread(target=lambda: results.append(
-        request(served, "POST", "/v1/chat/completions", chat_body(videos.small.as_uri()))[0])) for _ in range(2)]
+        request(served, "POST", "/v1/chat/completions", chat_body(small))[0])) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -158,3 +163,24 @@ def test_every_route_but_the_open_ones_needs_the_key(served):
     for path in OPEN_ROUTES:
         assert request(served, "GET", path, key=None)[0] in (200, 404), path
     assert request(served, "GET", "/static/app.js", key=None)[0] == 200
+
+
+def test_a_deadline_aborts_a_running_graph(served, tmp_path_factory):
+    """Past its deadline a request's front end and answers stop (the worker is free again), not
+    only its HTTP exchange."""
+    from sources.synthetic import Shot, render_clip, write_video
+
+    allowed = Path(served.allow_dir)
+    long = allowed / "long.mp4"
+    if not long.exists():
+        clip = render_clip([Shot("moving_object", 300, speed=1.0), Shot("pan", 300)], height=96, width=128, seed=3)
+        write_video(long, clip.frames, fps=5)                       # 120 s: 120 answer windows at every=1
+    start = time.monotonic()
+    code, body, _ = request(served, "POST", "/v1/chat/completions", chat_body(long.as_uri(), every=1.0))
+    took = time.monotonic() - start
+    assert code == 504 and body["error"]["code"] == "request_timeout", body
+    assert took < TIMEOUT_S + 3, took
+    freed = time.monotonic() + 3.0
+    while _running(served) and time.monotonic() < freed:
+        time.sleep(0.1)
+    assert _running(served) == 0

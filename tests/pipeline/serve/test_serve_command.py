@@ -30,6 +30,13 @@ class TestRefusals:
         (["--overlay", "x.mp4"], "--overlay is not supported"),
         (["--port", "70000"], "--port=70000 is out of range"),
         (["--max-upload-mb", "0"], "--max-upload-mb=0.0 is out of range"),
+        (["--media-resolve", "cam.local"], "--media-resolve 'cam.local': expected HOST=ADDRESS"),
+        (["--media-resolve", "cam.local=cam2"], "'cam2' is not an IP address"),
+        (["--media-hosts-only"], "--media-hosts-only needs at least one --allow-media-host"),
+        (["--max-storage-gb", "0"], "--max-storage-gb=0.0 is out of range"),
+        (["--max-storage-gb", "0.1"], "cannot hold one upload or fetch"),
+        (["--request-timeout-s", "-1"], "--request-timeout-s=-1.0 is out of range"),
+        (["--max-concurrent-per-key", "0"], "--max-concurrent-per-key=0 is out of range"),
     ])
     def test_one_line_and_exit_2(self, argv, words, capsys, monkeypatch, tmp_path):
         monkeypatch.delenv("ARRCOC_API_KEY", raising=False)

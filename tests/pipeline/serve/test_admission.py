@@ -18,7 +18,8 @@ from serve_client import chat_body
 from serve_process import ServeProcess, media_server, request
 
 TIMEOUT_S = 6.0
-FLAGS = ("--max-concurrent", "2", "--request-timeout-s", str(TIMEOUT_S), "--allow-media-host", "drip.test",
+FLAGS = ("--max-concurrent", "2", "--request-timeout-s", str(TIMEOUT_S), "--max-streams-per-key", "1",
+         "--allow-media-host", "drip.test",
          "--media-resolve", "drip.test=127.0.0.1", "--max-fetch-mb", "1", "--max-upload-mb", "1")
 
 
@@ -165,18 +166,19 @@ def test_every_route_but_the_open_ones_needs_the_key(served):
     assert request(served, "GET", "/static/app.js", key=None)[0] == 200
 
 
-def test_a_deadline_aborts_a_running_graph(served, tmp_path_factory):
-    """Past its deadline a request's front end and answers stop (the worker is free again), not
-    only its HTTP exchange."""
+@pytest.fixture(scope="module")
+def long_video(served) -> Path:
     from sources.synthetic import Shot, render_clip, write_video
 
-    allowed = Path(served.allow_dir)
-    long = allowed / "long.mp4"
-    if not long.exists():
-        clip = render_clip([Shot("moving_object", 300, speed=1.0), Shot("pan", 300)], height=96, width=128, seed=3)
-        write_video(long, clip.frames, fps=5)                       # 120 s: 120 answer windows at every=1
+    clip = render_clip([Shot("moving_object", 300, speed=1.0), Shot("pan", 300)], height=96, width=128, seed=3)
+    return write_video(served.allow_dir / "long.mp4", clip.frames, fps=5)    # 120 s
+
+
+def test_a_deadline_aborts_a_running_graph(served, long_video):
+    """Past its deadline a request's front end and answers stop (the worker is free again), not
+    only its HTTP exchange."""
     start = time.monotonic()
-    code, body, _ = request(served, "POST", "/v1/chat/completions", chat_body(long.as_uri(), every=1.0))
+    code, body, _ = request(served, "POST", "/v1/chat/completions", chat_body(long_video.as_uri(), every=1.0))
     took = time.monotonic() - start
     assert code == 504 and body["error"]["code"] == "request_timeout", body
     assert took < TIMEOUT_S + 3, took
@@ -184,3 +186,17 @@ def test_a_deadline_aborts_a_running_graph(served, tmp_path_factory):
     while _running(served) and time.monotonic() < freed:
         time.sleep(0.1)
     assert _running(served) == 0
+
+
+def test_live_streams_per_key(served, long_video):
+    body = {"source": long_video.as_uri(), "question": "what moves?", "every": 5.0}
+    code, first, _ = request(served, "POST", "/v1/streams", body)
+    assert code == 201, first
+    try:
+        code, reply, headers = request(served, "POST", "/v1/streams", body)
+        assert code == 429 and "--max-streams-per-key" in reply["error"]["message"] and int(headers["Retry-After"]) > 0
+    finally:
+        assert request(served, "DELETE", f"/v1/streams/{first['id']}")[0] == 200
+    code, second, _ = request(served, "POST", "/v1/streams", body)
+    assert code == 201, second
+    assert request(served, "DELETE", f"/v1/streams/{second['id']}")[0] == 200

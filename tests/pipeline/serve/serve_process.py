@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import http.server
-import json
 import os
 import signal
 import socket
@@ -17,9 +16,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "live"))
 from live_servers import free_port  # noqa: E402
+from serve_client import exchange  # noqa: E402
 
 
 class ServeProcess:
@@ -142,6 +144,14 @@ class MediaHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.fixture(scope="module")
+def media(videos):
+    """A media server of the test videos (MediaHandler) on a loopback port, for one test module."""
+    server = media_server(videos.allowed)
+    yield server
+    server.shutdown()
+
+
 def media_server(directory: Path) -> http.server.ThreadingHTTPServer:
     handler = type("Handler", (MediaHandler,), {"drips": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(directory)))
@@ -152,22 +162,7 @@ def media_server(directory: Path) -> http.server.ThreadingHTTPServer:
 
 
 def request(proc: ServeProcess, method: str, path: str, body: Any = None, *, key: str | None = "",
-            raw: bytes | None = None, headers: dict[str, str] | None = None,
-            timeout: float = 60.0) -> tuple[int, Any, Any]:
-    """(status, JSON body, headers (case-insensitive)) of one request to the serve process (errors come back)."""
-    key = proc.api_key if key == "" else key
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(proc.url + path, data=data, method=method, headers=dict(headers or {}))
-    if body is not None and raw is None:
-        req.add_header("Content-Type", "application/json")
-    if key is not None:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, payload, got = r.status, r.read(), r.headers
-    except urllib.error.HTTPError as e:
-        status, payload, got = e.code, e.read(), e.headers
-    try:
-        return status, json.loads(payload), got
-    except ValueError:
-        return status, payload.decode(errors="replace"), got
+            **kwargs: Any) -> tuple[int, Any, Any]:
+    """(status, JSON body, headers) of one request to the serve process (errors come back); key ""
+    is the process' own."""
+    return exchange(proc, method, path, body, key=proc.api_key if key == "" else key, **kwargs)

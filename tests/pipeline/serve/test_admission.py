@@ -15,7 +15,7 @@ import pytest
 from pipeline.serve.admission import Admission, Deadline
 from pipeline.serve.errors import ApiError
 from serve_client import chat_body
-from serve_process import ServeProcess, media_server, request
+from serve_process import ServeProcess, media, request  # noqa: F401 - media: a fixture
 
 TIMEOUT_S = 6.0
 FLAGS = ("--max-concurrent", "2", "--request-timeout-s", str(TIMEOUT_S), "--max-streams-per-key", "1",
@@ -55,13 +55,6 @@ class TestUnits:
         assert fired == ["b"] and deadline.reason == "deadline"
         deadline.on_cancel(lambda: fired.append("late"))       # already over: runs at once
         assert fired == ["b", "late"]
-
-
-@pytest.fixture(scope="module")
-def media(videos):
-    server = media_server(videos.allowed)
-    yield server
-    server.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from pipeline.serve.fetch_policy import FetchPolicy, blocked_address
 from pipeline.serve.errors import ApiError
 from serve_client import chat_body
-from serve_process import Recorder, ServeProcess, media_server, request
+from serve_process import Recorder, ServeProcess, media, request  # noqa: F401 - media: a fixture
 
 FLAGS = ("--allow-media-host", "media.allowed", "--allow-media-host", "*.cdn.test",
          "--media-resolve", "media.allowed=127.0.0.1", "--media-resolve", "other.allowed=127.0.0.1",
@@ -66,13 +66,6 @@ def recorder():
     r = Recorder()
     yield r
     r.close()
-
-
-@pytest.fixture(scope="module")
-def media(videos):
-    server = media_server(videos.allowed)
-    yield server
-    server.shutdown()
 
 
 @pytest.fixture(scope="module")

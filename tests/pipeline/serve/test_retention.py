@@ -95,7 +95,8 @@ def test_expired_files_and_homunculi_are_gone(served, videos):
     assert code == 200
     assert request(served, "GET", f"/v1/homunculus/{reply['id']}")[0] == 200
     deadline = time.monotonic() + RETENTION_S + 20
-    while time.monotonic() < deadline and request(served, "GET", "/v1/files")[1]["data"]:
+    while time.monotonic() < deadline and (request(served, "GET", "/v1/files")[1]["data"] or
+                                           request(served, "GET", f"/v1/homunculus/{reply['id']}")[0] != 404):
         time.sleep(0.5)
     assert request(served, "GET", "/v1/files")[1]["data"] == []
     assert not (served.uploads / upload["id"]).exists()

@@ -22,6 +22,7 @@ from .errors import ApiError, error_body
 
 # the routes whose requests do work; everything else (lists, reads, /health) is answered at once
 ADMITTED = {("POST", "/v1/chat/completions"), ("POST", "/v1/files"), ("POST", "/v1/streams")}
+GRACE_S = 2.0      # past its deadline, a request's aborted work has this long to answer 504 itself
 
 
 class Deadline:
@@ -129,9 +130,10 @@ class Admission:
 
 
 class Admit:
-    """ASGI middleware: the ADMITTED routes take a slot (or get 429) before their body is read,
-    run under a Deadline (scope["state"]["deadline"]), and end when it fires (504 if nothing was
-    sent yet) or when the client disconnects; either cancels the deadline, which ends the work."""
+    """ASGI middleware: the ADMITTED routes take a slot (or get 429) before their body is read and
+    run under a Deadline (scope["state"]["deadline"]). When it fires the deadline is cancelled,
+    which aborts the work, and the request has GRACE_S to answer (its own 504, or an error event
+    in a stream) before it is cut; a client that disconnects cancels it and cuts it at once."""
 
     def __init__(self, app: Any, admission: Admission, timeout_s: float | None) -> None:
         self.app, self.admission, self.timeout_s = app, admission, timeout_s
@@ -170,12 +172,15 @@ class Admit:
             if work in done:
                 return work.result()
             deadline.cancel("client gone" if gone.is_set() else "deadline")
-            work.cancel()
+            if not gone.is_set():     # the aborted work answers 504 itself (a stream: an error event)
+                await asyncio.wait({work}, timeout=GRACE_S)
+            if not work.done():
+                work.cancel()
             try:
                 await work
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the request is over either way
                 pass
-            if not started[0] and not gone.is_set():
+            if not started[0] and not gone.is_set():        # it did not answer in its grace period
                 body = error_body(504, f"the request took longer than its deadline of {self.timeout_s:g} s "
                                        f"(--request-timeout-s) and was stopped", code="request_timeout")
                 await JSONResponse(body, status_code=504)(scope, receive, send)

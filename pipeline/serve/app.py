@@ -237,7 +237,7 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
         completion = work.result()
     except Exception as e:  # noqa: BLE001 - the client learns why in the stream; the server keeps serving
         status, message = _classify(e)
-        yield sse(error_body(status, message))
+        yield sse(e.body() if isinstance(e, ApiError) else error_body(status, message))
         yield DONE
         return
     yield chunk(request_id, model, created, {}, "stop", arrcoc=extension(completion))

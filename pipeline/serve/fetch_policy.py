@@ -58,7 +58,7 @@ def unreachable(shown: str) -> ApiError:
 
 def timed_out(shown: str) -> ApiError:
     return ApiError(504, f"cannot fetch {shown!r}: the request's deadline passed (--request-timeout-s)",
-                    code="fetch_timeout", param="messages")
+                    code="request_timeout", param="messages")
 
 
 def blocked_address(address: Address) -> bool:

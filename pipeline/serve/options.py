@@ -44,7 +44,7 @@ class ServeOptions:
     request_timeout_s: float = 600.0
     retention_s: float = 6 * 3600.0
     max_storage_gb: float = 20.0
-    max_frontend_graphs: int = 4           # sets of captured front-end graphs kept (GPU memory)
+    max_frontend_graphs: int | None = None   # sets of captured front-end graphs kept (default: max_concurrent)
 
     def __post_init__(self) -> None:
         check_int("--port", self.port)

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.serve.admission import Admission, Deadline
 from pipeline.serve.errors import ApiError
-from serve_client import chat_body
+from serve_client import chat_body, sse
 from serve_process import ServeProcess, media, request  # noqa: F401 - media: a fixture
 
 TIMEOUT_S = 6.0
@@ -178,6 +178,11 @@ def test_a_deadline_aborts_a_running_graph(served, long_video):
     freed = time.monotonic() + 3.0
     while _running(served) and time.monotonic() < freed:
         time.sleep(0.1)
+    assert _running(served) == 0
+    # streamed: the answers so far, then the deadline's error as the last event before [DONE]
+    events = [data for _, data, _ in sse(served, "/v1/chat/completions",
+                                         chat_body(long_video.as_uri(), every=1.0, stream=True), key=served.api_key)]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout", events[-3:]
     assert _running(served) == 0
 
 

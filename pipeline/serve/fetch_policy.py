@@ -183,36 +183,28 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
 
 
-@dataclass
-class Fetched:
-    path: Path
-    bytes: int
-    url: str          # after redirects
-
-
 def fetch(url: str, dst: Path, policy: FetchPolicy, *, limit: int, read_timeout_s: float, deadline: Deadline,
           shown: str, too_large: Callable[[int | None], ApiError],
-          room: Callable[[int], ContextManager[None]] = lambda n: contextlib.nullcontext()) -> Fetched:
+          room: Callable[[int], ContextManager[None]] = lambda n: contextlib.nullcontext()) -> int:
     """Download url (http/https) into dst through the policy: each hop checked, redirects capped,
     user:password@ sent as Basic auth to the URL's own host only, at most `limit` bytes, every
     socket wait bounded by read_timeout_s and by the deadline, which also ends the download when
     it is cancelled (the client left). room(n): disk space for the body while it is written (its
-    Content-Length, else `limit`). dst is removed on any failure."""
+    Content-Length, else `limit`). -> bytes written; dst is removed on any failure."""
     try:
-        with _open(url, policy, read_timeout_s, deadline, shown) as (response, final, conn):
+        with _Exchange(url, policy, read_timeout_s, deadline, shown) as (response, conn):
             declared = response.getheader("Content-Length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 raise too_large(int(declared))
             with room(int(declared) if declared is not None and declared.isdigit() else limit):
-                size = _copy(response, conn, dst, limit, read_timeout_s, deadline, shown, too_large)
-        return Fetched(dst, size, final)
+                return _copy(response, conn, dst, limit, read_timeout_s, deadline, shown, too_large)
     except BaseException:
         dst.unlink(missing_ok=True)
         raise
 
 
-class _open:
-    """Context manager: (response, final URL, connection) of the first non-redirect answer."""
+class _Exchange:
+    """Context manager: (response, connection) of the first answer that is not a redirect."""
 
     def __init__(self, url: str, policy: FetchPolicy, read_timeout_s: float, deadline: Deadline, shown: str) -> None:
         self.args = url, policy, read_timeout_s, deadline, shown
@@ -222,7 +214,7 @@ class _open:
     def __enter__(self):
         url, policy, read_timeout_s, deadline, shown = self.args
         origin = urlsplit(url)
-        for hop in range(policy.max_redirects + 1):
+        for _ in range(policy.max_redirects + 1):
             parts = urlsplit(url)
             if parts.scheme.lower() not in FETCH_SCHEMES:
                 log.info("refused %s: a redirect to %s", shown, parts.scheme)
@@ -238,7 +230,7 @@ class _open:
             if not 200 <= response.status < 300:
                 log.info("fetch %s: HTTP %s %s", shown, response.status, response.reason)
                 raise unreachable(shown)
-            return response, url, self.conn
+            return response, self.conn
         log.info("fetch %s: more than %d redirects", shown, policy.max_redirects)
         raise refused(shown)
 
@@ -246,8 +238,11 @@ class _open:
         host, port = parts.hostname, parts.port or DEFAULT_PORTS[parts.scheme.lower()]
         kind = _PinnedHTTPS if parts.scheme.lower() == "https" else _PinnedHTTP
         headers = {"User-Agent": "arr-coc-serve", "Accept-Encoding": "identity"}
-        if parts.username is not None and (parts.hostname, parts.port) == (origin.hostname, origin.port):
-            token = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        # user:password@ of this hop's URL, else of the client's URL while on its host (a redirect
+        # within the host keeps them; one to another host does not carry them there)
+        creds = parts if parts.username is not None else origin
+        if creds.username is not None and (parts.hostname, parts.port) == (creds.hostname, creds.port):
+            token = f"{unquote(creds.username)}:{unquote(creds.password or '')}".encode()
             headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         failure: BaseException | None = None

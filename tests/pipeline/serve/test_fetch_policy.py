@@ -142,6 +142,11 @@ class TestAllowedHosts:
         url = f"http://user:pw@media.allowed:{media.server_address[1]}/auth/small.mp4"
         code, body, _ = request(served, "POST", "/v1/chat/completions", chat_body(url))
         assert code == 200 and body["arrcoc"]["frames"] == 24, body
+        port = media.server_address[1]
+        within = f"http://user:pw@media.allowed:{port}/redirect?to=/auth/small.mp4"      # the same host: kept
+        assert request(served, "POST", "/v1/chat/completions", chat_body(within))[0] == 200
+        away = f"http://user:pw@media.allowed:{port}/redirect?to=http://a.cdn.test:{port}/auth/small.mp4"
+        assert _refused(served, away, 400)["error"]["message"].endswith("unreachable")   # not carried away
         wrong = url.replace("user:pw", "user:nope")
         assert _refused(served, wrong, 400)["error"]["message"] == f"cannot fetch {wrong.replace(':nope', ':***')!r}: unreachable"
 

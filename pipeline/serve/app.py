@@ -156,7 +156,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/streams")
     async def stream_start(request: Request) -> JSONResponse:
-        body = await json_body(request, STREAM_BODY_LIMIT)
+        body = await json_body(request, STREAM_BODY_LIMIT, "fixed for POST /v1/streams")
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         question = body.get("question")
@@ -250,29 +250,29 @@ def _video_type(name: str) -> str:
     return mimetypes.guess_type(name)[0] or "application/octet-stream"
 
 
-async def json_body(request: Request, limit: int | None = None) -> Any:
+async def json_body(request: Request, limit: int | None = None, flag: str = "--max-upload-mb") -> Any:
     """The body as JSON, refused (413) past `limit` bytes before any of it is parsed (default: the
     upload limit, as base64, plus a megabyte: a data: URL is the largest thing a chat body carries)."""
     limit = limit or request.app.state.engine.options.max_upload_bytes * 4 // 3 + (1 << 20)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         await _drain(request.stream(), limit)
-        raise too_large("the request body", int(declared), limit, "--max-upload-mb")
-    raw = b"".join([piece async for piece in _limited(request.stream(), limit, "the request body")])
+        raise too_large("the request body", int(declared), limit, flag)
+    raw = b"".join([piece async for piece in _limited(request.stream(), limit, "the request body", flag)])
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
 
 
-async def _limited(stream, limit: int, what: str = "the upload"):
+async def _limited(stream, limit: int, what: str = "the upload", flag: str = "--max-upload-mb"):
     """The request body, refused (413) past `limit` bytes: an upload is never spooled beyond it."""
     size = 0
     async for piece in stream:
         size += len(piece)
         if size > limit:
             await _drain(stream, limit)
-            raise too_large(what, None, limit, "--max-upload-mb")
+            raise too_large(what, None, limit, flag)
         yield piece
 
 

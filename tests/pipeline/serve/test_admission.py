@@ -198,3 +198,9 @@ def test_live_streams_per_key(served, long_video):
     code, second, _ = request(served, "POST", "/v1/streams", body)
     assert code == 201, second
     assert request(served, "DELETE", f"/v1/streams/{second['id']}")[0] == 200
+
+
+def test_bodies_are_bounded_before_they_are_parsed(served):
+    big = b'{"source": "file:///x", "question": "' + b"q" * (100 << 10) + b'"}'
+    code, body, _ = request(served, "POST", "/v1/streams", raw=big, headers={"Content-Type": "application/json"})
+    assert code == 413 and "the request body" in body["error"]["message"] and "/v1/streams" in body["error"]["message"]

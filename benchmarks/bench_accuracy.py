@@ -1,6 +1,6 @@
 """Accuracy against visual tokens: ARR-COC and query-agnostic baselines through one VLM and one code path.
 
-On the held-out test split of the generated video-QA dataset (sources/synth_qa.py, MSRVTT-QA
+On the held-out test split of the generated video-QA dataset (evaluation/synth_qa.py, MSRVTT-QA
 layout), every row runs `batch` (pipeline/runners/batch.py: decode -> front end -> the VLM answers
 all of a clip's questions from one keep map) and `eval` (pipeline/runners/evaluate.py) exactly as
 the CLI does; only the keep map's source differs per policy:
@@ -9,7 +9,7 @@ the CLI does; only the keep map's source differs per policy:
     uniform          whole frame pairs, evenly spaced, to the same token count
     random           the same number of random cells per frame pair
     evs              vLLM's efficient video sampling: temporal difference of the VLM's tokens
-    fastvid          FastVID-style dynamic segments + density-peak tokens (pipeline/vlm/baselines.py)
+    fastvid          FastVID-style dynamic segments + density-peak tokens (evaluation/baselines.py)
     arrcoc-noquery   ARR-COC with a zero query vector: saliency, motion, cuts, redundancy only
     arrcoc           ARR-COC with the question
 
@@ -65,7 +65,7 @@ from benchmarks.common import device_name, write_result  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.setup import load_answerer, resolve_device  # noqa: E402
-from pipeline.vlm.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
+from evaluation.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
 from pipeline.vlm.config import TemperingConfig  # noqa: E402
 
 POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
@@ -81,7 +81,7 @@ ONE_OBJECT = ("where", "shape", "exists", "direction")
 def ensure_split(root: Path, count: int, split: str = "test") -> None:
     if (root / f"{split}_qa.json").exists():
         return
-    from sources.synth_qa import write_split
+    from evaluation.synth_qa import write_split
     print(f"generating {count} {split} clips under {root}", file=sys.stderr)
     write_split(root, split, count, progress=sys.stderr.isatty())
 

@@ -45,7 +45,8 @@ from pipeline.core.mps import mps_clients  # noqa: E402
 from pipeline.runners.batch import IN_FLIGHT, BatchSummary, config_vlm, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
-from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
+from evaluation.fixtures import write_fixture  # noqa: E402
+from sources.msrvtt import load_msrvtt  # noqa: E402
 
 
 def qwen2_vl_2b_factory(device: torch.device):

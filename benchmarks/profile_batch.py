@@ -39,7 +39,8 @@ from pipeline.runners.batch import VideoAnswerer, make_plan
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
 from pipeline.vlm import model as vlm_model
-from sources.msrvtt import load_msrvtt, write_fixture
+from evaluation.fixtures import write_fixture
+from sources.msrvtt import load_msrvtt
 
 PHASES = {  # label: (owner, attribute) wrapped with a timer
     "open_video": (batch_mod, "open_source"),

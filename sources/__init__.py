@@ -1,8 +1,8 @@
 """Frame producers: video files (PyAV / decord) and generated clips.
 
-The names below are imported on first use (PEP 562): the generated scenes and QA clips
-(sources.scenes, sources.synth_qa) need neither PyAV nor decord until they write a video, so
-training the QA model runs where only numpy and OpenCV are installed.
+The names below are imported on first use (PEP 562): generated clips (sources.synthetic, which
+evaluation's scenes and QA clips draw with) need neither PyAV nor decord until they write a video,
+so training the QA model runs where only numpy and OpenCV are installed.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def test_match_pairs_features_with_their_answers_by_question_and_margin():
 
 
 def test_fits_a_probe_file_tempering_loads(tmp_path):
-    from sources.synth_qa import write_split
+    from evaluation.synth_qa import write_split
     write_split(tmp_path / "calib", "val", 2, first_seed=1_900_000)
     out = tmp_path / "probe.json"
     done = subprocess.run([sys.executable, "benchmarks/fit_probe.py", "--root", str(tmp_path / "calib"),

@@ -1,4 +1,5 @@
-"""The layout is the architecture: dependencies point one way (DESIGN.md, "Where things live").
+"""The layout is the architecture: dependencies point one way (docs/architecture.md: the packages
+and their order).
 
 Every import counts, at module level or inside a function (lazy imports still tie modules
 together), except those under `if TYPE_CHECKING:`.
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("arr_coc", "pipeline", "sources", "sinks")
+PACKAGES = ("arr_coc", "pipeline", "sources", "sinks", "evaluation")
 
 
 def _module_name(path: Path) -> str:
@@ -110,9 +111,10 @@ def test_nothing_imports_a_command_module():
 
 
 @pytest.mark.parametrize("package, forbidden", [
-    ("arr_coc", ("pipeline", "sources", "sinks")),           # the model: torch only, no I/O
-    ("sources", ("pipeline",)),
-    ("sinks", ("pipeline",)),
+    ("arr_coc", ("pipeline", "sources", "sinks", "evaluation")),   # the model: torch only, no I/O
+    ("sources", ("pipeline", "evaluation")),
+    ("sinks", ("pipeline", "evaluation")),
+    ("evaluation", ("pipeline",)),                   # datasets, fixtures, baselines, metrics: below training
     ("pipeline.vlm", ("pipeline.core.stages", "pipeline.core.frontend_graphs", "pipeline.core.compose",
                       "pipeline.runners", "pipeline.commands", "pipeline.training")),
     ("pipeline.core", ("pipeline.runners", "pipeline.commands", "pipeline.training", "pipeline.serve")),
@@ -122,6 +124,17 @@ def test_nothing_imports_a_command_module():
 def test_dependencies_point_one_way(package, forbidden):
     bad = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() if m == package or m.startswith(package + ".")
                  for d in deps if any(d == f or d.startswith(f + ".") for f in forbidden))
+    assert not bad, "\n".join(bad)
+
+
+# what may import evaluation/ (it is never imported at run time): training, the commands, itself
+EVALUATION_USERS = ("evaluation", "pipeline.training", "pipeline.commands")
+
+
+def test_runtime_never_imports_evaluation():
+    bad = sorted(f"{m} imports {d}" for m, deps in GRAPH.items()
+                 if not any(m == u or m.startswith(u + ".") for u in EVALUATION_USERS)
+                 for d in deps if d == "evaluation" or d.startswith("evaluation."))
     assert not bad, "\n".join(bad)
 
 

@@ -1,7 +1,7 @@
 """`demo`: generate a sample video, answer questions about it, and draw the homunculus.
 
 With the shipped video-QA model (`--vlm arrcoc-synth-qa`, the default when it is installed) the
-sample is a held-out clip of the generated QA dataset (sources/synth_qa.py) and the demo asks its
+sample is a held-out clip of the generated QA dataset (evaluation/synth_qa.py) and the demo asks its
 questions, printing each answer next to the exact one and the visual tokens kept / full. With
 `--vlm none` it shows allocation only, on a clip with three cuts (sources/synthetic.py).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .common import EXIT_OK, load_run_config
 
-DEMO_SEED = 2_000_001   # a test-split clip (sources.synth_qa.SPLIT_SEEDS): a moving object, a cut, 6 questions
+DEMO_SEED = 2_000_001   # a test-split clip (evaluation.synth_qa.SPLIT_SEEDS): a moving object, a cut, 6 questions
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -37,7 +37,7 @@ def _shipped_qa_model() -> bool:
 
 def _qa_demo(args, cfg, out: Path, overlay: Path, sheet: Path) -> int:
     from sources.msrvtt import Question, VideoWork
-    from sources.synth_qa import make_qa_clip
+    from evaluation.synth_qa import make_qa_clip
     from sources.synthetic import write_video
 
     from ..runners.batch import run_batch

@@ -21,7 +21,7 @@ from sources.live import LiveSource
 from ..config import PipelineConfig
 from .frontend_graphs import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
-from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters
+from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters, stream_ending
 from .stages import DecodeStage, FrameAllocation, Outcome, RealizeStage, RunStatus, SinkStage, TextureStage
 
 
@@ -80,8 +80,9 @@ def add_answer_tail(graph: Graph, realize: Stage, vlm_stage: Stage | None, sink:
 def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any, query: torch.Tensor,
                  grids: dict[str, tuple[int, int]], cfg: PipelineConfig, device: torch.device,
                  counters: dict[str, StreamCounters], stop: threading.Event, *, vlm_stage: Stage | None = None,
-                 answers_out: TextIO | None = None) -> Graph:
-    """Wire the live graph: capture -> texture -> realize -> [vlm] -> sink (see the module doc)."""
+                 answers_out: TextIO | None = None, run_reason: Callable[[], str] = lambda: "stop") -> Graph:
+    """Wire the live graph: capture -> texture -> realize -> [vlm] -> sink (see the module doc).
+    run_reason: why the run stopped (live_stages.RunEnding.reason), for each stream's ending."""
     # Live queues stay short: every batch queued is latency. One batch waits for the texture
     # stage (the capture buffers hold the newest frames meanwhile); processed batches block.
     capacity = min(2, cfg.runtime.queue_capacity)
@@ -103,13 +104,9 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
                                graphs=graphs)
     by_id = {s.stream_id: s for s in sources}
-
-    def outcome(stream_id: str) -> Outcome:
-        source = by_id[stream_id]
-        if source.error is not None:         # gave up: not watched to its end
-            return "incomplete"
-        return "damaged" if source.truncated else "complete"   # a --realtime file cut short by damage
-    sink = SinkStage(writers, outcome=outcome, counters=counters, answers_out=answers_out)
+    sink = SinkStage(writers, outcome=lambda sid: stream_ending(by_id[sid], run_reason())[0], counters=counters,
+                     answers_out=answers_out)
+    sink.ending_attrs = lambda sid: stream_ending(by_id[sid], run_reason())[1]
     sink.late_gaps = lambda: capture.final_gaps
     graph = Graph()
     capture.outlet = graph.add_flow(capture, texture, Channel(1, Policy.DROP_OLDEST))

@@ -502,6 +502,7 @@ class SinkStage(Stage):
         self.on_answer: Callable[[AnswerItem], None] | None = None
         self.on_gap: Callable[[str, Any], None] | None = None
         self.late_gaps: Callable[[], list[tuple[str, Any]]] = lambda: []   # live: outages no frame ended
+        self.ending_attrs: Callable[[str], dict[str, Any]] = lambda stream_id: {}   # live: how each one ended
         self.frames_written = 0
         self.last_pts: dict[str, float] = {}      # per stream: its last stored frame's pts
         self.answers: list[AnswerItem] = []
@@ -597,7 +598,7 @@ class SinkStage(Stage):
             try:
                 damaged = outcome == "damaged"        # core/damage.py: done up to the damage, not complete
                 writer.close(complete=outcome == "complete", damaged=damaged,
-                             truncated_at_s=self.last_pts.get(sid) if damaged else None)
+                             truncated_at_s=self.last_pts.get(sid) if damaged else None, attrs=self.ending_attrs(sid))
             except Exception as e:  # close every writer; report the first failure
                 errors.append(e)
         if errors:

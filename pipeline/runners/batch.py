@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import sys
@@ -45,6 +46,8 @@ from ..core.setup import build_model, check_query, load_answerer, open_source, o
 from ..core.cuda import window_frames
 from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:  # the VLM's modules import lazily: `pipeline --help` builds this module's options
     from ..vlm.batcher import VLMBatcher
     from ..vlm.model import WindowQuestions
@@ -55,8 +58,7 @@ KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
 MODEL_SEED = 0
 # videos a worker has in flight at once: while one video's questions are answered on the GPU, the next
 # ones are decoded and allocated (decode is CPU-bound, in its own process), so the VLM rarely waits.
-# On H100s (MSR-VTT-sized clips at 2 fps, bench_batch): one Ray actor 152.8 questions/s with 2, 192.8
-# with 4; four actors 585.0 with 2, 644.2 with 4 (one run each, 2026-11-27)
+# 4 answered the most questions/s per actor and in total (docs/performance.md).
 IN_FLIGHT = 4
 
 
@@ -130,7 +132,7 @@ class QuestionsStage(VLMStage):
     (as VLMStage does), then answers all the video's questions from one set of vision tokens.
     `stock`: send every visual token (the baseline ARR-COC is measured against). `keep_policy`:
     (frames (T, H, W, 3), ARR-COC's LODs (T, gh, gw)) -> the keep map the VLM gets instead (the
-    accuracy benchmark's query-agnostic baselines, pipeline/vlm/baselines.py). `batcher`: a
+    accuracy benchmark's query-agnostic baselines, evaluation/baselines.py). `batcher`: a
     VLMBatcher over answer_windows (VideoAnswerer's), through which the videos in flight share one
     VLM thread and are answered together (None: this stage calls the VLM itself)."""
 
@@ -483,7 +485,7 @@ def config_vlm(cfg: PipelineConfig) -> Any:
 
 def report_outcome(outcome: VideoOutcome) -> None:
     if outcome.status in ("missing", "failed"):
-        print(f"warning: skipped {outcome.video_id}: {outcome.message}", file=sys.stderr)
+        log.warning("skipped %s: %s", outcome.video_id, outcome.message)
 
 
 def _with_progress(items: Iterator[VideoOutcome], total: int, progress: bool | None) -> Iterator[VideoOutcome]:

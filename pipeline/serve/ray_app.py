@@ -13,8 +13,8 @@ VLM-less ingress restart can reach again (a local path on one machine, or an fss
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +29,8 @@ from arr_coc._validate import ConfigError
 from ..config import PipelineConfig
 from ..core.setup import load_answerer, runtime_device
 from .options import ServeOptions
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "arrcoc"
 
@@ -168,8 +170,8 @@ def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, re
     start(cfg, options, address=address, replicas=replicas)
     for signum in (signal.SIGINT, signal.SIGTERM):   # ray.init installed its own, which abort the process
         signal.signal(signum, _stop)
-    print(f"serving {cfg.runtime.vlm} on Ray Serve at http://{options.host}:{options.port}/ "
-          f"(VLM replicas {replicas[0]}..{replicas[1]}; store {options.store})", file=sys.stderr, flush=True)
+    log.info("serving %s on Ray Serve at http://%s:%s/ (VLM replicas %s..%s; store %s)", cfg.runtime.vlm,
+             options.host, options.port, replicas[0], replicas[1], options.store)
     try:
         while True:
             time.sleep(3600)
@@ -177,7 +179,7 @@ def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, re
         pass
     finally:
         serve.delete(APP_NAME)
-    print("server stopped", file=sys.stderr)
+    log.info("server stopped")
 
 
 def _stop(signum: int, frame: Any) -> None:

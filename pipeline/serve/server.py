@@ -2,7 +2,7 @@
 for `python -m pipeline serve`, or in a thread for tests and benchmarks)."""
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from typing import Any
@@ -14,6 +14,8 @@ from ..core.setup import load_answerer, runtime_device
 from .answering import LocalVLM
 from .engine import Engine
 from .options import ServeOptions
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
@@ -44,16 +46,16 @@ def serve_forever(cfg: PipelineConfig, options: ServeOptions) -> None:
 
     engine = build_engine(cfg, options)
     if engine.service.warning:
-        print(f"warning: {engine.service.warning}", file=sys.stderr)
+        log.warning("%s", engine.service.warning)
     server = create_server(create_app(engine), options.host, options.port)
-    print(f"serving {engine.model_id} on http://{options.host}:{options.port}/ (store {options.store}; "
-          f"file:// inside {', '.join(map(str, options.allow_dirs)) or 'nothing'}; "
-          f"API key {'required' if options.api_key else 'off'})", file=sys.stderr, flush=True)
+    log.info("serving %s on http://%s:%s/ (store %s; file:// inside %s; API key %s)", engine.model_id, options.host,
+             options.port, options.store, ", ".join(map(str, options.allow_dirs)) or "nothing",
+             "required" if options.api_key else "off")
     try:
         server.run()      # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then re-raises the signal
     except KeyboardInterrupt:
         pass
-    print("server stopped", file=sys.stderr)
+    log.info("server stopped")
 
 
 class BackgroundServer:

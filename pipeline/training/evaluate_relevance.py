@@ -1,7 +1,7 @@
 """`python -m pipeline evaluate-relevance`: does ARR-COC look where the question points?
 
-Held-out generated scenes and clips (sources/scenes.py, seeds never used by training) with exact
-boxes, scored by arr_coc.metrics for the seeds' three claims, for the trained model against three
+Held-out generated scenes and clips (evaluation/scenes.py, seeds never used by training) with exact
+boxes, scored by evaluation.metrics for the seeds' three claims, for the trained model against three
 baselines:
   uniform    every cell gets the same share of the budget (no relevance at all)
   saliency   the untrained perspectival score (saliency, edges, centre, motion), no query
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from arr_coc._validate import check_range
-from arr_coc.metrics import (best_share, consecutive_cosine, cut_scores, distinctiveness,
+from evaluation.metrics import (best_share, consecutive_cosine, cut_scores, distinctiveness,
                              own_object_accuracy, share_inside, top_fraction_iou)
 from arr_coc.model import ARRCOC, ARRCOCConfig
 
@@ -171,7 +171,7 @@ def _cut_summary(detections: list[list[int]], raw_clips) -> dict:
 
 def evaluate(cfg: EvalConfig, *, log=print) -> dict:
     from sources import open_video
-    from sources.scenes import make_clips, make_scenes
+    from evaluation.scenes import make_clips, make_scenes
     from sources.synthetic import write_video
 
     from ..vlm.geometry import VLMGeometry

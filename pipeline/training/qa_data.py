@@ -23,7 +23,7 @@ the few object tokens dominate what the question attends to, which is what lets 
 from scratch start grounding its answers (with every token it sat at the answer priors).
 
 Token colours and shapes: auxiliary targets per visual token, the named colour
-(sources.scenes.COLORS) covering at least a quarter of its cell over its frame pair, else
+(evaluation.scenes.COLORS) covering at least a quarter of its cell over its frame pair, else
 background, and the shape and motion (travel against the background) of the object of that
 colour (colours name one object in a clip; a colour two objects share, or one no object has, is
 left out). A linear head on the vision tower's tokens learns them alongside the answers (only
@@ -43,7 +43,7 @@ import cv2
 import numpy as np
 
 from pipeline.vlm.geometry import VLMGeometry
-from sources.scenes import COLORS, SHAPES
+from evaluation.scenes import COLORS, SHAPES
 
 WINDOW_MAX_FRAMES = 256          # VLMStage's window: past this, every other frame is dropped
 PALETTE = np.array(list(COLORS.values()), np.float32)    # (C, 3): token colour classes; C = background
@@ -135,7 +135,7 @@ def token_objects(colors: np.ndarray, objects: tuple[tuple[str, ...], ...]) -> t
 
 
 def token_regions(grid: tuple[int, int]) -> np.ndarray:
-    """(gh, gw) int8: the 3x3 region (row-major, as sources.synth_qa.where_answer's words) of each
+    """(gh, gw) int8: the 3x3 region (row-major, as evaluation.synth_qa.where_answer's words) of each
     cell's centre."""
     gh, gw = grid
     rows = np.minimum(2, ((np.arange(gh) + 0.5) * 3 / gh).astype(int))

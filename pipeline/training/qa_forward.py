@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pipeline.training.qa_data import MOTIONS, ClipSample, token_regions
 from pipeline.vlm.model import SYSTEM_PROMPT
 from pipeline.vlm.passes import question_attention
-from sources.scenes import COLORS, SHAPES
+from evaluation.scenes import COLORS, SHAPES
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
 from pipeline.vlm import hf
@@ -47,7 +47,7 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def named_color(question: str) -> int | None:
-    """The index (sources.scenes.COLORS) of the first colour word in a question, else None."""
+    """The index (evaluation.scenes.COLORS) of the first colour word in a question, else None."""
     for word in question.lower().replace("?", " ").split():
         if word in _COLOR_INDEX:
             return _COLOR_INDEX[word]

@@ -1,5 +1,5 @@
 """Train `arrcoc-synth-qa`: a small Qwen2-VL (the real architecture, HF transformers) learnt from
-scratch on generated video QA (sources/synth_qa.py), robust to missing visual tokens.
+scratch on generated video QA (evaluation/synth_qa.py), robust to missing visual tokens.
 
     python -m pipeline.training.qa_vlm --config configs/qa_vlm.yaml [--out-dir DIR] [--set key=value ...]
                                        [--resume] [--export-shipped]
@@ -15,14 +15,14 @@ val split through the pipeline's own answer path (load_vlm on the exported snaps
 VLM.answer_questions) and scores exact match per question family. On CUDA the step runs in bf16
 autocast (float32 weights and optimizer); on CPU in float32.
 
-Learning from scratch, a model sat at the answer priors for 1300 steps (every family at chance
-on an H100): nothing told its attention which of ~200 visual tokens mattered. Two things get it
+Learning from scratch, a model sat at the answer priors for its first 1300 steps (every family at
+chance): nothing told its attention which of ~200 visual tokens mattered. Two things get it
 grounding (qa_data): a curriculum whose first steps keep only the salient cells, and a per-token
 colour loss through a linear head on the vision tower (training only, not in the snapshot). That
 model still answered no question naming an object (where, shape, direction at chance): per-token
 shape and motion targets on the same head, and a probe on the LM's hidden state of each visual
 token naming its 3x3 region (M-RoPE positions shape attention, never a token's value), gave it
-those (benchmarks/results/qa_vlm_training_h100.json).
+those (docs/performance.md has the training arms).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from pipeline.vlm.config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm import hf
-from sources.scenes import COLORS, SHAPES
+from evaluation.scenes import COLORS, SHAPES
 
 SHIPPED_NAME = "arrcoc-synth-qa"
 SHIPPED_NAMES = (SHIPPED_NAME,)
@@ -189,7 +189,7 @@ class ValConfig:
     clips: int = 200                  # the final validation's clips
     periodic_clips: int = 50          # the first this many of them (at most all) at each periodic validation
     first_seed: int = 1_000_000       # val clips make_qa_clip(first_seed + i, split="val"): the val split's
-                                      # first seeds (sources.synth_qa.SPLIT_SEEDS), as write_split's
+                                      # first seeds (evaluation.synth_qa.SPLIT_SEEDS), as write_split's
     every: int = 450                  # steps between periodic validations
     final_keep_ratios: tuple[float, ...] = (1.0, 0.25)   # the final validation also at random keep maps
 
@@ -293,7 +293,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     from pipeline.vlm.loading import resolve_device
 
     if make_clip is None:
-        from sources.synth_qa import make_qa_clip as make_clip
+        from evaluation.synth_qa import make_qa_clip as make_clip
     hf_logging.disable_progress_bar()       # save / load bars at every validation
     if cfg.train.init and not resume_found(out_dir, resume):
         init_root(cfg.train.init)                       # before anything is written
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
-        print(f"error: {e} (the training needs sources/synth_qa.py and the packages of pyproject.toml)",
+        print(f"error: {e} (the training needs evaluation/synth_qa.py and the packages of pyproject.toml)",
               file=sys.stderr)
         return 2
     return 0

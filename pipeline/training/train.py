@@ -1,7 +1,7 @@
 """`python -m pipeline train --config configs/train_*.yaml`: learn where to look.
 
 The seeds' curriculum (Parts 29, 44, 45), on generated scenes with exact ground truth
-(sources/scenes.py), each stage training the parameters it names:
+(evaluation/scenes.py), each stage training the parameters it names:
   grounding  the participatory scorer: cells of the named object couple to the query
   static     knowing + balancer + allocator on still frames, through the soft budget
   temporal   decay and motion boost (and the rest, gently) on video: tokens stay on the target
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from arr_coc._validate import ConfigError, check_choice, check_range
-from arr_coc.metrics import box_coverage, share_inside
+from evaluation.metrics import box_coverage, share_inside
 from arr_coc.model import ARRCOC, ARRCOCConfig
 from arr_coc.realizing import StreamState
 from arr_coc.texture import Texture
@@ -66,7 +66,7 @@ class DataConfig:
     clip_shots: int = 3
     val_scenes: int = 32          # held-out still scenes for the per-epoch val_token_share
     seed: int = 1                 # training data; benchmarks/bench_quality.py uses other seeds
-    qa_clips: int = 64            # vlm_qa stage: generated video-QA clips (sources/synth_qa.py train split)
+    qa_clips: int = 64            # vlm_qa stage: generated video-QA clips (evaluation/synth_qa.py train split)
     qa_first_seed: int = 500_000  # their seeds (train split; arrcoc-synth-qa itself saw seeds below 48000)
 
     def __post_init__(self) -> None:
@@ -304,7 +304,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     from arr_coc.checkpoint import load_weights, read_weights, save_weights
     from ..core.cuda import resolve_device
     from ..vlm.geometry import VLMGeometry
-    from sources.scenes import make_clips, make_scenes
+    from evaluation.scenes import make_clips, make_scenes
 
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)

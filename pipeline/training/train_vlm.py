@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from arr_coc.lod import pair_soft
 from arr_coc.model import ARRCOC
-from sources.synth_qa import where_answer
+from evaluation.synth_qa import where_answer
 
 def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: str,
                 query: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -76,9 +76,9 @@ def vlm_step_loss(model: ARRCOC, vlm, scenes, idx, embed) -> tuple[torch.Tensor,
 
 
 def qa_clips(seeds, vlm_fps: float) -> list:
-    """Generated video-QA clips (sources.synth_qa, train split) as the VLM sees them: (frames at
+    """Generated video-QA clips (evaluation.synth_qa, train split) as the VLM sees them: (frames at
     vlm_fps, [(question, answer)])."""
-    from sources.synth_qa import make_qa_clip
+    from evaluation.synth_qa import make_qa_clip
     from .qa_data import vlm_frame_indices
 
     out = []

@@ -29,7 +29,7 @@ TINY_SEED = 1234
 
 
 # Common English words (and the chat template's, and those of the generated video QA of
-# sources/synth_qa.py: its colours, shapes, regions): merges are learnt so that each is one token,
+# evaluation/synth_qa.py: its colours, shapes, regions): merges are learnt so that each is one token,
 # with and without a leading space and capitalized, as in GPT-style BPE vocabularies.
 ENGLISH_WORDS = """the of and to a in is it you that he was for on are with as I his they be at one have this
 from or had by hot word but what some we can out other were all there when up use your how said an each she which

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from evaluation.fixtures import write_fixture
 from sources import SourceError
-from sources.msrvtt import (Question, load_msrvtt, load_msrvtt_captions, load_msrvtt_qa, stream_id_of,
-                            write_fixture)
+from sources.msrvtt import Question, load_msrvtt, load_msrvtt_captions, load_msrvtt_qa, stream_id_of
 
 
 @pytest.fixture(scope="module")

@@ -225,3 +225,46 @@ class TestStagger:
         from arr_coc._validate import ConfigError
         with pytest.raises(ConfigError, match="stagger must be true or false"):
             LiveOptions(stagger="yes")
+
+
+class TestAnswerPeriod:
+    """The next due time is computed, not stepped one period at a time: a tiny period (or a VLM far
+    behind) costs one step a frame, and the schedule stays on its grid."""
+
+    def test_a_frame_far_past_the_due_time_is_one_step(self):
+        import threading
+
+        batcher = RecordingBatcher()
+        stage = LiveVLMStage(batcher, "q", LiveOptions(every_s=1e-3, stagger=False))
+        done = threading.Event()
+
+        def feed():
+            stage.process(live_batch([0.0], 0))
+            stage.process(live_batch([1e9], 1))     # 10^12 periods later: stepping would never end
+            done.set()
+        threading.Thread(target=feed, daemon=True).start()
+        assert done.wait(10.0), "the VLM stage did not finish one frame"
+        due = stage.windows["s"].next_due
+        assert 1e9 < due <= 1e9 + 1e-3 + 1e-6 and len(batcher.requests) == 1
+
+    @pytest.mark.parametrize("due, pts, every, expected", [
+        (1.0, 0.5, 1.0, 1.0),            # not due yet: unchanged
+        (1.0, 1.0, 1.0, 2.0),            # due exactly on the grid: the next point
+        (1.0, 3.5, 1.0, 4.0),            # periods missed while the VLM answered are skipped
+        (0.3, 0.3, 0.1, 0.4),
+    ])
+    def test_next_due_stays_on_the_grid(self, due, pts, every, expected):
+        from pipeline.core.live_stages import next_due_after
+        assert next_due_after(due, pts, every) == pytest.approx(expected)
+
+    @pytest.mark.parametrize("every", [1e-20, 0.0, -1.0, float("nan"), float("inf"), 1e308, True])
+    def test_options_refuse_periods_that_mean_nothing(self, every):
+        from arr_coc._validate import ConfigError
+        with pytest.raises(ConfigError, match="--every"):
+            LiveOptions(every_s=every)
+
+    @pytest.mark.parametrize("duration", [float("nan"), float("inf")])
+    def test_options_refuse_a_duration_that_is_not_finite(self, duration):
+        from arr_coc._validate import ConfigError
+        with pytest.raises(ConfigError, match="--duration"):
+            LiveOptions(duration_s=duration)

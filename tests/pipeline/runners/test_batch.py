@@ -19,7 +19,8 @@ import torch
 from pipeline.commands.cli import main
 from pipeline.runners.evaluate import evaluate
 from sinks import ZarrStore, read_stream, validate_store
-from sources.msrvtt import load_msrvtt, write_fixture
+from evaluation.fixtures import write_fixture
+from sources.msrvtt import load_msrvtt
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "live"))
 from live_servers import free_port  # noqa: E402
@@ -546,7 +547,7 @@ class TestBadInputs:
         (root / "videos/all/video7010.mp4").unlink()
         code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
         assert code == 0
-        assert "skipped video7010: video file of video7010 not found" in err
+        assert "warning: skipped video7010: video file of video7010 not found\n" in err
         assert summary["missing"] == 1 and summary["done"] == 1
 
     def test_corrupt_video_is_reported_and_skipped(self, capsys, tmp_path):

@@ -8,7 +8,8 @@ import pytest
 from pipeline.commands.cli import main
 from pipeline.runners.evaluate import evaluate, is_correct, normalize
 from sinks import ZarrStore
-from sources.msrvtt import Question, load_msrvtt, write_fixture
+from evaluation.fixtures import write_fixture
+from sources.msrvtt import Question, load_msrvtt
 
 
 def store_answers(out, by_video: dict[str, list[tuple[str, str, int, int]]], complete=True):

@@ -16,7 +16,8 @@ from arr_coc._validate import ConfigError  # noqa: E402
 from pipeline.runners.ray_batch import run_ray_batch  # noqa: E402
 from sinks import store_location  # noqa: E402
 from sinks import ZarrStore, read_stream, validate_store  # noqa: E402
-from sources.msrvtt import load_msrvtt, write_fixture  # noqa: E402
+from evaluation.fixtures import write_fixture  # noqa: E402
+from sources.msrvtt import load_msrvtt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "live"))
 from live_servers import free_port  # noqa: E402

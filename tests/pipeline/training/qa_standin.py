@@ -1,4 +1,4 @@
-"""A tiny stand-in for sources/synth_qa.make_qa_clip (same types, two easy families), so the
+"""A tiny stand-in for evaluation/synth_qa.make_qa_clip (same types, two easy families), so the
 trainer's tests run without the generator: a coloured square drifting left or right on grey."""
 from __future__ import annotations
 

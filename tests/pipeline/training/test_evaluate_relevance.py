@@ -9,7 +9,7 @@ import torch
 from arr_coc.model import ARRCOC
 from pipeline.training.evaluate_relevance import EvalConfig
 from pipeline.training.train import QueryEmbedder, scene_examples, still_forward, take
-from sources.scenes import make_scenes
+from evaluation.scenes import make_scenes
 
 
 def test_still_forward_matches_realize_frame_by_frame():

@@ -96,7 +96,7 @@ class TestKeepMaps:
 
 class TestTokenColors:
     def test_named_colour_per_token_over_its_frame_pair(self):
-        from sources.scenes import COLORS
+        from evaluation.scenes import COLORS
         frames = np.full((3, 56, 84, 3), 120, np.uint8)                   # 28-px tokens: a 2 x 3 grid
         frames[:2, 0:28, 0:28] = COLORS["blue"]                            # token (0, 0) of the first pair
         frames[1, 28:56, 56:84] = COLORS["yellow"]                         # half of the first pair's (1, 2)
@@ -110,7 +110,7 @@ class TestTokenColors:
 
 class TestTokenObjects:
     def test_shape_and_motion_of_the_colours_object_background_and_unknown(self):
-        from sources.scenes import COLORS, SHAPES
+        from evaluation.scenes import COLORS, SHAPES
         names = list(COLORS)
         colors = np.array([[[names.index("red"), names.index("blue"), len(COLORS), names.index("green")]]],
                           np.int8)
@@ -122,8 +122,8 @@ class TestTokenObjects:
         assert motions.tolist() == [[[MOTIONS.index("left"), MOTIONS.index("still"), MOTIONS.index("still"), -1]]]
 
     def test_a_rendered_clips_tokens_carry_its_objects(self):
-        from sources.scenes import COLORS, SHAPES
-        from sources.synth_qa import direction_answer, make_qa_scene
+        from evaluation.scenes import COLORS, SHAPES
+        from evaluation.synth_qa import direction_answer, make_qa_scene
         for seed in range(40):
             scene = make_qa_scene(seed)
             if any(t.travel != (0, 0) for t in scene.tracks):

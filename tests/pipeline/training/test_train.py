@@ -73,9 +73,9 @@ def test_build_model_uses_the_shipped_weights():
 class TestVLMFineTune:
     def test_one_step_reaches_arr_coc_and_not_the_vlm(self):
         from pipeline.training.train_vlm import answer_loss
-        from sources.synth_qa import where_answer
+        from evaluation.synth_qa import where_answer
         from pipeline.vlm.loading import build_tiny_vlm
-        from sources.scenes import make_scene
+        from evaluation.scenes import make_scene
 
         vlm = build_tiny_vlm("qwen2_vl")
         for p in vlm.model.parameters():
@@ -128,7 +128,7 @@ class TestVLMFineTune:
 
     def test_where_answer(self):
         from arr_coc.lod import pair_soft as soft_keep
-        from sources.synth_qa import where_answer
+        from evaluation.synth_qa import where_answer
         assert where_answer((0, 0, 10, 10), (90, 90)) == "top left"
         assert where_answer((40, 40, 50, 50), (90, 90)) == "center"
         keep = soft_keep(torch.tensor([[[0.2]], [[0.6]], [[3.0]]]), 2)

@@ -70,10 +70,15 @@ class TestVersionRange:
     def test_bounds(self, version, inside):
         assert (hf.check_version(version) is None) is inside
 
-    def test_pyproject_pins_the_same_range(self):
-        text = (ROOT / "pyproject.toml").read_text()
-        low, high = hf.TESTED_RANGE
-        assert f'"transformers>={low},<{high}"' in text
+    def test_pyproject_declares_a_range_that_holds_the_tested_one(self):
+        """pyproject asks for a broad range (pip installs it beside other packages); the tested range,
+        checked at load, must lie inside it, and no upper bound may refuse a newer release."""
+        import tomllib
+        deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        spec = next(d for d in deps if d.startswith("transformers"))
+        assert "<" not in spec and spec.startswith("transformers>="), spec
+        floor = spec.removeprefix("transformers>=")
+        assert hf._version_tuple(floor) <= hf._version_tuple(hf.TESTED_RANGE[0]), spec
 
 
 def test_outside_the_range_runs_hfs_forward_with_a_warning(monkeypatch):

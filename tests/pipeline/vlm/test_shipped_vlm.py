@@ -12,7 +12,7 @@ from pipeline.vlm import VLMConfig, VLMLoadError, load_vlm
 from pipeline.vlm import loading
 from pipeline.vlm.loading import SHIPPED, build_tiny_vlm
 from pipeline.vlm.model import AnswerRequest
-from sources.synth_qa import SPLIT_SEEDS, make_qa_clip
+from evaluation.synth_qa import SPLIT_SEEDS, make_qa_clip
 
 NAME = "arrcoc-synth-qa"
 

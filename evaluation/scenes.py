@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from .synthetic import smooth_texture
+from sources.synthetic import smooth_texture
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (225, 35, 35), "green": (40, 175, 60), "blue": (35, 70, 230), "yellow": (240, 220, 40),

@@ -1,6 +1,6 @@
 """Generated video QA with exact answers, written in the MSRVTT-QA release layout.
 
-Clips are built from sources/scenes.py objects (distinct colours, four shapes, small / large /
+Clips are built from evaluation/scenes.py objects (distinct colours, four shapes, small / large /
 tiny sizes, low-contrast targets) on muted smooth backgrounds. A clip is either one shot of 2-5
 objects (all still, exactly one moving in a straight line, or all still under a camera pan;
 sometimes fading in from or out to black) or two shots of one object each, joined by a hard cut,
@@ -29,7 +29,7 @@ On disk (write_split): ROOT/videos/video<seed>.mp4 and ROOT/{split}_qa.json, rec
 category_id = the family name, which sources.msrvtt keeps as Question.type (so `eval` reports
 accuracy per family).
 
-    python -m sources.synth_qa --root DIR [--splits train,val,test] [--count N ...] [--quiet]
+    python -m evaluation.synth_qa --root DIR [--splits train,val,test] [--count N ...] [--quiet]
 """
 from __future__ import annotations
 
@@ -43,9 +43,10 @@ from typing import Literal, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from sources.synthetic import write_video
+
 from .scenes import (COLORS, SHAPES, Motion, SceneKind, SceneObject, Transition, TransitionKind, background,
                      render_objects, sample_objects)
-from .synthetic import write_video
 
 Box = tuple[int, int, int, int]  # (y0, x0, y1, x1) pixels, end-exclusive
 Split = Literal["train", "val", "test"]
@@ -437,7 +438,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[Path, list[tuple[str, int]], bool]:
-    p = _Parser(prog="python -m sources.synth_qa", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m evaluation.synth_qa", description=__doc__.splitlines()[0])
     p.add_argument("--root", required=True, help="output directory (MSRVTT-QA release layout)")
     p.add_argument("--splits", default="train,val,test", help="comma-separated splits (default: train,val,test)")
     p.add_argument("--count", type=int, nargs="+", metavar="N",

@@ -1,4 +1,4 @@
-"""sources.synth_qa: every answer checked against the rendered pixels (or the scene description),
+"""evaluation.synth_qa: every answer checked against the rendered pixels (or the scene description),
 never against the generator's own answer functions; the splits, the files and determinism."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from scipy import ndimage
 
 from sources import open_video
 from sources.msrvtt import load_msrvtt
-from sources.scenes import COLORS
-from sources.synth_qa import (ANSWER_WORDS, FAMILIES, SPLIT_SEEDS, QAClip, main, make_qa_clip, make_qa_scene,
+from evaluation.scenes import COLORS
+from evaluation.synth_qa import (ANSWER_WORDS, FAMILIES, SPLIT_SEEDS, QAClip, main, make_qa_clip, make_qa_scene,
                               write_split)
 
 WHEEL = (25, 25, 25)                 # scenes.paint draws a car's wheels in this grey

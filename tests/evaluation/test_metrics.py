@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from arr_coc.metrics import (best_share, box_coverage, consecutive_cosine, cut_scores, distinctiveness,
+from evaluation.metrics import (best_share, box_coverage, consecutive_cosine, cut_scores, distinctiveness,
                              own_object_accuracy, share_inside, top_fraction_iou)
 
 

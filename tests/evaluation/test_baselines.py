@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from arr_coc.lod import FULL, pair_lod
-from pipeline.vlm.baselines import (POLICIES, baseline_keep, budget, density_peaks, evs_keep, fastvid_keep,
+from evaluation.baselines import (POLICIES, baseline_keep, budget, density_peaks, evs_keep, fastvid_keep,
                                     random_keep, segments, uniform_keep)
 
 GRID = (4, 6)

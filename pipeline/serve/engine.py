@@ -123,6 +123,7 @@ class Engine:
             deadline.check(lambda: request_timeout(request_id))
         finally:
             self._active.discard(request_id)
+            self.retention.note("stored", request_id)     # its homunculus counts against the cap now
             self.metrics.started(-1)
             self._slots.release()
             ref.discard()

@@ -79,7 +79,7 @@ class Media:
         shutil.rmtree(self.scratch, ignore_errors=True)   # what a killed server was fetching
         self.scratch.mkdir(exist_ok=True)
         self.policy = options.fetch_policy
-        self.room: Callable[[int], None] | None = None    # retention: make room for this many bytes
+        self.room: Callable[..., Callable[[], None]] | None = None    # retention: room for this many bytes
 
     # ---- chat requests ----
     def resolve(self, ref: str, deadline: Deadline | None = None) -> VideoRef:
@@ -164,9 +164,10 @@ class Media:
         return path
 
     @contextlib.contextmanager
-    def _room(self, nbytes: int) -> Iterator[None]:
-        """Room for nbytes under --max-storage-gb while they are written (retention.Retention.room)."""
-        release = self.room(nbytes) if self.room is not None else (lambda: None)
+    def _room(self, nbytes: int, upload: str | None = None) -> Iterator[None]:
+        """Room for nbytes under --max-storage-gb while they are written (retention.Retention.room);
+        an upload is counted as it is once written."""
+        release = self.room(nbytes, upload) if self.room is not None else (lambda: None)
         try:
             yield
         finally:
@@ -208,7 +209,7 @@ class Media:
         data.seek(0, os.SEEK_END)       # the parser spooled it whole: its size is known
         expected = min(data.tell(), self.options.max_upload_bytes + 1)
         data.seek(0)
-        with self._room(expected):   # until the file is listed (and counted)
+        with self._room(expected, file_id):   # until the file is listed (and counted)
             size = copy_limited(data, path, self.options.max_upload_bytes, f"upload {filename!r}", "--max-upload-mb")
             try:
                 self.probe(path, f"upload {filename!r}")

@@ -79,10 +79,11 @@ def test_uploads_beyond_the_cap_evict_the_oldest(served, tmp_path):
         assert kept == ids[len(ids) - len(kept):] and len(kept) >= min(3, k + 1), (kept, ids)   # the newest
     assert request(served, "GET", f"/v1/files/{ids[0]}")[0] == 404
     assert not (served.uploads / ids[0]).exists()
-    # a request on an upload stores its homunculus: it counts too, and the cap still holds
-    code, reply, _ = request(served, "POST", "/v1/chat/completions", chat_body(ids[-1]))
-    assert code == 200, reply
-    assert _disk(served.uploads, served.store) <= CAP
+    # each request stores its homunculus: they count too, and the cap still holds
+    for _ in range(6):
+        code, reply, _ = request(served, "POST", "/v1/chat/completions", chat_body(ids[-1]))
+        assert code == 200, reply
+        assert _disk(served.uploads, served.store) <= CAP
     code, reply, _ = request(served, "DELETE", f"/v1/files/{ids[-2]}")
     assert code == 200 and reply["deleted"] is True
     assert request(served, "GET", f"/v1/files/{ids[-2]}")[0] == 404 and not (served.uploads / ids[-2]).exists()
@@ -113,6 +114,8 @@ class TestRetentionUnit:
         busy = {"file-000000000000000000000001"}
         retention = Retention(uploads, str(tmp_path / "s.zarr"), retention_s=3600, max_bytes=1000,
                               busy=lambda: busy)
+        retention.scan()
+        assert [i.name for i in retention.items()] == ["file-000000000000000000000001"]
         with pytest.raises(ApiError) as e:
             retention.room(500)
         assert e.value.status == 507 and "--max-storage-gb" in e.value.message

@@ -4,7 +4,7 @@ Uploads (POST /v1/files) and every answered request's homunculus (a stream of th
 expire `--retention-s` after they were last written, and together with the fetches in flight they
 stay under `--max-storage-gb`: before an upload or a fetch is written, the oldest items are removed
 until it fits; after each request, once its homunculus is written, and in a sweep every few
-seconds, the oldest go while the cap is passed, down to LOW_WATER of it (the margin the requests
+seconds, the oldest go while what is kept passes LOW_WATER of the cap (the margin the requests
 in flight write into), and what expired goes. Streams still being written (requests in flight,
 live streams running) are never removed; when only they are left and the new bytes do not fit,
 the request is refused with 507.
@@ -30,7 +30,7 @@ from .errors import ApiError
 
 STORED_ID = re.compile(r"(chatcmpl|live)-[0-9a-f]{24}")   # the streams the server itself wrote
 UPLOAD_META = re.compile(r"(file-[0-9a-f]{24})\.json")
-LOW_WATER = 0.9       # past the cap, the oldest go until this share of it is used
+LOW_WATER = 0.9       # what is kept stays under this share of the cap: requests in flight write the rest
 RESCAN_S = 30.0       # a full walk this often; the index in between
 log = logging.getLogger("pipeline.serve.retention")
 
@@ -170,11 +170,12 @@ class Retention:
             return self._sweep(0, time.time() if now is None else now)
 
     def _sweep(self, need: int, now: float) -> list[str]:
-        """(lock held) Remove what expired; past the cap, the oldest until LOW_WATER of it is used:
-        the requests in flight write their homunculi into that margin."""
+        """(lock held) Remove what expired, and the oldest while what is kept passes LOW_WATER of
+        the cap: the requests in flight write their homunculi into that margin."""
         busy = self.busy()
         total = self.usage() + self.reserved + need
-        target = self.max_bytes if total <= self.max_bytes else int(LOW_WATER * self.max_bytes)
+        # what is written now stays under the cap; what is kept, under LOW_WATER of it
+        target = min(self.max_bytes, int(LOW_WATER * self.max_bytes) + need + self.reserved)
         removed = []
         for item in sorted(self._items.values(), key=lambda i: i.mtime):
             if item.name in busy:

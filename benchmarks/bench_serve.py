@@ -222,7 +222,9 @@ def flood(url: str, body: bytes, video: Path, clients: int, duration_s: float, u
             "latency_p50_ms": round(float(np.percentile(ms, 50)), 1) if len(ms) else None,
             "latency_p95_ms": round(float(np.percentile(ms, 95)), 1) if len(ms) else None,
             "errors": len(errors), "error_examples": sorted(set(errors))[:3],
-            "rss_mb_max": max(samples["rss_mb"], default=None), "disk_bytes_max": max(samples["disk_bytes"], default=None)}
+            "rss_mb_max": max(samples["rss_mb"], default=None),
+            "disk_bytes_max": max(samples["disk_bytes"], default=None),
+            "rss_mb_by_minute": samples["rss_mb"][::60], "disk_bytes_by_minute": samples["disk_bytes"][::60]}
 
 
 def commit() -> str | None:
@@ -248,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood", type=int, metavar="N", help="instead: N clients against the server's limits (see above)")
     p.add_argument("--upload-every", type=int, default=8, metavar="K",
                    help="--flood: every K'th request uploads its video first (0: never; default: %(default)s)")
-    p.add_argument("--max-storage-gb", type=float, default=0.05, help="--flood: the server's cap (default: %(default)g)")
-    p.add_argument("--retention-s", type=float, default=120.0, help="--flood: the server's (default: %(default)g)")
+    p.add_argument("--max-storage-gb", type=float, default=0.004,
+                   help="--flood: the server's cap (default: %(default)g)")
+    p.add_argument("--retention-s", type=float, default=300.0, help="--flood: the server's (default: %(default)g)")
     p.add_argument("--request-timeout-s", type=float, default=120.0,
                    help="--flood: the server's (default: %(default)g)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
@@ -308,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[0]
         print(f"flood of {r['clients']}: {r['admitted']} admitted (p50 {r['latency_p50_ms']} ms, p95 "
               f"{r['latency_p95_ms']} ms), {r['share_429']:.1%} answered 429, {r['errors']} errors; RSS "
-              f"{r['rss_mb_before']} -> {r['rss_mb_after']} MB (max {r['rss_mb_max']}); disk {r['disk_bytes_before']} -> "
+              f"{r['rss_mb_before']} -> {r['rss_mb_after']} MB (max {r['rss_mb_max']}); "
+              f"disk {r['disk_bytes_before']} -> "
               f"{r['disk_bytes_after']} bytes (max {r['disk_bytes_max']}, cap {r['storage_cap_bytes']})")
     print(f"{'clients':>7} {'requests':>8} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'errors':>6} {'VLM batch':>9}")
     for r in rows[1 if args.flood else 0:]:

@@ -287,7 +287,8 @@ class Pipeline:
 
     def _load_vlm(self, device: Any = None) -> Any:
         """The VLM runtime.vlm names, loaded on first use and kept (None for 'none')."""
-        from .core.setup import load_answerer, runtime_device
+        from .core.setup import runtime_device
+        from .vlm.loading import load_answerer
 
         with self._vlm_lock:
             if not self._vlm_loaded:

@@ -12,7 +12,7 @@ from typing import Literal
 from arr_coc._validate import ConfigError, check_int, check_range
 from arr_coc.model import ARRCOCConfig
 
-from .vlm.config import VLMConfig
+from .vlm_config import VLMConfig
 
 
 # An answer period (`--every`, runtime.every_s, POST /v1/streams' `every`) is at least one frame
@@ -82,7 +82,7 @@ class RuntimeConfig:
     queue_capacity: int = 4           # batches buffered between two stages
     cuda_graphs: bool = True          # replay full batches of the front end as CUDA graphs (GPU only)
     model_weights: str = "default"    # ARR-COC weights: "default" (shipped, trained), "none" (initial values) or a path
-    # how a thread waiting for the GPU waits (pipeline/core/cuda.py set_cuda_wait): "block" sleeps
+    # how a thread waiting for the GPU waits (pipeline/runtime/cuda.py set_cuda_wait): "block" sleeps
     # until the GPU is done; "auto" is CUDA's own choice, which spins a core per waiting thread
     # while the process has fewer CUDA contexts than CPUs
     cuda_wait: Literal["block", "auto"] = "block"
@@ -113,8 +113,8 @@ class PipelineConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
-        # pass 1 keeps candidate_factor times the retention as pass 2's candidates (core/setup.py:
-        # candidate_attending): more than every cell would leave pass 2 a smaller share than asked
+        # pass 1 keeps candidate_factor times the retention as pass 2's candidates (pipeline/budget.py,
+        # BudgetPlan.pass1): more than every cell would leave pass 2 a smaller share than asked
         a, v = self.model.attending, self.vlm
         if v.pass2 != "off" and not v.tempering.ladder and a.selection == "fraction" \
                 and a.retention * v.candidate_factor > 1.0 + 1e-9:

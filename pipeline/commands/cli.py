@@ -210,8 +210,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--allow-dir", dest="allow_dirs", action="append", default=[], metavar="DIR",
                    help="serve file:// videos from inside this directory (repeatable; default: none)")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 route "
-                                     "(default: the ARRCOC_API_KEY environment variable)")
+    p.add_argument("--api-key", action="append", help="require `Authorization: Bearer KEY` on every /v1 route "
+                   "(default: the ARRCOC_API_KEY environment variable); repeat for several clients, each "
+                   "seeing only its own files and streams")
     p.add_argument("--uploads", metavar="DIR", help="where uploaded videos are kept (default: <store>.uploads)")
     p.add_argument("--max-upload-mb", type=float, default=512.0, metavar="MB",
                    help="largest upload or data: URL (default: %(default)g)")
@@ -223,6 +224,13 @@ def _add_serve(sub: Any) -> None:
                    help="requests doing work at once; more get 429 with Retry-After (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=8, metavar="N",
                    help="live streams over HTTP at once (default: %(default)s)")
+    p.add_argument("--max-question-chars", type=int, default=8192, metavar="N",
+                   help="longest question a request may ask, in characters (default: %(default)s)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request head is not in by then (default: %(default)g)")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="open connections; at the cap the oldest one still sending its head is closed "
+                        "(default: %(default)s, at most half the open-file limit)")
     _add_serve_limits(p)
     p.add_argument("--ray", metavar="ADDRESS", help="deploy on Ray Serve instead: 'local' (start Ray here), 'auto' "
                                                     "(a running cluster) or a cluster address")

@@ -21,8 +21,9 @@ from sources.live import LiveSource
 from ..config import PipelineConfig
 from .frontend_graphs import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
+from .items import FrameAllocation, Outcome, RunStatus
 from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters, stream_ending
-from .stages import DecodeStage, FrameAllocation, Outcome, RealizeStage, RunStatus, SinkStage, TextureStage
+from .stages import DecodeStage, RealizeStage, SinkStage, TextureStage
 
 
 def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, cfg: PipelineConfig,
@@ -95,7 +96,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     if graphs is not None:
         # every batch shape the capture stage can hand over (a source's buffer caps a batch),
         # captured now: a capture mid-run stalls the stream that needs it, and it races the other
-        # threads' CUDA calls (two live runs on an H100 failed inside or just after one)
+        # threads' CUDA calls (two live runs failed inside or just after one)
         largest = min(cfg.runtime.batch_size, max(s.config.buffer_frames for s in sources))
         for height, width in sorted({(s.height, s.width) for s in sources}):
             for batch in range(1, largest + 1):

@@ -154,8 +154,8 @@ class Workers:
 
     CUDA libraries keep per-thread state: cuDNN's attention graphs, cuBLAS handles and their
     workspaces. A fresh thread builds its own on first use, so a video whose stages and VLM ran in
-    new threads paid it every time (H100: the Qwen2-VL-2B vision tower took ~100 ms in a new thread
-    against 24 ms in a warm one). submit() runs each job at once in an idle thread, or in a new one
+    new threads paid it every time (the vision tower took about 4x as long in a new thread as in a
+    warm one). submit() runs each job at once in an idle thread, or in a new one
     (up to max_threads; beyond that jobs wait their turn: max_threads=1 runs jobs one at a time)."""
 
     def __init__(self, name: str, max_threads: int | None = None, *, keep: bool = True) -> None:

@@ -22,14 +22,18 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from arr_coc._validate import ConfigError, check_range
+from arr_coc.attending import retained_tokens
 from arr_coc.lod import token_frames
 from sources.frame import Frame
 from sources.live import Gap, LiveSource
 
+from ..budget import BudgetPlan
 from ..config import PipelineConfig, validate_every
+from ..runtime.cuda import pins_frames, window_frames
+from ..runtime.requests import AnswerRequest
 from .graph import Channel, Stage
-from .cuda import pins_frames, window_frames
-from .stages import AllocationBatch, AnswerItem, FrameBatch, Outcome, RealizeStage, TextureStage, stack_frames
+from .items import AllocationBatch, AnswerItem, FrameBatch, Outcome
+from .stages import RealizeStage, TextureStage, stack_frames
 
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame
@@ -54,8 +58,7 @@ class LiveOptions:
     # do not all fall due at once and queue behind each other's batch: the k-th stream seen answers
     # (k mod n) / n of a period later, n the VLM frames per period (a due time on a VLM frame: the
     # window ends at it), each still every `every_s` after that (LiveVLMStage._open). On by default:
-    # 16 streams of 720p30 on an H100, answer latency p95 379 ms against 898 ms all at once
-    # (bench_live_cuda_h100_16_kept_dt2*.json)
+    # it cuts the answer latency's p95 of many streams started together (docs/performance.md)
     stagger: bool = True
 
     def __post_init__(self) -> None:
@@ -217,12 +220,12 @@ def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: Pipelin
     g = vlm.geometry
     frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
     pairs = token_frames(frames, g.temporal_patch_size)
-    tempering = bool(cfg.vlm.tempering.ladder)
-    retentions = cfg.vlm.tempering.rungs if tempering else (cfg.model.attending.retention,)
+    retentions = BudgetPlan.of(cfg.vlm).rungs or (cfg.model.attending.retention,)
     lengths = set()
     for (height, width), retention in itertools.product(sizes, retentions):
         gh, gw = g.grid(height, width)
-        lo, hi = pairs * max(1, round(retention * gh * gw)), pairs * min(gh * gw, 2 * round(retention * gh * gw))
+        per_frame = retained_tokens(gh * gw, retention)                  # the allocator's budget of a frame
+        lo, hi = pairs * max(1, per_frame), pairs * min(gh * gw, 2 * per_frame)
         for kept in range(lo, hi + 64, 64):                 # the prefill pads lengths to multiples of 64
             lengths.add(vlm.prefix_length(question, min(kept, hi)))
     largest = vlm.config.max_batch                           # the batcher's batches are 1..largest
@@ -325,8 +328,6 @@ class LiveVLMStage(Stage):
             win.rgb.extend(kept)
 
     def _submit(self, sid: str, win: _Window) -> None:
-        from ..vlm import AnswerRequest
-
         frames = list(win.rgb)
         last_arrival = frames[-1][1] if frames[-1][1] is not None else time.time()
         # AnswerRequest.arrival_s is on the monotonic clock; the frame's arrival is wall-clock

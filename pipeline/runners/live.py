@@ -22,8 +22,9 @@ from ..config import PipelineConfig, validate_every
 from ..configio import to_dict
 from ..core.compose import compose_live
 from ..core.graph import Stage
+from ..core.items import AnswerItem
 from ..core.live_stages import LiveOptions, LiveVLMStage, RunEnding, StreamCounters, stream_ending, warm_vlm
-from ..core.stages import AnswerItem, SinkStage
+from ..core.stages import SinkStage
 from ..vlm.geometry import VLMGeometry
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         stream id and its Gap), after the store has it (the server's event streams).
     """
     from ..core.live_status import StatusReporter, snapshot
-    from ..core.setup import build_model, check_query, encode_query, load_answerer, open_writer, runtime_device
+    from ..core.setup import build_model, check_query, encode_query, open_writer, runtime_device
+    from ..vlm.loading import load_answerer
 
     live, options = live or LiveConfig(), options or LiveOptions()
     stop = stop or threading.Event()

@@ -24,8 +24,9 @@ from ..configio import to_dict
 from ..core.compose import compose
 from ..core.frontend_graphs import FrontendGraphsPool
 from ..core.graph import Graph
-from ..core.setup import build_model, check_query, encode_query, load_answerer, open_source, open_writer, runtime_device
-from ..core.stages import AnswerItem, FrameAllocation, RunStatus, VLMStage
+from ..core.setup import build_model, check_query, encode_query, open_source, open_writer, runtime_device
+from ..core.items import AnswerItem, FrameAllocation, RunStatus
+from ..core.stages import VLMStage
 from ..vlm.geometry import VLMGeometry
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     writer = None
     try:
         if vlm is None:
+            from ..vlm.loading import load_answerer
             vlm = load_answerer(cfg, device) if vlm_factory is None else vlm_factory(device)
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)

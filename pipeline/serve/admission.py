@@ -10,7 +10,6 @@ client goes away, the request's fetch is cut, its graph aborted, and its slot fr
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any, Callable
 from starlette.responses import JSONResponse
 
 from .errors import ApiError, error_body
+from .owners import OWNER
 
 # the routes whose requests do work; everything else (lists, reads, /health) is answered at once
 ADMITTED = {("POST", "/v1/chat/completions"), ("POST", "/v1/files"), ("POST", "/v1/streams")}
@@ -79,13 +79,6 @@ class Deadline:
             callback()
 
 
-def client_of(headers: list[tuple[bytes, bytes]]) -> str:
-    """The requester's identity for per-key limits: a digest of the API key it presented (the key
-    itself is never kept), "anonymous" without one."""
-    given = dict(headers).get(b"authorization", b"")
-    return hashlib.sha256(given).hexdigest()[:16] if given else "anonymous"
-
-
 class Admission:
     """Counts of running requests, per server and per client; admit() or 429."""
 
@@ -141,13 +134,13 @@ class Admit:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or (scope["method"], scope["path"].rstrip("/")) not in ADMITTED:
             return await self.app(scope, receive, send)
-        client = client_of(scope["headers"])
+        client = scope.get("state", {}).get(OWNER, "")     # the key's owner (app.Guard runs first)
         try:
             release = self.admission.admit(client)
         except ApiError as e:
             return await JSONResponse(e.body(), status_code=e.status, headers=e.headers)(scope, receive, send)
         deadline = Deadline(self.timeout_s)
-        scope.setdefault("state", {}).update(deadline=deadline, client=client)
+        scope.setdefault("state", {})["deadline"] = deadline
         started, gone = [False], asyncio.Event()
 
         async def sending(message: dict) -> None:

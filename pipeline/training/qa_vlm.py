@@ -42,7 +42,7 @@ import torch
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 from pipeline.training.qa_data import MOTIONS, POLICIES, DropSpec, StepData
 from pipeline.training.qa_eval import ValData, export_snapshot, validate
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm import hf

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from arr_coc.attending import retained_tokens
 from pipeline.config import PipelineConfig
+from pipeline.configio import load_config
 from pipeline.core.live_stages import LiveBatch, LiveOptions, LiveVLMStage, warm_vlm
-from pipeline.core.stages import AllocationBatch, AnswerItem
+from pipeline.core.items import AllocationBatch, AnswerItem
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import AnswerRequest, AnswerResult
+from pipeline.runtime.requests import AnswerRequest, AnswerResult
 from sources.frame import Frame
 from sources.live import Gap
 
@@ -80,10 +82,10 @@ class TestWindowAfterAGap:
 
 
 def window(vlm, frames: int, height: int, width: int, retention: float, seed: int) -> AnswerRequest:
-    """A window whose keep maps hold what fraction mode keeps: round(retention * cells) per frame."""
+    """A window whose keep maps hold what fraction mode keeps: retained_tokens(cells, retention) a frame."""
     rng = np.random.default_rng(seed)
     gh, gw = vlm.geometry.grid(height, width)
-    k = round(retention * gh * gw)
+    k = retained_tokens(gh * gw, retention)
     keep = np.zeros((frames, gh * gw), dtype=np.int64)
     for t in range(frames):
         keep[t, rng.choice(gh * gw, size=k, replace=False)] = 1
@@ -133,7 +135,7 @@ class TestFeatureReuse:
 
     def test_a_still_view_is_encoded_once_through_the_batcher(self):
         from pipeline.vlm.batcher import VLMBatcher
-        from pipeline.vlm.config import VLMConfig
+        from pipeline.vlm_config import VLMConfig
 
         vlm = build_tiny_vlm("qwen2_vl", config=VLMConfig(encode="kept", max_new_tokens=4))
         stage = LiveVLMStage(VLMBatcher(vlm, max_wait_s=0.0), "what is there?", LiveOptions(every_s=1.0))
@@ -225,6 +227,19 @@ class TestStagger:
         from arr_coc._validate import ConfigError
         with pytest.raises(ConfigError, match="stagger must be true or false"):
             LiveOptions(stagger="yes")
+
+
+def test_warm_up_estimates_the_allocators_own_frame_budget():
+    """The smallest window warm_vlm prepares keeps what the allocator keeps of each frame: 10 cells at
+    retention 0.25 are retained_tokens' 3 (half up), not round()'s 2; 2 frame pairs: 6 tokens."""
+    asked, warmed = [], []
+    geometry = SimpleNamespace(grid=lambda height, width: (2, 5), temporal_patch_size=2)
+    vlm = SimpleNamespace(geometry=geometry, config=SimpleNamespace(max_batch=1),
+                          prefix_length=lambda question, kept: asked.append(kept) or kept,
+                          warm_up=lambda sizes, lengths: warmed.append((sizes, lengths)))
+    cfg = load_config(PipelineConfig, None, ["model.attending.retention=0.25", "vlm.fps=2.0"])
+    warm_vlm(vlm, "what moves?", [(56, 140)], cfg, LiveOptions(every_s=2.0))    # 4 frames: 2 pairs
+    assert asked == [6, 12] and warmed == [([1, 1], [6, 12])]             # between one and two frames a pair
 
 
 class TestAnswerPeriod:

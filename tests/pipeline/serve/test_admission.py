@@ -18,7 +18,9 @@ from serve_client import chat_body, sse
 from serve_process import ServeProcess, media, request  # noqa: F401 - media: a fixture
 
 TIMEOUT_S = 6.0
-FLAGS = ("--max-concurrent", "2", "--request-timeout-s", str(TIMEOUT_S), "--max-streams-per-key", "1",
+OTHER_KEY = "other-key"
+FLAGS = ("--api-key", OTHER_KEY, "--max-concurrent", "2", "--request-timeout-s", str(TIMEOUT_S),
+         "--max-streams-per-key", "1",
          "--allow-media-host", "drip.test",
          "--media-resolve", "drip.test=127.0.0.1", "--max-fetch-mb", "1", "--max-upload-mb", "1")
 
@@ -193,6 +195,9 @@ def test_live_streams_per_key(served, long_video):
     try:
         code, reply, headers = request(served, "POST", "/v1/streams", body)
         assert code == 429 and "--max-streams-per-key" in reply["error"]["message"] and int(headers["Retry-After"]) > 0
+        code, others, _ = request(served, "POST", "/v1/streams", body, key=OTHER_KEY)     # another key's own
+        assert code == 201, others
+        assert request(served, "DELETE", f"/v1/streams/{others['id']}", key=OTHER_KEY)[0] == 200
     finally:
         assert request(served, "DELETE", f"/v1/streams/{first['id']}")[0] == 200
     code, second, _ = request(served, "POST", "/v1/streams", body)
@@ -201,6 +206,6 @@ def test_live_streams_per_key(served, long_video):
 
 
 def test_bodies_are_bounded_before_they_are_parsed(served):
-    big = b'{"source": "file:///x", "question": "' + b"q" * (100 << 10) + b'"}'
+    big = b'{"source": "file:///x", "question": "' + b"q" * (2 << 20) + b'"}'
     code, body, _ = request(served, "POST", "/v1/streams", raw=big, headers={"Content-Type": "application/json"})
     assert code == 413 and "the request body" in body["error"]["message"] and "/v1/streams" in body["error"]["message"]

@@ -236,6 +236,33 @@ class ZarrStore:
         return StreamWriter(self._loc, f"streams/{stream_id}", files, stream_id=stream_id, store_path=self.path,
                             chunk_frames=chunk_frames, lock=lock, replaced=replaced)
 
+    def delete(self, stream_id: str) -> bool:
+        """Remove a stream (a server's retention) -> whether it was there. SinkError when a writer
+        owns it; locally the group vanishes in one rename, never half-deleted."""
+        if self.read_only:
+            raise SinkError(f"{self.path} was opened read-only (mode='r'); cannot delete stream {stream_id!r}")
+        validate_stream_id(stream_id)
+        if self._loc.fs is not None:
+            found = self._loc.is_file(f"streams/{stream_id}/zarr.json")
+            self._loc.remove(f"streams/{stream_id}")
+            return found
+        lock = StreamLock.acquire(self.path, stream_id)
+        try:
+            target = self.path / "streams" / stream_id
+            if not target.exists():
+                return False
+            make_dir(self.path / STAGING)
+            old = self.path / STAGING / f"{stream_id}.{uuid.uuid4().hex}.old"
+            os.rename(target, old)
+            shutil.rmtree(old, ignore_errors=True)
+            try:
+                (self.path / STAGING).rmdir()
+            except OSError:
+                pass
+            return True
+        finally:
+            lock.release()
+
     def _existing(self, stream_id: str) -> "ReplacedStream | None":
         """What is at streams/<stream_id> now (None: nothing)."""
         meta = self._loc.read(f"streams/{stream_id}/zarr.json")

@@ -61,6 +61,7 @@ class LiveConfig:
     buffer_frames: int = 16
     realtime: bool = False
     decode_threads: int = 2
+    av_options: tuple[tuple[str, str], ...] = ()   # more FFmpeg options for network streams (a server's pinning)
 
     def __post_init__(self) -> None:
         from arr_coc._validate import check_choice, check_int, check_range
@@ -135,6 +136,7 @@ class NetworkConnection(Connection):
         options = {"analyzeduration": str(int(cfg.probe_s * 1e6))}
         if urlsplit(spec.target).scheme.lower().startswith("rtsp"):
             options["rtsp_transport"] = cfg.transport
+        options.update(cfg.av_options)
         started = time.monotonic()
         try:
             # PyAV's (open, read) timeouts abort a blocked open / read through FFmpeg's interrupt callback

@@ -240,7 +240,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--live-window", type=float, default=4.0, metavar="SECONDS",
                    help="an rtsp:// video in a chat request is answered over this much live video (default: %(default)g)")
     p.add_argument("--max-concurrent", type=int, default=8, metavar="N",
-                   help="requests whose front ends run at once; the rest queue (default: %(default)s)")
+                   help="requests doing work at once; more get 429 with Retry-After (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=8, metavar="N",
                    help="live streams over HTTP at once (default: %(default)s)")
     p.add_argument("--max-question-chars", type=int, default=8192, metavar="N",
@@ -250,12 +250,40 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="open connections; at the cap the oldest one still sending its head is closed "
                         "(default: %(default)s, at most half the open-file limit)")
+    _add_serve_limits(p)
     p.add_argument("--ray", metavar="ADDRESS", help="deploy on Ray Serve instead: 'local' (start Ray here), 'auto' "
                                                     "(a running cluster) or a cluster address")
     p.add_argument("--replicas", default="1", metavar="MIN[:MAX]",
                    help="Ray Serve: autoscaling bounds of the VLM deployment's replicas (default: %(default)s)")
     _common(p)
     p.set_defaults(func=_lazy("serve", "cmd_serve"))
+
+
+def _add_serve_limits(p: Any) -> None:
+    """serve: outbound fetch policy, admission, retention (docs/deploying.md)."""
+    p.add_argument("--max-concurrent-per-key", type=int, metavar="N",
+                   help="requests one API key may run at once (default: --max-concurrent)")
+    p.add_argument("--max-streams-per-key", type=int, metavar="N",
+                   help="live streams one API key may run at once (default: --max-streams)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0, metavar="SECONDS",
+                   help="a request still working after this long is stopped (504) and its slot freed "
+                        "(default: %(default)g)")
+    p.add_argument("--allow-media-host", dest="allow_media_hosts", action="append", default=[], metavar="HOST",
+                   help="fetch from this host whatever address it resolves to (loopback, private); wildcards "
+                        "as *.example.com; repeatable")
+    p.add_argument("--allow-private-media", action="store_true",
+                   help="let every http(s)/rtsp URL reach loopback, private and link-local addresses (off: refused)")
+    p.add_argument("--media-hosts-only", action="store_true",
+                   help="refuse every media host not named by --allow-media-host")
+    p.add_argument("--media-resolve", action="append", default=[], metavar="HOST=ADDRESS",
+                   help="resolve HOST to ADDRESS for media fetches instead of DNS, like curl --resolve (the "
+                        "address is still checked); repeatable")
+    p.add_argument("--retention-s", type=float, default=6 * 3600.0, metavar="SECONDS",
+                   help="uploads and stored homunculi are removed this long after they were written "
+                        "(default: %(default)g)")
+    p.add_argument("--max-storage-gb", type=float, default=20.0, metavar="GB",
+                   help="uploads, fetches and stored homunculi together stay under this; the oldest go first "
+                        "(default: %(default)g)")
 
 
 def _add_train(sub: Any) -> None:

@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_fetch_mb=args.max_fetch_mb, live_window_s=args.live_window,
                            max_concurrent=args.max_concurrent, max_streams=args.max_streams,
                            max_question_chars=args.max_question_chars, header_timeout_s=args.header_timeout_s,
-                           max_connections=args.max_connections)
+                           max_connections=args.max_connections, **_limits(args))
     if args.config is None and not any(o.startswith("decode.process=") for o in args.overrides):
         # many short clips at once: a decode process per request (spawn, shared memory) costs more
         # than it saves; each request's decoder is a thread of the server instead
@@ -49,3 +49,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..serve.server import serve_forever
         serve_forever(cfg, options)
     return EXIT_OK
+
+
+def _limits(args: argparse.Namespace) -> dict:
+    """The fetch policy, admission and retention options (docs/deploying.md)."""
+    pinned = []
+    for entry in args.media_resolve:
+        host, sep, address = entry.partition("=")
+        if not sep or not host or not address:
+            raise ConfigError(f"--media-resolve {entry!r}: expected HOST=ADDRESS (e.g. media.internal=10.0.0.5)")
+        pinned.append((host, address))
+    return dict(allow_media_hosts=tuple(args.allow_media_hosts), allow_private_media=args.allow_private_media,
+                media_hosts_only=args.media_hosts_only, media_resolve=tuple(pinned),
+                max_concurrent_per_key=args.max_concurrent_per_key, max_streams_per_key=args.max_streams_per_key,
+                request_timeout_s=args.request_timeout_s, retention_s=args.retention_s,
+                max_storage_gb=args.max_storage_gb)

@@ -13,6 +13,7 @@ batches (a stream's first) and replays interleave freely.
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import fields
 from typing import Any, Callable
@@ -157,3 +158,51 @@ def graphable(state: StreamState | None) -> bool:
     """A graph needs every state tensor to exist: after a stream's first batch they do, and
     ARRCOC.realizer.initial_state gives them for the first."""
     return state is not None and all(getattr(state, n) is not None for n in STATE_FIELDS)
+
+
+
+class FrontendGraphsPool:
+    """Front-end graphs shared by the runs of a long-lived process (the server), bounded in number.
+
+    A run takes a set for its key (grid, frame size) for itself and gives it back when it ends, so
+    a set is never replayed by two runs at once, and the next run of that shape reuses its graphs
+    instead of capturing its own. At most `capacity` sets exist: a new shape replaces the least
+    recently used idle set; when every set is in use the run goes eager (None)."""
+
+    def __init__(self, capacity: int, make: Callable[..., "FrontendGraphs | None"]) -> None:
+        self.capacity, self.make = capacity, make
+        self._idle: list[tuple[tuple, FrontendGraphs]] = []     # least recently used first
+        self._busy = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._busy + len(self._idle)
+
+    def take(self, key: tuple, *args: Any) -> "FrontendGraphs | None":
+        """An idle set for key, else a new one (make(*args)) where the cap allows, else None."""
+        with self._lock:
+            for k, (held, graphs) in enumerate(self._idle):
+                if held == key:
+                    del self._idle[k]
+                    self._busy += 1
+                    return graphs
+            if self._busy + len(self._idle) >= self.capacity:
+                if not self._idle:
+                    return None
+                del self._idle[0]            # its graphs go with their last reference
+            self._busy += 1
+        graphs = None
+        try:
+            graphs = self.make(*args)
+        finally:
+            if graphs is None:
+                with self._lock:
+                    self._busy -= 1
+        return graphs
+
+    def give_back(self, key: tuple, graphs: "FrontendGraphs | None") -> None:
+        if graphs is not None:
+            with self._lock:
+                self._busy -= 1
+                self._idle.append((key, graphs))

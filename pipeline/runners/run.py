@@ -22,6 +22,7 @@ from sources.process import ProcessSource
 from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose
+from ..core.frontend_graphs import FrontendGraphsPool
 from ..core.graph import Graph
 from ..core.setup import build_model, check_query, encode_query, open_source, open_writer, runtime_device
 from ..core.items import AnswerItem, FrameAllocation, RunStatus
@@ -56,7 +57,8 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
               query_embedding: torch.Tensor | None = None, vlm: Any = None, model: ARRCOC | None = None,
               stream_id: str | None = None, vlm_factory: Callable[[torch.device], Any] | None = None,
               status: RunStatus | None = None,
-              on_frames: Callable[[list[FrameAllocation]], None] | None = None) -> RunResult:
+              on_frames: Callable[[list[FrameAllocation]], None] | None = None,
+              frontends: FrontendGraphsPool | None = None) -> RunResult:
     """Process one video file end to end. Raises SourceError / SinkError / StageError on failure.
 
     out:             the store; None writes none (the answers and on_frames are the output)
@@ -71,6 +73,8 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     status:          the run's status, for a caller that stops it from another thread (see
                      AllocationStream.close)
     on_frames:       called by the sink with each batch's allocations, in order
+    frontends:       front-end graphs shared with other runs (a server's requests), taken for this
+                     run's shape and given back at its end
     """
     from sinks import OverlayWriter
 
@@ -111,18 +115,25 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     if overlay_path is not None:
         overlay = OverlayWriter(overlay_path, fps=float(source.fps), width=source.width, height=source.height)
     vlm_stage = None if vlm is None else VLMStage(vlm, question, cfg.runtime.every_s)
-    graph = compose(source, writer, model, query, grid, cfg, device, status, overlay, vlm_stage, on_frames=on_frames)
-    if on_graph is not None:
-        on_graph(graph)
-    bar = _progress_bar(source, progress)
-    start = time.perf_counter()
+    shape = (grid, source.height, source.width)
+    graphs = None if frontends is None else frontends.take(shape, model, grid, query, cfg, device)
     try:
-        graph.run(on_progress=(lambda stage, item: bar.update(item.frames_count) if stage.name == "sink" else None)
-                  if bar is not None else None,
-                  on_interrupt=lambda: setattr(status, "stopped", True))
+        graph = compose(source, writer, model, query, grid, cfg, device, status, overlay, vlm_stage,
+                        on_frames=on_frames, graphs=graphs)
+        if on_graph is not None:
+            on_graph(graph)
+        bar = _progress_bar(source, progress)
+        start = time.perf_counter()
+        try:
+            graph.run(on_progress=(lambda stage, item: bar.update(item.frames_count) if stage.name == "sink" else None)
+                      if bar is not None else None,
+                      on_interrupt=lambda: setattr(status, "stopped", True))
+        finally:
+            if bar is not None:
+                bar.close()
     finally:
-        if bar is not None:
-            bar.close()
+        if frontends is not None:
+            frontends.give_back(shape, graphs)
     wall = time.perf_counter() - start
     sink = graph.stages[-1]
     return RunResult(stream_id=source.stream_id, out=None if out is None else store_location(out),

@@ -29,6 +29,7 @@ from sources import SourceError
 
 from ..core.graph import StageError
 from .engine import Engine
+from .admission import Admission, Admit
 from .errors import ApiError, error_body
 from .limits import answer_period, duration_s, parse_json
 from .media import too_large
@@ -36,6 +37,8 @@ from .openai_api import DONE, answer_text, chunk, completion_body, extension, pa
 from .owners import OWNER, owner_of, request_owner
 
 STATIC = Path(__file__).with_name("static")
+STREAM_BODY_LIMIT = 1 << 20        # POST /v1/streams: a source, a question, a few numbers
+OPEN_ROUTES = ("/", "/health", "/favicon.ico")   # no key: the page's shell and a liveness probe
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 log = logging.getLogger("pipeline.serve")
 
@@ -57,7 +60,9 @@ def create_app(engine: Engine) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(pool, partial(fn, *args, **kwargs))
 
     _error_handlers(app)
-    app.add_middleware(Guard, engine=engine)
+    app.add_middleware(Admit, admission=Admission(engine.options.max_concurrent, engine.options.per_key[0]),
+                       timeout_s=engine.options.request_timeout_s)
+    app.add_middleware(Guard, engine=engine)      # outermost: no key, no slot
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -83,13 +88,15 @@ def create_app(engine: Engine) -> FastAPI:
         body = await json_body(request)
         chat = await blocking(parse_chat, body, engine.model_id, engine.cfg)      # off the loop: linear, not free
         await blocking(engine.check_question, chat.question, "messages")
-        ref = await blocking(engine.media.resolve, chat.video, request_owner(request))   # 4xx before anything runs
+        deadline = request.state.deadline
+        ref = await blocking(engine.media.resolve, chat.video, request_owner(request), deadline)   # 4xx first
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         windowed = ref.kind == "file" and (chat.every_s or engine.cfg.runtime.every_s) is not None
         if not chat.stream:
-            completion = await blocking(engine.answer, ref, chat.question, request_id, every_s=chat.every_s)
+            completion = await blocking(engine.answer, ref, chat.question, request_id, every_s=chat.every_s,
+                                        deadline=deadline)
             return completion_body(completion, engine.model_id, windowed)
-        return StreamingResponse(_stream_answer(engine, blocking, ref, chat, request_id, windowed),
+        return StreamingResponse(_stream_answer(engine, blocking, ref, chat, request_id, windowed, deadline),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/files")
@@ -154,7 +161,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/streams")
     async def stream_start(request: Request) -> JSONResponse:
-        body = await json_body(request)
+        body = await json_body(request, STREAM_BODY_LIMIT, "fixed for POST /v1/streams")
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         question = body.get("question")
@@ -202,7 +209,7 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any, chat: Any, request_id: str,
-                         windowed: bool):
+                         windowed: bool, deadline: Any):
     """chat.completion.chunk events: the role, each window's answer as it is ready, the finish (with
     ARR-COC's extension), usage if asked for, then [DONE]. An error after the first event is sent
     as an error event (the status line has gone out already)."""
@@ -210,7 +217,8 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue = asyncio.Queue()
     work = asyncio.ensure_future(blocking(engine.answer, ref, chat.question, request_id, every_s=chat.every_s,
-                                          on_answer=lambda row: loop.call_soon_threadsafe(answers.put_nowait, row)))
+                                          on_answer=lambda row: loop.call_soon_threadsafe(answers.put_nowait, row),
+                                          deadline=deadline))
     yield chunk(request_id, model, created, {"role": "assistant", "content": ""})
     sent = 0
 
@@ -233,7 +241,7 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
         completion = work.result()
     except Exception as e:  # noqa: BLE001 - the client learns why in the stream; the server keeps serving
         status, message = _classify(e)
-        yield sse(error_body(status, message))
+        yield sse(e.body() if isinstance(e, ApiError) else error_body(status, message))
         yield DONE
         return
     yield chunk(request_id, model, created, {}, "stop", arrcoc=extension(completion))
@@ -246,25 +254,26 @@ def _video_type(name: str) -> str:
     return mimetypes.guess_type(name)[0] or "application/octet-stream"
 
 
-async def json_body(request: Request) -> Any:
-    """The body as JSON; 413 past the upload limit (a data: URL is the largest thing a body carries)."""
-    limit = request.app.state.engine.options.max_upload_bytes * 4 // 3 + (1 << 20)
+async def json_body(request: Request, limit: int | None = None, flag: str = "--max-upload-mb") -> Any:
+    """The body as JSON, refused (413) past `limit` bytes before any of it is parsed (default: the
+    upload limit, as base64, plus a megabyte: a data: URL is the largest thing a chat body carries)."""
+    limit = limit or request.app.state.engine.options.max_upload_bytes * 4 // 3 + (1 << 20)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         await _drain(request.stream(), limit)
-        raise too_large("the request body", int(declared), limit, "--max-upload-mb")
-    raw = b"".join([piece async for piece in _limited(request.stream(), limit, "the request body")])
+        raise too_large("the request body", int(declared), limit, flag)
+    raw = b"".join([piece async for piece in _limited(request.stream(), limit, "the request body", flag)])
     return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
 
 
-async def _limited(stream, limit: int, what: str = "the upload"):
+async def _limited(stream, limit: int, what: str = "the upload", flag: str = "--max-upload-mb"):
     """The request body, refused (413) past `limit` bytes: an upload is never spooled beyond it."""
     size = 0
     async for piece in stream:
         size += len(piece)
         if size > limit:
             await _drain(stream, limit)
-            raise too_large(what, None, limit, "--max-upload-mb")
+            raise too_large(what, None, limit, flag)
         yield piece
 
 
@@ -295,7 +304,7 @@ def _classify(e: BaseException) -> tuple[int, str]:
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -316,8 +325,9 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 class Guard:
-    """ASGI middleware: the API key on /v1 routes, and every response counted in the metrics (route
-    template, status, time until its last byte)."""
+    """ASGI middleware: the API key on every route but OPEN_ROUTES and the page's static files (a
+    route added later is covered without naming it), and every response counted in the metrics
+    (route template, status, time until its last byte)."""
 
     def __init__(self, app: Any, engine: Engine) -> None:
         self.app, self.engine = app, engine
@@ -336,7 +346,8 @@ class Guard:
                 route = scope.get("route")
                 self.engine.metrics.request(getattr(route, "path", "unmatched"), status[0], time.perf_counter() - start)
 
-        if self.expected and scope["path"].startswith("/v1"):
+        path = scope["path"]
+        if self.expected and path not in OPEN_ROUTES and not path.startswith("/static/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             owner = None
             for expected, key_owner in self.expected.items():     # every key compared: no timing tells which

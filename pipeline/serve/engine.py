@@ -19,17 +19,21 @@ from sources.live import LiveConfig
 
 from ..config import PipelineConfig
 from ..configio import to_dict
+from ..core.compose import frontend_graphs
+from ..core.frontend_graphs import FrontendGraphsPool
+from ..core.items import AnswerItem, RunStatus
 from ..core.live_stages import LiveOptions
 from ..core.setup import build_model, runtime_device
-from ..core.items import AnswerItem
 from ..runners.live import run_live
 from ..runners.run import run_video
+from .admission import Deadline
 from .answering import RequestVLM, answer_row, item_row, result_row
 from .errors import ApiError
 from .limits import check_question_chars, check_question_tokens
 from .media import Media, VideoRef
 from .metrics import Metrics
 from .options import ServeOptions
+from .retention import Retention
 
 OnAnswer = Callable[[dict[str, Any]], None]
 STREAM_ID = r"(chatcmpl|live)-[0-9a-f]{24}"
@@ -83,10 +87,20 @@ class Engine:
         self.metrics.batch_sizes = service.batch_sizes
         self.metrics.live_streams = self.streams.running
         self._slots = threading.BoundedSemaphore(options.max_concurrent)
+        self._active: set[str] = set()              # requests answering now: retention keeps their streams
+        self.frontends = FrontendGraphsPool(options.max_frontend_graphs or options.max_concurrent, frontend_graphs)
+        self.retention = Retention(self.media.uploads, options.store, retention_s=options.retention_s,
+                                   max_bytes=options.max_storage_bytes, busy=self.busy).start()
+        self.media.room = self.retention.room
 
     def close(self) -> None:
+        self.retention.close()
         self.streams.stop_all()
         self.service.close()
+
+    def busy(self) -> set[str]:
+        """Stream ids being written now: requests answering and live streams running."""
+        return set(self._active) | {s.id for s in self.streams.list() if s.status in ("starting", "running")}
 
     def check_question(self, question: str, param: str) -> None:
         """413 past --max-question-chars, 400 past the model's context: before any video is opened, so
@@ -97,21 +111,28 @@ class Engine:
                               self.service.context_length(), param)
 
     def answer(self, ref: VideoRef, question: str, request_id: str, *, every_s: float | None = None,
-               on_answer: OnAnswer | None = None) -> Completion:
+               on_answer: OnAnswer | None = None, deadline: Deadline | None = None) -> Completion:
         """Run one request's front end and return its answers (blocking: call it from a worker thread).
-        At most max_concurrent run at once; the rest wait here (the queue depth the metrics show)."""
+        At most max_concurrent run at once (the app's admission refuses more). The deadline, when it
+        fires or is cancelled (the client left), aborts the run: 504."""
+        deadline = deadline or Deadline()
         self.metrics.queued(1)
         try:
             self._slots.acquire()
         finally:
             self.metrics.queued(-1)
         self.metrics.started(1)
+        self._active.add(request_id)
         try:
+            deadline.check(lambda: request_timeout(request_id))
             if ref.kind == "live":
-                completion = self._answer_live(ref, question, request_id, on_answer)
+                completion = self._answer_live(ref, question, request_id, on_answer, deadline)
             else:
-                completion = self._answer_file(ref, question, request_id, every_s, on_answer)
+                completion = self._answer_file(ref, question, request_id, every_s, on_answer, deadline)
+            deadline.check(lambda: request_timeout(request_id))
         finally:
+            self._active.discard(request_id)
+            self.retention.note("stored", request_id)     # its homunculus counts against the cap now
             self.metrics.started(-1)
             self._slots.release()
             ref.discard()
@@ -119,14 +140,22 @@ class Engine:
         return completion
 
     def _answer_file(self, ref: VideoRef, question: str, request_id: str, every_s: float | None,
-                     on_answer: OnAnswer | None) -> Completion:
+                     on_answer: OnAnswer | None, deadline: Deadline) -> Completion:
         cfg = self.cfg if every_s is None else replace(self.cfg, runtime=replace(self.cfg.runtime, every_s=every_s))
 
         def answered(request: Any, result: Any) -> None:
             if on_answer is not None:
                 on_answer(result_row(request.t_start, request.t_end, result, self.service.name))
-        result = run_video(ref.target, question, self.options.store, cfg, progress=False,
-                           vlm=RequestVLM(self.service, answered), model=self.model, stream_id=request_id)
+        status, undo = RunStatus(), [lambda: None]
+
+        def on_graph(graph: Any) -> None:
+            undo[0] = deadline.on_cancel(lambda: (setattr(status, "stopped", True), graph.abort()))
+        try:
+            result = run_video(ref.target, question, self.options.store, cfg, progress=False,
+                               vlm=RequestVLM(self.service, answered), model=self.model, stream_id=request_id,
+                               status=status, on_graph=on_graph, frontends=self.frontends)
+        finally:
+            undo[0]()
         answers = [item_row(a) for a in result.answers]
         notes = list(result.notes) + ([self._damage_note(request_id)] if result.truncated else [])
         return self._completion(request_id, question, answers, result.frames, notes)
@@ -139,7 +168,8 @@ class Engine:
         return (f"the video is damaged or truncated: decoding stopped {where}, so the answers cover only the "
                 f"video before that (the store marks the stream damaged=true, truncated_at_s={at})")
 
-    def _answer_live(self, ref: VideoRef, question: str, request_id: str, on_answer: OnAnswer | None) -> Completion:
+    def _answer_live(self, ref: VideoRef, question: str, request_id: str, on_answer: OnAnswer | None,
+                     deadline: Deadline) -> Completion:
         """A live URL in a chat request: watch it for one answer window (live_window_s), answer, stop."""
         window = self.options.live_window_s
         stop = threading.Event()
@@ -148,11 +178,17 @@ class Engine:
             if on_answer is not None:
                 on_answer(item_row(item))
             stop.set()
-        live = LiveConfig(open_timeout_s=min(10.0, self.options.fetch_timeout_s), max_reconnects=2)
+        live = LiveConfig(open_timeout_s=min(10.0, self.options.fetch_timeout_s), max_reconnects=2,
+                          av_options=ref.av_options)
+        undo = deadline.on_cancel(stop.set)
         options = LiveOptions(every_s=window, duration_s=window + 2 * self.options.fetch_timeout_s)
-        result = run_live([ref.target], question, self.options.store, self.cfg, live=live, options=options,
-                          status_out=Discard(), stop=stop, vlm=RequestVLM(self.service), model=self.model,
-                          stream_ids=[request_id], on_answer=answered)
+        try:
+            result = run_live([ref.target], question, self.options.store, self.cfg, live=live, options=options,
+                              status_out=Discard(), stop=stop, vlm=RequestVLM(self.service), model=self.model,
+                              stream_ids=[request_id], on_answer=answered)
+        finally:
+            undo()
+        deadline.check(lambda: request_timeout(request_id))
         if not result.answers:
             why = f": {result.errors[0]}" if result.errors else ""
             raise ApiError(504, f"no answer from the live source {ref.source!r} within "
@@ -207,6 +243,11 @@ def homunculus_json(stream_id: str, data: dict[str, Any]) -> dict[str, Any]:
         "gaps": [{"start_pts": float(s), "end_pts": float(e), "reason": str(r)}
                  for s, e, r in zip(gaps.get("start_pts", []), gaps.get("end_pts", []), gaps.get("reason", []))],
     }
+
+
+def request_timeout(request_id: str) -> ApiError:
+    return ApiError(504, f"{request_id} was stopped: it ran past its deadline (--request-timeout-s) or its "
+                         f"client went away", code="request_timeout")
 
 
 def shown_source(source: str) -> str:

@@ -13,9 +13,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 class ApiError(Exception):
     """A request the server refuses or cannot answer: status, one-line message, the parameter at fault."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers      # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)

@@ -17,22 +17,23 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Callable, Iterator, Literal
 from urllib.parse import unquote, urlsplit
 
 from sources import SourceError, open_video
 from sources.live import redact
 
+from .admission import Deadline
 from .errors import ApiError
+from .fetch_policy import LIVE_SCHEMES, fetch
 from .options import MB, ServeOptions
+from .retention import claim_uploads
 
-LIVE_SCHEMES = ("rtsp", "rtsps")
 UPLOAD_ID = re.compile(r"file-[0-9a-f]{24}")
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mkv", ".mov", ".avi", ".webm", ".ts", ".mpg", ".mpeg")
 _COPY_CHUNK = 1 << 20
@@ -46,6 +47,7 @@ class VideoRef:
     target: str                 # a local path (file) or the URL (live)
     source: str                 # what the store records: the reference, any password removed
     temporary: bool = False     # a fetched copy, deleted once the request is done
+    av_options: tuple[tuple[str, str], ...] = ()   # live: FFmpeg options that keep it at the checked address
 
     def discard(self) -> None:
         if self.temporary:
@@ -74,10 +76,14 @@ class Media:
         self.uploads = options.upload_dir
         self.uploads.mkdir(parents=True, exist_ok=True)
         self.scratch = self.uploads / "tmp"      # fetched videos while a request uses them
+        self.owner = claim_uploads(self.uploads)   # one server per uploads directory
+        shutil.rmtree(self.scratch, ignore_errors=True)   # what a killed server was fetching
         self.scratch.mkdir(exist_ok=True)
+        self.policy = options.fetch_policy
+        self.room: Callable[..., Callable[[], None]] | None = None    # retention: room for this many bytes
 
     # ---- chat requests ----
-    def resolve(self, ref: str, owner: str = "") -> VideoRef:
+    def resolve(self, ref: str, owner: str = "", deadline: Deadline | None = None) -> VideoRef:
         """The video a content part names (may download: call it off the event loop)."""
         if not isinstance(ref, str) or not ref.strip():
             raise ApiError(400, "video_url.url must be a non-empty string", param="messages")
@@ -88,7 +94,7 @@ class Media:
             path = self.allowed_path(ref)
             return VideoRef("file", str(self.probe(path, ref)), ref)
         if scheme in ("http", "https"):
-            path = self.fetch(ref)
+            path = self.fetch(ref, deadline)
             try:
                 self.probe(path, redact(ref))
             except ApiError:
@@ -104,21 +110,24 @@ class Media:
                 raise
             return VideoRef("file", str(path), "data:", temporary=True)
         if scheme in LIVE_SCHEMES:
-            return VideoRef("live", ref, redact(ref))
+            pinned, av_options = self.policy.pinned_live_url(ref, redact(ref))
+            return VideoRef("live", pinned, redact(ref), av_options=tuple(av_options.items()))
         raise unsupported(ref)
 
-    def live_source(self, ref: str, owner: str = "") -> tuple[str, bool, str]:
-        """A live stream's source -> (spec for run_live, realtime file?, what the store records).
-        Network streams as they are; files (allowed or uploaded) are played at their frame rate."""
+    def live_source(self, ref: str, owner: str = "") -> tuple[str, bool, str, tuple[tuple[str, str], ...]]:
+        """A live stream's source -> (spec for run_live, realtime file?, what the store records,
+        FFmpeg options). Network streams at an address the fetch policy checked (pinned: no
+        redirects); files (allowed or uploaded) are played at their frame rate."""
         if not isinstance(ref, str) or not ref.strip():
             raise ApiError(400, "source must be a non-empty string", param="source")
         if UPLOAD_ID.fullmatch(ref):
-            return str(self.upload_path(ref, owner)), True, ref
+            return str(self.upload_path(ref, owner)), True, ref, ()
         scheme = urlsplit(ref).scheme.lower()
         if scheme in LIVE_SCHEMES or scheme in ("http", "https"):
-            return ref, False, redact(ref)
+            pinned, av_options = self.policy.pinned_live_url(ref, redact(ref))
+            return pinned, False, redact(ref), tuple(av_options.items())
         if scheme == "file":
-            return str(self.probe(self.allowed_path(ref), ref)), True, ref
+            return str(self.probe(self.allowed_path(ref), ref)), True, ref, ()
         if scheme == "" and (ref.isdigit() or ref.startswith("/dev/")):
             raise ApiError(400, f"source {ref!r}: the server's cameras are not served over HTTP; "
                                 f"stream them as rtsp:// or use `python -m pipeline live`", param="source")
@@ -159,28 +168,25 @@ class Media:
                            code="not_a_video", param="url")
         return self.probe(path, url)
 
-    def fetch(self, url: str) -> Path:
-        """Download an http(s) video to a scratch file, refusing more than max_fetch_mb."""
+    def fetch(self, url: str, deadline: Deadline | None = None) -> Path:
+        """Download an http(s) video to a scratch file through the fetch policy (fetch_policy.py),
+        refusing more than max_fetch_mb; the deadline cuts it (and the client leaving does)."""
         limit, shown = self.options.max_fetch_bytes, redact(url)
-        try:
-            response = urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "arr-coc-serve"}),
-                                              timeout=self.options.fetch_timeout_s)
-        except urllib.error.HTTPError as e:
-            raise ApiError(400, f"cannot fetch {shown!r}: HTTP {e.code} {e.reason}", param="messages") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            reason = getattr(e, "reason", e)
-            raise ApiError(400, f"cannot fetch {shown!r}: {reason}", param="messages") from None
-        with response:
-            declared = response.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise too_large(f"the video at {shown!r}", int(declared), limit, "--max-fetch-mb")
-            path = self.scratch / f"fetch-{uuid.uuid4().hex}"
-            try:
-                copy_limited(response, path, limit, f"the video at {shown!r}", "--max-fetch-mb")
-            except (OSError, TimeoutError) as e:
-                path.unlink(missing_ok=True)
-                raise ApiError(400, f"cannot fetch {shown!r}: {e}", param="messages") from None
+        path = self.scratch / f"fetch-{uuid.uuid4().hex}"
+        fetch(url, path, self.policy, limit=limit, read_timeout_s=self.options.fetch_timeout_s,
+              deadline=deadline or Deadline(), shown=shown, room=self._room,
+              too_large=lambda size: too_large(f"the video at {shown!r}", size, limit, "--max-fetch-mb"))
         return path
+
+    @contextlib.contextmanager
+    def _room(self, nbytes: int, upload: str | None = None) -> Iterator[None]:
+        """Room for nbytes under --max-storage-gb while they are written (retention.Retention.room);
+        an upload is counted as it is once written."""
+        release = self.room(nbytes, upload) if self.room is not None else (lambda: None)
+        try:
+            yield
+        finally:
+            release()
 
     def inline(self, url: str) -> Path:
         """data:video/<type>;base64,<data> -> a scratch file."""
@@ -215,14 +221,18 @@ class Media:
         """Copy an uploaded file in, refusing more than max_upload_mb and anything that is not a video."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         path = self.uploads / file_id
-        size = copy_limited(data, path, self.options.max_upload_bytes, f"upload {filename!r}", "--max-upload-mb")
-        try:
-            self.probe(path, f"upload {filename!r}")
-        except ApiError:
-            path.unlink(missing_ok=True)
-            raise
-        upload = Upload(file_id, Path(filename).name or "video", size, int(time.time()), purpose, owner)
-        (self.uploads / f"{file_id}.json").write_text(json.dumps({**upload.to_dict(), "owner": owner}))
+        data.seek(0, os.SEEK_END)       # the parser spooled it whole: its size is known
+        expected = min(data.tell(), self.options.max_upload_bytes + 1)
+        data.seek(0)
+        with self._room(expected, file_id):   # until the file is listed (and counted)
+            size = copy_limited(data, path, self.options.max_upload_bytes, f"upload {filename!r}", "--max-upload-mb")
+            try:
+                self.probe(path, f"upload {filename!r}")
+            except ApiError:
+                path.unlink(missing_ok=True)
+                raise
+            upload = Upload(file_id, Path(filename).name or "video", size, int(time.time()), purpose, owner)
+            (self.uploads / f"{file_id}.json").write_text(json.dumps({**upload.to_dict(), "owner": owner}))
         return upload
 
     def upload(self, file_id: str, owner: str = "") -> Upload:

@@ -5,8 +5,12 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from arr_coc._validate import ConfigError, check_int, check_range
+
+if TYPE_CHECKING:
+    from .fetch_policy import FetchPolicy
 
 API_KEY_ENV = "ARRCOC_API_KEY"
 MB = 1 << 20
@@ -24,7 +28,7 @@ class ServeOptions:
     max_fetch_mb: float = 512.0            # http(s):// videos fetched for a request
     fetch_timeout_s: float = 30.0
     live_window_s: float = 4.0             # rtsp:// in a chat request: answered over this much live video
-    max_concurrent: int = 8                # requests whose front ends run at once (the rest queue)
+    max_concurrent: int = 8                # requests doing work at once; beyond: 429 (admission.py)
     max_streams: int = 8                   # live streams over HTTP at once
     stream_events: int = 1024              # events kept per live stream for followers that join late
     model_id: str = field(default="")      # what /v1/models lists (default: the VLM's name)
@@ -32,6 +36,19 @@ class ServeOptions:
     max_question_chars: int = 8192         # longer questions are refused (413) before they are tokenized
     header_timeout_s: float = 10.0         # a connection whose request head is not in by then is closed
     max_connections: int = 1024            # open connections; at the cap the oldest one still sending its head goes
+    # outbound fetches (fetch_policy.py): hosts that may resolve anywhere, private addresses for all
+    allow_media_hosts: tuple[str, ...] = ()
+    allow_private_media: bool = False
+    media_hosts_only: bool = False         # refuse every host not in allow_media_hosts
+    media_resolve: tuple[tuple[str, str], ...] = ()   # HOST -> ADDRESS instead of DNS (still checked)
+    max_redirects: int = 5
+    # admission (admission.py) and retention (retention.py)
+    max_concurrent_per_key: int | None = None   # default: max_concurrent
+    max_streams_per_key: int | None = None      # default: max_streams
+    request_timeout_s: float = 600.0
+    retention_s: float = 6 * 3600.0
+    max_storage_gb: float = 20.0
+    max_frontend_graphs: int | None = None   # sets of captured front-end graphs kept (default: max_concurrent)
 
     def __post_init__(self) -> None:
         if self.host.startswith("[") and self.host.endswith("]"):      # [::1]: the URL form of an IPv6 address
@@ -49,6 +66,16 @@ class ServeOptions:
         for name in ("max_concurrent", "max_streams", "stream_events", "max_question_chars", "max_connections"):
             check_int(f"--{name.replace('_', '-')}", getattr(self, name))
             check_range(f"--{name.replace('_', '-')}", getattr(self, name), 1, 100_000)
+        for name in ("request_timeout_s", "retention_s", "max_storage_gb"):
+            check_range(f"--{name.replace('_', '-')}", getattr(self, name), 0.0, None, lo_open=True)
+        for name in ("max_concurrent_per_key", "max_streams_per_key", "max_frontend_graphs"):
+            if getattr(self, name) is not None:
+                check_int(f"--{name.replace('_', '-')}", getattr(self, name))
+                check_range(f"--{name.replace('_', '-')}", getattr(self, name), 1, 100_000)
+        if self.max_storage_gb * 1024 < max(self.max_upload_mb, self.max_fetch_mb):
+            raise ConfigError(f"--max-storage-gb={self.max_storage_gb:g} cannot hold one upload or fetch "
+                              f"(--max-upload-mb {self.max_upload_mb:g}, --max-fetch-mb {self.max_fetch_mb:g})")
+        self.fetch_policy    # its own checks: --media-resolve addresses, --max-redirects
         for d in self.allow_dirs:
             if not Path(d).is_dir():
                 raise ConfigError(f"--allow-dir {d}: not a directory")
@@ -72,6 +99,23 @@ class ServeOptions:
         if self.uploads is not None:
             return Path(self.uploads)
         return Path(f"{self.store.rstrip('/')}.uploads") if "://" not in self.store else Path("serve.uploads")
+
+    @property
+    def fetch_policy(self) -> "FetchPolicy":
+        from .fetch_policy import FetchPolicy
+
+        return FetchPolicy(allow_hosts=self.allow_media_hosts, allow_private=self.allow_private_media,
+                           hosts_only=self.media_hosts_only, max_redirects=self.max_redirects,
+                           pinned=self.media_resolve)
+
+    @property
+    def per_key(self) -> tuple[int, int]:
+        """(requests, live streams) one API key may run at once."""
+        return (self.max_concurrent_per_key or self.max_concurrent, self.max_streams_per_key or self.max_streams)
+
+    @property
+    def max_storage_bytes(self) -> int:
+        return int(self.max_storage_gb * (1 << 30))
 
     @property
     def max_upload_bytes(self) -> int:

@@ -144,18 +144,24 @@ class LiveStreams:
     def start(self, source: str, question: str, *, every_s: float, on_scene_change: bool,
               duration_s: float | None, owner: str = "") -> LiveStream:
         """Open the source and start answering (blocks until it is open or has failed: call it off the
-        event loop). 400 for a bad source, 429 when --max-streams are running."""
-        spec, realtime, shown = self.engine.media.live_source(source, owner)
+        event loop). 400 for a bad source, 429 when --max-streams are running (in all, or for this
+        owner: --max-streams-per-key)."""
+        spec, realtime, shown, av_options = self.engine.media.live_source(source, owner)
         try:
             options = LiveOptions(every_s=every_s, on_scene_change=on_scene_change, duration_s=duration_s)
         except ValueError as e:
             raise ApiError(400, str(e).replace("--", ""), param="every") from None
-        if self.running() >= self.engine.options.max_streams:
-            raise ApiError(429, f"{self.engine.options.max_streams} live streams are running (--max-streams); "
-                                f"stop one with DELETE /v1/streams/{{id}}", code="too_many_streams")
+        per_key = self.engine.options.per_key[1]
+        with self._lock:
+            mine = sum(s.owner == owner and s.status in ("starting", "running") for s in self._streams.values())
+        if self.running() >= self.engine.options.max_streams or mine >= per_key:
+            which = (f"{self.engine.options.max_streams} live streams are running (--max-streams)"
+                     if mine < per_key else f"this API key runs {mine} live streams (--max-streams-per-key)")
+            raise ApiError(429, f"{which}; stop one with DELETE /v1/streams/{{id}}", code="too_many_streams",
+                           headers={"Retry-After": "10"})
         stream = LiveStream(f"live-{uuid.uuid4().hex[:24]}", shown, question, every_s, on_scene_change,
                             int(time.time()), EventLog(self.engine.options.stream_events), owner=owner)
-        live = LiveConfig(realtime=realtime)
+        live = LiveConfig(realtime=realtime, av_options=av_options)
         stream.thread = threading.Thread(target=self._run, args=(stream, spec, live, options),
                                          name=f"serve-{stream.id}", daemon=True)
         with self._lock:

@@ -56,7 +56,8 @@ def server(videos, tmp_path_factory) -> Iterator[Any]:
                          vlm=VLMConfig(max_new_tokens=6), decode=DecodeConfig(process=False))
     options = ServeOptions(allow_dirs=(videos.allowed,), api_key=API_KEY, api_keys=(OTHER_KEY,),
                            store=str(store / "serve.zarr"),
-                           max_upload_mb=0.5, max_fetch_mb=0.5, live_window_s=1.0, fetch_timeout_s=5.0)
+                           max_upload_mb=0.5, max_fetch_mb=0.5, live_window_s=1.0, fetch_timeout_s=5.0,
+                           allow_media_hosts=("127.0.0.1",))     # the tests' own media servers run on loopback
     engine = build_engine(cfg, options)
     background = BackgroundServer(create_app(engine)).start()
     background.engine = engine

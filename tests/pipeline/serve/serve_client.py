@@ -13,6 +13,14 @@ OTHER_KEY = "other-test-key"      # a second client of the same server
 def call(server: Any, method: str, path: str, body: Any = None, *, key: str | None = API_KEY,
          headers: dict[str, str] | None = None, raw: bytes | None = None, timeout: float = 60.0) -> tuple[int, Any]:
     """(status, parsed JSON body) of one HTTP request to the test server; errors come back, not raised."""
+    status, payload, _ = exchange(server, method, path, body, key=key, headers=headers, raw=raw, timeout=timeout)
+    return status, payload
+
+
+def exchange(server: Any, method: str, path: str, body: Any = None, *, key: str | None = API_KEY,
+             headers: dict[str, str] | None = None, raw: bytes | None = None,
+             timeout: float = 60.0) -> tuple[int, Any, Any]:
+    """call(), and the response's headers (case-insensitive) too."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     request = urllib.request.Request(server.url + path, data=data, method=method, headers=dict(headers or {}))
     if body is not None and raw is None:
@@ -21,13 +29,13 @@ def call(server: Any, method: str, path: str, body: Any = None, *, key: str | No
         request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, payload = response.status, response.read()
+            status, payload, got = response.status, response.read(), response.headers
     except urllib.error.HTTPError as e:
-        status, payload = e.code, e.read()
+        status, payload, got = e.code, e.read(), e.headers
     try:
-        return status, json.loads(payload)
+        return status, json.loads(payload), got
     except ValueError:
-        return status, payload.decode()
+        return status, payload.decode(errors="replace"), got
 
 
 def sse(server: Any, path: str, body: Any = None, *, key: str | None = API_KEY, headers: dict[str, str] | None = None,

@@ -145,6 +145,6 @@ def test_the_server_still_answers_after_all_that(server, videos):
     reply = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
         model="tiny-random", messages=chat_body(videos.small.as_uri())["messages"])
     assert reply.choices[0].finish_reason == "stop" and reply.usage.tokens_kept > 0
-    status, text = call(server, "GET", "/metrics", key=None)
+    status, text = call(server, "GET", "/metrics")
     assert 'status="401"' in text and 'status="403"' in text and 'status="413"' in text
 

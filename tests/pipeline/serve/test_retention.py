@@ -1,0 +1,155 @@
+"""Quotas and retention (issue 40, issue 41 item 11's partial fetches): uploads beyond
+--max-storage-gb evict the oldest and the disk stays under the cap; what is older than
+--retention-s is gone; DELETE /v1/files/{id}; half-written fetches of a killed server are cleared at
+start; one server per uploads directory; front-end graphs shared per shape and bounded."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.core.frontend_graphs import FrontendGraphsPool
+from pipeline.serve.errors import ApiError
+from pipeline.serve.retention import Retention
+from serve_client import chat_body
+from serve_process import ROOT, ServeProcess, request
+from sources.synthetic import write_video
+
+CAP_GB = 0.0005                       # 524 kB: a few of the ~70 kB uploads below
+CAP = int(CAP_GB * (1 << 30))
+RETENTION_S = 6.0
+
+
+def _disk(*paths: Path) -> int:
+    return sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file())
+
+
+def _noise_video(path: Path, seed: int) -> Path:
+    frames = np.random.default_rng(seed).integers(0, 255, (8, 96, 128, 3), dtype=np.uint8)   # (T, H, W, 3)
+    return write_video(path, frames, fps=10)
+
+
+def _upload(proc: ServeProcess, path: Path) -> tuple[int, dict]:
+    boundary = "b0undary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path.name}\"\r\n"
+            f"Content-Type: video/mp4\r\n\r\n").encode() + path.read_bytes() + f"\r\n--{boundary}--\r\n".encode()
+    code, reply, _ = request(proc, "POST", "/v1/files", raw=body,
+                             headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    return code, reply
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, videos):
+    tmp = tmp_path_factory.mktemp("retention")
+    left_behind = tmp / "serve.zarr.uploads" / "tmp" / "fetch-0123456789abcdef"   # a killed server's fetch
+    left_behind.parent.mkdir(parents=True)
+    left_behind.write_bytes(b"\0" * 1000)
+    with ServeProcess(tmp, "--max-storage-gb", str(CAP_GB), "--retention-s", str(RETENTION_S), "--max-upload-mb",
+                      "0.1", "--max-fetch-mb", "0.1", "--allow-dir", str(videos.allowed)) as proc:
+        proc.left_behind = left_behind
+        yield proc
+
+
+def test_partial_fetches_are_cleared_at_start(served):
+    assert not served.left_behind.exists()
+
+
+def test_a_second_server_on_the_same_uploads_is_refused(served):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "pipeline", "serve", "--vlm", "tiny-random", "--device", "cpu",
+                          "--port", "0", "--out", str(served.store), "--set", "runtime.model_weights=none"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "is in use by another running server" in run.stderr, run.stderr
+
+
+def test_uploads_beyond_the_cap_evict_the_oldest(served, tmp_path):
+    ids = []
+    for k in range(12):
+        code, reply = _upload(served, _noise_video(tmp_path / f"noise{k}.mp4", k))
+        assert code == 200, reply
+        ids.append(reply["id"])
+        assert _disk(served.uploads, served.store) <= CAP
+        code, listing, _ = request(served, "GET", "/v1/files")
+        kept = [f["id"] for f in listing["data"]]
+        assert kept == ids[len(ids) - len(kept):] and len(kept) >= min(3, k + 1), (kept, ids)   # the newest
+    assert request(served, "GET", f"/v1/files/{ids[0]}")[0] == 404
+    assert not (served.uploads / ids[0]).exists()
+    # each request stores its homunculus: they count too, and the cap still holds
+    for _ in range(6):
+        code, reply, _ = request(served, "POST", "/v1/chat/completions", chat_body(ids[-1]))
+        assert code == 200, reply
+        assert _disk(served.uploads, served.store) <= CAP
+    code, reply, _ = request(served, "DELETE", f"/v1/files/{ids[-2]}")
+    assert code == 200 and reply["deleted"] is True
+    assert request(served, "GET", f"/v1/files/{ids[-2]}")[0] == 404 and not (served.uploads / ids[-2]).exists()
+
+
+def test_expired_files_and_homunculi_are_gone(served, videos):
+    code, upload = _upload(served, videos.small)
+    assert code == 200
+    code, reply, _ = request(served, "POST", "/v1/chat/completions", chat_body(videos.small.as_uri()))
+    assert code == 200
+    assert request(served, "GET", f"/v1/homunculus/{reply['id']}")[0] == 200
+    deadline = time.monotonic() + RETENTION_S + 20
+    while time.monotonic() < deadline and (request(served, "GET", "/v1/files")[1]["data"] or
+                                           request(served, "GET", f"/v1/homunculus/{reply['id']}")[0] != 404):
+        time.sleep(0.5)
+    assert request(served, "GET", "/v1/files")[1]["data"] == []
+    assert not (served.uploads / upload["id"]).exists()
+    assert request(served, "GET", f"/v1/homunculus/{reply['id']}")[0] == 404
+    assert [p.name for p in (served.store / "streams").iterdir() if p.is_dir()] == []
+
+
+class TestRetentionUnit:
+    def test_room_refuses_when_only_busy_streams_are_left(self, tmp_path):
+        uploads = tmp_path / "u"
+        uploads.mkdir()
+        (uploads / "file-000000000000000000000001").write_bytes(b"\0" * 800)
+        (uploads / "file-000000000000000000000001.json").write_text("{}")
+        busy = {"file-000000000000000000000001"}
+        retention = Retention(uploads, str(tmp_path / "s.zarr"), retention_s=3600, max_bytes=1000,
+                              busy=lambda: busy)
+        retention.scan()
+        assert [i.name for i in retention.items()] == ["file-000000000000000000000001"]
+        with pytest.raises(ApiError) as e:
+            retention.room(500)
+        assert e.value.status == 507 and "--max-storage-gb" in e.value.message
+        busy.clear()
+        release = retention.room(500)                     # now the old one may go
+        assert not (uploads / "file-000000000000000000000001").exists() and retention.reserved == 500
+        release()
+        release()
+        assert retention.reserved == 0
+
+
+class TestFrontendGraphsPool:
+    def test_shared_per_shape_and_bounded(self):
+        made = []
+
+        def make(*args):
+            made.append(args)
+            return object()
+        pool = FrontendGraphsPool(2, make)
+        a = pool.take(("g", 96, 128), 1)
+        pool.give_back(("g", 96, 128), a)
+        assert pool.take(("g", 96, 128), 1) is a and len(made) == 1      # the next request reuses it
+        b = pool.take(("g", 96, 128), 1)                                  # a concurrent one: its own
+        assert b is not a and len(pool) == 2
+        assert pool.take(("h", 48, 64), 1) is None                        # all in use: eager
+        pool.give_back(("g", 96, 128), a)
+        c = pool.take(("h", 48, 64), 1)                                   # replaces the idle one
+        assert c is not None and c is not a and len(pool) == 2 and len(made) == 3
+        pool.give_back(("g", 96, 128), b)
+        pool.give_back(("h", 48, 64), c)
+        assert len(pool) == 2
+
+    def test_no_graphs_on_cpu(self):
+        pool = FrontendGraphsPool(1, lambda *args: None)
+        assert pool.take(("g",)) is None and len(pool) == 0
+        pool.give_back(("g",), None)
+        assert len(pool) == 0

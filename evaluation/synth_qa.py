@@ -54,6 +54,9 @@ SPLITS: tuple[str, ...] = ("train", "val", "test")
 SPLIT_SEEDS: dict[str, range] = {"train": range(0, 1_000_000), "val": range(1_000_000, 2_000_000),
                                  "test": range(2_000_000, 3_000_000)}
 FAMILIES: tuple[str, ...] = ("color_moving", "where", "shape", "count", "exists", "color_after_cut", "direction")
+# families whose answer lives in a small region or a moment (evaluation/questions.py asks them)
+REGION_FAMILIES: tuple[str, ...] = ("color_at", "shape_at", "relation", "count_color", "color_last", "moves")
+ALL_FAMILIES: tuple[str, ...] = FAMILIES + REGION_FAMILIES
 _ROWS = ("top", "middle", "bottom")
 _COLS = ("left", "center", "right")
 WHERE_ANSWERS: tuple[str, ...] = tuple("center" if (r, c) == ("middle", "center") else f"{r} {c}"
@@ -106,13 +109,19 @@ class QA:
     question: str
     answer: str
     family: str
+    names: tuple[int, ...] = ()   # indices (QAScene.tracks) of the objects the question names
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"Invalid family ({self.family!r}). Supported values are {', '.join(FAMILIES)}.")
+        if self.family not in ALL_FAMILIES:
+            raise ValueError(f"Invalid family ({self.family!r}). Supported values are {', '.join(ALL_FAMILIES)}.")
         if self.answer not in ANSWER_WORDS:
             raise ValueError(f"Invalid answer ({self.answer!r}) for {self.question!r}; "
                              f"allowed: {', '.join(ANSWER_WORDS)}")
+
+    @property
+    def one_object(self) -> bool:
+        """The question names exactly one object (its answer lives in that object's region)."""
+        return len(self.names) == 1
 
 
 @dataclass(frozen=True)
@@ -245,7 +254,7 @@ def _render_shot(rng: np.random.Generator, style: SplitStyle, size: tuple[int, i
     return images, [SceneObject(o.color, o.shape, o.size, b[0]) for o, b in zip(objects, boxes)], boxes, travel
 
 
-def _steady_where(track: Track, size: tuple[int, int]) -> bool:
+def steady_where(track: Track, size: tuple[int, int]) -> bool:
     """The track's centre stays in one 3x3 region, WHERE_MARGIN clear of its borders."""
     answers = set()
     for box in track.boxes:
@@ -258,7 +267,7 @@ def _steady_where(track: Track, size: tuple[int, int]) -> bool:
     return len(answers) == 1
 
 
-def _article(word: str) -> str:
+def article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
@@ -266,9 +275,10 @@ def _questions(rng: np.random.Generator, tracks: Sequence[Track], motions: Seque
                size: tuple[int, int], exists: bool) -> tuple[QA, ...]:
     qas: list[QA] = []
 
-    def ask(family: str, answer: str, color: str = "", shape: str = "") -> None:
+    def ask(family: str, answer: str, color: str = "", shape: str = "", names: Sequence[Track] = ()) -> None:
         template = TEMPLATES[family][int(rng.integers(len(TEMPLATES[family])))]
-        qas.append(QA(template.format(color=color, shape=shape, a=_article(color or "x")), answer, family))
+        qas.append(QA(template.format(color=color, shape=shape, a=article(color or "x")), answer, family,
+                      tuple(next(i for i, x in enumerate(tracks) if x is t) for t in names)))
 
     def pick(candidates: Sequence[Track]) -> Track:  # the scene's target (the hard one) half the time
         if tracks[0] in candidates and (len(candidates) == 1 or rng.random() < 0.5):
@@ -278,28 +288,29 @@ def _questions(rng: np.random.Generator, tracks: Sequence[Track], motions: Seque
 
     movers = [t for t in tracks if t.travel != (0, 0)]
     if len(movers) == 1 and "pan" not in motions:
-        ask("color_moving", movers[0].color)
-    steady = [t for t in tracks if _steady_where(t, size)]
+        ask("color_moving", movers[0].color, names=movers[:1])
+    steady = [t for t in tracks if steady_where(t, size)]
     if steady:
         t = pick(steady)
-        ask("where", where_answer(next(b for b in t.boxes if b is not None), size), t.color, t.shape)
+        ask("where", where_answer(next(b for b in t.boxes if b is not None), size), t.color, t.shape, [t])
     t = pick(tracks)
-    ask("shape", t.shape, t.color)
+    ask("shape", t.shape, t.color, names=[t])
     if len(motions) == 1 and 2 <= len(tracks) <= 5:
-        ask("count", COUNT_WORDS[len(tracks) - 2])
+        ask("count", COUNT_WORDS[len(tracks) - 2], names=tracks)
     t = pick(tracks)
     if exists:
-        ask("exists", "yes", t.color, t.shape)
+        ask("exists", "yes", t.color, t.shape, [t])
     elif rng.random() < 0.5:  # the colour is there, in another shape
-        ask("exists", "no", t.color, str(rng.choice([s for s in SHAPES if s != t.shape])))
+        ask("exists", "no", t.color, str(rng.choice([s for s in SHAPES if s != t.shape])))  # names none
     else:  # a colour the clip does not have
         absent = [c for c in COLORS if c not in {t.color for t in tracks}]
         ask("exists", "no", str(rng.choice(absent)), str(rng.choice(SHAPES)))
     if cut:
-        ask("color_after_cut", next(t.color for t in tracks if t.shot == 1))
+        after = next(t for t in tracks if t.shot == 1)
+        ask("color_after_cut", after.color, names=[after])
     if movers:
         t = pick(movers)
-        ask("direction", direction_answer(t.travel), t.color, t.shape)
+        ask("direction", direction_answer(t.travel), t.color, t.shape, [t])
     return tuple(qas)
 
 

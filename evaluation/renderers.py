@@ -24,7 +24,9 @@ trains on the rest).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -33,7 +35,8 @@ from . import draw
 from .layout import PlanStyle, ShotPlan, plan_shot
 from .questions import clip_questions, region_questions
 from .scenes import Transition, shape_mask
-from .synth_qa import STYLES, QAClip, QAScene, Split, Track, check_seed, direction_answer, make_qa_scene
+from .synth_qa import (SPLIT_SEEDS, STYLES, QAClip, QAScene, Split, Track, check_seed, direction_answer,
+                       make_qa_scene)
 
 RENDERERS: tuple[str, ...] = ("shapes", "photo", "busy", "styled")
 HELD_OUT = "styled"
@@ -225,3 +228,41 @@ class MultiRendererClips:
 
     def __call__(self, seed: int, *, split: Split = "train") -> QAClip:
         return scene(self.renderers[int(seed) % len(self.renderers)], seed, split=split).clip
+
+
+def write_renderer_split(root: str | Path, split: Split, count: int, renderers: tuple[str, ...], *,
+                         evaluation: bool = False, progress: bool = False) -> Path:
+    """Render `count` clips of `split` into ROOT in the MSRVTT-QA layout (as synth_qa.write_split),
+    clip k (seed = the split's first seed + k) from renderers[seed % len(renderers)], video id
+    VIDEO_OFFSET[renderer] + seed. Records add `renderer`, `objects` (the named tracks' indices)
+    and `one_object`; ROOT/{split}_tracks.json holds per video its renderer, fps, size and every
+    track's colour, shape and box per frame (null where not shown). Returns the QA json's path."""
+    from tqdm import tqdm
+    from sources.synthetic import write_video
+
+    if not renderers:
+        raise ValueError("no renderers to write")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive int, got {count!r}")
+    first = SPLIT_SEEDS[split].start
+    check_seed(first + count - 1, split)
+    root = Path(root)
+    records, tracks = [], {}
+    for seed in tqdm(range(first, first + count), desc=split, unit="clip", disable=not progress):
+        name = renderers[seed % len(renderers)]
+        sc = scene(name, seed, split=split, evaluation=evaluation)
+        vid = video_id(name, seed)
+        write_video(root / "videos" / f"video{vid}.mp4", sc.clip.frames, fps=int(sc.clip.fps))
+        records += [{"answer": qa.answer, "category_id": qa.family, "id": 100 * vid + k, "question": qa.question,
+                     "video_id": vid, "renderer": name, "objects": list(qa.names), "one_object": qa.one_object}
+                    for k, qa in enumerate(sc.clip.qas)]
+        tracks[str(vid)] = {"renderer": name, "seed": seed, "fps": sc.clip.fps,
+                            "size": list(sc.clip.frames.shape[1:3]),
+                            "tracks": [{"color": t.color, "shape": t.shape,
+                                        "boxes": [list(b) if b is not None else None for b in t.boxes]}
+                                       for t in sc.tracks]}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{split}_tracks.json").write_text(json.dumps(tracks))
+    path = root / f"{split}_qa.json"
+    path.write_text(json.dumps(records))
+    return path

@@ -30,6 +30,11 @@ category_id = the family name, which sources.msrvtt keeps as Question.type (so `
 accuracy per family).
 
     python -m evaluation.synth_qa --root DIR [--splits train,val,test] [--count N ...] [--quiet]
+                                  [--renderers shapes,photo,busy | --leave-out NAME | --held-out]
+
+--renderers draws the clips with the renderers of evaluation/renderers.py (every question family,
+evaluation/questions.py), --leave-out NAME with every training renderer but NAME, --held-out the
+held-out renderer's test split (evaluation only; no other split of it exists).
 """
 from __future__ import annotations
 
@@ -448,13 +453,53 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: {message}")
 
 
-def _parse(argv: Sequence[str] | None) -> tuple[Path, list[tuple[str, int]], bool]:
+@dataclass(frozen=True)
+class _Request:
+    root: Path
+    plan: list[tuple[str, int]]
+    quiet: bool
+    renderers: tuple[str, ...] = ()      # empty: the original generator's seven families (write_split)
+    evaluation: bool = False
+
+
+def _renderers(args: argparse.Namespace, splits: list[str]) -> tuple[tuple[str, ...], bool]:
+    """The renderers the command writes, and whether it writes the held-out one (for evaluation)."""
+    from .renderers import HELD_OUT, RENDERERS, training_renderers
+
+    if args.held_out:
+        if args.renderers or args.leave_out:
+            raise _UsageError("--held-out writes the held-out renderer alone: drop --renderers / --leave-out")
+        if splits != ["test"]:
+            raise _UsageError(f"--held-out writes only the test split of {HELD_OUT!r}: pass --splits test")
+        return (HELD_OUT,), True
+    if args.leave_out:
+        if args.renderers:
+            raise _UsageError("give --renderers or --leave-out, not both")
+        if args.leave_out not in RENDERERS:
+            raise _UsageError(f"unknown renderer {args.leave_out!r} in --leave-out; allowed: {', '.join(RENDERERS)}")
+        return training_renderers(args.leave_out), False
+    names = tuple(r.strip() for r in (args.renderers or "").split(",") if r.strip())
+    if bad := [r for r in names if r not in RENDERERS]:
+        raise _UsageError(f"unknown renderer {bad[0]!r} in --renderers; allowed: {', '.join(RENDERERS)}")
+    if HELD_OUT in names:
+        raise _UsageError(f"renderer {HELD_OUT!r} is held out of training and tuning; write its test split "
+                          f"for evaluation with --held-out --splits test")
+    return names, False
+
+
+def _parse(argv: Sequence[str] | None) -> _Request:
     p = _Parser(prog="python -m evaluation.synth_qa", description=__doc__.splitlines()[0])
     p.add_argument("--root", required=True, help="output directory (MSRVTT-QA release layout)")
     p.add_argument("--splits", default="train,val,test", help="comma-separated splits (default: train,val,test)")
     p.add_argument("--count", type=int, nargs="+", metavar="N",
                    help="clips per split: one number for all, or one per split "
                         f"(default: {', '.join(f'{k} {v}' for k, v in DEFAULT_COUNTS.items())})")
+    p.add_argument("--renderers", help="comma-separated renderers (evaluation/renderers.py), clip k from the "
+                                       "(k mod n)-th; with every question family (default: the original "
+                                       "generator, its seven families)")
+    p.add_argument("--leave-out", metavar="NAME", help="every training renderer but NAME (leave-one-renderer-out)")
+    p.add_argument("--held-out", action="store_true",
+                   help="the held-out renderer's test split, for evaluation only")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
@@ -474,19 +519,26 @@ def _parse(argv: Sequence[str] | None) -> tuple[Path, list[tuple[str, int]], boo
     root = Path(args.root)
     if root.exists() and not root.is_dir():
         raise _UsageError(f"--root {root} exists and is not a directory")
-    return root, list(zip(splits, counts)), args.quiet
+    renderers, evaluation = _renderers(args, splits)
+    return _Request(root, list(zip(splits, counts)), args.quiet, renderers, evaluation)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        root, plan, quiet = _parse(argv)
+        req = _parse(argv)
     except _UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        for split, count in plan:
-            path = write_split(root, split, count, progress=not quiet)
-            print(f"{split}: {count} clips, {len(json.loads(path.read_text()))} questions -> {path}")
+        for split, count in req.plan:
+            if req.renderers:
+                from .renderers import write_renderer_split
+                path = write_renderer_split(req.root, split, count, req.renderers,  # type: ignore[arg-type]
+                                            evaluation=req.evaluation, progress=not req.quiet)
+            else:
+                path = write_split(req.root, split, count, progress=not req.quiet)
+            which = f" ({', '.join(req.renderers)})" if req.renderers else ""
+            print(f"{split}{which}: {count} clips, {len(json.loads(path.read_text()))} questions -> {path}")
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -267,19 +267,21 @@ class ClipSample:
 
 class StepData:
     """Map-style dataset over training steps: item s is the list of ClipSamples of step s, all drawn
-    deterministically from (seed, s): clip seeds first_seed + s * clips_per_step + i."""
+    deterministically from (seed, s): clip seeds first_seed + s * clips_per_step + i; with world
+    ranks, rank r's item holds every world-th of them from i = r (the ranks together: the same clips)."""
 
     def __init__(self, make_clip: Callable, geometry: VLMGeometry, *, clips_per_step: int, views_per_question: int,
                  vlm_fps: float, drop: DropSpec, jpeg_prob: float, jpeg_quality: tuple[int, int],
                  resize_prob: float, aspect: tuple[float, float], area: tuple[float, float], seed: int,
                  first_seed: int, steps: int, curriculum_steps: int = 0,
-                 curriculum: DropSpec | None = None) -> None:
+                 curriculum: DropSpec | None = None, rank: int = 0, world: int = 1) -> None:
         self.make_clip, self.geometry = make_clip, geometry
         self.clips_per_step, self.views = clips_per_step, views_per_question
         self.vlm_fps, self.drop, self.jpeg_prob, self.jpeg_quality = vlm_fps, drop, jpeg_prob, jpeg_quality
         self.resize_prob, self.aspect, self.area = resize_prob, aspect, area
         self.seed, self.first_seed, self.steps = seed, first_seed, steps
         self.curriculum_steps, self.curriculum = curriculum_steps, curriculum
+        self.rank, self.world = rank, world   # under data parallelism: this rank's share of each step
 
     def __len__(self) -> int:
         return self.steps
@@ -287,7 +289,7 @@ class StepData:
     def __getitem__(self, step: int) -> list[ClipSample]:
         drop = self.curriculum if step < self.curriculum_steps else self.drop
         return [self.sample(self.first_seed + step * self.clips_per_step + i, drop)
-                for i in range(self.clips_per_step)]
+                for i in range(self.clips_per_step)[self.rank::self.world]]
 
     def sample(self, clip_seed: int, drop: DropSpec | None = None) -> ClipSample:
         clip = self.make_clip(clip_seed, split="train")

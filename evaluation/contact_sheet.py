@@ -15,7 +15,7 @@ import cv2
 import numpy as np
 
 from .renderers import HELD_OUT, RENDERERS, scene
-from .synth_qa import SPLIT_SEEDS
+from .shapes_qa import SPLIT_SEEDS
 
 TILE = 160          # tile height in pixels
 LABEL = 22          # label band height

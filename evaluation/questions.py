@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from .scenes import COLORS, SHAPES
-from .synth_qa import (COUNT_WORDS, QA, TEMPLATES, Track, article, direction_answer, steady_where,
+from .shapes_qa import (COUNT_WORDS, QA, TEMPLATES, Track, article, direction_answer, steady_where,
                        where_answer)
 
 REGION_TEMPLATES: dict[str, tuple[str, ...]] = {

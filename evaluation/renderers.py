@@ -35,7 +35,7 @@ from . import draw
 from .layout import PlanStyle, ShotPlan, plan_shot
 from .questions import clip_questions, region_questions
 from .scenes import Transition, shape_mask
-from .synth_qa import (SPLIT_SEEDS, STYLES, QAClip, QAScene, Split, Track, check_seed, direction_answer,
+from .shapes_qa import (SPLIT_SEEDS, STYLES, QAClip, QAScene, Split, Track, check_seed, direction_answer,
                        make_qa_scene)
 
 RENDERERS: tuple[str, ...] = ("shapes", "photo", "busy", "styled")

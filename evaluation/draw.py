@@ -114,11 +114,12 @@ def _fill(rng_values: np.ndarray, fill: str, rgb: np.ndarray, side: int) -> np.n
 
 
 def draw_object(image: np.ndarray, box: tuple[int, int, int, int], shape: str, color: str, *, fill: str = "solid",
-                shadow: bool = False, rng_values: np.ndarray | None = None) -> None:
+                shadow: bool = False, rng_values: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
     """Draw an object into image (float32 (H, W, 3), in place), its box (y0, x0, y1, x1) square.
 
     fill: FILLS; an outline is a thick ring of the colour around a faint tint of it. shadow: a
-    soft dark copy offset down-right, under the object."""
+    soft dark copy offset down-right, under the object. labels: (H, W) uint8 set, in place, to the
+    colour's index (COLORS) where the object shows its colour (at least half covered), else kept."""
     rng_values = np.zeros(3) if rng_values is None else rng_values
     y0, x0, y1, x1 = box
     side = y1 - y0
@@ -134,26 +135,33 @@ def draw_object(image: np.ndarray, box: tuple[int, int, int, int], shape: str, c
         soft = cv2.GaussianBlur(_soft_mask(shape, side), (0, 0), max(1.0, side / 12))
         _blend(image, (y0 + off, x0 + off), 0.45 * soft, np.zeros((side, side, 3), np.float32))
     _blend(image, (y0, x0), alpha, colour)
+    if labels is not None:
+        _blend(labels, (y0, x0), (alpha >= 0.5).astype(np.float32), np.full((side, side), list(COLORS).index(color)))
     if shape == "car":          # dark wheels, as the shapes renderer draws them
         yy, xx = (np.mgrid[0:side, 0:side].astype(np.float32) + 0.5) / side
         wheels = np.zeros((side, side), np.float32)
         for wx in (0.25, 0.75):
             wheels[((yy - 0.82) / 0.16) ** 2 + ((xx - wx) / 0.13) ** 2 <= 1.0] = 1.0
         _blend(image, (y0, x0), wheels, np.full((side, side, 3), 25.0, np.float32))
+        if labels is not None:
+            _blend(labels, (y0, x0), wheels, np.full((side, side), 255))
 
 
 def _blend(image: np.ndarray, at: tuple[int, int], alpha: np.ndarray, colour: np.ndarray) -> None:
-    """image[at:] = alpha * colour + (1 - alpha) * image, clipped to the image."""
+    """image[at:] = alpha * colour + (1 - alpha) * image, clipped to the image ((H, W, 3) or a
+    (H, W) label map, with alpha 0 or 1)."""
     H, W = image.shape[:2]
     y, x = at
     h, w = alpha.shape
     cy0, cx0, cy1, cx1 = max(y, 0), max(x, 0), min(y + h, H), min(x + w, W)
     if cy1 <= cy0 or cx1 <= cx0:
         return
-    a = alpha[cy0 - y:cy1 - y, cx0 - x:cx1 - x, None]
+    a = alpha[cy0 - y:cy1 - y, cx0 - x:cx1 - x]
     c = colour[cy0 - y:cy1 - y, cx0 - x:cx1 - x]
     region = image[cy0:cy1, cx0:cx1]
-    region[:] = a * c + (1 - a) * region
+    if image.ndim == 3:
+        a = a[..., None]
+    region[:] = (a * c + (1 - a) * region).astype(image.dtype)
 
 
 def occluder(rng: np.random.Generator, box: tuple[int, int, int, int], image_shape: tuple[int, int]

@@ -58,11 +58,15 @@ class Camera:
         return (int(round((box[0] - y) / z)), int(round((box[1] - x) / z)),
                 int(round((box[2] - y) / z)), int(round((box[3] - x) / z)))
 
-    def view(self, world: np.ndarray, f: int) -> np.ndarray:
-        """The frame (H, W, 3) the camera sees of world at frame f (bilinear)."""
+    def view(self, world: np.ndarray, f: int, *, labels: bool = False) -> np.ndarray:
+        """The frame (H, W, 3) the camera sees of world at frame f (bilinear); labels: world is an
+        (Hw, Ww) uint8 label map, taken nearest, 255 outside."""
         y, x, z = self.path[f]
         H, W = self.frame
         m = np.array([[1 / z, 0, -x / z], [0, 1 / z, -y / z]], np.float32)
+        if labels:
+            return cv2.warpAffine(world, m, (W, H), flags=cv2.INTER_NEAREST, borderMode=cv2.BORDER_CONSTANT,
+                                  borderValue=255)
         return cv2.warpAffine(world, m, (W, H), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT)
 
     @property

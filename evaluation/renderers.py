@@ -73,16 +73,17 @@ def _shapes_scene(seed: int, split: Split) -> QAScene:
 
 
 def _draw_shot(rng: np.random.Generator, recipe: Recipe, plan: ShotPlan, world: np.ndarray,
-               draw_objects: bool) -> list[np.ndarray]:
-    """The shot's frames (float32) before lighting, blur and codec."""
+               draw_objects: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The shot's frames (float32) before lighting, blur and codec, and their colour labels (uint8)."""
     fills = [recipe.fills[int(rng.integers(len(recipe.fills)))] for _ in plan.bodies]
     shadows = [rng.random() < recipe.shadow for _ in plan.bodies]
     looks = rng.random((len(plan.bodies), 3))
     hidden = int(rng.integers(len(plan.bodies))) if plan.bodies and rng.random() < recipe.occlude else -1
     bar = draw.occluder(rng, plan.bodies[hidden].box(0), world.shape[:2]) if hidden >= 0 else None
-    frames = []
+    frames, labels = [], []
     for f in range(plan.frames):
         image = world.astype(np.float32)
+        label = np.full(world.shape[:2], 255, np.uint8)
         for i, body in enumerate(plan.bodies):
             if f < body.appear or not draw_objects:
                 continue
@@ -90,14 +91,16 @@ def _draw_shot(rng: np.random.Generator, recipe: Recipe, plan: ShotPlan, world: 
             if recipe.ring:   # a black silhouette 2 px larger under the object: a ring around it
                 _darken(image, (box[0] - 2, box[1] - 2, box[2] + 2, box[3] + 2), body.shape)
             draw.draw_object(image, box, body.shape, body.color, fill=fills[i], shadow=shadows[i],
-                             rng_values=looks[i])
+                             rng_values=looks[i], labels=label)
             if i == hidden and bar is not None:
                 (y0, x0, y1, x1), tone = bar
                 dy, dx = box[0] - plan.bodies[i].box(0)[0], box[1] - plan.bodies[i].box(0)[1]
                 y0, x0, y1, x1 = max(0, y0 + dy), max(0, x0 + dx), max(0, y1 + dy), max(0, x1 + dx)
                 image[y0:y1, x0:x1] = tone
+                label[y0:y1, x0:x1] = 255
         frames.append(plan.camera.view(image, f))
-    return frames
+        labels.append(plan.camera.view(label, f, labels=True))
+    return frames, labels
 
 
 def _darken(image: np.ndarray, box: tuple[int, int, int, int], shape: str) -> None:
@@ -142,12 +145,15 @@ def _recipe_scene(name: str, seed: int, split: Split, draw_objects: bool = True)
         plans.append(plan_shot(rng, recipe.plan, size, total, int(rng.integers(lo, hi + 1)),
                                stagger=rng.random() < recipe.plan.stagger))
     frames: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
     tracks: list[Track] = []
     shot_ids: list[int] = []
     for s, plan in enumerate(plans):
         world = recipe.background(rng, *plan.world)
         before, after = len(frames), total - len(frames) - plan.frames
-        frames += _draw_shot(rng, recipe, plan, world, draw_objects)
+        shot_frames, shot_labels = _draw_shot(rng, recipe, plan, world, draw_objects)
+        frames += shot_frames
+        labels += shot_labels
         shot_ids += [s] * plan.frames
         z = float(np.mean([p[2] for p in plan.camera.path]))
         for i, body in enumerate(plan.bodies):
@@ -162,7 +168,7 @@ def _recipe_scene(name: str, seed: int, split: Split, draw_objects: bool = True)
     transitions = (Transition("cut", plans[0].frames, plans[0].frames),) if len(plans) == 2 else ()
     qas = clip_questions(rng, tracks, size, moves, exists=seed % 2 == 0, min_gap=int(np.ceil(0.75 * fps)))
     objects = tuple((t.color, t.shape, direction_answer(t.travel) if t.travel != (0, 0) else "still") for t in tracks)
-    clip = QAClip(video, fps, qas, int(seed), objects)
+    clip = QAClip(video, fps, qas, int(seed), objects, np.stack(labels))
     return QAScene(clip, tuple(tracks), tuple(shot_ids), transitions, motions, "normal")  # type: ignore[arg-type]
 
 

@@ -131,6 +131,9 @@ class QAClip:
     seed: int
     # (colour, shape, motion) of every object shown, motion a direction word or "still" (training targets)
     objects: tuple[tuple[str, str, str], ...] = ()
+    # (T, H, W) uint8 per pixel the index (scenes.COLORS) of the object's colour shown there, 255
+    # elsewhere (training targets where pixel colours mislead: backgrounds in the answer colours)
+    labels: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.frames.dtype != np.uint8 or self.frames.ndim != 4 or self.frames.shape[-1] != 3:

@@ -337,6 +337,21 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(f"{c:>15}" for c in cells))
 
 
+def check_variant_settings(ap, args, variants: list[str], retentions: list[float]) -> None:
+    """Every variant row's config at each of its retentions is valid, checked before any row runs
+    (pass 2 at a retention above 1 / vlm.candidate_factor has fewer cells than candidates)."""
+    from arr_coc._validate import ConfigError
+    chosen = [float(r) for r in args.variant_retentions.split(",") if r] if args.variant_retentions else retentions
+    for variant in variants:
+        if variant in ("tempering", "finetuned"):
+            continue
+        for retention in chosen:
+            try:
+                row_config(run_config(args, *VARIANTS[variant]), "arrcoc", retention)
+            except ConfigError as e:
+                ap.error(f"variant {variant} at retention {retention:g}: {e} (choose --variant-retentions)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, help="dataset root (test_qa.json + videos/); generated with --make")
@@ -429,6 +444,7 @@ def main(argv=None) -> int:
         ap.error("--hold-share holds the --escalate share: give it")
     if args.ttft_window is not None and not args.ttft_window.is_file():
         ap.error(f"--ttft-window {args.ttft_window}: no such file")
+    check_variant_settings(ap, args, variants, retentions)
     workdir = Path(tempfile.mkdtemp(prefix="bench_accuracy_"))
     plan, dataset, window, annotations = [], None, None, None
     if args.ttft_window is not None:

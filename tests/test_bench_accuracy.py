@@ -131,3 +131,11 @@ def test_renderer_split_adds_the_named_object_measures(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "x"),
                           "--held-out", "--renderer", "photo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--held-out is --renderer" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_variant_setting_out_of_range_fails_before_any_row(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--variants", "pass2", "--retentions", "1,0.1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "variant pass2 at retention 1" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "data").exists()

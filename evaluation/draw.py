@@ -164,8 +164,7 @@ def _blend(image: np.ndarray, at: tuple[int, int], alpha: np.ndarray, colour: np
     region[:] = (a * c + (1 - a) * region).astype(image.dtype)
 
 
-def occluder(rng: np.random.Generator, box: tuple[int, int, int, int], image_shape: tuple[int, int]
-             ) -> tuple[tuple[int, int, int, int], np.ndarray]:
+def occluder(rng: np.random.Generator, box: tuple[int, int, int, int]) -> tuple[tuple[int, int, int, int], np.ndarray]:
     """A grey-brown bar covering one edge of box, 20-30% of its side deep: (its box, its colour)."""
     y0, x0, y1, x1 = box
     side = y1 - y0

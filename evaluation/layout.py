@@ -79,7 +79,6 @@ class Camera:
 @dataclass(frozen=True)
 class PlanStyle:
     """A renderer's knobs for its shots."""
-    objects: tuple[int, int] = (2, 8)            # objects in a one-shot clip, inclusive
     side: tuple[float, float] = (0.12, 0.24)     # object side / min(H, W) in the frame
     repeat_color: float = 0.5                    # share of shots with a colour group
     stagger: float = 0.3                         # share of one-shot clips with an object appearing late

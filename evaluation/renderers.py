@@ -25,7 +25,7 @@ trains on the rest).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -59,7 +59,7 @@ class Recipe:
     light: float = 0.0               # lighting drift: gain within 1 +- light over the clip, a tint
     blur: tuple[float, float] = (0.0, 0.0)     # Gaussian sigma range (pixels)
     codec: tuple[int, int] = (85, 95)          # JPEG quality range
-    objects: tuple[int, int] = field(default=(2, 8))
+    objects: tuple[int, int] = (2, 8)          # objects in a one-shot clip, inclusive
 
 
 def _shapes_scene(seed: int, split: Split) -> QAScene:
@@ -79,7 +79,7 @@ def _draw_shot(rng: np.random.Generator, recipe: Recipe, plan: ShotPlan, world: 
     shadows = [rng.random() < recipe.shadow for _ in plan.bodies]
     looks = rng.random((len(plan.bodies), 3))
     hidden = int(rng.integers(len(plan.bodies))) if plan.bodies and rng.random() < recipe.occlude else -1
-    bar = draw.occluder(rng, plan.bodies[hidden].box(0), world.shape[:2]) if hidden >= 0 else None
+    bar = draw.occluder(rng, plan.bodies[hidden].box(0)) if hidden >= 0 else None
     frames, labels = [], []
     for f in range(plan.frames):
         image = world.astype(np.float32)

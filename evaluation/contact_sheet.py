@@ -1,8 +1,8 @@
 """A contact sheet of the QA renderers: a few clips of each, three frames a clip, one row a renderer.
 
-    python -m evaluation.contact_sheet --out docs/renderers.png [--clips 3]
+    python -m evaluation.contact_sheet --out docs/renderers.jpg [--clips 3]
 
-Only this command writes the sheet (docs/renderers.png is committed from it); the held-out
+Only this command writes the sheet (docs/renderers.jpg is committed from it); the held-out
 renderer's test clips are drawn here for evaluation, as bench_accuracy draws them.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def sheet(clips: int = 3, frames_per_clip: int = 3) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evaluation.contact_sheet", description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, type=Path, help="the PNG to write")
+    p.add_argument("--out", required=True, type=Path, help="the image to write (.jpg or .png)")
     p.add_argument("--clips", type=int, default=3, help="clips per renderer (default: %(default)s)")
     args = p.parse_args(argv)
     if not 1 <= args.clips <= 10:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     image = sheet(args.clips)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if not cv2.imwrite(str(args.out), image[..., ::-1]):
+    if not cv2.imwrite(str(args.out), image[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 85]):
         print(f"error: could not write {args.out}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} ({image.shape[1]}x{image.shape[0]})")

@@ -147,3 +147,12 @@ class TestHeldOut:
     def test_video_ids_do_not_collide(self):
         ids = {video_id(r, s) for r in RENDERERS for s in (0, SPLIT_SEEDS["test"].stop - 1)}
         assert len(ids) == 2 * len(RENDERERS)
+
+
+def test_contact_sheet_one_row_a_renderer(tmp_path, capsys):
+    from evaluation.contact_sheet import LABEL, TILE, main, sheet
+
+    image = sheet(clips=1)
+    assert image.shape[0] == len(RENDERERS) * (LABEL + TILE + 6) and image.dtype == np.uint8
+    assert main(["--out", str(tmp_path / "s.jpg"), "--clips", "1"]) == 0 and (tmp_path / "s.jpg").stat().st_size > 0
+    assert main(["--out", str(tmp_path / "t.jpg"), "--clips", "0"]) == 2 and not (tmp_path / "t.jpg").exists()

@@ -180,13 +180,15 @@ def run_row(policy: str, retention: float, plan, dataset, base: PipelineConfig, 
 
 def _named(report, store: Path, label: str, annotations) -> dict[str, Any]:
     """On a renderer split: accuracy over the questions naming one object and the rest, and on
-    ARR-COC's rows the named object's share of the kept tokens (benchmarks/named_objects.py)."""
+    ARR-COC's single-pass rows the named object's share of the kept tokens
+    (benchmarks/named_objects.py): there the store's tokens are the ones the VLM got (pass 2 and
+    tempering pick among or beyond them, and the store keeps pass 1's allocation)."""
     if annotations is None:
         return {}
     from benchmarks.named_objects import breakdown, named_share
     records, videos = annotations
     out: dict[str, Any] = {"names_one_object": breakdown(report, records)}
-    if label.startswith("arrcoc"):
+    if label in ("arrcoc", "arrcoc-noquery"):
         out["named_object_share"] = named_share(store, records, videos)
     return out
 

@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.clips <= 10:
         print(f"error: --clips {args.clips}: must be in 1..10", file=sys.stderr)
         return 2
-    image = sheet(args.clips)
+    try:
+        image = sheet(args.clips)
+    except (OSError, ModuleNotFoundError) as e:     # the photo renderer without scikit-image
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if not cv2.imwrite(str(args.out), image[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 85]):
         print(f"error: could not write {args.out}", file=sys.stderr)

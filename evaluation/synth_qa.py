@@ -77,7 +77,7 @@ def _renderers(args: argparse.Namespace, splits: list[str]) -> tuple[tuple[str, 
 def _parse(argv: Sequence[str] | None) -> _Request:
     p = _Parser(prog="python -m evaluation.synth_qa", description=__doc__.splitlines()[0])
     p.add_argument("--root", required=True, help="output directory (MSRVTT-QA release layout)")
-    p.add_argument("--splits", default="train,val,test", help="comma-separated splits (default: train,val,test)")
+    p.add_argument("--splits", help="comma-separated splits (default: train,val,test; with --held-out: test)")
     p.add_argument("--count", type=int, nargs="+", metavar="N",
                    help="clips per split: one number for all, or one per split "
                         f"(default: {', '.join(f'{k} {v}' for k, v in DEFAULT_COUNTS.items())})")
@@ -89,6 +89,7 @@ def _parse(argv: Sequence[str] | None) -> _Request:
                    help="the held-out renderer's test split, for evaluation only")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    args.splits = args.splits or ("test" if args.held_out else "train,val,test")
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     bad = [s for s in splits if s not in SPLITS]
     if bad or not splits:
@@ -125,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = write_split(req.root, split, count, progress=not req.quiet)
             which = f" ({', '.join(req.renderers)})" if req.renderers else ""
             print(f"{split}{which}: {count} clips, {len(json.loads(path.read_text()))} questions -> {path}")
-    except OSError as e:
+    except (OSError, ModuleNotFoundError) as e:      # a full disk, a missing scikit-image (photo)
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -3,6 +3,7 @@ command writes multi-renderer, leave-one-out and held-out splits a user can load
 from __future__ import annotations
 
 import json
+import sys
 import re
 from pathlib import Path
 
@@ -100,3 +101,16 @@ class TestDatasetCommand:
         assert main(["--root", str(tmp_path), "--renderers", "nope"]) == 2
         assert "unknown renderer 'nope'" in capsys.readouterr().err
         assert main(["--root", str(tmp_path), "--renderers", "photo", "--leave-out", "busy"]) == 2
+
+    def test_held_out_defaults_to_its_test_split_and_missing_scikit_image_is_one_line(self, tmp_path, capsys,
+                                                                                       monkeypatch):
+        assert main(["--root", str(tmp_path / "h"), "--held-out", "--count", "1", "--quiet"]) == 0
+        assert (tmp_path / "h" / "test_qa.json").is_file() and not (tmp_path / "h" / "train_qa.json").exists()
+        from evaluation import draw
+        monkeypatch.setattr(draw, "_PHOTO_CACHE", {})
+        monkeypatch.setitem(sys.modules, "skimage", None)
+        monkeypatch.setitem(sys.modules, "skimage.data", None)
+        assert main(["--root", str(tmp_path / "p"), "--renderers", "photo", "--splits", "test", "--count", "2",
+                     "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert "scikit-image" in err and "Traceback" not in err

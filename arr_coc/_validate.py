@@ -13,6 +13,8 @@ def check_range(name: str, value: float, lo: float | None = None, hi: float | No
     """Raise ConfigError unless lo <= value <= hi (open ends with lo_open / hi_open)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
+    if value != value:   # NaN compares false with every bound, so it would pass any range
+        raise ConfigError(f"{name} must be a number, got nan")
     bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
     if bad_lo or bad_hi:

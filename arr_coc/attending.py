@@ -1,7 +1,7 @@
 """Attending: relevance -> VLM visual tokens per grid cell (the homunculus).
 
 A grid cell is one merged VLM token. Each frame gets an exact budget K_b of tokens:
-  fraction mode: K_b = clamp(round(retention * n_b), min_tokens, n_b)
+  fraction mode: K_b = clamp(retained_tokens(n_b, retention), min_tokens, n_b)
   topk mode:     K_b = min(top_k, n_b)
 where n_b counts the cells that may receive tokens (`available`; the temporal realizer removes
 cells the VLM already saw unchanged). Tokens are spent at two levels of detail:
@@ -28,6 +28,17 @@ import torch.nn.functional as F
 
 from arr_coc._validate import check_choice, check_int, check_range
 from arr_coc.lod import DROPPED, FULL, POOLED
+
+
+def retained_tokens(available, retention: float):
+    """The tokens a retention buys of `available` cells (or candidates): floor(available x retention
+    + 0.5), rounded half up, in float64, so a 0.5 boundary never depends on a dtype or on Python's
+    round-half-to-even. The one rule everywhere a share becomes a count (each frame's budget here,
+    pass 2's and each tempering rung's keep, the baselines' budgets, the live warm-up's estimates).
+    An int or float gives an int; a tensor gives an int64 tensor."""
+    if isinstance(available, torch.Tensor):
+        return torch.floor(available.double() * retention + 0.5).long()
+    return math.floor(available * retention + 0.5)
 
 
 @dataclass(frozen=True)
@@ -103,8 +114,7 @@ class TokenAllocator(nn.Module):
         """(B,) int64 tokens per frame from (B,) available cell counts."""
         if self.cfg.selection == "topk":
             return n_available.clamp(max=self.cfg.top_k)
-        # round half up in float64, so 0.5-boundaries do not depend on the relevance dtype
-        k = torch.floor(n_available.double() * self.cfg.retention + 0.5).long()
+        k = retained_tokens(n_available, self.cfg.retention)
         return torch.minimum(k.clamp(min=self.cfg.min_tokens), n_available)
 
     def forward(self, relevance: torch.Tensor, available: torch.Tensor | None = None) -> Allotment:

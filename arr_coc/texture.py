@@ -246,8 +246,8 @@ class TextureExtractor(nn.Module):
         x = frames.to(dtype) / 255.0 if frames.dtype == torch.uint8 else frames.to(dtype)
         if x.shape[-2] >= size[0] and x.shape[-1] >= size[1]:
             # Area resize by a non-integer factor is an adaptive pool, the costliest kernel of the
-            # whole front end at 1024x1024 (0.3 of 1.8 ms, H200). Average integer k x k blocks
-            # first (dropping under k edge pixels) so the adaptive pool sees k^2 times less.
+            # whole front end on large frames. Average integer k x k blocks first (dropping under k
+            # edge pixels) so the adaptive pool sees k^2 times less.
             ky, kx = x.shape[-2] // size[0], x.shape[-1] // size[1]
             if ky > 1 or kx > 1:
                 x = F.avg_pool2d(x, (ky, kx))

@@ -73,9 +73,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import device_name, write_result  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
-from pipeline.core.setup import load_answerer, resolve_device  # noqa: E402
+from pipeline.core.setup import resolve_device  # noqa: E402
+from pipeline.vlm.loading import load_answerer  # noqa: E402
 from evaluation.baselines import NEEDS_FEATURES, baseline_keep  # noqa: E402
-from pipeline.vlm.config import TemperingConfig  # noqa: E402
+from pipeline.vlm_config import TemperingConfig  # noqa: E402
 
 POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
 VARIANTS: dict[str, tuple[str, ...]] = {"pass2": ("vlm.pass2=attention",),
@@ -236,7 +237,7 @@ def ttft_rows(policies, retentions, window: tuple[np.ndarray, str], base: Pipeli
     variants: label -> (a VLM answering one token with the variant's settings, its retentions)."""
     from arr_coc.model import ARRCOC
     from pipeline.core.setup import build_model
-    from pipeline.vlm.model import AnswerRequest
+    from pipeline.runtime.requests import AnswerRequest
 
     vlm = load_answerer(replace(base, vlm=replace(base.vlm, max_new_tokens=1)), device)
     frames, question = window

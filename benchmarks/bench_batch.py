@@ -230,7 +230,8 @@ def vlm_only_run(plan, cfg, *, factory) -> dict:
     front end and no store; one video at a time. Steady rates leave out the first video."""
     import time
 
-    from pipeline.core.setup import load_answerer, runtime_device
+    from pipeline.core.setup import runtime_device
+    from pipeline.vlm.loading import load_answerer
     from sources import open_video
 
     device = runtime_device(cfg)

@@ -42,7 +42,7 @@ from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.live_stages import LiveOptions
 from pipeline.runners.live import run_live  # noqa: E402
 from pipeline.core.live_status import snapshot  # noqa: E402
-from pipeline.vlm.config import VLMConfig  # noqa: E402
+from pipeline.vlm_config import VLMConfig  # noqa: E402
 from sources.live import LiveConfig, percentile  # noqa: E402
 
 

@@ -22,7 +22,7 @@ Each retention runs twice (--encode both, the default): "arr-coc N%" with `vlm.e
 vision tower on every patch, the kept tokens picked afterwards) and "arr-coc N%, kept" with
 `vlm.encode: kept` (the tower on the kept cells only; Qwen2.5-VL: the windows holding them);
 vision_cells counts the cells the tower encoded, ttft_x_stock the time-to-first-token speed-up.
-Every setting gets the window as the VLM stages hand one over (core/cuda.py window_frames): on
+Every setting gets the window as the VLM stages hand one over (runtime/cuda.py window_frames): on
 CUDA stacked in page-locked memory, so the upload needs no host copy first (--pageable-frames: a
 numpy array, which the preprocessor copies into page-locked memory before uploading).
 
@@ -53,11 +53,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_topology, scratch_result  # noqa: E402
-from pipeline.core.cuda import window_frames  # noqa: E402
+from pipeline.runtime.cuda import window_frames  # noqa: E402
 from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
-from pipeline.vlm.config import VLMConfig  # noqa: E402
+from pipeline.vlm_config import VLMConfig  # noqa: E402
 from pipeline.vlm.loading import _wrap  # noqa: E402
-from pipeline.vlm.model import AnswerRequest  # noqa: E402
+from pipeline.runtime.requests import AnswerRequest  # noqa: E402
 QUESTION = "What is the person on the left doing with the red object?"
 HF_STOCK = "stock, HF forward"         # every token, the LM through transformers' own forward (fast_lm off)
 
@@ -80,13 +80,13 @@ def hf_forward(vlm, on: bool):
     if not on:
         yield
         return
-    fast, vlm._fast_lm = vlm._fast_lm, None
-    vlm._decoders.clear()
+    fast, vlm.pool._fast_lm = vlm.pool._fast_lm, None
+    vlm.pool._decoders.clear()
     try:
         yield
     finally:
-        vlm._fast_lm = fast
-        vlm._decoders.clear()
+        vlm.pool._fast_lm = fast
+        vlm.pool._decoders.clear()
 
 
 def synthetic_window(T: int, H: int, W: int) -> np.ndarray:
@@ -195,7 +195,7 @@ def bench_setting(vlm, frames, keep, new_tokens: int, reps: int, encode: str = "
 def _vision(vlm, pixels, grid, keep) -> tuple[torch.Tensor, int]:
     """The vision tower as vlm.prepare() runs it -> merged tokens (T', gh, gw, D), cells encoded."""
     if vlm.config.encode == "all":
-        merged = vlm._vision(pixels, grid)[0]
+        merged = vlm.encoder.vision(pixels, grid)[0]
         return merged, merged.shape[0] * merged.shape[1] * merged.shape[2]
     before = vlm.kept_encoder.counters["cells_encoded"]
     merged = vlm.kept_encoder.encode_pixels([pixels], [grid[0]], [keep])[0].dense()
@@ -206,11 +206,11 @@ def _bench_setting(vlm, frames, keep, new_tokens: int, reps: int, scores: torch.
     device = vlm.device
     req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps, scores=scores)
     if scores is not None:                            # the phases below take the map prepare() makes
-        keep = vlm._snapped(keep, scores)
+        keep = vlm.prefixes.snapped(keep, scores)
     phases = {"preprocess": [], "vision": [], "selection": []}
     for _ in range(reps + 1):                        # the first round warms up
         marks = [time.perf_counter()]
-        pixels, grid = vlm._preprocess([frames])
+        pixels, grid = vlm.encoder.preprocess([frames])
         sync(device)
         marks.append(time.perf_counter())
         merged, vision_cells = _vision(vlm, pixels, grid, keep)
@@ -225,9 +225,9 @@ def _bench_setting(vlm, frames, keep, new_tokens: int, reps: int, scores: torch.
     front_s = pre_s + vis_s + sel_s
 
     def prefill():            # generate()'s own prefill (graph replay when the plan says so)
-        return vlm._prefill([prefix], new_tokens)[1]
+        return vlm.pool._prefill([prefix], new_tokens)[1]
 
-    prefill_len, prefill_graph = vlm._prefill_plan(prefix.embeds.shape[0])
+    prefill_len, prefill_graph = vlm.pool._prefill_plan(prefix.embeds.shape[0])
 
     prefill_s, _ = timed(prefill, device, reps)
     ttft_s, _ = timed(lambda: vlm.generate(vlm.prepare([req]), max_new_tokens=1), device, reps)
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = [("stock", None, "all", 0)] + [
             (f"arr-coc {int(r * 100)}%" + (f", {mode}" if mode != "all" else "") + (f", context {c}" if c else ""),
              maps[r], mode, c) for r in args.retention for mode, c in modes]
-        if vlm._fast_lm is not None:          # the real alternative: the stock model through HF's own forward
+        if vlm.pool._fast_lm is not None:          # the real alternative: the stock model through HF's own forward
             settings.insert(0, (HF_STOCK, None, "all", 0))
         arch_rows = []
         for label, keep, mode, context in settings:

@@ -29,12 +29,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import PhaseTimers, kernel_summary, profiler_device, profiler_vlm  # noqa: E402
-from pipeline.vlm import model as vlm_model  # noqa: E402
-from pipeline.vlm.model import WindowQuestions  # noqa: E402
+from pipeline.vlm import encoder as vlm_encoder, model as vlm_model  # noqa: E402
+from pipeline.runtime.requests import WindowQuestions  # noqa: E402
 
-PHASES = {label: (vlm_model.VLM, attr) for label, attr in (
-    ("vision", "_window_tokens"), ("window_prefix", "window_prefix"), ("question_prefixes", "question_prefixes"),
-    ("generate", "generate"))}
+PHASES = {"vision": (vlm_encoder.VisionEncoder, "window_tokens")} | {label: (vlm_model.VLM, attr) for label, attr in (
+    ("window_prefix", "window_prefix"), ("question_prefixes", "question_prefixes"), ("generate", "generate"))}
 OTHER_CONTEXT = r'''
 import sys, time, torch
 x = torch.randn(20, 3, 240, 320, device="cuda"); k = torch.randn(8, 3, 3, 3, device="cuda")

@@ -38,7 +38,7 @@ from pipeline.core import frontend_graphs as cudagraph, graph as graph_mod
 from pipeline.runners.batch import VideoAnswerer, make_plan
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
-from pipeline.vlm import model as vlm_model
+from pipeline.vlm import encoder as vlm_encoder, model as vlm_model
 from evaluation.fixtures import write_fixture
 from sources.msrvtt import load_msrvtt
 
@@ -46,7 +46,7 @@ PHASES = {  # label: (owner, attribute) wrapped with a timer
     "open_video": (batch_mod, "open_source"),
     "frontend_capture": (cudagraph.FrontendGraphs, "prepare"),
     "graph_run": (graph_mod.Graph, "run"),
-    "vlm_vision": (vlm_model.VLM, "_window_tokens"),          # every patch or the kept cells (vlm.encode)
+    "vlm_vision": (vlm_encoder.VisionEncoder, "window_tokens"),          # every patch or the kept cells (vlm.encode)
     "vlm_window_prefix": (vlm_model.VLM, "window_prefix"),
     "vlm_question_prefixes": (vlm_model.VLM, "question_prefixes"),
     "vlm_generate": (vlm_model.VLM, "generate"),

@@ -33,7 +33,8 @@ import torch
 import benchmarks.bench_pipeline as bp
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
-from pipeline.core.stages import DecodeStage, RunStatus
+from pipeline.core.items import RunStatus
+from pipeline.core.stages import DecodeStage
 from sources.process import ProcessSource
 from sources.video import DECODERS
 

@@ -27,8 +27,8 @@ import torch
 
 from benchmarks.bench_vlm import build_vlm, sync, synthetic_window
 from benchmarks.common import device_name
-from pipeline.vlm.config import VLMConfig
-from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm_config import VLMConfig
+from pipeline.runtime.requests import AnswerRequest
 
 
 def requests(vlm, n: int, T: int, H: int, W: int, retention: float, seed: int = 0) -> list[AnswerRequest]:

@@ -28,7 +28,7 @@ from benchmarks.common import cuda_kernels, profiler_device, profiler_vlm  # noq
 
 def ready_decoder(vlm, rows: int, length: int, prefix_len: int):
     """The VLM's (rows, length) decoder, started at slot prefix_len (its step captured on CUDA)."""
-    decoder = vlm._decoder(rows, length, steps=True)
+    decoder = vlm.pool._decoder(rows, length, steps=True)
     decoder.start(torch.full((rows,), prefix_len, dtype=torch.long, device=vlm.device),
                   [(0, 0)] * rows, prefix_len)
     return decoder
@@ -93,7 +93,7 @@ def main() -> None:
             rows.append(row)
             print(f"{r:>5} {length:>6} {row['step_ms']:>8} {row.get('kernel_us', '-'):>9} {row.get('kernels', '-'):>7}",
                   flush=True)
-            vlm._decoders.clear()                                             # the next shape's room
+            vlm.pool._decoders.clear()                                             # the next shape's room
     for row in rows[:1] + rows[-1:]:
         for name, count, each, total in row.get("by_name", []):
             print(f"  rows {row['rows']} slots {row['slots']}: {total:8.1f} us  {count:6.1f} x {each:7.2f} us  {name}")

@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks.bench_vlm import build_vlm, sync, timed
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 
 KINDS = [("gemm", r"gemm|gemv|cutlass|sm90_xmma|ampere_|nvjet|cublas"), ("attention", r"flash|fmha|attention|softmax"),
          ("norm", r"rsqrt|norm|mean|pow"), ("rotary", r"cat|neg|slice|index"), ("elementwise", r"elementwise|vectorized|silu|mul|add|copy")]
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     for L in args.lengths:
         embeds = torch.randn(1, L, D, device=device, dtype=dtype) * 0.02
         positions = torch.arange(L, device=device).expand(3, 1, L)
-        decoder = vlm._decoder(1, -(-(L + 8) // 256) * 256, steps=False)
-        pool = vlm._pool() if args.graph and device.type == "cuda" else None
+        decoder = vlm.pool._decoder(1, -(-(L + 8) // 256) * 256, steps=False)
+        pool = vlm.pool.graph_pool() if args.graph and device.type == "cuda" else None
         fn = lambda: decoder.prefill(embeds, positions, [0], pool=pool)     # noqa: E731
         ms = timed(fn, device, args.reps)[0] * 1e3
         by_kind, kernels = profile(fn, device)

@@ -29,9 +29,9 @@ import time
 import torch
 
 from benchmarks.bench_vlm import QUESTION, build_vlm, keep_maps, relevance_map, synthetic_window
-from pipeline.core.cuda import window_frames
-from pipeline.vlm.config import VLMConfig
-from pipeline.vlm.model import AnswerRequest
+from pipeline.runtime.cuda import window_frames
+from pipeline.vlm_config import VLMConfig
+from pipeline.runtime.requests import AnswerRequest
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.bench_vlm import build_vlm, synthetic_window, timed
 from benchmarks.profile_prefill import print_profile, profile
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 
 MODES = {"hf": False, "fast": True}     # label: VLMConfig.fast_vision
 
@@ -38,10 +38,10 @@ def measure(arch, mode, frames, device, dtype, reps, top) -> dict:
     H, W = frames.shape[1:3]
     vlm = build_vlm(arch, device, dtype, VLMConfig(dtype=str(dtype)[6:], max_pixels=max(H * W, 56 * 56),
                                                    fast_vision=MODES[mode]))
-    pixels, grid = vlm._preprocess([frames])
-    fn = functools.partial(vlm._vision, pixels, grid)
+    pixels, grid = vlm.encoder.preprocess([frames])
+    fn = functools.partial(vlm.encoder.vision, pixels, grid)
     ms = timed(fn, device, reps)[0] * 1e3
-    vlm._vision_graphs = None                                                # the same kernels, launched eagerly
+    vlm.encoder._vision_graphs = None                                                # the same kernels, launched eagerly
     eager_ms = timed(fn, device, reps)[0] * 1e3
     by_kind, kernels = profile(fn, device)
     total = sum(by_kind.values())

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from arr_coc.attending import retained_tokens
 from arr_coc.lod import DROPPED, FULL, TEMPORAL_PATCH, token_frames
 
 Policy = Literal["uniform", "random", "evs", "fastvid"]
@@ -35,10 +36,16 @@ NEEDS_FEATURES = ("evs", "fastvid")
 
 
 def budget(retention: float, tokens_full: int) -> int:
-    """Tokens to keep of tokens_full at this retention (0 < retention <= 1)."""
+    """Tokens to keep of tokens_full at this retention (0 < retention <= 1): retained_tokens' rule,
+    at least one."""
     if not 0.0 < retention <= 1.0:
         raise ValueError(f"Invalid retention ({retention}). Supported values are in (0, 1].")
-    return max(1, min(tokens_full, round(retention * tokens_full)))
+    return max(1, min(tokens_full, retained_tokens(tokens_full, retention)))
+
+
+def _per(tokens: int, parts: int) -> int:
+    """tokens shared among `parts` (frames, pairs), rounded as retained_tokens rounds, at least one."""
+    return max(1, retained_tokens(tokens / parts, 1.0))
 
 
 def _to_frames(pair_keep: torch.Tensor, frames: int, temporal_patch: int) -> np.ndarray:
@@ -51,7 +58,7 @@ def uniform_keep(frames: int, grid: tuple[int, int], retention: float,
                  temporal_patch: int = TEMPORAL_PATCH) -> np.ndarray:
     """Evenly spaced whole frame pairs (the first and last included where two or more are kept)."""
     pairs, (gh, gw) = token_frames(frames, temporal_patch), grid
-    k = max(1, round(budget(retention, pairs * gh * gw) / (gh * gw)))
+    k = _per(budget(retention, pairs * gh * gw), gh * gw)
     chosen = torch.zeros(pairs, dtype=torch.bool)
     chosen[torch.linspace(0, pairs - 1, k).round().long()] = True              # (T',)
     return _to_frames(chosen[:, None, None].expand(pairs, gh, gw), frames, temporal_patch)
@@ -61,7 +68,7 @@ def random_keep(frames: int, grid: tuple[int, int], retention: float, seed: int 
                 temporal_patch: int = TEMPORAL_PATCH) -> np.ndarray:
     """The same number of random cells in every frame pair (spread like ARR-COC's per-frame budget)."""
     pairs, (gh, gw) = token_frames(frames, temporal_patch), grid
-    per_pair = max(1, round(budget(retention, pairs * gh * gw) / pairs))
+    per_pair = _per(budget(retention, pairs * gh * gw), pairs)
     g = torch.Generator().manual_seed(seed)
     order = torch.rand(pairs, gh * gw, generator=g).argsort(1)                # (T', N)
     keep = torch.zeros(pairs, gh * gw, dtype=torch.bool)
@@ -119,7 +126,7 @@ def fastvid_keep(merged: torch.Tensor, frames: int, retention: float, temporal_p
     """merged (T', gh, gw, D) -> keep: per segment, each pair's tokens of highest density-peak score,
     every pair getting the same share of the budget."""
     Tp, gh, gw, D = merged.shape
-    per_pair = max(1, round(budget(retention, Tp * gh * gw) / Tp))
+    per_pair = _per(budget(retention, Tp * gh * gw), Tp)
     keep = torch.zeros(Tp, gh * gw, dtype=torch.bool)
     for seg in segments(merged, threshold, max_segments):
         tokens = merged[seg.start:seg.stop].reshape(-1, D)                    # (len * N, D)

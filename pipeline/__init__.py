@@ -15,7 +15,7 @@ from arr_coc._lazy import lazy_exports
 _HOMES = {
     "Pipeline": "api", "Answer": "api", "VideoAnswers": "api",
     "PipelineConfig": "config",
-    "FrameAllocation": "core.stages",
+    "FrameAllocation": "core.items",
     "AllocationStream": "runners.run", "RunResult": "runners.run",
     "LiveResult": "runners.live", "BatchSummary": "runners.batch",
 }
@@ -24,7 +24,7 @@ __all__ = list(_HOMES)
 if TYPE_CHECKING:
     from .api import Answer, Pipeline, VideoAnswers
     from .config import PipelineConfig
-    from .core.stages import FrameAllocation
+    from .core.items import FrameAllocation
     from .runners.batch import BatchSummary
     from .runners.live import LiveResult
     from .runners.run import AllocationStream, RunResult

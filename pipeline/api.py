@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, TextIO, get_args
 
-from arr_coc._validate import ConfigError, check_choice, check_range
+from arr_coc._validate import ConfigError, check_choice
 
-from .config import PipelineConfig
+from .config import PipelineConfig, validate_every
 
 if TYPE_CHECKING:
     from .runners.batch import BatchSummary
@@ -121,7 +121,7 @@ class Pipeline:
         if decoder is not None:
             check_choice("decoder", decoder, get_args(Decoder))
         if every is not None:
-            check_range("every", every, 0.0, None, lo_open=True)
+            validate_every(every, name="every")
         if query_encoder is not None and not callable(query_encoder):
             raise ConfigError(f"query_encoder must be a callable (question -> (384,) tensor) or None, "
                               f"got {type(query_encoder).__name__}")
@@ -287,7 +287,8 @@ class Pipeline:
 
     def _load_vlm(self, device: Any = None) -> Any:
         """The VLM runtime.vlm names, loaded on first use and kept (None for 'none')."""
-        from .core.setup import load_answerer, runtime_device
+        from .core.setup import runtime_device
+        from .vlm.loading import load_answerer
 
         with self._vlm_lock:
             if not self._vlm_loaded:

@@ -5,13 +5,36 @@ the CLI's own flags (--device, --decoder, --vlm, ...) are shorthands for such ov
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from arr_coc._validate import ConfigError, check_int, check_range
 from arr_coc.model import ARRCOCConfig
 
-from .vlm.config import VLMConfig
+from .vlm_config import VLMConfig
+
+
+# An answer period (`--every`, runtime.every_s, POST /v1/streams' `every`) is at least one frame
+# interval: a window shorter than that holds no frame of its own. Without the source's frame rate,
+# the bound is one frame at 1000 fps, the highest rate a source may declare (sources/live.py); at
+# most a day, so that due times stay exact floats and window arithmetic cannot overflow.
+EVERY_MIN_S = 1e-3
+EVERY_MAX_S = 86_400.0
+
+
+def validate_every(every_s: object, fps: float | None = None, *, name: str = "every") -> float:
+    """`every_s` as a float if it is an answer period in [EVERY_MIN_S, EVERY_MAX_S] and, with the
+    source's frame rate `fps` known, at least one frame interval (1 / fps); else ConfigError, one
+    line naming `name`, the value and the allowed range."""
+    if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not math.isfinite(every_s):
+        raise ConfigError(f"{name} must be a finite number of seconds, got {every_s!r}")
+    low = EVERY_MIN_S if fps is None or not fps > 0 else max(EVERY_MIN_S, 1.0 / fps)
+    if not low <= every_s <= EVERY_MAX_S:
+        frame = f" (one frame at {fps:g} fps)" if low > EVERY_MIN_S else " (one frame at 1000 fps)"
+        raise ConfigError(f"{name}={every_s!r} s is out of range: an answer period is at least {low:.4g} s"
+                          f"{frame} and at most {EVERY_MAX_S:g} s (a day)")
+    return float(every_s)
 
 
 @dataclass(frozen=True)
@@ -59,14 +82,14 @@ class RuntimeConfig:
     queue_capacity: int = 4           # batches buffered between two stages
     cuda_graphs: bool = True          # replay full batches of the front end as CUDA graphs (GPU only)
     model_weights: str = "default"    # ARR-COC weights: "default" (shipped, trained), "none" (initial values) or a path
-    # how a thread waiting for the GPU waits (pipeline/core/cuda.py set_cuda_wait): "block" sleeps
+    # how a thread waiting for the GPU waits (pipeline/runtime/cuda.py set_cuda_wait): "block" sleeps
     # until the GPU is done; "auto" is CUDA's own choice, which spins a core per waiting thread
     # while the process has fewer CUDA contexts than CPUs
     cuda_wait: Literal["block", "auto"] = "block"
 
     def __post_init__(self) -> None:
         if self.every_s is not None:
-            check_range("runtime.every_s", self.every_s, 0.0, None, lo_open=True)
+            validate_every(self.every_s, name="runtime.every_s")
         check_range("runtime.batch_size", self.batch_size, 1, 4096)
         check_range("runtime.queue_capacity", self.queue_capacity, 1, 1024)
         if not self.vlm.strip():
@@ -90,8 +113,8 @@ class PipelineConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
-        # pass 1 keeps candidate_factor times the retention as pass 2's candidates (core/setup.py:
-        # candidate_attending): more than every cell would leave pass 2 a smaller share than asked
+        # pass 1 keeps candidate_factor times the retention as pass 2's candidates (pipeline/budget.py,
+        # BudgetPlan.pass1): more than every cell would leave pass 2 a smaller share than asked
         a, v = self.model.attending, self.vlm
         if v.pass2 != "off" and not v.tempering.ladder and a.selection == "fraction" \
                 and a.retention * v.candidate_factor > 1.0 + 1e-9:

@@ -252,6 +252,10 @@ STREAM_ATTRS = (
          optional=True),
     Attr("truncated_at_s", (int, float, type(None)), "damaged streams: pts of the last stored frame (s)",
          optional=True),
+    Attr("stopped_by", (str,), "live streams: what ended it: end (the source ended: a --realtime file's last "
+         "frame), duration (--duration), stop (asked to: the Python API, the server), interrupt (Ctrl-C, "
+         "SIGTERM), gave_up (--max-reconnects)", optional=True),
+    Attr("outage_s", (int, float), "live streams: seconds without frames, all its gaps together", optional=True),
 )
 
 

@@ -21,7 +21,7 @@ across a reconnect; the exact outage is in the Gap's wall-clock times.
 
 When a stream stalls (no frame for more than read_timeout_s, measured from the last frame, so a
 stall just over the timeout counts too) or drops, the thread reconnects with capped exponential
-backoff and jitter, forever unless `max_reconnects` attempts in a row fail. Every such outage is a
+backoff and jitter, forever unless `max_reconnects` attempts in a row fail (sources/reconnect.py). Every such outage is a
 `Gap` with a reason a person can read ("no frames for 8.0 s (read timeout 5 s)", "server closed the
 connection; reconnect failed: connection refused (4 attempts)"); a StreamInterruptedWarning says
 when it begins and ends. The first frames after a reconnect carry the Gap (last frame before,
@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import os
 import random
 import re
 import threading
@@ -43,89 +42,21 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import av
 import numpy as np
-from av.video.reformatter import VideoReformatter
 
 from sources.errors import SourceError, StreamInterruptedWarning
 from sources.frame import Frame
+from sources.live_connections import (CONNECTIONS, NETWORK_SCHEMES, TRANSPORTS, Connection, LiveConfig, Lost,
+                                      SourceKind, SourceSpec, Stalled)
+from sources.reconnect import Outage, Reconnect
 
-SourceKind = Literal["camera", "network", "file"]
-NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
-TRANSPORTS = ("tcp", "udp")
-_FALLBACK_FPS = 30.0  # for streams that declare no frame rate (the store needs one)
-_RECEIVED_MAX = 256   # packet arrival times kept until their frame comes out of the decoder
+__all__ = ["Gap", "LatestFrames", "LiveConfig", "LiveSource", "NETWORK_SCHEMES", "SourceKind", "SourceSpec",
+           "SourceStats", "TRANSPORTS", "open_live", "parse_source", "percentile", "redact", "window_rate"]
+
 _RATE_WINDOW_S = 2.0  # rates (fps in, fps out) are measured over this many recent seconds
 _RATE_MIN_SPAN_S = 0.5  # ... and over at least this long just after the start (no spike from 2 frames)
-
-
-@dataclass(frozen=True)
-class LiveConfig:
-    """How live sources connect, buffer and recover.
-
-    transport:         RTSP lower transport; TCP survives lossy networks and NAT (default).
-    open_timeout_s:    give up connecting after this long.
-    read_timeout_s:    a stream that delivers nothing for this long has stalled: reconnect.
-    backoff_initial_s, backoff_max_s: reconnect delays double from the first to the cap.
-    backoff_jitter:    each delay is scaled by a random factor in [1 - j, 1 + j], so that many
-                       clients of one server do not reconnect in lockstep.
-    max_reconnects:    give up after this many failed reconnect attempts in a row (None: never).
-    probe_s:           how much of a network stream FFmpeg reads to learn its codec and rate (its
-                       default, 5 s, would delay every reconnect by seconds).
-    buffer_frames:     newest frames kept per source; older ones are dropped (and counted).
-    realtime:          files are allowed and played at their frame rate (demos, tests).
-    decode_threads:    FFmpeg decoding threads per network stream. Frame threads each hold a frame
-                       back, counted in the latencies (they run from a frame's packet arrival).
-                       2 (default): one frame held back (33 ms at 30 fps), two cores' decode rate,
-                       plenty for 720p/1080p H.264; 1: none held back; 0: FFmpeg's choice, up to
-                       one thread per core (16 threads: 15 frames, half a second at 30 fps: on an
-                       H100 box, 16 streams of 720p30 had frame latency p95 580 ms against 109 ms
-                       at 2 threads, bench_live_cuda_h100_16_kept_dt*.json).
-    """
-
-    transport: Literal["tcp", "udp"] = "tcp"
-    open_timeout_s: float = 5.0
-    read_timeout_s: float = 5.0
-    backoff_initial_s: float = 0.1
-    backoff_max_s: float = 1.0
-    backoff_jitter: float = 0.2
-    max_reconnects: int | None = None
-    probe_s: float = 0.5
-    buffer_frames: int = 16
-    realtime: bool = False
-    decode_threads: int = 2
-
-    def __post_init__(self) -> None:
-        from arr_coc._validate import check_choice, check_int, check_range
-
-        check_choice("live.transport", self.transport, TRANSPORTS)
-        check_range("live.open_timeout_s", self.open_timeout_s, 0.0, 3600.0, lo_open=True)
-        check_range("live.read_timeout_s", self.read_timeout_s, 0.0, 3600.0, lo_open=True)
-        check_range("live.backoff_initial_s", self.backoff_initial_s, 0.0, 3600.0)
-        check_range("live.backoff_max_s", self.backoff_max_s, self.backoff_initial_s, 3600.0)
-        check_range("live.backoff_jitter", self.backoff_jitter, 0.0, 1.0)
-        if self.max_reconnects is not None:
-            check_range("live.max_reconnects", self.max_reconnects, 0, None)
-        check_range("live.probe_s", self.probe_s, 0.0, 60.0, lo_open=True)
-        check_range("live.buffer_frames", self.buffer_frames, 1, 10_000)
-        check_int("live.decode_threads", self.decode_threads)
-        check_range("live.decode_threads", self.decode_threads, 0, 64)
-
-    def backoff_s(self, attempt: int, rng: random.Random) -> float:
-        """Delay before reconnect attempt `attempt` (0-based)."""
-        base = min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** min(attempt, 30))
-        return base * (1.0 + self.backoff_jitter * rng.uniform(-1.0, 1.0))
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    kind: SourceKind
-    target: int | str   # camera index, device path, URL or file path
-    stream_id: str
-    name: str           # what messages show: the spec with any password removed
 
 
 @dataclass(frozen=True)
@@ -149,51 +80,6 @@ class SourceStats:
     gaps: int = 0       # outages so far (stalls, drops), the current one included
     outage_s: float = 0.0   # seconds without frames in those outages, up to now for a current one
     connected: bool = True  # False during an outage and once the capture ended
-
-
-class _OpenError(SourceError):
-    """A source could not be (re)opened. `cause` is the why without the source's name, for a Gap's reason."""
-
-    def __init__(self, name: str, message: str, cause: str) -> None:
-        super().__init__(f"{name}: {message}")
-        self.cause = cause
-
-
-class _Stalled(Exception):
-    """No frame for longer than the read timeout (FFmpeg's interrupt, or frames that stopped coming)."""
-
-    def __init__(self, waited_s: float) -> None:
-        self.waited_s = waited_s
-
-
-class _Lost(Exception):
-    """The connection ended; `cause` says how (for a Gap's reason)."""
-
-    def __init__(self, cause: str) -> None:
-        self.cause = cause
-
-
-@dataclass
-class _Outage:
-    """A live stream without frames since (start_pts, start_wall): its Gap once it ends."""
-
-    cause: str                  # how it began; a stall's reason states the whole outage's length
-    stalled: bool
-    read_timeout_s: float
-    start_pts: float
-    start_wall: float
-    failures: int = 0           # reconnect attempts that failed
-    last_failure: str = ""
-
-    def reason(self, end_wall: float, ending: str | None = None) -> str:
-        parts = [f"no frames for {end_wall - self.start_wall:.1f} s (read timeout {self.read_timeout_s:g} s)"
-                 if self.stalled else self.cause]
-        if self.failures:
-            attempts = f" ({self.failures} attempts)" if self.failures > 1 else ""
-            parts.append(f"reconnect failed: {self.last_failure}{attempts}")
-        if ending:
-            parts.append(ending)
-        return "; ".join(parts)
 
 
 def redact(url: str) -> str:
@@ -233,186 +119,6 @@ def parse_source(spec: str, *, realtime: bool = False) -> SourceSpec:
         raise SourceError(f"{spec} is a file; pass --realtime to play it as a live source at its frame rate "
                           f"(or use `python -m pipeline run` to process it offline)")
     return SourceSpec("file", str(path), _sanitize(path.stem), spec)
-
-
-class _Connection:
-    """One open connection to a source: `frames()` yields (stream pts or None, rgb, arrival or None)
-    until it drops; arrival (time.time()) is when the frame's data came in, where the connection
-    knows it (a network stream: its packet), else None (the frame's own time out of the source)."""
-
-    width: int
-    height: int
-    fps: float
-    truncated = False   # a file whose decoding damage stopped early (set once frames() ended)
-
-    def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class _NetworkConnection(_Connection):
-    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
-        options = {"analyzeduration": str(int(cfg.probe_s * 1e6))}
-        if urlsplit(spec.target).scheme.lower().startswith("rtsp"):
-            options["rtsp_transport"] = cfg.transport
-        started = time.monotonic()
-        try:
-            # PyAV's (open, read) timeouts abort a blocked open / read through FFmpeg's interrupt callback
-            self.container = av.open(spec.target, options=options, timeout=(cfg.open_timeout_s, cfg.read_timeout_s))
-        except (av.FFmpegError, OSError) as e:
-            waited = time.monotonic() - started
-            if waited >= 0.9 * cfg.open_timeout_s:
-                raise _OpenError(spec.name, f"no answer from the server within the {cfg.open_timeout_s:g} s open timeout",
-                                 f"no answer within the {cfg.open_timeout_s:g} s open timeout") from e
-            raise _OpenError(spec.name, f"cannot open the stream ({_reason(e)})", _lower(_reason(e))) from e
-        if not self.container.streams.video:
-            self.container.close()
-            raise _OpenError(spec.name, "the stream has no video track", "the stream has no video track")
-        self.stream = self.container.streams.video[0]
-        self.stream.thread_type = "AUTO"
-        if cfg.decode_threads:
-            self.stream.codec_context.thread_count = cfg.decode_threads
-        rate = self.stream.average_rate or self.stream.guessed_rate
-        self.fps = float(rate) if rate and 0 < float(rate) <= 1000 else _FALLBACK_FPS
-        ctx = self.stream.codec_context
-        if not ctx.width or not ctx.height:
-            self.container.close()
-            raise _OpenError(spec.name, f"no video size found in the first {cfg.probe_s:g} s of the stream "
-                             f"(raise live.probe_s)", "no video size found in the stream")
-        # a stream that comes back at another size is scaled to the size it started with (the
-        # allocation grid of a stream is fixed)
-        self.width, self.height = size or (ctx.width, ctx.height)
-        self._reformatter = VideoReformatter()
-        self._read_timeout_s = cfg.read_timeout_s
-
-    def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
-        """Frames until the server closes the connection (returns) or nothing comes for longer
-        than the read timeout (_Stalled). PyAV's read timeout alone misses stalls up to twice the
-        timeout: when it interrupts a read, FFmpeg flushes its parser and returns the held-back
-        packet instead of the error, and the next read gets a fresh timeout. So the time is
-        measured from the last frame, at every packet, too. Until a connection's first frame, the
-        last packet counts: a camera with keyframes further apart than the timeout is waited for."""
-        last, framed = time.monotonic(), False
-        received: dict[int, float] = {}   # packet pts -> its arrival (time.time()), until its frame is out
-        try:
-            for packet in self.container.demux(self.stream):
-                now = time.monotonic()
-                if now - last > self._read_timeout_s:
-                    raise _Stalled(now - last)
-                if not framed:
-                    last = now
-                if packet.pts is not None:
-                    received[packet.pts] = time.time()
-                    if len(received) > _RECEIVED_MAX:   # frames that never came out (corrupt, dropped)
-                        del received[next(iter(received))]
-                for frame in packet.decode():
-                    if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
-                        continue
-                    rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
-                                                     format="rgb24").to_ndarray()     # (H, W, 3)
-                    # FFmpeg's frame threads hold frames back (about one per thread): the frame's
-                    # arrival is its packet's, so latencies count the decoder's delay too
-                    came = received.pop(frame.pts, None) if frame.pts is not None else None
-                    yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb, came
-                    last, framed = time.monotonic(), True
-        except av.ExitError:   # "Immediate exit requested": PyAV's read timeout interrupted FFmpeg
-            raise _Stalled(time.monotonic() - last) from None
-        except (ConnectionResetError, BrokenPipeError):
-            raise _Lost("server closed the connection (connection reset)") from None
-        except (av.FFmpegError, OSError) as e:
-            raise _Lost(f"stream error: {_lower(_reason(e))}") from None
-        raise _Lost("server closed the connection")
-
-    def close(self) -> None:
-        self.container.close()
-
-
-def _quiet_opencv() -> None:
-    """OpenCV logs every capture backend it tries and fails (V4L2, its FFmpeg, Orbbec: ~10 lines for
-    a missing camera) before we can say one line ourselves. Its logger goes silent (process-wide,
-    as PyAV's FFmpeg log is); its FFmpeg reads OPENCV_FFMPEG_LOGLEVEL when that backend first starts."""
-    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")   # AV_LOG_QUIET
-    import cv2
-
-    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
-
-
-class _CameraConnection(_Connection):
-    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
-        _quiet_opencv()
-        import cv2
-
-        params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(cfg.open_timeout_s * 1000),
-                  cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(cfg.read_timeout_s * 1000)]
-        self.cap = cv2.VideoCapture(spec.target, cv2.CAP_ANY, params)
-        if not self.cap.isOpened():
-            self.cap.release()
-            raise _OpenError(spec.name, "cannot open the camera (no such device, busy, or no permission)",
-                             "cannot open the camera")
-        ok, bgr = self.cap.read()
-        if not ok:
-            self.cap.release()
-            raise _OpenError(spec.name, "the camera opened but delivers no frames", "the camera delivers no frames")
-        self._first = bgr
-        fps = self.cap.get(cv2.CAP_PROP_FPS)
-        self.fps = float(fps) if 0 < fps <= 1000 else _FALLBACK_FPS
-        self.width, self.height = size or (bgr.shape[1], bgr.shape[0])
-        self._read_timeout_s = cfg.read_timeout_s
-
-    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
-        import cv2
-
-        bgr, self._first = self._first, None
-        while True:
-            if bgr is None:
-                started = time.monotonic()
-                ok, bgr = self.cap.read()
-                if not ok:   # stalled past the backend's read timeout, or unplugged
-                    waited = time.monotonic() - started
-                    if waited >= 0.9 * self._read_timeout_s:
-                        raise _Stalled(waited)
-                    raise _Lost("the camera stopped delivering frames (unplugged?)")
-            if bgr.shape[:2] != (self.height, self.width):
-                bgr = cv2.resize(bgr, (self.width, self.height), interpolation=cv2.INTER_AREA)
-            msec = self.cap.get(cv2.CAP_PROP_POS_MSEC)
-            yield (msec / 1000.0 if msec > 0 else None), cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), None
-            bgr = None
-
-    def close(self) -> None:
-        self.cap.release()
-
-
-class _FileConnection(_Connection):
-    """A video file paced to its own timestamps, like a camera that ends when the file does."""
-
-    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
-        from sources.video import open_video
-
-        self.video = open_video(spec.target, stream_id=spec.stream_id)
-        self.fps, self.width, self.height = float(self.video.fps), self.video.width, self.video.height
-
-    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
-        start = first_pts = None
-        for frame in self.video:
-            if start is None:
-                start, first_pts = time.monotonic(), frame.pts_s
-            delay = start + (frame.pts_s - first_pts) - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            yield frame.pts_s, frame.rgb, None
-        raise _Lost("end of file")
-
-    @property
-    def truncated(self) -> bool:
-        return self.video.truncated
-
-    def close(self) -> None:
-        self.video.close()
-
-
-_CONNECTIONS = {"network": _NetworkConnection, "camera": _CameraConnection, "file": _FileConnection}
 
 
 class LatestFrames:
@@ -504,16 +210,18 @@ class LiveSource:
         self.reconnects = 0
         self.error: SourceError | None = None   # why the source gave up, if it did
         self.truncated = False                   # a file whose decoding damage stopped early (warned)
+        self.reached_end = False                 # the source ended by itself (a file played to its end)
         self._stop = threading.Event()
         self._rng = random.Random()
+        self._policy = Reconnect(lambda failures: config.backoff_s(failures, self._rng), config.max_reconnects)
         self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
         self._thread: threading.Thread | None = None
-        self._conn: _Connection | None = None
+        self._conn: Connection | None = None
         self._t0 = 0.0
         self._begin_lock = threading.Lock()
         self.began_at: float | None = None       # time.time() when the consumer became ready
         self._last: tuple[float, float] | None = None   # (pts, arrival) of the last frame
-        self._outage: _Outage | None = None             # the stream is down since then
+        self._outage: Outage | None = None             # the stream is down since then
         self._outages = 0
         self._outage_s = 0.0                            # seconds of the outages that ended
         self._lock = threading.Lock()                   # ends an open outage once (thread or close())
@@ -523,7 +231,7 @@ class LiveSource:
     def start(self) -> "LiveSource":
         """Open the source (SourceError if it cannot be opened). A stream is read from now on (that
         keeps its connection alive); a file starts playing at `begin()`."""
-        self._conn = _CONNECTIONS[self.spec.kind](self.spec, self.config, None)
+        self._conn = CONNECTIONS[self.spec.kind](self.spec, self.config, None)
         self.width, self.height, self.fps = self._conn.width, self._conn.height, self._conn.fps
         self._t0 = time.time()
         if self.spec.kind != "file":
@@ -589,13 +297,14 @@ class LiveSource:
         return f"LiveSource({self.name!r}, kind={self.spec.kind!r}, stream_id={self.stream_id!r})"
 
     def _capture(self) -> None:
-        conn: _Connection | None = self._conn
+        conn: Connection | None = self._conn
         try:
             while conn is not None and not self._stop.is_set():
                 lost = self._pump(conn)
                 conn.close()
                 self.truncated = self.truncated or conn.truncated
                 if self._stop.is_set() or self.spec.kind == "file":
+                    self.reached_end = lost is not None and not self._stop.is_set()   # a file's last frame
                     break
                 self._lose(lost)
                 conn = self._reconnect()
@@ -607,7 +316,7 @@ class LiveSource:
             else:
                 self._end_capture(time.time(), "gave up" if self.error is not None else None)
 
-    def _pump(self, conn: _Connection) -> _Lost | _Stalled | None:
+    def _pump(self, conn: Connection) -> Lost | Stalled | None:
         """Deliver frames from one connection until it drops; return why (None: stopped)."""
         segment: tuple[float, float] | None = None   # (session pts, stream pts) of the first timed frame
         try:
@@ -628,24 +337,23 @@ class LiveSource:
                 self.frames_in += 1
                 self._last = (pts, arrival)
                 self._arrivals.append(arrival)
-        except (_Lost, _Stalled) as e:
+        except (Lost, Stalled) as e:
             return e
         return None
 
-    def _lose(self, lost: _Lost | _Stalled | None) -> None:
+    def _lose(self, lost: Lost | Stalled | None) -> None:
         """The stream just went down: an outage starts. A reconnection that delivered no frame
         before it dropped again is one more failed attempt of the outage already open."""
         if lost is None:
             return
         if self._outage is not None:
-            self._outage.failures += 1
-            self._outage.last_failure = (f"no frames within the {self.config.read_timeout_s:g} s read timeout"
-                                         if isinstance(lost, _Stalled) else lost.cause)
+            self._outage.fail(f"no frames within the {self.config.read_timeout_s:g} s read timeout"
+                              if isinstance(lost, Stalled) else lost.cause)
             return
         start_pts, start_wall = self._last if self._last is not None else (0.0, self._t0)
-        stalled = isinstance(lost, _Stalled)
+        stalled = isinstance(lost, Stalled)
         cause = f"no frames for {lost.waited_s:.1f} s" if stalled else lost.cause
-        self._outage = _Outage(cause, stalled, self.config.read_timeout_s, start_pts, start_wall)
+        self._outage = Outage(cause, stalled, self.config.read_timeout_s, start_pts, start_wall)
         self._outages += 1
         since = f"at {start_pts:.1f} s" if self._last is not None else "before its first frame"
         warnings.warn(f"{self.name}: stream lost {since} ({cause}"
@@ -680,30 +388,17 @@ class LiveSource:
                            outage.start_wall + length, outage.reason(now, ending or "still down when the capture ended"))
         self.buffer.close(last_gap)
 
-    def _reconnect(self) -> _Connection | None:
-        """Reconnect with capped exponential backoff and jitter; None when stopped or giving up."""
-        attempt = 0
+    def _reconnect(self) -> Connection | None:
+        """The next connection of the open outage (sources/reconnect.py: its backoff grows with the
+        outage's failures, whichever way each failed); None when stopped or giving up."""
+        if self._outage is None:   # the stream ended without an outage: stopped
+            return None
         size = (self.width, self.height)
-        outage = self._outage
-        while not self._stop.is_set():
-            if self.config.max_reconnects is not None and attempt >= self.config.max_reconnects:
-                last = outage.reason(time.time()) if outage is not None else "the stream was lost"
-                self.error = SourceError(f"{self.name}: gave up after {attempt} failed reconnect attempts "
-                                         f"(--max-reconnects {self.config.max_reconnects}); last: {last}")
-                return None
-            if self._stop.wait(self.config.backoff_s(attempt, self._rng)):
-                return None
-            attempt += 1
-            try:
-                conn = _CONNECTIONS[self.spec.kind](self.spec, self.config, size)
-            except SourceError as e:
-                if outage is not None:
-                    outage.failures += 1
-                    outage.last_failure = e.cause if isinstance(e, _OpenError) else _lower(str(e))
-                continue
+        conn, self.error = self._policy.run(self._outage, lambda: CONNECTIONS[self.spec.kind](self.spec, self.config, size),
+                                            self._stop, self.name)
+        if conn is not None:
             self.reconnects += 1
-            return conn
-        return None
+        return conn
 
 
 def open_live(spec: str, *, config: LiveConfig | None = None, stream_id: str | None = None) -> LiveSource:
@@ -713,16 +408,6 @@ def open_live(spec: str, *, config: LiveConfig | None = None, stream_id: str | N
     if stream_id is not None:
         parsed = SourceSpec(parsed.kind, parsed.target, stream_id, parsed.name)
     return LiveSource(parsed, config).start()
-
-
-def _reason(e: BaseException) -> str:
-    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
-    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
-
-
-def _lower(text: str) -> str:
-    """FFmpeg's "Connection refused" inside a sentence: "connection refused" (acronyms stay)."""
-    return text[:1].lower() + text[1:] if text[1:2].islower() else text
 
 
 def window_rate(times: list[float], now: float, *, window_s: float = _RATE_WINDOW_S,

@@ -2,8 +2,9 @@
 
 Why: decoding runs in Python's thread pool poorly. The other stages of the pipeline (model
 launches, zarr writes, VLM generation) hold the GIL often, and a decode thread that needs it for
-every frame starves: with one busy Python thread beside it, PyAV's decode rate here fell from
-~740 to ~30 frames/s. In its own process the decoder keeps its rate whatever the stages do.
+every frame starves: one busy Python thread beside it cuts PyAV's decode rate by more than an
+order of magnitude (docs/performance.md). In its own process the decoder keeps its rate whatever
+the stages do.
 
 Protocol: the parent owns `slots` shared-memory batch buffers, of (batch, H, W, 3) uint8 RGB,
 or with `device_color` and a PyAV stream of 8-bit YUV 4:2:0, of (batch, frame_bytes) raw planes
@@ -378,8 +379,8 @@ def _worker(job: int, path: str, kwargs: dict, shm_name: str, shape: tuple, yuv:
 class _Prefetched:
     """Iterate `items` in a thread up to `depth` ahead, so that decoding (FFmpeg's and decord's
     own threads, with the GIL released) overlaps the copies into the slots: the worker then runs
-    at the slower of the two, not their sum (H100, 1080p YUV: ~1450 -> ~1650 frames/s; RGB: ~470 -> ~1000). Leaving the
-    `with` stops and joins the thread before the caller closes the decoder under it."""
+    at the slower of the two, not their sum. Leaving the `with` stops and joins the thread before
+    the caller closes the decoder under it."""
 
     _END = object()
 

@@ -535,6 +535,11 @@ def _check_start(path: Path, start_s: float, duration_s: float | None) -> None:
         raise SourceError(f"{path}: start_s={start_s} is past the end of the video ({duration_s:.3f} s)")
 
 
+# FFmpeg decoders that render text or karaoke graphics as "video": a text file named .nfo/.ans/.cdg
+# opens as one, and would be answered as footage
+NOT_VIDEO_CODECS = frozenset({"ansi", "bintext", "xbin", "idf", "cdgraphics"})
+
+
 def _open_container(path: Path) -> tuple[av.container.InputContainer, av.video.stream.VideoStream]:
     """Open with PyAV and pick the video stream (cover art in audio files does not count)."""
     try:
@@ -548,6 +553,11 @@ def _open_container(path: Path) -> tuple[av.container.InputContainer, av.video.s
         kinds = ", ".join(sorted({s.type for s in container.streams})) or "none"
         container.close()
         raise SourceError(f"{path}: no video stream (streams found: {kinds})")
+    codec = videos[0].codec_context.codec
+    if codec.name in NOT_VIDEO_CODECS:
+        container.close()
+        raise SourceError(f"{path}: not a video, FFmpeg would draw it as {codec.long_name} ({codec.name!r}): "
+                          f"text or karaoke graphics, not camera or film footage")
     return container, videos[0]
 
 
@@ -639,8 +649,7 @@ class _DecordMemory:
 
 def _decord_numpy(batch: object) -> np.ndarray:
     """A decord uint8 NDArray as a writable numpy array over the same memory. asnumpy() copies it
-    into fresh memory (page faults included: a quarter to a half of get_batch's own time on a
-    2-core CPU, ~1-1.6 ms per 1080p frame), and every reader copies the frames on anyway (into a
+    into fresh memory (page faults included: a large share of get_batch's own time), and every reader copies the frames on anyway (into a
     batch, a shared slot). Not np.from_dlpack: numpy marks DLPack imports read-only, and frames
     from asnumpy() were writable."""
     tensor = batch.handle.contents  # DLTensor: data, ctx, ndim, dtype, shape, strides, byte_offset

@@ -1,7 +1,9 @@
-"""The layout is the architecture: dependencies point one way (DESIGN.md, "Where things live").
+"""The layout is the architecture: dependencies point one way (docs/architecture.md: the packages
+and their order).
 
-Every import counts, at module level or inside a function (lazy imports still tie modules
-together), except those under `if TYPE_CHECKING:`.
+Every import counts: at module level, inside a function (lazy imports still tie modules together)
+and under `if TYPE_CHECKING:` (a type-only import is a dependency all the same: a reader needs the
+other module to follow this one, and two modules that name each other's types are one module).
 """
 from __future__ import annotations
 
@@ -19,10 +21,6 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, (ast.Name, ast.Attribute)) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imports(path: Path, module: str, known: set[str]) -> set[str]:
     """Modules of this repository that `module` imports (resolved to the longest known name)."""
     tree = ast.parse(path.read_text())
@@ -31,8 +29,6 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                continue
             if isinstance(child, ast.Import):
                 found.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -114,9 +110,22 @@ def test_nothing_imports_a_command_module():
     ("sources", ("pipeline", "evaluation")),
     ("sinks", ("pipeline", "evaluation")),
     ("evaluation", ("pipeline",)),                   # datasets, fixtures, baselines, metrics: below training
-    ("pipeline.vlm", ("pipeline.core.stages", "pipeline.core.frontend_graphs", "pipeline.core.compose",
-                      "pipeline.runners", "pipeline.commands", "pipeline.training")),
-    ("pipeline.core", ("pipeline.runners", "pipeline.commands", "pipeline.training", "pipeline.serve")),
+    # below the graph and the engine: CUDA helpers, sockets, the request types; then the configs
+    ("pipeline.runtime", ("pipeline.config", "pipeline.vlm_config", "pipeline.configio", "pipeline.budget",
+                          "pipeline.core",
+                          "pipeline.vlm", "pipeline.runners", "pipeline.serve", "pipeline.api",
+                          "pipeline.commands", "pipeline.training")),
+    ("pipeline.vlm_config", ("pipeline.config", "pipeline.core", "pipeline.vlm", "pipeline.runners",
+                             "pipeline.serve", "pipeline.api", "pipeline.commands", "pipeline.training")),
+    ("pipeline.config", ("pipeline.budget", "pipeline.core", "pipeline.vlm", "pipeline.runners", "pipeline.serve",
+                         "pipeline.api", "pipeline.commands", "pipeline.training")),
+    ("pipeline.budget", ("pipeline.core", "pipeline.vlm", "pipeline.runners", "pipeline.serve", "pipeline.api",
+                         "pipeline.commands", "pipeline.training")),
+    # the graph (core) and the engine (vlm) side by side: neither imports the other
+    ("pipeline.vlm", ("pipeline.core", "pipeline.runners", "pipeline.commands", "pipeline.training",
+                      "pipeline.serve", "pipeline.api")),
+    ("pipeline.core", ("pipeline.vlm", "pipeline.runners", "pipeline.commands", "pipeline.training",
+                       "pipeline.serve", "pipeline.api")),
     ("pipeline.runners", ("pipeline.commands", "pipeline.serve")),
     ("pipeline.serve", ("pipeline.commands", "pipeline.training")),
 ])
@@ -141,9 +150,18 @@ def test_the_walker_sees_imports():
     """The checks above are only as good as the import walk: it must see lazy and relative imports."""
     assert "pipeline.core.setup" in GRAPH["pipeline.runners.run"]
     assert "pipeline.runners.ray_batch" in GRAPH["pipeline.api"]      # a lazy import
-    assert "pipeline.core.cuda" in GRAPH["pipeline.vlm.decoding"]
+    assert "pipeline.runtime.cuda" in GRAPH["pipeline.vlm.decoding"]
     GRAPH["pipeline.core.graph"].add("pipeline.runners.run")   # a planted cycle is found
     try:
         assert any("pipeline.core.graph" in c for c in _cycles())
     finally:
         GRAPH["pipeline.core.graph"].discard("pipeline.runners.run")
+
+
+def test_test_modules_have_unique_basenames():
+    """tests/ has no package __init__ files, so pytest imports each test module by its basename:
+    two files of one name stop the whole collection ('import file mismatch')."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}

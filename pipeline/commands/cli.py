@@ -12,7 +12,9 @@ Exit codes: 0 ok, 2 bad input or options, 1 a stage failed, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import logging
 import signal
 import sys
 import traceback
@@ -105,7 +107,7 @@ def _add_batch(sub: Any) -> None:
                    help="with --processes on a CUDA GPU: run the processes as clients of an NVIDIA MPS daemon (the "
                         "one running, else one started and stopped for the run; needs the driver's "
                         "nvidia-cuda-mps-control), so that their kernels share the GPU at once instead of taking "
-                        "turns (+32-34%% questions/s with 4 processes on an H100: docs/performance.md)")
+                        "turns (docs/performance.md)")
     p.add_argument("--vlm-server", help=argparse.SUPPRESS)  # set by --processes: the shared VLM's socket
     _common(p)
     p.set_defaults(func=_lazy("batch", "cmd_batch"))
@@ -194,7 +196,7 @@ def _add_live(sub: Any) -> None:
                         "it; default: %(default)s; 1: none held back; 0: FFmpeg's choice, up to one per core)")
     p.add_argument("--vlm-process", action="store_true",
                    help="run the VLM in a process of its own (no interpreter lock shared with the capture and "
-                        "front-end threads; on an H100 at 16 streams no faster than the default thread)")
+                        "front-end threads; off by default: docs/performance.md)")
     p.set_defaults(func=_lazy("live", "cmd_live"))
 
 
@@ -208,8 +210,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--allow-dir", dest="allow_dirs", action="append", default=[], metavar="DIR",
                    help="serve file:// videos from inside this directory (repeatable; default: none)")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 route "
-                                     "(default: the ARRCOC_API_KEY environment variable)")
+    p.add_argument("--api-key", action="append", help="require `Authorization: Bearer KEY` on every /v1 route "
+                   "(default: the ARRCOC_API_KEY environment variable); repeat for several clients, each "
+                   "seeing only its own files and streams")
     p.add_argument("--uploads", metavar="DIR", help="where uploaded videos are kept (default: <store>.uploads)")
     p.add_argument("--max-upload-mb", type=float, default=512.0, metavar="MB",
                    help="largest upload or data: URL (default: %(default)g)")
@@ -221,6 +224,13 @@ def _add_serve(sub: Any) -> None:
                    help="requests whose front ends run at once; the rest queue (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=8, metavar="N",
                    help="live streams over HTTP at once (default: %(default)s)")
+    p.add_argument("--max-question-chars", type=int, default=8192, metavar="N",
+                   help="longest question a request may ask, in characters (default: %(default)s)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request head is not in by then (default: %(default)g)")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="open connections; at the cap the oldest one still sending its head is closed "
+                        "(default: %(default)s, at most half the open-file limit)")
     p.add_argument("--ray", metavar="ADDRESS", help="deploy on Ray Serve instead: 'local' (start Ray here), 'auto' "
                                                     "(a running cluster) or a cluster address")
     p.add_argument("--replicas", default="1", metavar="MIN[:MAX]",
@@ -290,11 +300,42 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+PACKAGES = ("arr_coc", "evaluation", "pipeline", "sinks", "sources")   # whose loggers the CLI shows
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Our packages' log records on whatever sys.stderr is now: "warning: ..." / "error: ..." lines,
+    info lines as they are (a server's address, the per-stage metrics of -v)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+
+
+def _configure_logging(verbose: bool) -> None:
+    """What the library modules log is shown on stderr: info and up (debug with -v). Only our own
+    packages' loggers: third-party libraries keep their own levels."""
+    for name in PACKAGES:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
+            logger.removeHandler(old)                  # main() runs more than once in one process (tests)
+        logger.addHandler(_StderrHandler())
+        logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM ends cleanly, like Ctrl-C
+    from ..core.graph import INTERRUPTS
+
+    INTERRUPTS.reset()
+    signal.signal(signal.SIGTERM, functools.partial(_raise_interrupt, INTERRUPTS))  # SIGTERM ends cleanly, like Ctrl-C
     warnings.formatwarning = _one_line_warning
     _quiet_ffmpeg()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
+    _configure_logging(verbose)
     try:
         args = build_parser(_prog()).parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)   # batch --processes starts itself again
@@ -349,5 +390,8 @@ def _quiet_ffmpeg() -> None:
         pass
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _raise_interrupt(interrupts: Any, signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: while a graph waits (or once the command was interrupted) the signal is
+    queued for the wait to act on (core/graph.py: Interrupts), else KeyboardInterrupt."""
+    if not interrupts.absorb():
+        raise KeyboardInterrupt

@@ -11,9 +11,11 @@ class UsageError(Exception):
 
 
 def load_run_config(args: argparse.Namespace):
-    from ..config import PipelineConfig
+    from ..config import PipelineConfig, validate_every
     from ..configio import load_config
 
+    if getattr(args, "every", None) is not None:   # named as the user wrote it, not runtime.every_s
+        validate_every(args.every, name="--every")
     overrides = list(args.overrides)
     for flag, key in (("device", "runtime.device"), ("decoder", "decode.decoder"), ("vlm", "runtime.vlm"),
                       ("every", "runtime.every_s")):

@@ -14,11 +14,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.overlay:
         raise ConfigError("--overlay is not supported by `serve` (the page at / draws the homunculus)")
+    keys = args.api_key or [None]
     options = ServeOptions(host=args.host, port=args.port, allow_dirs=tuple(Path(d) for d in args.allow_dirs),
-                           api_key=resolve_api_key(args.api_key), store=args.out or "serve.zarr",
+                           api_key=resolve_api_key(keys[0]), api_keys=tuple(keys[1:]), store=args.out or "serve.zarr",
                            uploads=Path(args.uploads) if args.uploads else None, max_upload_mb=args.max_upload_mb,
                            max_fetch_mb=args.max_fetch_mb, live_window_s=args.live_window,
-                           max_concurrent=args.max_concurrent, max_streams=args.max_streams)
+                           max_concurrent=args.max_concurrent, max_streams=args.max_streams,
+                           max_question_chars=args.max_question_chars, header_timeout_s=args.header_timeout_s,
+                           max_connections=args.max_connections)
     if args.config is None and not any(o.startswith("decode.process=") for o in args.overrides):
         # many short clips at once: a decode process per request (spawn, shared memory) costs more
         # than it saves; each request's decoder is a thread of the server instead

@@ -21,8 +21,9 @@ from sources.live import LiveSource
 from ..config import PipelineConfig
 from .frontend_graphs import FrontendGraphs
 from .graph import Channel, Graph, Policy, Stage
-from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters
-from .stages import DecodeStage, FrameAllocation, Outcome, RealizeStage, RunStatus, SinkStage, TextureStage
+from .items import FrameAllocation, Outcome, RunStatus
+from .live_stages import CaptureStage, LiveRealizeStage, LiveTextureStage, StreamCounters, stream_ending
+from .stages import DecodeStage, RealizeStage, SinkStage, TextureStage
 
 
 def frontend_graphs(model: ARRCOC, grid: tuple[int, int], query: torch.Tensor, cfg: PipelineConfig,
@@ -80,8 +81,9 @@ def add_answer_tail(graph: Graph, realize: Stage, vlm_stage: Stage | None, sink:
 def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any, query: torch.Tensor,
                  grids: dict[str, tuple[int, int]], cfg: PipelineConfig, device: torch.device,
                  counters: dict[str, StreamCounters], stop: threading.Event, *, vlm_stage: Stage | None = None,
-                 answers_out: TextIO | None = None) -> Graph:
-    """Wire the live graph: capture -> texture -> realize -> [vlm] -> sink (see the module doc)."""
+                 answers_out: TextIO | None = None, run_reason: Callable[[], str] = lambda: "stop") -> Graph:
+    """Wire the live graph: capture -> texture -> realize -> [vlm] -> sink (see the module doc).
+    run_reason: why the run stopped (live_stages.RunEnding.reason), for each stream's ending."""
     # Live queues stay short: every batch queued is latency. One batch waits for the texture
     # stage (the capture buffers hold the newest frames meanwhile); processed batches block.
     capacity = min(2, cfg.runtime.queue_capacity)
@@ -94,7 +96,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     if graphs is not None:
         # every batch shape the capture stage can hand over (a source's buffer caps a batch),
         # captured now: a capture mid-run stalls the stream that needs it, and it races the other
-        # threads' CUDA calls (two live runs on an H100 failed inside or just after one)
+        # threads' CUDA calls (two live runs failed inside or just after one)
         largest = min(cfg.runtime.batch_size, max(s.config.buffer_frames for s in sources))
         for height, width in sorted({(s.height, s.width) for s in sources}):
             for batch in range(1, largest + 1):
@@ -103,13 +105,9 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
                                graphs=graphs)
     by_id = {s.stream_id: s for s in sources}
-
-    def outcome(stream_id: str) -> Outcome:
-        source = by_id[stream_id]
-        if source.error is not None:         # gave up: not watched to its end
-            return "incomplete"
-        return "damaged" if source.truncated else "complete"   # a --realtime file cut short by damage
-    sink = SinkStage(writers, outcome=outcome, counters=counters, answers_out=answers_out)
+    sink = SinkStage(writers, outcome=lambda sid: stream_ending(by_id[sid], run_reason())[0], counters=counters,
+                     answers_out=answers_out)
+    sink.ending_attrs = lambda sid: stream_ending(by_id[sid], run_reason())[1]
     sink.late_gaps = lambda: capture.final_gaps
     graph = Graph()
     capture.outlet = graph.add_flow(capture, texture, Channel(1, Policy.DROP_OLDEST))

@@ -1,9 +1,9 @@
 """CUDA-graph replay for the front end's steady state.
 
 Run eagerly, texture + realize launch about a thousand small kernels per batch and the host,
-not the GPU, sets the pace (H200, 448x448: ~10 ms per batch at any batch size up to 64). A CUDA
-graph records those launches once and replays them with one call, so a batch costs what the GPU
-needs (1.5 ms at batch 1, 5.5 ms at batch 64; see benchmarks/profile_frontend.py).
+not the GPU, sets the pace at any batch size. A CUDA graph records those launches once and
+replays them with one call, so a batch costs what the GPU needs (benchmarks/profile_frontend.py;
+figures in docs/performance.md).
 
 A graph replays fixed shapes on fixed memory: every input (frames, the stream's last frame and
 state) is copied into the graph's buffers before each replay, and the outputs are the graph's
@@ -23,7 +23,7 @@ from arr_coc.model import ARRCOC, Allocation
 from arr_coc.realizing import STATE_TENSORS, StreamState
 from arr_coc.texture import Texture
 
-from .cuda import capture
+from ..runtime.cuda import capture
 
 STATE_FIELDS = STATE_TENSORS
 # A shape no prepare() covered (a file's short last batch) runs eagerly the first time it comes and

@@ -15,8 +15,10 @@ current item, without `finish`, and the stages still close.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -152,8 +154,8 @@ class Workers:
 
     CUDA libraries keep per-thread state: cuDNN's attention graphs, cuBLAS handles and their
     workspaces. A fresh thread builds its own on first use, so a video whose stages and VLM ran in
-    new threads paid it every time (H100: the Qwen2-VL-2B vision tower took ~100 ms in a new thread
-    against 24 ms in a warm one). submit() runs each job at once in an idle thread, or in a new one
+    new threads paid it every time (the vision tower took about 4x as long in a new thread as in a
+    warm one). submit() runs each job at once in an idle thread, or in a new one
     (up to max_threads; beyond that jobs wait their turn: max_threads=1 runs jobs one at a time)."""
 
     def __init__(self, name: str, max_threads: int | None = None, *, keep: bool = True) -> None:
@@ -209,25 +211,101 @@ class Workers:
                 self._idle += 1
 
 
+class Interrupts:
+    """Ctrl-C and SIGTERM, for the main thread's waits (`wait_through_interrupts`, `Graph.run`), as
+    counts the wait acts on rather than as a KeyboardInterrupt landing at any bytecode: one that
+    landed just outside the wait's `try` (its loop's backward jump, or between Graph.run's two waits)
+    left the wait with every stage still running, and the interpreter then exited under threads in
+    torch code ("terminate called without an active exception", exit 134, the decode worker's
+    shared memory never unlinked).
+
+    A signal handler asks `absorb()` first (the CLI's SIGTERM and SIGINT handlers; while a wait
+    runs, Ctrl-C's default handler is replaced by one that only does that): while a wait in the
+    main thread runs, or once the process was interrupted, the signal is queued for a wait to take
+    and the handler returns; only a first signal outside any wait (during set-up) should raise
+    KeyboardInterrupt. The queue is a deque: the handler and the wait run in the same thread, and a
+    deque's append and popleft are single steps a handler cannot cut in two."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """A new command: not interrupted, nothing queued (the CLI's main() calls this)."""
+        self._queued: collections.deque = collections.deque()
+        self._waiting = 0
+        self.interrupted = False
+
+    def absorb(self) -> bool:
+        """From a signal handler: True when the signal was queued for a wait (one is running, or the
+        process was already interrupted); False for the first signal outside a wait, which the
+        handler turns into KeyboardInterrupt."""
+        queue_it = bool(self._waiting) or self.interrupted
+        self.interrupted = True
+        if queue_it:
+            self._queued.append(None)
+        return queue_it
+
+    def take(self) -> int:
+        """How many signals were queued since the last take (they are the caller's to act on)."""
+        taken = 0
+        while True:
+            try:
+                self._queued.popleft()
+            except IndexError:
+                return taken
+            taken += 1
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The main thread waits: signals are queued for it. Elsewhere, or inside a wait already,
+        nothing changes (signals reach only the main thread). A signal queued after the wait's
+        last look still interrupts: KeyboardInterrupt once the wait is over."""
+        if threading.current_thread() is not threading.main_thread() or self._waiting:
+            yield
+            return
+        ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if ctrl_c:   # the Python API's Ctrl-C, queued like the CLI's signals while the wait runs
+            signal.signal(signal.SIGINT, _queue_signal)
+        self._waiting = 1
+        try:
+            yield
+        finally:
+            self._waiting = 0
+            if ctrl_c:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.take():
+            raise KeyboardInterrupt
+
+
+INTERRUPTS = Interrupts()
+
+
+def _queue_signal(signum: int, frame: Any) -> None:
+    INTERRUPTS.absorb()
+
+
 def wait_through_interrupts(jobs: Iterable[Future], on_interrupt: Callable[[int], None]) -> int:
     """Wait until every job is done, whatever signals arrive; return how many interrupts came.
 
-    A KeyboardInterrupt in this thread (Ctrl-C; SIGTERM through the CLI's handler) does not end the
-    wait: it calls `on_interrupt(n)` (n = 1 for the first, 2 for the second ...), which should make
-    the jobs end sooner, and the wait goes on. Polls `done()` rather than blocking in
-    `futures.wait`, so that the exception never lands inside a lock's bookkeeping."""
+    A signal (Ctrl-C; SIGTERM through the CLI's handler: INTERRUPTS) does not end the wait: it calls
+    `on_interrupt(n)` (n = 1 for the first, 2 for the second ...), which should make the jobs end
+    sooner, and the wait goes on. A KeyboardInterrupt that still reaches this thread (a handler of
+    the caller's own) counts the same. Polls `done()` rather than blocking in `futures.wait`, so
+    that such an exception never lands inside a lock's bookkeeping."""
     pending, count, handled = list(jobs), 0, 0
-    while pending:
-        try:
-            while handled < count:   # here, so that a signal during a callback is caught too
-                handled += 1
-                on_interrupt(handled)
-            pending = [job for job in pending if not job.done()]
-            if pending:
-                time.sleep(0.02)
-        except KeyboardInterrupt:
-            count += 1
-    return count
+    with INTERRUPTS.waiting():
+        while pending:
+            try:
+                count += INTERRUPTS.take()
+                while handled < count:   # here, so that a signal during a callback is caught too
+                    handled += 1
+                    on_interrupt(handled)
+                pending = [job for job in pending if not job.done()]
+                if pending:
+                    time.sleep(0.02)
+            except KeyboardInterrupt:
+                count += 1
+        return count + INTERRUPTS.take()
 
 
 class Graph:
@@ -282,8 +360,8 @@ class Graph:
         """Run every stage in its own thread until all drained, close the stages, then re-raise the
         first failure. workers: take the threads from there (kept warm across runs) instead of new ones.
 
-        Ctrl-C (KeyboardInterrupt in this thread; the CLI turns SIGTERM into one) calls `on_interrupt`
-        and stops the sources; what they produced drains. A second one aborts the drain (`abort`).
+        Ctrl-C or the CLI's SIGTERM (queued for this wait: Interrupts; or a KeyboardInterrupt in this
+        thread) calls `on_interrupt` and stops the sources; what they produced drains. A second one aborts the drain (`abort`).
         Either way run() returns only once every stage thread has ended and every stage is closed,
         then re-raises KeyboardInterrupt: threads that ran torch code must not outlive the
         interpreter ("terminate called without an active exception", exit 134), and a close cut
@@ -298,12 +376,13 @@ class Graph:
             if on_interrupt is not None:
                 on_interrupt()
             self.stop()
-        signals = wait_through_interrupts([workers.submit(self._work, s, on_progress) for s in self.stages],
-                                          interrupted)
-        # closed in a thread of its own, which a signal cannot interrupt (it lands in this one), and
-        # not one of `workers`: their owner may be closing them (a batch stopped by Ctrl-C)
-        closing = Workers("close", keep=False).submit(self._close_stages)
-        signals += wait_through_interrupts([closing], lambda count: interrupted(signals + count))
+        with INTERRUPTS.waiting():   # from the first stage's start to the last stage's close
+            signals = wait_through_interrupts([workers.submit(self._work, s, on_progress) for s in self.stages],
+                                              interrupted)
+            # closed in a thread of its own, which a signal cannot interrupt (it lands in this one), and
+            # not one of `workers`: their owner may be closing them (a batch stopped by Ctrl-C)
+            closing = Workers("close", keep=False).submit(self._close_stages)
+            signals += wait_through_interrupts([closing], lambda count: interrupted(signals + count))
         if signals:
             raise KeyboardInterrupt
         if self._error is not None:

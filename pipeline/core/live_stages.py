@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -21,14 +22,18 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from arr_coc._validate import ConfigError, check_range
+from arr_coc.attending import retained_tokens
 from arr_coc.lod import token_frames
 from sources.frame import Frame
 from sources.live import Gap, LiveSource
 
-from ..config import PipelineConfig
+from ..budget import BudgetPlan
+from ..config import PipelineConfig, validate_every
+from ..runtime.cuda import pins_frames, window_frames
+from ..runtime.requests import AnswerRequest
 from .graph import Channel, Stage
-from .cuda import pins_frames, window_frames
-from .stages import AllocationBatch, AnswerItem, FrameBatch, RealizeStage, TextureStage, stack_frames
+from .items import AllocationBatch, AnswerItem, FrameBatch, Outcome
+from .stages import RealizeStage, TextureStage, stack_frames
 
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame
@@ -53,14 +58,16 @@ class LiveOptions:
     # do not all fall due at once and queue behind each other's batch: the k-th stream seen answers
     # (k mod n) / n of a period later, n the VLM frames per period (a due time on a VLM frame: the
     # window ends at it), each still every `every_s` after that (LiveVLMStage._open). On by default:
-    # 16 streams of 720p30 on an H100, answer latency p95 379 ms against 898 ms all at once
-    # (bench_live_cuda_h100_16_kept_dt2*.json)
+    # it cuts the answer latency's p95 of many streams started together (docs/performance.md)
     stagger: bool = True
 
     def __post_init__(self) -> None:
-        check_range("--every", self.every_s, 0.0, None, lo_open=True)
+        validate_every(self.every_s, name="--every")
         if self.duration_s is not None:
             check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
+            if not math.isfinite(self.duration_s):   # the timer's wait overflows; leave it out instead
+                raise ConfigError(f"--duration must be a finite number of seconds, got {self.duration_s!r} "
+                                  f"(leave it out to run until stopped)")
         check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
         check_range("window_frames", self.window_frames, 1, 4096)
         for name in ("vlm_process", "stagger"):
@@ -68,6 +75,47 @@ class LiveOptions:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.switch_interval_ms is not None:
             check_range("switch_interval_ms", self.switch_interval_ms, 0.01, 1000.0)
+
+
+class RunEnding:
+    """Why a live run stops, for each stream's `stopped_by` (stream_ending): the first reason given
+    ("duration", "interrupt") wins and sets the stop event; the event set by anyone else (the Python
+    API, the server) is "stop"; a run whose sources all ended by themselves, "end"."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+        self._reason: str | None = None
+        self._lock = threading.Lock()
+
+    def end(self, reason: str) -> None:
+        with self._lock:
+            if self._reason is None:
+                self._reason = reason
+        self.stop.set()
+
+    @property
+    def reason(self) -> str:
+        return self._reason or ("stop" if self.stop.is_set() else "end")
+
+
+def stream_ending(source: LiveSource, run_reason: str) -> tuple[Outcome, dict[str, Any]]:
+    """How a live stream ended: its outcome ("complete" only when the store holds all of it, see
+    docs/guarantees.md) and the attrs that say why: `stopped_by` and `outage_s`. A file is whole
+    when it played to its last frame; a camera or a network stream, which has no last frame, when
+    it ran until the run was ended as asked (--duration, the API's stop). Either way, not with an
+    outage in it (a gap): those seconds are missing."""
+    stats = source.stats()
+    if source.error is not None:
+        stopped_by = "gave_up"
+    elif source.reached_end:
+        stopped_by = "end"
+    else:
+        stopped_by = run_reason
+    attrs = {"stopped_by": stopped_by, "outage_s": round(stats.outage_s, 3)}
+    if source.truncated and source.error is None:
+        return "damaged", attrs   # core/damage.py: done up to the damage
+    whole = stopped_by == "end" if source.spec.kind == "file" else stopped_by in ("end", "duration", "stop")
+    return ("complete" if whole and stats.gaps == 0 else "incomplete"), attrs
 
 
 @dataclass
@@ -172,16 +220,27 @@ def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: Pipelin
     g = vlm.geometry
     frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
     pairs = token_frames(frames, g.temporal_patch_size)
-    tempering = bool(cfg.vlm.tempering.ladder)
-    retentions = cfg.vlm.tempering.rungs if tempering else (cfg.model.attending.retention,)
+    retentions = BudgetPlan.of(cfg.vlm).rungs or (cfg.model.attending.retention,)
     lengths = set()
     for (height, width), retention in itertools.product(sizes, retentions):
         gh, gw = g.grid(height, width)
-        lo, hi = pairs * max(1, round(retention * gh * gw)), pairs * min(gh * gw, 2 * round(retention * gh * gw))
+        per_frame = retained_tokens(gh * gw, retention)                  # the allocator's budget of a frame
+        lo, hi = pairs * max(1, per_frame), pairs * min(gh * gw, 2 * per_frame)
         for kept in range(lo, hi + 64, 64):                 # the prefill pads lengths to multiples of 64
             lengths.add(vlm.prefix_length(question, min(kept, hi)))
     largest = vlm.config.max_batch                           # the batcher's batches are 1..largest
     vlm.warm_up([1 << i for i in range(largest.bit_length())] + [largest], sorted(lengths))
+
+
+def next_due_after(due: float, pts: float, every_s: float) -> float:
+    """The first time on the grid due + k * every_s (k >= 0) after `pts`: answers stay on their
+    grid, and a stream whose VLM fell behind skips the periods it missed. Computed, not stepped
+    one period at a time: that takes lag / every_s steps a frame, and never ends where rounding
+    makes due + every_s == due."""
+    if pts < due:
+        return due
+    later = due + (math.floor((pts - due) / every_s) + 1) * every_s
+    return later if later > pts else pts + every_s   # rounding put it on or before pts
 
 
 class LiveVLMStage(Stage):
@@ -231,8 +290,8 @@ class LiveVLMStage(Stage):
             out += self._collect(sid, win)
             if due and win.pending is None and win.rgb:
                 self._submit(sid, win)
-                while not self.options.on_scene_change and win.next_due <= frame.pts_s:
-                    win.next_due += self.options.every_s
+                if not self.options.on_scene_change:
+                    win.next_due = next_due_after(win.next_due, frame.pts_s, self.options.every_s)
         return out
 
     def _open(self, sid: str) -> _Window:
@@ -269,8 +328,6 @@ class LiveVLMStage(Stage):
             win.rgb.extend(kept)
 
     def _submit(self, sid: str, win: _Window) -> None:
-        from ..vlm import AnswerRequest
-
         frames = list(win.rgb)
         last_arrival = frames[-1][1] if frames[-1][1] is not None else time.time()
         # AnswerRequest.arrival_s is on the monotonic clock; the frame's arrival is wall-clock

@@ -2,8 +2,7 @@
 
 Each CUDA process has its own context, and the GPU time-slices between contexts: the kernels of
 N shard processes never run at once. Under an MPS control daemon the processes' work goes through
-one MPS server and one context, so their kernels overlap (on one H100, 4 batch processes: +32-34%
-questions/s; docs/performance.md).
+one MPS server and one context, so their kernels overlap (the gain: docs/performance.md).
 
 `mps_daemon()` reuses a daemon that is already running (CUDA_MPS_PIPE_DIRECTORY's control pipe,
 else the default /tmp/nvidia-mps/control) and starts nothing; else it starts a private one
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from arr_coc._validate import ConfigError
-from pipeline.core.sockets import short_tempdir
+from pipeline.runtime.sockets import short_tempdir
 
 BINARY = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from arr_coc.attending import AttendingConfig
 from arr_coc.model import ARRCOC
 
+from ..budget import BudgetPlan
 from ..config import PipelineConfig
-from .cuda import resolve_device, set_cuda_wait
+from ..runtime.cuda import resolve_device, set_cuda_wait
 from .query import QUERY_DIM
 
-__all__ = ["QUERY_DIM", "build_model", "candidate_attending", "check_query", "encode_query", "load_answerer",
+__all__ = ["QUERY_DIM", "build_model", "check_query", "encode_query",
            "open_source", "open_writer", "resolve_device", "runtime_device"]
 
 
@@ -34,32 +34,16 @@ def runtime_device(cfg: PipelineConfig) -> torch.device:
 
 def build_model(cfg: PipelineConfig, device: torch.device, *, answering: bool = False) -> ARRCOC:
     """ARR-COC for MiniLM queries, with the weights runtime.model_weights names (which must fit it
-    exactly). answering: a VLM answers from this model's allocations, so with vlm.pass2 on the
-    allocator keeps pass 2's candidates (candidate_attending)."""
+    exactly). answering: a VLM answers from this model's allocations, so the allocator keeps pass 1's
+    candidates of the budget plan (pipeline/budget.py: pass 2's or the tempering ladder's)."""
     from arr_coc.checkpoint import load_pretrained
 
     model_cfg = cfg.model
     if answering:
-        model_cfg = replace(model_cfg, attending=candidate_attending(cfg))
+        model_cfg = replace(model_cfg, attending=BudgetPlan.of(cfg.vlm).pass1(model_cfg.attending))
     model = ARRCOC(model_cfg, query_dim=QUERY_DIM)
     load_pretrained(model, cfg.runtime.model_weights, "runtime.model_weights")
     return model.to(device).eval()
-
-
-def candidate_attending(cfg: PipelineConfig) -> AttendingConfig:
-    """Pass 1's budget when a VLM answers. With vlm.pass2 off and no tempering: model.attending as
-    configured. Pass 2 on: candidate_factor times the final budget (pass 2 keeps 1 / candidate_factor
-    of it: the configured retention or top_k). With tempering: its candidate_fraction as a fraction
-    of the cells (the ladder replaces the retention): the ladder's top rung (rank: relevance), or
-    candidate_factor times it (rank: attention), at most every cell."""
-    attending, v = cfg.model.attending, cfg.vlm
-    if not v.tempering.ladder and (v.pass2 == "off" or v.candidate_factor == 1):
-        return attending
-    if v.tempering.ladder:
-        return replace(attending, selection="fraction", retention=v.candidate_fraction())
-    if attending.selection == "topk":
-        return replace(attending, top_k=round(attending.top_k * v.candidate_factor))
-    return replace(attending, retention=attending.retention * v.candidate_factor)   # <= 1: PipelineConfig checks
 
 
 def check_query(query: torch.Tensor, what: str = "query_embedding") -> torch.Tensor:
@@ -74,16 +58,6 @@ def encode_query(question: str, device: torch.device) -> torch.Tensor:
     """The question as ARR-COC reads it: MiniLM's sentence vector, (384,), whatever VLM answers."""
     from .query import sentence_encoder
     return sentence_encoder(str(device)).encode(question)                  # (384,)
-
-
-def load_answerer(cfg: PipelineConfig, device: torch.device):
-    """The VLM named by runtime.vlm, or None for allocation only."""
-    if cfg.runtime.vlm == "none":
-        return None
-    from ..vlm import load_vlm
-    # bf16 matrix products are slow on CPUs; there the VLM runs in float32
-    dtype = "float32" if device.type == "cpu" else cfg.vlm.dtype
-    return load_vlm(cfg.runtime.vlm, device=device, dtype=dtype, config=cfg.vlm)
 
 
 def open_writer(store: Any, stream_id: str, config: dict[str, Any], *, resuming: bool = False, **attrs: Any):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import sys
@@ -41,13 +42,16 @@ from ..configio import to_dict
 from ..core.compose import compose, frontend_graphs
 from ..core.damage import stream_damaged
 from ..core.graph import StageError, Workers, wait_through_interrupts
-from ..core.setup import build_model, check_query, load_answerer, open_source, open_writer, runtime_device
-from ..core.cuda import window_frames
-from ..core.stages import AnswerItem, AnswerItems, RunStatus, VLMStage
+from ..core.setup import build_model, check_query, open_source, open_writer, runtime_device
+from ..runtime.cuda import window_frames
+from ..core.items import AnswerItem, AnswerItems, RunStatus
+from ..core.stages import VLMStage
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the VLM's modules import lazily: `pipeline --help` builds this module's options
     from ..vlm.batcher import VLMBatcher
-    from ..vlm.model import WindowQuestions
+    from ..runtime.requests import WindowQuestions
     from ..vlm.server import ServerAddress
 
 DATASETS = ("msrvtt",)
@@ -55,8 +59,7 @@ KeepPolicy = Callable[[np.ndarray, np.ndarray], np.ndarray]
 MODEL_SEED = 0
 # videos a worker has in flight at once: while one video's questions are answered on the GPU, the next
 # ones are decoded and allocated (decode is CPU-bound, in its own process), so the VLM rarely waits.
-# On H100s (MSR-VTT-sized clips at 2 fps, bench_batch): one Ray actor 152.8 questions/s with 2, 192.8
-# with 4; four actors 585.0 with 2, 644.2 with 4 (one run each, 2026-11-27)
+# 4 answered the most questions/s per actor and in total (docs/performance.md).
 IN_FLIGHT = 4
 
 
@@ -149,7 +152,7 @@ class QuestionsStage(VLMStage):
         frames = window_frames(self.rgb, self.pin)
         # pass 1's relevance ranks tempering's tokens: only with ARR-COC's own keep map
         scores = np.stack(self.relevance) if keep is not None and self.keep_policy is None else None
-        from ..vlm.model import WindowQuestions
+        from ..runtime.requests import WindowQuestions
         job = WindowQuestions(frames, keep, questions, scores)
         if self.batcher is None:
             results = answer_windows(self.vlm, [job], self.keep_policy)[0]
@@ -218,6 +221,7 @@ class VideoAnswerer:
             from ..vlm.server import SharedVLM
             self.vlm = SharedVLM(vlm_server)
         else:
+            from ..vlm.loading import load_answerer
             self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
         # query_encoder: question -> (384,) instead of MiniLM (benchmarks on a machine without its wheel)
         self.query_encoder = query_encoder
@@ -478,12 +482,13 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
 def config_vlm(cfg: PipelineConfig) -> Any:
     """The VLM runtime.vlm names, on runtime.device: a shared VLM process's factory (picklable
     with functools.partial)."""
+    from ..vlm.loading import load_answerer
     return load_answerer(cfg, runtime_device(cfg))
 
 
 def report_outcome(outcome: VideoOutcome) -> None:
     if outcome.status in ("missing", "failed"):
-        print(f"warning: skipped {outcome.video_id}: {outcome.message}", file=sys.stderr)
+        log.warning("skipped %s: %s", outcome.video_id, outcome.message)
 
 
 def _with_progress(items: Iterator[VideoOutcome], total: int, progress: bool | None) -> Iterator[VideoOutcome]:

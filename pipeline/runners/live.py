@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
 
+from arr_coc._validate import ConfigError
 from sinks import ZarrStore, store_location
 from sources.live import Gap, LiveConfig, LiveSource, open_live
 
-from ..config import PipelineConfig
+from ..config import PipelineConfig, validate_every
 from ..configio import to_dict
 from ..core.compose import compose_live
 from ..core.graph import Stage
-from ..core.live_stages import LiveOptions, LiveVLMStage, StreamCounters, warm_vlm
-from ..core.stages import AnswerItem, SinkStage
+from ..core.items import AnswerItem
+from ..core.live_stages import LiveOptions, LiveVLMStage, RunEnding, StreamCounters, stream_ending, warm_vlm
+from ..core.stages import SinkStage
 from ..vlm.geometry import VLMGeometry
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 class LiveResult:
     out: Path | str      # a local path or an fsspec URL
     stream_ids: list[str]
-    complete: bool                      # every stream ended as asked, none cut short by damage
+    complete: bool                      # every stream's store is whole (core/live_stages.py: stream_ending)
     stopped: bool                       # ended by Ctrl-C / SIGTERM
     wall_s: float
     grid: tuple[int, int]
@@ -93,10 +95,12 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         stream id and its Gap), after the store has it (the server's event streams).
     """
     from ..core.live_status import StatusReporter, snapshot
-    from ..core.setup import build_model, check_query, encode_query, load_answerer, open_writer, runtime_device
+    from ..core.setup import build_model, check_query, encode_query, open_writer, runtime_device
+    from ..vlm.loading import load_answerer
 
     live, options = live or LiveConfig(), options or LiveOptions()
     stop = stop or threading.Event()
+    ending = RunEnding(stop)
     device = runtime_device(cfg)
     if query_embedding is not None:
         check_query(query_embedding)
@@ -122,12 +126,14 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         vlm_stage = None
         if vlm is not None:
             from ..vlm.batcher import VLMBatcher
+            if not options.on_scene_change:
+                check_every(options.every_s, sources)
             if device.type == "cuda" and cfg.vlm.cuda_graphs:
                 warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
             vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options, vlm_fps=cfg.vlm.fps)
         counters = {s.stream_id: StreamCounters() for s in sources}
         graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
-                             vlm_stage=vlm_stage, answers_out=answers_out)
+                             vlm_stage=vlm_stage, answers_out=answers_out, run_reason=lambda: ending.reason)
         sink: SinkStage = graph.stages[-1]
         sink.on_answer, sink.on_gap = on_answer, on_gap
         if slow_stage_s > 0:
@@ -136,7 +142,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             on_graph(graph)
         reporter = StatusReporter(sources, counters, every_s=options.metrics_every_s, stream=status_out,
                                   tty=status_tty).start()
-        timer = threading.Timer(options.duration_s, stop.set) if options.duration_s is not None else None
+        timer = threading.Timer(options.duration_s, ending.end, ("duration",)) if options.duration_s is not None else None
         if timer is not None:
             timer.daemon = True
             timer.start()
@@ -151,7 +157,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     if options.switch_interval_ms is not None:
         sys.setswitchinterval(options.switch_interval_ms / 1e3)
     try:
-        graph.run(on_interrupt=lambda: (setattr(sink, "interrupted", True), stop.set()))
+        graph.run(on_interrupt=lambda: (setattr(sink, "interrupted", True), ending.end("interrupt")))
     finally:
         sys.setswitchinterval(switch_interval)
         if timer is not None:
@@ -161,10 +167,25 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             remote.close()
     errors = [str(s.error) for s in sources if s.error is not None]
     damaged = [s.stream_id for s in sources if s.truncated and s.error is None]
+    endings = {s.stream_id: stream_ending(s, ending.reason) for s in sources}
+    streams = snapshot(sources, counters)["streams"]
+    for sid, (outcome, attrs) in endings.items():
+        streams[sid].update(attrs, complete=outcome == "complete")
     return LiveResult(out=store_location(out), stream_ids=[s.stream_id for s in sources],
-                      complete=not (errors or damaged), damaged=damaged, stopped=False, wall_s=time.perf_counter() - start, grid=next(iter(grids.values())),
-                      streams=snapshot(sources, counters)["streams"], answers=list(sink.answers), errors=errors,
+                      complete=all(outcome == "complete" for outcome, _ in endings.values()), damaged=damaged,
+                      stopped=False, wall_s=time.perf_counter() - start, grid=next(iter(grids.values())),
+                      streams=streams, answers=list(sink.answers), errors=errors,
                       metrics=graph.report(), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
+
+
+def check_every(every_s: float, sources: list[LiveSource]) -> None:
+    """ConfigError (one line naming the source) unless `every_s` is at least one frame interval of
+    each source: a shorter answer period has no frame of its own to answer on."""
+    for source in sources:
+        try:
+            validate_every(every_s, source.fps, name="--every")
+        except ConfigError as e:
+            raise ConfigError(f"{source.name}: {e}") from None
 
 
 def _slow_down(stage: Stage, seconds: float) -> None:

@@ -4,6 +4,7 @@ not); `AllocationStream` runs the same graph and hands its per-frame allocations
 """
 from __future__ import annotations
 
+import logging
 import queue
 import sys
 import threading
@@ -22,9 +23,12 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import compose
 from ..core.graph import Graph
-from ..core.setup import build_model, check_query, encode_query, load_answerer, open_source, open_writer, runtime_device
-from ..core.stages import AnswerItem, FrameAllocation, RunStatus, VLMStage
+from ..core.setup import build_model, check_query, encode_query, open_source, open_writer, runtime_device
+from ..core.items import AnswerItem, FrameAllocation, RunStatus
+from ..core.stages import VLMStage
 from ..vlm.geometry import VLMGeometry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,6 +83,7 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     writer = None
     try:
         if vlm is None:
+            from ..vlm.loading import load_answerer
             vlm = load_answerer(cfg, device) if vlm_factory is None else vlm_factory(device)
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
@@ -274,10 +279,10 @@ def print_summary(result: RunResult, verbose: bool = False) -> None:
         summary["notes"] = result.notes
     print(json.dumps(summary))
     for note in result.notes:
-        print(f"warning: {note}", file=sys.stderr)
+        log.warning("%s", note)
     if result.truncated:  # the source already warned about the damage itself
-        print(f"warning: {result.stream_id}: stored the {result.frames} frames decoded before the damage "
-              "(complete=false, damaged=true)", file=sys.stderr)
+        log.warning("%s: stored the %d frames decoded before the damage (complete=false, damaged=true)",
+                    result.stream_id, result.frames)
     if verbose:
         for row in result.metrics:
-            print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
+            log.info("  %s", "  ".join(f"{k}={v}" for k, v in row.items()))

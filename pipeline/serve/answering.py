@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 
-from ..core.stages import AnswerItem
+from ..core.items import AnswerItem
 
 
 class LocalVLM:
@@ -46,6 +46,9 @@ class LocalVLM:
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.vlm.prefix_length(question, visual_tokens)
 
+    def context_length(self) -> int | None:
+        return context_length(self.vlm)
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -76,6 +79,14 @@ class RequestVLM:
         # shared VLM answers other requests in the batcher's: the VLM captures each shape itself,
         # in its one thread, the first time it meets it
         return []
+
+
+def context_length(vlm: Any) -> int | None:
+    """The most tokens the VLM's language model takes (prompt and answer); None if it does not say."""
+    config = getattr(getattr(vlm, "model", None), "config", None)
+    text = getattr(config, "text_config", None) or config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
 
 
 def answer_row(t_start: float, t_end: float, text: str, tokens_kept: int, tokens_full: int,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import mimetypes
 import time
@@ -31,8 +30,10 @@ from sources import SourceError
 from ..core.graph import StageError
 from .engine import Engine
 from .errors import ApiError, error_body
+from .limits import answer_period, duration_s, parse_json
 from .media import too_large
 from .openai_api import DONE, chunk, completion_body, extension, parse_chat, sse, window_line
+from .owners import OWNER, owner_of, request_owner
 
 STATIC = Path(__file__).with_name("static")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -79,8 +80,10 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        chat = parse_chat(await json_body(request), engine.model_id)
-        ref = await blocking(engine.media.resolve, chat.video)     # refused (4xx) before anything runs
+        body = await json_body(request)
+        chat = await blocking(parse_chat, body, engine.model_id, engine.cfg)      # off the loop: linear, not free
+        await blocking(engine.check_question, chat.question, "messages")
+        ref = await blocking(engine.media.resolve, chat.video, request_owner(request))   # 4xx before anything runs
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         windowed = ref.kind == "file" and (chat.every_s or engine.cfg.runtime.every_s) is not None
         if not chat.stream:
@@ -110,28 +113,30 @@ def create_app(engine: Engine) -> FastAPI:
             if file is None or isinstance(file, str):
                 raise ApiError(400, "no file: send multipart/form-data with a `file` field", param="file")
             purpose = form.get("purpose") if isinstance(form.get("purpose"), str) else "user_data"
-            saved = await blocking(engine.media.save_upload, file.filename or "video", file.file, purpose)
+            saved = await blocking(engine.media.save_upload, file.filename or "video", file.file, purpose,
+                                   request_owner(request))
         finally:
             await form.close()
         return saved.to_dict()
 
     @app.get("/v1/files")
-    async def files() -> dict[str, Any]:
-        return {"object": "list", "data": [u.to_dict() for u in engine.media.uploads_list()]}
+    async def files(request: Request) -> dict[str, Any]:
+        uploads = await blocking(engine.media.uploads_list, request_owner(request))
+        return {"object": "list", "data": [u.to_dict() for u in uploads]}
 
     @app.get("/v1/files/{file_id}")
-    async def file_info(file_id: str) -> dict[str, Any]:
-        return engine.media.upload(file_id).to_dict()
+    async def file_info(file_id: str, request: Request) -> dict[str, Any]:
+        return engine.media.upload(file_id, request_owner(request)).to_dict()
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str) -> FileResponse:
-        upload = engine.media.upload(file_id)
-        return FileResponse(engine.media.upload_path(file_id), media_type=_video_type(upload.filename),
+    async def file_content(file_id: str, request: Request) -> FileResponse:
+        upload = engine.media.upload(file_id, request_owner(request))
+        return FileResponse(engine.media.uploads / upload.id, media_type=_video_type(upload.filename),
                             filename=upload.filename)
 
     @app.delete("/v1/files/{file_id}")
-    async def file_delete(file_id: str) -> dict[str, Any]:
-        engine.media.delete_upload(file_id)
+    async def file_delete(file_id: str, request: Request) -> dict[str, Any]:
+        engine.media.delete_upload(file_id, request_owner(request))
         return {"id": file_id, "object": "file", "deleted": True}
 
     @app.get("/v1/videos")
@@ -140,7 +145,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/v1/videos/content")
     async def video_content(url: str) -> FileResponse:
-        path = engine.media.allowed_path(url)
+        path = await blocking(engine.media.allowed_video, url)
         return FileResponse(path, media_type=_video_type(path.name))
 
     @app.get("/v1/homunculus/{stream_id}")
@@ -159,28 +164,27 @@ def create_app(engine: Engine) -> FastAPI:
         if not isinstance(body.get("source"), str):
             raise ApiError(400, "no source: give the stream a \"source\" (rtsp://, http(s)://, file:// or file-<id>)",
                            param="source")
-        every, duration = body.get("every", 2.0), body.get("duration")
+        every = answer_period(engine.cfg, body.get("every", 2.0))
+        duration = None if body.get("duration") is None else duration_s(body["duration"])
         scene = body.get("on_scene_change", False)
-        for name, value in (("every", every), ("duration", duration)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ApiError(400, f"{name} must be a number of seconds, got {value!r}", param=name)
         if not isinstance(scene, bool):
             raise ApiError(400, f"on_scene_change must be true or false, got {scene!r}", param="on_scene_change")
-        stream = await blocking(engine.streams.start, body["source"], question.strip(), every_s=float(every),
-                                on_scene_change=scene, duration_s=None if duration is None else float(duration))
+        await blocking(engine.check_question, question.strip(), "question")
+        stream = await blocking(engine.streams.start, body["source"], question.strip(), every_s=every,
+                                on_scene_change=scene, duration_s=duration, owner=request_owner(request))
         return JSONResponse(stream.to_dict(), status_code=201)
 
     @app.get("/v1/streams")
-    async def streams() -> dict[str, Any]:
-        return {"object": "list", "data": [s.to_dict() for s in engine.streams.list()]}
+    async def streams(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [s.to_dict() for s in engine.streams.list(request_owner(request))]}
 
     @app.get("/v1/streams/{stream_id}")
-    async def stream_info(stream_id: str) -> dict[str, Any]:
-        return engine.streams.get(stream_id).to_dict()
+    async def stream_info(stream_id: str, request: Request) -> dict[str, Any]:
+        return engine.streams.get(stream_id, request_owner(request)).to_dict()
 
     @app.get("/v1/streams/{stream_id}/events")
     async def stream_events(stream_id: str, request: Request) -> StreamingResponse:
-        stream = engine.streams.get(stream_id)
+        stream = engine.streams.get(stream_id, request_owner(request))
         after = request.headers.get("last-event-id", "0")
         after = int(after) if after.isdigit() else 0
 
@@ -190,8 +194,9 @@ def create_app(engine: Engine) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.delete("/v1/streams/{stream_id}")
-    async def stream_stop(stream_id: str) -> dict[str, Any]:
-        return {**(await blocking(engine.streams.delete, stream_id)).to_dict(), "deleted": True}
+    async def stream_stop(stream_id: str, request: Request) -> dict[str, Any]:
+        stream = await blocking(engine.streams.delete, stream_id, request_owner(request))
+        return {**stream.to_dict(), "deleted": True}
 
     return app
 
@@ -249,10 +254,7 @@ async def json_body(request: Request) -> Any:
         await _drain(request.stream(), limit)
         raise too_large("the request body", int(declared), limit, "--max-upload-mb")
     raw = b"".join([piece async for piece in _limited(request.stream(), limit, "the request body")])
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    return await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
 
 
 async def _limited(stream, limit: int, what: str = "the upload"):
@@ -319,8 +321,7 @@ class Guard:
 
     def __init__(self, app: Any, engine: Engine) -> None:
         self.app, self.engine = app, engine
-        key = engine.options.api_key
-        self.expected = None if key is None else f"Bearer {key}".encode()
+        self.expected = {f"Bearer {key}".encode(): owner_of(key) for key in engine.options.keys}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -335,11 +336,16 @@ class Guard:
                 route = scope.get("route")
                 self.engine.metrics.request(getattr(route, "path", "unmatched"), status[0], time.perf_counter() - start)
 
-        if self.expected is not None and scope["path"].startswith("/v1"):
+        if self.expected and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            owner = None
+            for expected, key_owner in self.expected.items():     # every key compared: no timing tells which
+                if hmac.compare_digest(given, expected):
+                    owner = key_owner
+            if owner is None:
                 why = "missing" if not given else "wrong"
                 body = error_body(401, f"{why} API key: send `Authorization: Bearer <key>` (the server's --api-key)",
                                   code="invalid_api_key")
                 return await JSONResponse(body, status_code=401)(scope, receive, observed)
+            scope.setdefault("state", {})[OWNER] = owner
         await self.app(scope, receive, observed)

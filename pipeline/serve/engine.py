@@ -21,11 +21,12 @@ from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.live_stages import LiveOptions
 from ..core.setup import build_model, runtime_device
-from ..core.stages import AnswerItem
+from ..core.items import AnswerItem
 from ..runners.live import run_live
 from ..runners.run import run_video
 from .answering import RequestVLM, answer_row, item_row, result_row
 from .errors import ApiError
+from .limits import check_question_chars, check_question_tokens
 from .media import Media, VideoRef
 from .metrics import Metrics
 from .options import ServeOptions
@@ -87,6 +88,14 @@ class Engine:
         self.streams.stop_all()
         self.service.close()
 
+    def check_question(self, question: str, param: str) -> None:
+        """413 past --max-question-chars, 400 past the model's context: before any video is opened, so
+        that no question holds the shared VLM in a prefill it cannot finish (tokenizes: call it off
+        the event loop)."""
+        check_question_chars(question, self.options.max_question_chars, param)
+        check_question_tokens(self.service.prefix_length(question, 0), self.service.config.max_new_tokens,
+                              self.service.context_length(), param)
+
     def answer(self, ref: VideoRef, question: str, request_id: str, *, every_s: float | None = None,
                on_answer: OnAnswer | None = None) -> Completion:
         """Run one request's front end and return its answers (blocking: call it from a worker thread).
@@ -119,7 +128,16 @@ class Engine:
         result = run_video(ref.target, question, self.options.store, cfg, progress=False,
                            vlm=RequestVLM(self.service, answered), model=self.model, stream_id=request_id)
         answers = [item_row(a) for a in result.answers]
-        return self._completion(request_id, question, answers, result.frames, result.notes)
+        notes = list(result.notes) + ([self._damage_note(request_id)] if result.truncated else [])
+        return self._completion(request_id, question, answers, result.frames, notes)
+
+    def _damage_note(self, stream_id: str) -> str:
+        """What a client must know of an answer from a damaged video (core/damage.py): where it stops."""
+        attrs = ZarrStore.open(self.options.store, mode="r").read(stream_id, frame_arrays=["pts"])["attrs"]
+        at = attrs.get("truncated_at_s")
+        where = f"at {at:.1f} s" if isinstance(at, (int, float)) else "before its first frame"
+        return (f"the video is damaged or truncated: decoding stopped {where}, so the answers cover only the "
+                f"video before that (the store marks the stream damaged=true, truncated_at_s={at})")
 
     def _answer_live(self, ref: VideoRef, question: str, request_id: str, on_answer: OnAnswer | None) -> Completion:
         """A live URL in a chat request: watch it for one answer window (live_window_s), answer, stop."""

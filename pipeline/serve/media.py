@@ -13,6 +13,7 @@ refused before any model runs.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -58,6 +59,7 @@ class Upload:
     bytes: int
     created_at: int
     purpose: str
+    owner: str = ""             # owners.py: the API key that uploaded it (never shown)
 
     def to_dict(self) -> dict[str, Any]:
         """OpenAI's file object."""
@@ -75,12 +77,12 @@ class Media:
         self.scratch.mkdir(exist_ok=True)
 
     # ---- chat requests ----
-    def resolve(self, ref: str) -> VideoRef:
+    def resolve(self, ref: str, owner: str = "") -> VideoRef:
         """The video a content part names (may download: call it off the event loop)."""
         if not isinstance(ref, str) or not ref.strip():
             raise ApiError(400, "video_url.url must be a non-empty string", param="messages")
         if UPLOAD_ID.fullmatch(ref):
-            return VideoRef("file", str(self.upload_path(ref)), ref)
+            return VideoRef("file", str(self.upload_path(ref, owner)), ref)
         scheme = urlsplit(ref).scheme.lower()
         if scheme == "file":
             path = self.allowed_path(ref)
@@ -105,13 +107,13 @@ class Media:
             return VideoRef("live", ref, redact(ref))
         raise unsupported(ref)
 
-    def live_source(self, ref: str) -> tuple[str, bool, str]:
+    def live_source(self, ref: str, owner: str = "") -> tuple[str, bool, str]:
         """A live stream's source -> (spec for run_live, realtime file?, what the store records).
         Network streams as they are; files (allowed or uploaded) are played at their frame rate."""
         if not isinstance(ref, str) or not ref.strip():
             raise ApiError(400, "source must be a non-empty string", param="source")
         if UPLOAD_ID.fullmatch(ref):
-            return str(self.upload_path(ref)), True, ref
+            return str(self.upload_path(ref, owner)), True, ref
         scheme = urlsplit(ref).scheme.lower()
         if scheme in LIVE_SCHEMES or scheme in ("http", "https"):
             return ref, False, redact(ref)
@@ -133,15 +135,29 @@ class Media:
             raise ApiError(403, f"{url!r}: file:// inputs are off; the server was started without --allow-dir",
                            code="path_not_allowed", param="messages")
         raw = unquote(parts.path)
-        if not os.path.isabs(raw):
-            raise ApiError(400, f"{url!r}: file:// URLs need an absolute path", param="messages")
+        if not os.path.isabs(raw) or "\0" in raw:
+            raise ApiError(400, f"{url!r}: file:// URLs need an absolute path (and no NUL byte)", param="messages")
         real = Path(os.path.realpath(raw))
-        if not any(real == d or d in real.parents for d in self.allow_dirs):
+        if not self.inside(real):
             raise ApiError(403, f"{url!r} is outside the allowed directories (--allow-dir); "
                                 f"`..` and symlinks are resolved first", code="path_not_allowed", param="messages")
         if not real.is_file():
             raise ApiError(404, f"{url!r}: no such file", code="file_not_found", param="messages")
         return real
+
+    def inside(self, real: Path) -> bool:
+        """A real path (symlinks resolved) lies inside an --allow-dir directory."""
+        return any(real == d or d in real.parents for d in self.allow_dirs)
+
+    def allowed_video(self, url: str) -> Path:
+        """file:// URL -> its real path, only if it is inside --allow-dir and a video (by its name and
+        its content): GET /v1/videos/content serves videos, not the other files of those
+        directories (probes the file: call it off the event loop)."""
+        path = self.allowed_path(url)
+        if path.suffix.lower() not in VIDEO_SUFFIXES:
+            raise ApiError(403, f"{url!r} is not a video file ({', '.join(VIDEO_SUFFIXES)}): only videos are served",
+                           code="not_a_video", param="url")
+        return self.probe(path, url)
 
     def fetch(self, url: str) -> Path:
         """Download an http(s) video to a scratch file, refusing more than max_fetch_mb."""
@@ -195,7 +211,7 @@ class Media:
         return path
 
     # ---- uploads (POST /v1/files) ----
-    def save_upload(self, filename: str, data: BinaryIO, purpose: str) -> Upload:
+    def save_upload(self, filename: str, data: BinaryIO, purpose: str, owner: str = "") -> Upload:
         """Copy an uploaded file in, refusing more than max_upload_mb and anything that is not a video."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         path = self.uploads / file_id
@@ -205,28 +221,33 @@ class Media:
         except ApiError:
             path.unlink(missing_ok=True)
             raise
-        upload = Upload(file_id, Path(filename).name or "video", size, int(time.time()), purpose)
-        (self.uploads / f"{file_id}.json").write_text(json.dumps(upload.to_dict()))
+        upload = Upload(file_id, Path(filename).name or "video", size, int(time.time()), purpose, owner)
+        (self.uploads / f"{file_id}.json").write_text(json.dumps({**upload.to_dict(), "owner": owner}))
         return upload
 
-    def upload(self, file_id: str) -> Upload:
+    def upload(self, file_id: str, owner: str = "") -> Upload:
+        """The upload `file_id` of `owner`; 404 if there is none (another key's uploads included)."""
         meta = self.uploads / f"{file_id}.json"
-        if not UPLOAD_ID.fullmatch(file_id) or not meta.is_file():
+        d = json.loads(meta.read_text()) if UPLOAD_ID.fullmatch(file_id) and meta.is_file() else {}
+        if not d or d.get("owner", "") != owner:
             raise ApiError(404, f"no uploaded file {file_id!r}; upload one with POST /v1/files",
                            code="file_not_found", param="file_id")
-        d = json.loads(meta.read_text())
-        return Upload(d["id"], d["filename"], d["bytes"], d["created_at"], d["purpose"])
+        return Upload(d["id"], d["filename"], d["bytes"], d["created_at"], d["purpose"], owner)
 
-    def upload_path(self, file_id: str) -> Path:
-        self.upload(file_id)
+    def upload_path(self, file_id: str, owner: str = "") -> Path:
+        self.upload(file_id, owner)
         return self.uploads / file_id
 
-    def uploads_list(self) -> list[Upload]:
+    def uploads_list(self, owner: str = "") -> list[Upload]:
         metas = sorted(self.uploads.glob("file-*.json"), key=lambda p: p.stat().st_mtime)
-        return [self.upload(p.stem) for p in metas]
+        found = []
+        for meta in metas:
+            with contextlib.suppress(ApiError):      # another owner's (or one deleted meanwhile)
+                found.append(self.upload(meta.stem, owner))
+        return found
 
-    def delete_upload(self, file_id: str) -> None:
-        self.upload(file_id)
+    def delete_upload(self, file_id: str, owner: str = "") -> None:
+        self.upload(file_id, owner)
         (self.uploads / file_id).unlink(missing_ok=True)
         (self.uploads / f"{file_id}.json").unlink(missing_ok=True)
 
@@ -238,7 +259,8 @@ class Media:
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                 for name in sorted(filenames):
                     path = Path(dirpath) / name
-                    if path.suffix.lower() in VIDEO_SUFFIXES and path.is_file():
+                    if (path.suffix.lower() in VIDEO_SUFFIXES and path.is_file()
+                            and self.inside(Path(os.path.realpath(path)))):     # no symlink that leads out
                         found.append({"url": path.as_uri(), "name": str(path.relative_to(root)),
                                       "bytes": path.stat().st_size})
                         if len(found) >= limit:

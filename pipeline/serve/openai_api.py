@@ -11,13 +11,14 @@ Sampling fields (temperature, max_tokens, ...) are the server's: the VLM's confi
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import PipelineConfig
 from .engine import Completion
 from .errors import ApiError
+from .limits import answer_period, check_message_count
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -31,7 +32,9 @@ class ChatRequest:
     every_s: float | None = None
 
 
-def parse_chat(body: Any, model_id: str) -> ChatRequest:
+def parse_chat(body: Any, model_id: str, cfg: PipelineConfig) -> ChatRequest:
+    """The request, or a 4xx naming the field at fault (linear in the body's size: call it off the
+    event loop for large ones)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -41,20 +44,21 @@ def parse_chat(body: Any, model_id: str) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    check_message_count(messages)
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"messages[{k}] must be an object with a role of {', '.join(ROLES)}",
                            param=f"messages[{k}]")
-    users = [m for m in messages if m["role"] == "user"]
+    users = [k for k, m in enumerate(messages) if m["role"] == "user"]
     if not users:
         raise ApiError(400, "no user message: the question and the video come in a user message", param="messages")
-    question = " ".join(_texts(users[-1], messages.index(users[-1]))).strip()
+    question = " ".join(_texts(messages[users[-1]], users[-1])).strip()
     if not question:
         raise ApiError(400, "no question: the last user message has no text (add a text content part)",
                        param="messages", code="missing_question")
     videos = []
-    for m in reversed(users):     # a follow-up question may refer to a video sent earlier
-        videos = _videos(m, messages.index(m))
+    for k in reversed(users):     # a follow-up question may refer to a video sent earlier
+        videos = _videos(messages[k], k)
         if videos:
             break
     if not videos:
@@ -72,12 +76,9 @@ def parse_chat(body: Any, model_id: str) -> ChatRequest:
     if body.get("n", 1) != 1:
         raise ApiError(400, f"n={body.get('n')!r}: one choice per request is supported", param="n")
     every = body.get("every")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float))
-                              or not math.isfinite(every) or every <= 0):
-        raise ApiError(400, f"every must be a number of seconds > 0, got {every!r}", param="every")
     return ChatRequest(video=videos[0], question=question, stream=stream,
                        include_usage=bool(options.get("include_usage", False)),
-                       every_s=None if every is None else float(every))
+                       every_s=None if every is None else answer_period(cfg, every))
 
 
 def _parts(message: dict[str, Any], k: int) -> list[dict[str, Any]]:

@@ -13,8 +13,8 @@ VLM-less ingress restart can reach again (a local path on one machine, or an fss
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,8 +27,11 @@ from ray import serve
 from arr_coc._validate import ConfigError
 
 from ..config import PipelineConfig
-from ..core.setup import load_answerer, runtime_device
+from ..core.setup import runtime_device
+from .answering import context_length
 from .options import ServeOptions
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "arrcoc"
 
@@ -50,6 +53,7 @@ class VLMDeployment:
     """One loaded VLM per replica; `answer` batches the requests of every ingress call."""
 
     def __init__(self, cfg: PipelineConfig) -> None:
+        from ..vlm.loading import load_answerer
         self.vlm = load_answerer(cfg, runtime_device(cfg))
         self.answer.set_max_batch_size(cfg.vlm.max_batch)
         self.answer.set_batch_wait_timeout_s(cfg.vlm.max_wait_s)
@@ -57,7 +61,8 @@ class VLMDeployment:
 
     def info(self) -> dict[str, Any]:
         v = self.vlm
-        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning}
+        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning,
+                "context_length": context_length(v)}
 
     def count_tokens(self, text: str) -> int:
         return len(self.vlm.tokenizer(text).input_ids)
@@ -80,6 +85,7 @@ class RemoteVLM:
         self.handle = handle
         info = handle.info.remote().result()
         self.name, self.geometry, self.config, self.warning = info["name"], info["geometry"], info["config"], info["warning"]
+        self.context = info["context_length"]
         self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")
         self._pending = 0
         self._lock = threading.Lock()
@@ -108,6 +114,9 @@ class RemoteVLM:
 
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.handle.prefix_length.remote(question, visual_tokens).result()
+
+    def context_length(self) -> int | None:
+        return self.context
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False)
@@ -168,8 +177,8 @@ def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, re
     start(cfg, options, address=address, replicas=replicas)
     for signum in (signal.SIGINT, signal.SIGTERM):   # ray.init installed its own, which abort the process
         signal.signal(signum, _stop)
-    print(f"serving {cfg.runtime.vlm} on Ray Serve at http://{options.host}:{options.port}/ "
-          f"(VLM replicas {replicas[0]}..{replicas[1]}; store {options.store})", file=sys.stderr, flush=True)
+    log.info("serving %s on Ray Serve at http://%s:%s/ (VLM replicas %s..%s; store %s)", cfg.runtime.vlm,
+             options.host, options.port, replicas[0], replicas[1], options.store)
     try:
         while True:
             time.sleep(3600)
@@ -177,7 +186,7 @@ def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, re
         pass
     finally:
         serve.delete(APP_NAME)
-    print("server stopped", file=sys.stderr)
+    log.info("server stopped")
 
 
 def _stop(signum: int, frame: Any) -> None:

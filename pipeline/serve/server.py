@@ -2,18 +2,22 @@
 for `python -m pipeline serve`, or in a thread for tests and benchmarks)."""
 from __future__ import annotations
 
-import sys
+import logging
+import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from arr_coc._validate import ConfigError
 
 from ..config import PipelineConfig
-from ..core.setup import load_answerer, runtime_device
+from ..core.setup import runtime_device
 from .answering import LocalVLM
 from .engine import Engine
 from .options import ServeOptions
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
@@ -21,6 +25,7 @@ def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
     if cfg.runtime.vlm == "none":
         raise ConfigError("serve answers questions: name a VLM with --vlm (a Hugging Face id, a local snapshot, "
                           "or tiny-random for smoke tests)")
+    from ..vlm.loading import load_answerer
     vlm = load_answerer(cfg, runtime_device(cfg))
     service = LocalVLM(vlm)
     try:
@@ -30,30 +35,59 @@ def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
         raise
 
 
-def create_server(app: Any, host: str, port: int) -> Any:
+def create_server(app: Any, host: str, port: int, options: ServeOptions | None = None) -> Any:
+    """uvicorn over `app`, with the connection limits of `options` (connections.py)."""
     import uvicorn
 
+    from .connections import uvicorn_limits
+
+    if options is None:     # the app's own (create_app keeps its engine in app.state)
+        engine = getattr(getattr(app, "state", None), "engine", None)
+        options = engine.options if engine is not None else None
+    limits = uvicorn_limits(options.header_timeout_s, options.max_connections) if options else {}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **limits)
     return uvicorn.Server(config)
+
+
+def listen(options: ServeOptions) -> socket.socket:
+    """The server's listening socket, or ConfigError naming the address and why not (in use, not an
+    address of this machine): one line, exit 2, instead of uvicorn's log and exit 3."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(options.host, options.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {options.url}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {options.url}: {e.strerror or e}") from None
+    return sock
 
 
 def serve_forever(cfg: PipelineConfig, options: ServeOptions) -> None:
     """Serve until Ctrl-C / SIGTERM (a normal stop: open live streams end, the store stays valid)."""
     from .app import create_app
 
-    engine = build_engine(cfg, options)
-    if engine.service.warning:
-        print(f"warning: {engine.service.warning}", file=sys.stderr)
-    server = create_server(create_app(engine), options.host, options.port)
-    print(f"serving {engine.model_id} on http://{options.host}:{options.port}/ (store {options.store}; "
-          f"file:// inside {', '.join(map(str, options.allow_dirs)) or 'nothing'}; "
-          f"API key {'required' if options.api_key else 'off'})", file=sys.stderr, flush=True)
+    sock = listen(options)       # before the model loads: a taken port is one line, at once
     try:
-        server.run()      # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then re-raises the signal
+        engine = build_engine(cfg, options)
+    except BaseException:
+        sock.close()
+        raise
+    if engine.service.warning:
+        log.warning("%s", engine.service.warning)
+    server = create_server(create_app(engine), options.host, options.port, options)
+    url = replace(options, port=sock.getsockname()[1]).url      # --port 0: the port it got
+    log.info("serving %s on %s (store %s; file:// inside %s; API key %s)", engine.model_id, url, options.store,
+             ", ".join(map(str, options.allow_dirs)) or "nothing", "required" if options.api_key else "off")
+    try:
+        server.run(sockets=[sock])      # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then re-raises the signal
     except KeyboardInterrupt:
         pass
-    print("server stopped", file=sys.stderr)
+    log.info("server stopped")
 
 
 class BackgroundServer:

@@ -18,7 +18,7 @@ from sources.live import Gap, LiveConfig
 
 from ..core.graph import StageError
 from ..core.live_stages import LiveOptions
-from ..core.stages import AnswerItem
+from ..core.items import AnswerItem
 from ..runners.live import run_live
 from .answering import RequestVLM, item_row
 from .errors import ApiError
@@ -109,6 +109,7 @@ class LiveStream:
     deleted: bool = False       # stopped by DELETE /v1/streams/{id} (not by its duration)
     status_lines: StatusKeeper = field(default_factory=StatusKeeper)
     thread: threading.Thread | None = None
+    owner: str = ""             # owners.py: the API key that started it (never shown)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "object": "live.stream", "created": self.created, "source": self.source,
@@ -127,22 +128,24 @@ class LiveStreams:
         with self._lock:
             return sum(s.status in ("starting", "running") for s in self._streams.values())
 
-    def get(self, stream_id: str) -> LiveStream:
+    def get(self, stream_id: str, owner: str = "") -> LiveStream:
+        """The stream `stream_id` of `owner`; 404 if there is none (another key's streams included)."""
         with self._lock:
             stream = self._streams.get(stream_id)
-        if stream is None:
+        if stream is None or stream.owner != owner:
             raise ApiError(404, f"no live stream {stream_id!r}", code="not_found")
         return stream
 
-    def list(self) -> list[LiveStream]:
+    def list(self, owner: str | None = None) -> list[LiveStream]:
+        """The streams of `owner` (None: every stream)."""
         with self._lock:
-            return list(self._streams.values())
+            return [s for s in self._streams.values() if owner is None or s.owner == owner]
 
     def start(self, source: str, question: str, *, every_s: float, on_scene_change: bool,
-              duration_s: float | None) -> LiveStream:
+              duration_s: float | None, owner: str = "") -> LiveStream:
         """Open the source and start answering (blocks until it is open or has failed: call it off the
         event loop). 400 for a bad source, 429 when --max-streams are running."""
-        spec, realtime, shown = self.engine.media.live_source(source)
+        spec, realtime, shown = self.engine.media.live_source(source, owner)
         try:
             options = LiveOptions(every_s=every_s, on_scene_change=on_scene_change, duration_s=duration_s)
         except ValueError as e:
@@ -151,7 +154,7 @@ class LiveStreams:
             raise ApiError(429, f"{self.engine.options.max_streams} live streams are running (--max-streams); "
                                 f"stop one with DELETE /v1/streams/{{id}}", code="too_many_streams")
         stream = LiveStream(f"live-{uuid.uuid4().hex[:24]}", shown, question, every_s, on_scene_change,
-                            int(time.time()), EventLog(self.engine.options.stream_events))
+                            int(time.time()), EventLog(self.engine.options.stream_events), owner=owner)
         live = LiveConfig(realtime=realtime)
         stream.thread = threading.Thread(target=self._run, args=(stream, spec, live, options),
                                          name=f"serve-{stream.id}", daemon=True)
@@ -165,8 +168,8 @@ class LiveStreams:
                            code="source_failed")
         return stream
 
-    def delete(self, stream_id: str) -> LiveStream:
-        stream = self.get(stream_id)
+    def delete(self, stream_id: str, owner: str = "") -> LiveStream:
+        stream = self.get(stream_id, owner)
         stream.deleted = True
         stream.stop.set()
         if stream.thread is not None:

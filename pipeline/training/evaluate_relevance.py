@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from arr_coc._validate import check_range
+from arr_coc.attending import retained_tokens
 from evaluation.metrics import (best_share, consecutive_cosine, cut_scores, distinctiveness,
                              own_object_accuracy, share_inside, top_fraction_iou)
 from arr_coc.model import ARRCOC, ARRCOCConfig
@@ -182,7 +183,7 @@ def evaluate(cfg: EvalConfig, *, log=print) -> dict:
     grid = VLMGeometry(max_pixels=size[0] * size[1]).grid(*size)
     embed = QueryEmbedder(device)
     models = build_models(cfg, embed("a").shape[-1], device)
-    budget = int(np.floor(grid[0] * grid[1] * cfg.retention + 0.5))
+    budget = retained_tokens(grid[0] * grid[1], cfg.retention)
     texturer = models["untrained"]
     normal = scene_examples(texturer, make_scenes(cfg.seed, cfg.scenes, size), embed, grid, device)
     hard = scene_examples(texturer, make_scenes(cfg.seed + 1, cfg.hard_scenes, size,

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pipeline.training.qa_data import cell_colors, keep_map, vlm_frame_indices
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 

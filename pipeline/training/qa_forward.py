@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.training.qa_data import MOTIONS, ClipSample, token_regions
-from pipeline.vlm.model import SYSTEM_PROMPT
+from pipeline.vlm.prefix import SYSTEM_PROMPT
 from pipeline.vlm.passes import question_attention
 from evaluation.scenes import COLORS, SHAPES
 from pipeline.vlm.preprocess import VideoPreprocessor

@@ -15,14 +15,14 @@ val split through the pipeline's own answer path (load_vlm on the exported snaps
 VLM.answer_questions) and scores exact match per question family. On CUDA the step runs in bf16
 autocast (float32 weights and optimizer); on CPU in float32.
 
-Learning from scratch, a model sat at the answer priors for 1300 steps (every family at chance
-on an H100): nothing told its attention which of ~200 visual tokens mattered. Two things get it
+Learning from scratch, a model sat at the answer priors for its first 1300 steps (every family at
+chance): nothing told its attention which of ~200 visual tokens mattered. Two things get it
 grounding (qa_data): a curriculum whose first steps keep only the salient cells, and a per-token
 colour loss through a linear head on the vision tower (training only, not in the snapshot). That
 model still answered no question naming an object (where, shape, direction at chance): per-token
 shape and motion targets on the same head, and a probe on the LM's hidden state of each visual
 token naming its 3x3 region (M-RoPE positions shape attention, never a token's value), gave it
-those (benchmarks/results/qa_vlm_training_h100.json).
+those (docs/performance.md has the training arms).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import torch
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 from pipeline.training.qa_data import MOTIONS, POLICIES, DropSpec, StepData
 from pipeline.training.qa_eval import ValData, export_snapshot, validate
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm import hf

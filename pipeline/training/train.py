@@ -302,7 +302,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     from tqdm import tqdm
 
     from arr_coc.checkpoint import load_weights, read_weights, save_weights
-    from ..core.cuda import resolve_device
+    from ..runtime.cuda import resolve_device
     from ..vlm.geometry import VLMGeometry
     from evaluation.scenes import make_clips, make_scenes
 

@@ -36,7 +36,7 @@ def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: s
     x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(device)  # (T, 3, H, W)
     with torch.no_grad():
         texture = model.extract(x, None, grid)
-        merged = vlm._merged_tokens([frames])[0]                           # (T', gh, gw, D)
+        merged = vlm.encoder.merged_tokens([frames])[0]                           # (T', gh, gw, D)
     allocation, _, _ = model.realize(texture, query)
     keep = pair_soft(allocation.soft, vlm.geometry.temporal_patch_size)    # (T', gh, gw)
     if tuple(keep.shape) != tuple(merged.shape[:3]):
@@ -44,9 +44,9 @@ def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: s
     visual = (merged.float() * keep.unsqueeze(-1)).flatten(0, 2)           # (N, D)
     Tp, gh, gw = merged.shape[:3]
     n_full = Tp * gh * gw
-    ids = vlm.full_input_ids(question, n_full)                             # (L_full,)
+    ids = vlm.prefixes.full_input_ids(question, n_full)                             # (L_full,)
     m = vlm.geometry.merge_size
-    positions = vlm.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))  # (3, L_full)
+    positions = vlm.prefixes.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))  # (3, L_full)
     target = torch.tensor(vlm.tokenizer(answer + "<|im_end|>").input_ids, device=device)  # (A,)
     v0 = int((ids == vlm.video_token_id).nonzero()[0])
     with torch.no_grad():
@@ -56,7 +56,7 @@ def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: s
     next_pos = int(positions.max()) + 1
     answer_pos = (next_pos + torch.arange(target.numel() - 1, device=device)).expand(3, -1)
     pos = torch.cat([positions, answer_pos], 1)[:, None]                   # (3, 1, L + A - 1)
-    hidden = vlm.lm_step(embeds[None], None, pos, None)[0, L - 1:]        # (A, D) predicts each answer token
+    hidden = vlm.pool.lm_step(embeds[None], None, pos, None)[0, L - 1:]        # (A, D) predicts each answer token
     logits = vlm.model.lm_head(hidden).float()                             # (A, V)
     return F.cross_entropy(logits, target), allocation.tensions
 

@@ -1,15 +1,15 @@
 """VLM stage: answer questions about a window of frames from only the visual tokens ARR-COC kept.
 
-The names below are imported on first use (PEP 562): `pipeline.vlm.config` is read by every
-command's configuration, and importing the model code with it would import transformers (about
-2.4 s) for commands that never load a VLM, `--help` included.
+The names below are imported on first use (PEP 562): the model code imports transformers, which
+commands that never load a VLM, `--help` included, do without. The configuration
+(pipeline/vlm_config.py) and the requests the engine answers (pipeline/runtime/requests.py) live
+below this package, so the configs and the graph never import the engine.
 """
 from __future__ import annotations
 
 from arr_coc._lazy import lazy_exports
 
-_HOMES = {"VLMConfig": "config", "VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading",
-          "VLM": "model", "AnswerRequest": "model", "AnswerResult": "model", "WindowQuestions": "model",
+_HOMES = {"VLMGeometry": "geometry", "VLMLoadError": "loading", "load_vlm": "loading", "VLM": "model",
           "KeptFeatures": "kept_vision"}
 __all__ = list(_HOMES)
 

@@ -11,7 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.vlm.model import VLM, AnswerRequest, AnswerResult
+from pipeline.runtime.requests import AnswerRequest, AnswerResult
+from pipeline.vlm.model import VLM
 
 _STOP = object()
 _TIMINGS_KEPT = 4096      # recent batches whose timings are kept

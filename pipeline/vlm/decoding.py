@@ -1,8 +1,8 @@
 """The VLM's language-model decoding machinery: a static KV cache, fixed-shape decode steps and
 short prefills replayed as CUDA graphs, sampling, and the packed-GQA sdpa used for decode steps.
 
-`StaticDecoder` and `PrefillGraph` work for a `pipeline.vlm.model.VLM` (its LM, dtype, device,
-counters and mask builder); the VLM chooses shapes and keeps decoders (see VLM._decoder).
+`StaticDecoder` and `PrefillGraph` work for a DecoderHost (pipeline/vlm/prefill.py's DecoderPool:
+its LM, dtype, device, counters and mask builder), which chooses shapes and keeps decoders.
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from typing import Protocol
 
 import torch
 
-from pipeline.core.cuda import capture, to_device
+from pipeline.runtime.cuda import capture, to_device
 from pipeline.vlm import hf
 
 
 
 class DecoderHost(Protocol):
-    """What StaticDecoder and PrefillGraph need of the model they decode for (VLM provides it)."""
+    """What StaticDecoder and PrefillGraph need of the model they decode for (DecoderPool provides it)."""
     device: torch.device
     dtype: torch.dtype
     model: torch.nn.Module          # the HF model: its lm_head
@@ -151,11 +151,11 @@ class StaticDecoder:
         return self.cache.nbytes + sum(g.nbytes for g in self.prefill_graphs.values())
 
     def release(self) -> None:
-        """Let the cache and the graphs go when the VLM drops this decoder (make_room). Its prefill
+        """Let the cache and the graphs go when the pool drops this decoder (make_room). Its prefill
         graphs refer back to it, so without this the cycle would keep its memory past the budget
         until Python's cyclic collector ran, in whatever thread, maybe one capturing a graph, whose
-        capture the freed graphs then broke (seen on an H100: "operation not permitted when stream
-        is capturing (function reset)", stock tokens under a 3 GiB budget). Still usable after:
+        capture the freed graphs then broke ("operation not permitted when stream is capturing
+        (function reset)", stock tokens under a small budget). Still usable after:
         a later prefill captures its graph again."""
         self.prefill_graphs.clear()
 

@@ -1,8 +1,7 @@
 """The kept-cells vision tower (vlm.encode: kept) replayed as CUDA graphs at padded shapes.
 
-Eager, the tower over a few hundred kept cells is bound by kernel launches, not by the GPU: on an
-H100 the 2B architecture's 32 blocks took 17.8 ms for 416 cells (1664 patches) against 52 ms for
-all 4096, and the 7B's 24 ms for 1024 (bench_vlm_kept_h100.json). The full-frame tower replays a
+Eager, the tower over a few hundred kept cells is bound by kernel launches, not by the GPU (figures:
+docs/performance.md). The full-frame tower replays a
 graph per grid (vision_graph); the kept set changes with every window, so its graphs are keyed by
 padded sizes instead, and every window of about the same size replays the same one (past a few
 shapes, a larger graph already captured, the smallest that fits: KeptGraphs._fitting):
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.core.cuda import capture
+from pipeline.runtime.cuda import capture
 from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention, varlen_available
 

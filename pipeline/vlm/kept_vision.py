@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arr_coc.lod import pad_to_pairs
-from pipeline.core.cuda import read_back, to_device, upload
+from pipeline.runtime.cuda import read_back, to_device, upload
 from pipeline.vlm import hf
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.kept_graph import KeptGraphs, TowerCall

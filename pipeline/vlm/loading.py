@@ -7,15 +7,19 @@ import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.core.cuda import resolve_device
+from pipeline.runtime.cuda import resolve_device
 from pipeline.vlm.builtin import FAMILIES, MODEL_CLASSES, build_model, build_tokenizer, tiny_config
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.model import VLM
 from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPreprocessor
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
 
 TINY_SPECS = {"tiny-random": "qwen2_vl", "tiny-random-qwen2_5_vl": "qwen2_5_vl"}
 # Snapshots shipped inside the package, loaded by name through the very path of a user's local
@@ -32,6 +36,15 @@ HUB_TIMEOUT_S = 3.0
 
 class VLMLoadError(RuntimeError):
     """The VLM spec cannot be loaded. The message is one line, fit for the CLI."""
+
+
+def load_answerer(cfg: PipelineConfig, device: torch.device) -> VLM | None:
+    """The VLM named by runtime.vlm, or None for allocation only."""
+    if cfg.runtime.vlm == "none":
+        return None
+    # bf16 matrix products are slow on CPUs; there the VLM runs in float32
+    dtype = "float32" if device.type == "cpu" else cfg.vlm.dtype
+    return load_vlm(cfg.runtime.vlm, device=device, dtype=dtype, config=cfg.vlm)
 
 
 def load_vlm(spec: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,

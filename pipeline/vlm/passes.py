@@ -2,13 +2,13 @@
 
 Pass 1 is ARR-COC's front end (saliency, motion, scene changes, temporal redundancy, and the
 question through MiniLM): with pass 2 on it keeps `vlm.candidate_factor` times the final budget as
-candidates (pipeline/core/setup.py: candidate_attending). Pass 2 scores each candidate against the
-actual question with the VLM itself, text-guided as in FastV / SparseVLM (training-free): the
-prefix [system prompt, candidate visual tokens, question] runs through the LM's first
-`vlm.pass2_layers` layers, and a candidate's score is the attention the question's tokens pay it
+candidates (the budget plan, pipeline/budget.py, says what every pass keeps). Pass 2 scores each
+candidate against the actual question with the VLM itself, text-guided as in FastV / SparseVLM
+(training-free): the prefix [system prompt, candidate visual tokens, question] runs through the
+LM's first `vlm.pass2_layers` layers, and a candidate's score is the attention the question's tokens pay it
 at the next layer, from that layer's own queries and keys (head- and token-averaged). The answer
 is then prefilled from the best-scored `1 / candidate_factor` of the candidates, each at the M-RoPE
-position the full video gives it, and decoded as usual (pipeline/vlm/model.py).
+position the full video gives it, and decoded as usual (pipeline/vlm/generation.py).
 
 Tempering (`vlm.tempering.ladder`) answers from the ladder's first budget; while the first answer
 token's confidence (pipeline/vlm/tempering.py) is below `vlm.tempering.threshold` it answers
@@ -30,21 +30,48 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from arr_coc._validate import ConfigError
-from pipeline.vlm.config import DEFAULT_PASS2_LAYERS
+from pipeline.budget import BudgetPlan
+from pipeline.vlm.decoding import StaticDecoder
+from pipeline.vlm.generation import Generation
+from pipeline.vlm.prefix import Prefix, WindowPrefix
 from pipeline.vlm.selection import allocation_sizes
 from pipeline.vlm.tempering import PER_TOKEN, EscalationShare
 from pipeline.vlm.text_model import FastTextModel, unsupported
-
-if TYPE_CHECKING:
-    from pipeline.vlm.model import VLM, Prefix, WindowPrefix
+from pipeline.vlm_config import DEFAULT_PASS2_LAYERS, VLMConfig
 
 
-def pass2_layer(vlm: VLM) -> int:
+class PassEngine(Protocol):
+    """What multi-pass answering drives: prefixes over a window's candidates, their prefill, the
+    first token's confidence, and decoding (pipeline/vlm/model.py's VLM implements it)."""
+    config: VLMConfig
+    device: torch.device
+    model: torch.nn.Module          # the HF model: its config may name the layer pass 2 reads
+    lm: torch.nn.Module             # the text decoder whose queries and keys pass 2 reads
+    attn_impl: str
+
+    def question_prefix(self, window: WindowPrefix, question: str) -> Prefix: ...
+
+    def attention_masks(self, allowed: torch.Tensor | None) -> dict: ...
+
+    def prefill(self, prefixes: list[Prefix], max_new_tokens: int | None = None
+                ) -> tuple[StaticDecoder, torch.Tensor]: ...
+
+    def generate_from(self, decoder: StaticDecoder, logits: torch.Tensor, batch: int, *,
+                      confidence: torch.Tensor | None = None) -> Generation: ...
+
+    def generate(self, prefixes: list[Prefix], *, confidence: torch.Tensor | None = None) -> Generation: ...
+
+    def first_confidence(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, tokens: torch.Tensor, length: int) -> str: ...
+
+
+def pass2_layer(vlm: PassEngine) -> int:
     """The LM layer pass 2 reads: vlm.pass2_layers when set, else the one the model's snapshot
     names (config.json "arrcoc_pass2_layers", measured for that model), else DEFAULT_PASS2_LAYERS."""
     if vlm.config.pass2_layers is not None:
@@ -152,7 +179,7 @@ def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
     the text before the video and every position stay as they are (the full video's M-RoPE)."""
     K = window.tokens_kept
     if keep.numel() == K:
-        return window                                                        # the same object: shared prefills stay shared
+        return window                                         # the same object: shared prefills stay shared
     v0 = window.embeds.shape[0] - K
     rows = torch.cat([torch.arange(v0, device=keep.device), v0 + keep])     # (v0 + n,)
     return dataclasses.replace(window, embeds=window.embeds[rows], positions=window.positions[:, rows],
@@ -161,12 +188,13 @@ def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
 
 
 class Passes:
-    """Pass 2 and tempering for one VLM (built by it when vlm.pass2 is on or a tempering ladder set)."""
+    """Pass 2 and tempering over one engine (the VLM builds it when vlm.pass2 is on or a tempering
+    ladder is set)."""
 
-    def __init__(self, vlm: VLM) -> None:
+    def __init__(self, vlm: PassEngine) -> None:
         cfg = vlm.config
         self.vlm = vlm
-        self.shares = cfg.keep_shares()                                      # one per answering pass
+        self.plan = BudgetPlan.of(cfg)                                       # what each answering pass keeps
         self.tempering = cfg.tempering
         t = cfg.tempering                     # escalate: the share asked again held by a running quantile
         self.share = None if t.escalate is None else EscalationShare(t.escalate, t.window, t.threshold)
@@ -184,17 +212,6 @@ class Passes:
             self.layer = min(pass2_layer(vlm), len(vlm.lm.layers) - 1)       # an LM of fewer layers: its last
             # the fast forward's modules are the LM's own (a second one over them shares the fused weights)
             self.text_model = FastTextModel(vlm.lm, vlm.attn_impl)
-
-    def rung_sizes(self, candidates: int) -> list[int]:
-        """Tokens each answering pass keeps of `candidates`: max(1, round(share * candidates)) per
-        share of keep_shares (all at share 1), a size no larger than the one before dropped (that
-        pass would answer from the same tokens again); [0] without candidates."""
-        sizes: list[int] = []
-        for share in self.shares:
-            n = candidates if share >= 1.0 else min(candidates, max(1, round(share * candidates)))
-            if not sizes or n > sizes[-1]:
-                sizes.append(n)
-        return sizes
 
     @torch.no_grad()
     def scores(self, windows: list[WindowPrefix], questions: list[str]) -> list[torch.Tensor]:
@@ -241,7 +258,7 @@ class Passes:
             sizes = [allocation_sizes(w.scores, len(self.tempering.rungs)) if w.scores is not None
                      else [w.tokens_kept] for w in windows]                  # every token: one pass
         else:
-            sizes = [self.rung_sizes(w.tokens_kept) for w in windows]       # per answer, increasing
+            sizes = [self.plan.pass_sizes(w.tokens_kept) for w in windows]  # per answer, increasing
         scores = self.ranking(windows, questions, sizes)
         # coverage: the question's attention over each window's candidates (pass 2's, computed once
         # whatever ranks them); a rung's confidence is `coverage` of the tokens it keeps

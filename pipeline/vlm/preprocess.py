@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.core.cuda import to_device
+from pipeline.runtime.cuda import to_device
 from pipeline.vlm.geometry import VLMGeometry
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

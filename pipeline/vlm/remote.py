@@ -1,9 +1,9 @@
 """A VLM in a process of its own, answering over a pipe (live: LiveOptions.vlm_process).
 
-Why: under 16 live streams of 720p30 a VLM call of 8 answers took 460-580 ms (p50) against 103 ms
-for the same call alone (benchmarks/results/profile_live_vlm_h200.json): the capture, front-end and
-sink threads share the interpreter lock with the VLM thread, which launches thousands of small
-kernels per call and waits for the lock again after every host sync. In its own process the VLM has
+Why: under many live streams a VLM call takes several times as long as the same call alone
+(docs/performance.md): the capture, front-end and sink threads share the interpreter lock with the
+VLM thread, which launches thousands of small kernels per call and waits for the lock again after
+every host sync. In its own process the VLM has
 an interpreter to itself; the requests (frames, keep maps, relevance) travel pickled over a pipe,
 the answers come back the same way.
 

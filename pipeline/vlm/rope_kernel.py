@@ -5,8 +5,7 @@ out = x * cos + swap(x) * signed_sin, where swap exchanges the two halves of the
 signed_sin is sin with its first half negated: HF's x * cos + rotate_half(x) * sin. In PyTorch
 that is three kernels over q and k (a product, the swap, an addcmul) plus HF's dtype casts; each
 reads and writes the whole tensor. This kernel reads each head once, computes in float32 and writes
-the result once in x's dtype (H100: Qwen2-VL-2B's vision tower, 16384 patches, 0.49 ms a layer in
-PyTorch; see benchmarks/profile_vision.py for the kernel's).
+the result once in x's dtype (benchmarks/profile_vision.py times both).
 
 Used where it can run: a CUDA tensor, Triton importable, no autograd graph being recorded through
 x (the kernel has no backward: train_vlm's gradients go through the PyTorch path), and the layouts

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from arr_coc.attending import retained_tokens
 from arr_coc.lod import DROPPED, FULL, POOLED, pad_to_pairs, pair_lod
 
 __all__ = ["allocation_keys", "pair_lod", "select_tokens", "snap_to_windows", "token_cells", "token_relevance"]
@@ -76,10 +77,10 @@ def allocation_keys(keep: torch.Tensor, scores: torch.Tensor, rungs: tuple[float
     relevance tiebreak in [0, 0.5), where level is the first rung whose own allocation keeps the
     cell and R = len(rungs); -1 for cells not kept at all.
 
-    ARR-COC spends round(retention * available) tokens on each frame's most relevant cells
+    ARR-COC spends retained_tokens(available, retention) tokens on each frame's most relevant cells
     (arr_coc/attending.py), so its allocation at a lower rung r is, per frame, the best
-    round(r / top * K) of the K cells the top rung keeps (at least one): a rung answers from what
-    pass 1 run at that rung's retention would have kept. token_relevance then gives a frame pair's
+    retained_tokens(K, r / top) of the K cells the top rung keeps (at least one): a rung answers
+    from what pass 1 run at that rung's retention would have kept. token_relevance then gives a frame pair's
     token the better key of its two cells, as the pairing rule keeps a token either frame wants."""
     kept = keep.reshape(keep.shape[0], -1) != 0                              # (T, N)
     s = scores.float().reshape(kept.shape)
@@ -88,7 +89,8 @@ def allocation_keys(keep: torch.Tensor, scores: torch.Tensor, rungs: tuple[float
     top_k = kept.sum(1, keepdim=True).float()                                # (T, 1)
     level = torch.zeros_like(s)
     for rung in rungs[:-1]:
-        k = torch.where(top_k > 0, (top_k * (rung / rungs[-1])).round().clamp(min=1), top_k)
+        k = retained_tokens(top_k, rung / rungs[-1]).clamp(min=1).to(top_k.dtype)              # (T, 1)
+        k = torch.where(top_k > 0, k, top_k)
         level += (rank >= k).float()
     # the kept cells' range without reading it back (no kept cell: every key is -1 below anyway)
     lo = s.masked_fill(~kept, float("inf")).min()

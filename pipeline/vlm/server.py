@@ -32,7 +32,7 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.core.sockets import short_tempdir
+from pipeline.runtime.sockets import short_tempdir
 from pipeline.vlm.remote import VLMProcessError, _send_error
 
 AUTHKEY_ENV = "ARRCOC_VLM_AUTHKEY"       # a client process's key to the server (hex), not on its command line

@@ -4,8 +4,7 @@ HF's Qwen2-VL-family decoder layer launches about 40 kernels besides its GEMMs: 
 (cast to float32, square, mean, rsqrt, multiply, cast back) plus the weight's, rotary embedding is
 applied to queries and keys apart (slice, negate, concatenate, two products and a sum each), and q, k
 and v are three GEMMs. A pruned prefill of ~500 tokens, or a decode step, is short enough for
-those small kernels to cost as much as the GEMMs' waves: on an H100 a 512-token Qwen2.5-VL-7B
-prefill spent 5 of its 16 ms outside GEMMs and attention (benchmarks/profile_prefill.py).
+those small kernels to cost as much as the GEMMs' waves (benchmarks/profile_prefill.py measures it).
 
 This forward runs the same modules' weights through the same operations, fewer and larger:
   - RMSNorm: torch's fused rms_norm, the weight product included (float32 inside, as HF's);
@@ -19,9 +18,7 @@ This forward runs the same modules' weights through the same operations, fewer a
     ours, see decoding.sdpa_packed_gqa), on the same cache object;
   - cos/sin built once per forward by the model's own rotary module.
 Outputs equal HF's in float32 up to rounding (tests compare both, cached and uncached); in bfloat16
-the fused norm and addcmul round once where HF rounds twice. On an H100 (Qwen2.5-VL-7B, 28 layers)
-this took a 512-token prefill from 16.0 to 13.0 ms and the 4130-token stock one from 109.9 to
-97.1 ms, and decode steps from 115 to 135 tokens/s (benchmarks/results/bench_vlm_h100.json).
+the fused norm and addcmul round once where HF rounds twice (its speed: docs/performance.md).
 """
 from __future__ import annotations
 
@@ -205,8 +202,8 @@ class FastTextModel:
     def _causal(self, embeds: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor | None:
         """The mask the layers take: as given, or for eager attention (which has no causal default)
         an additive causal one. A boolean mask for sdpa becomes additive here, once per forward:
-        given a boolean one, sdpa converts it in every layer (a few elementwise kernels each, 28
-        layers: ~5% of a 2B decode step on an H100), to the same values (0 where allowed, the
+        given a boolean one, sdpa converts it in every layer (a few elementwise kernels each), to
+        the same values (0 where allowed, the
         dtype's minimum elsewhere: every row allows at least its own slot, so no row is all -inf)."""
         B, L, _ = embeds.shape
         if mask is not None and mask.dtype == torch.bool and self.sdpa:

@@ -6,9 +6,9 @@ its other layers attend within windows (`cu_window_seqlens`). Outside flash-atte
 as a Python loop of one SDPA call per block, after reading the block lengths back to the host
 (`.tolist()`: a GPU sync in every layer). A window of 20 frames at 240x320 is 10 blocks x 32
 layers: 320 calls and 32 syncs; 32 frames at 448x448 through Qwen2.5-VL-7B's window layers are
-256 windows x 28 layers: 7168 calls (~0.4 s on an H100 for ~20 TFLOP of work).
+256 windows x 28 layers: 7168 calls.
 
-Inside `batched_attention(L)` (VLM._vision), each layer instead makes one SDPA call over
+Inside `batched_attention(L)` (VisionEncoder.vision), each layer instead makes one SDPA call over
 (blocks, heads, L, head_dim): with no sync at all when the blocks are the frames (N / L blocks of
 the given L, frames of one size), else after one read of the block lengths per boundary tensor
 and vision forward (shared by all layers that use it), with blocks of unequal length (edge

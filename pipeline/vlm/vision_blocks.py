@@ -1,15 +1,13 @@
 """The vision tower's blocks with less memory traffic between their GEMMs (VLMConfig.fast_vision).
 
-Profiled on an H100 (benchmarks/profile_vision.py, 32 frames at 448x448, 16384 patches, bf16), HF's
-vision blocks spent more time outside their GEMMs than in them:
+Profiled (benchmarks/profile_vision.py; figures in docs/performance.md), HF's vision blocks spent
+more time outside their GEMMs than in them:
   - rotary embedding: HF casts q and k to float32 and rotates each apart (two products, a slice,
-    a negation, a concatenation and a sum per tensor, then casts back): about 30 ms of Qwen2-VL-2B's
-    84 ms tower;
-  - QuickGELU (Qwen2-VL): x * sigmoid(1.702 x) is three kernels over the (patches, 5120) activation,
-    12 ms;
-  - Qwen2.5-VL's MLP width, 3420, is not a multiple of 8: rows of 6840 bytes cannot be read by the
-    H100's TMA-based GEMM kernels, so cuBLAS fell back to an Ampere kernel for all three MLP GEMMs
-    (58 of Qwen2.5-VL-7B's 134 ms); its RMSNorms are six kernels each.
+    a negation, a concatenation and a sum per tensor, then casts back);
+  - QuickGELU (Qwen2-VL): x * sigmoid(1.702 x) is three kernels over the (patches, 5120) activation;
+  - Qwen2.5-VL's MLP width, 3420, is not a multiple of 8: rows of 6840 bytes cannot be read by
+    TMA-based GEMM kernels, so cuBLAS fell back to an older kernel for all three MLP GEMMs; its
+    RMSNorms are six kernels each.
 
 What this does instead, same modules, same weights, same results up to rounding:
   - rotary on q and k at once, straight from the fused qkv output, in float32 as HF's (bfloat16
@@ -23,9 +21,8 @@ What this does instead, same modules, same weights, same results up to rounding:
     block, 280 MB in all);
   - RMSNorm: torch's fused rms_norm (as pipeline.vlm.text_model);
   - the patch embedding, a Conv3d whose kernel is its stride over rows that are whole patches, as
-    the GEMM it is (rows x weight viewed (D, C tp p p)): cuDNN ran it as an implicit-GEMM
-    convolution, 0.58 ms for the 4032 patches of Qwen2.5-VL-7B's kept 10% window (H100), where
-    the GEMM takes a few microseconds.
+    the GEMM it is (rows x weight viewed (D, C tp p p)): cuDNN ran it as a much slower
+    implicit-GEMM convolution.
 Blocks of other layouts keep HF's forward; so does training.
 """
 from __future__ import annotations
@@ -85,8 +82,8 @@ def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[
     are, then cast back) on q and k together: on CUDA one Triton kernel (rope_kernel), else four
     kernels where HF launches about sixteen: per half of the head one product and one addcmul
     written straight into the output's dtype (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), no float32
-    copy of q and k, no concatenation (H100, 16384 patches x 16 heads: 0.49 ms a layer, HF's
-    0.97 ms; 99.998% of values bit-equal to HF's, the rest one rounding apart)."""
+    copy of q and k, no concatenation (99.998% of values bit-equal to HF's, the rest one rounding
+    apart)."""
     N, _, H, hd = qkv.shape
     half = hd // 2
     if rope_kernel.available(qkv) and qkv.is_contiguous():                   # one Triton kernel

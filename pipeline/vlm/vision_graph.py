@@ -1,9 +1,9 @@
 """The vision tower replayed as a CUDA graph, one per (temporal patches, patch grid).
 
 Run eagerly, Qwen2-VL-2B's 32 vision blocks launch about 600 kernels for a window, and with the
-batch path's other threads competing for the GIL the host, not the GPU, sets the pace: in
-`pipeline batch` on an H100 (20 frames at 320x240 per video, 4 videos in flight) the vision tower
-was 60% of the VLM thread's time, about 5x its GPU time. A graph replays those launches in one call.
+batch path's other threads competing for the GIL the host, not the GPU, sets the pace (in
+`pipeline batch` the eager tower took several times its GPU time: docs/performance.md). A graph
+replays those launches in one call.
 
 What a graph needs, and how it gets it:
 - No host reads while capturing. HF computes the tower's grid-derived inputs (rotary position ids,
@@ -29,12 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.core.cuda import capture
+from pipeline.runtime.cuda import capture
 from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention
 
-T_BUCKET = 2          # temporal patches (frame pairs) a graph's length is a multiple of (H100, 2B arch,
-                      # 10 pairs at 320x240: 26 ms padded to 12 pairs, 22 ms at 10)
+T_BUCKET = 2          # temporal patches (frame pairs) a graph's length is a multiple of
 MAX_GRAPHS = 8        # graphs kept per VLM, least recently used dropped first
 
 

@@ -154,6 +154,23 @@ class TestLOD:
         out = TokenAllocator(cfg)(torch.rand(1, 2, 4))
         assert out.tokens.sum().item() == 7 and (out.lod == 1).sum().item() == 7
 
+    def test_pooled_cap_keeps_an_odd_grid_exact(self):
+        # Issue 35's counterexample: 4x5 grid (its right edge blocks are 2x1), 17 cells available,
+        # K = floor(17 x 0.43 + 0.5) = 7, P = min(floor(7 x 0.88), (17 - 7) // 3) = 3. A looser cap,
+        # (n - K) // 2 = 5, leaves 2 full tokens, pools 4 blocks covering 14 cells, and the one free
+        # cell cannot make up the fifth: 6 tokens for a budget of 7.
+        relevance = torch.tensor([[[0.32, 0.88, 0.72, 0.77, 0.45],
+                                   [0.67, 0.69, 0.62, 0.81, 0.94],
+                                   [0.08, 0.49, 0.44, 0.88, 0.34],
+                                   [0.12, 0.23, 0.84, 0.38, 0.98]]])
+        available = torch.ones(1, 4, 5, dtype=torch.bool)
+        available.view(-1)[[4, 14, 17]] = False
+        cfg = AttendingConfig(retention=0.43, pooled_share=0.88)
+        out = TokenAllocator(cfg)(relevance, available)
+        assert out.budget.item() == 7 and out.tokens.sum().item() == 7
+        assert out.lod.eq(2).any()
+        check_allotment(out, cfg, relevance, available)
+
     def test_pooled_blocks_prefer_larger_total_demand(self):
         relevance = torch.zeros(1, 2, 6)
         relevance[0, 0, 0] = 1.0  # the one full token

@@ -80,3 +80,14 @@ class TestFastVID:
     def test_each_pair_gets_its_share(self):
         keep = pair_lod(torch.as_tensor(fastvid_keep(features(8), 16, 0.25)))
         assert keep.flatten(1).sum(1).tolist() == [6] * 8
+
+
+def test_budgets_round_half_up_as_the_allocator_does():
+    """Every count follows arr_coc.attending.retained_tokens (half up); round() would give the even
+    neighbour of each .5 below: 2 for 2.5, 4 for 4.5."""
+    assert budget(0.5, 5) == 3 and budget(0.25, 10) == 3 and budget(0.5, 9) == 5
+    assert kept_tokens(uniform_keep(10, GRID, 0.5)) == 3 * 24             # 60 of 120 tokens: 2.5 pairs -> 3
+    per_pair = pair_lod(torch.as_tensor(random_keep(4, GRID, 0.1875))).flatten(1).sum(1)
+    assert per_pair.tolist() == [5, 5]                                     # 9 of 48 tokens: 4.5 a pair -> 5
+    keep = pair_lod(torch.as_tensor(fastvid_keep(features(8), 16, 0.1875)))
+    assert keep.flatten(1).sum(1).tolist() == [5] * 8                     # 36 of 192: 4.5 a pair -> 5

@@ -3,7 +3,7 @@
 `RTSPServer` runs tests/live/rtsp_server.py under the system Python, which has GStreamer's
 bindings (see that file); `rtsp_or_skip` skips a test with the reason when they are missing.
 `http_ts_server` serves an HTTP MPEG-TS stream from this process (benchmarks/loopback.py), on any
-machine.
+machine; `FlappingServer`, one that opens and fails at its first read, every time.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,75 @@ def http_ts_server(tmp: Path, *, size: tuple[int, int] = (160, 120), fps: int = 
     """A started loopback HTTP MPEG-TS server (benchmarks/loopback.py: bench_live's cameras) of a
     clip encoded into `tmp`: a network stream on any machine, GStreamer-free; a context manager."""
     return TSServer(encode_clip(Path(tmp) / "clip.ts", *size, fps, seconds))
+
+
+class FlappingServer:
+    """An HTTP MPEG-TS server whose stream opens and then fails at its first read: every GET gets the
+    head of a clip, enough for FFmpeg to open the stream (codec, size) but not to decode a frame,
+    and then the connection closes. `gets` holds each request's time (time.monotonic()), a context
+    manager. The head's length is found by trying (`_calibrate`): what FFmpeg needs depends on its
+    version, and a head that opens nothing, or that holds a frame, would test something else."""
+
+    def __init__(self, tmp: Path) -> None:
+        clip = encode_clip(Path(tmp) / "flap.ts", 160, 120, 30, 1.0).read_bytes()
+        self.head = b""
+        self.gets: list[float] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                server.gets.append(time.monotonic())
+                self.send_response(200)
+                self.send_header("Content-Type", "video/mp2t")
+                self.end_headers()
+                try:
+                    self.wfile.write(server.head)
+                except OSError:
+                    pass  # the client went away
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self._calibrate(clip)
+        self.gets.clear()
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/flapping.ts"
+
+    def _calibrate(self, clip: bytes) -> None:
+        from sources.live import LiveConfig, parse_source
+        from sources.live_connections import Lost, NetworkConnection, OpenError, Stalled
+
+        config = LiveConfig(open_timeout_s=2.0, read_timeout_s=2.0)
+        for packets in range(4, 200):                       # MPEG-TS packets are 188 bytes
+            self.head = clip[:188 * packets]
+            try:
+                conn = NetworkConnection(parse_source(self.url()), config, None)
+            except OpenError:
+                continue
+            try:
+                frames = sum(1 for _ in conn.frames())
+            except (Lost, Stalled):
+                frames = 0
+            else:
+                frames = -1                                 # frames() ends only by raising
+            finally:
+                conn.close()
+            if frames == 0:
+                return
+            break
+        raise RuntimeError("no head of the clip opens without a frame in it")
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> "FlappingServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -211,11 +211,11 @@ class TestAnswer:
             Pipeline(query_encoder="minilm")
 
     def test_the_vlm_is_loaded_once(self, video, monkeypatch):
-        import pipeline.core.setup as setup
+        import pipeline.vlm.loading as loading
 
         loads = []
-        real = setup.load_answerer
-        monkeypatch.setattr(setup, "load_answerer", lambda cfg, device: loads.append(cfg) or real(cfg, device))
+        real = loading.load_answerer
+        monkeypatch.setattr(loading, "load_answerer", lambda cfg, device: loads.append(cfg) or real(cfg, device))
         pipe = Pipeline(vlm="tiny-random", device="cpu", overrides={"vlm.max_new_tokens": 2})
         first = pipe.answer(video, "q")
         second = pipe.answer(video, "q")

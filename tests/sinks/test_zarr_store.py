@@ -1,6 +1,7 @@
 """The zarr output store: public schema, chunked appends, answers, lifecycle, crash safety, concurrency."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -10,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -339,11 +339,12 @@ class TestStreamTemplate:
 
 
 class TestDirectWrites:
-    """StreamWriter writes chunk and metadata files itself (sinks.zarr_store._ArrayFiles): the files
+    """StreamWriter writes chunk and metadata files itself (sinks.store_files.ArrayFiles): the files
     must be the ones zarr writes for the same data."""
 
     def test_chunks_and_metadata_equal_zarrs_own(self, store, tmp_path):
-        from sinks.zarr_store import _files_under, _stream_files, _write_file
+        from sinks.store_files import files_under, write_file
+        from sinks.zarr_store import _stream_files
 
         writer = store.stream("v", **META, chunk_frames=16)
         write_frames(writer, 20)
@@ -364,7 +365,7 @@ class TestDirectWrites:
         ref = tmp_path / "ref"
         attrs = json.loads((direct / "zarr.json").read_text())["attributes"]
         for rel, blob in _stream_files(attrs, GRID, 16).items():
-            _write_file(ref / rel, blob)
+            write_file(ref / rel, blob)
         group = zarr.open_group(ref, mode="r+")
         for spec in FRAMES.fields:
             group[spec.name].resize(data[spec.name].shape)
@@ -374,7 +375,7 @@ class TestDirectWrites:
                 group[prefix + spec.name].resize(values[spec.name].shape)
                 group[prefix + spec.name][:] = values[spec.name]
 
-        got, want = _files_under(direct), _files_under(ref)
+        got, want = files_under(direct), files_under(ref)
         assert sorted(got) == sorted(want)              # same chunks written (and fill-only ones skipped)
         assert "scene_change/c/2" not in got and "scene_change/c/1" in got   # rows 32..39 all False: not written
         for rel in want:
@@ -547,31 +548,53 @@ class TestCrashSafety:
         assert {group[s.name].shape[0] for s in FRAMES.fields} == {128}
         assert read_stream(path, "v")["answers"]["text"].tolist() == ["before the crash"]
 
-    def test_sigkill_at_a_random_point_of_writing(self, tmp_path):
-        proc = spawn(tmp_path, """
-            w = store.stream("v", **META, chunk_frames=8)
-            print("ready", flush=True)
-            s = 0
-            while True:
-                w.append(**columns(s, 3)); s += 3
-                if s % 30 == 0:
-                    w.add_answer(0.0, s / 25, "q", f"after {s}", s, 10 * s, 0.1)
-        """)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-            deadline = time.monotonic() + 30
-            meta = tmp_path / "out.zarr" / "streams/v/zarr.json"
-            while json.loads(meta.read_text())["attributes"]["frames"] < 40 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.137)  # land somewhere inside a write, not on a boundary we chose
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            proc.stdout.close()
-        self._assert_consistent_incomplete(tmp_path / "out.zarr", 40)
-        redo = ZarrStore.open(tmp_path / "out.zarr").stream("v", **META)  # the resumed batch redoes it
+    def test_a_crash_at_any_write_leaves_a_consistent_store(self, tmp_path, monkeypatch):
+        """The writer dies at its k-th file write (each file write is atomic: the k-th never lands,
+        nothing after it happens), for every k of a run of appends and answers: the store is valid,
+        every committed frame and answer is real, and a resumed run redoes the stream."""
+        from sinks import store_files
+
+        class Crash(BaseException):
+            pass
+
+        real_write, writes = store_files.Location.write, []
+
+        def write(loc, rel, data):
+            if len(writes) == crash_at:
+                raise Crash
+            writes.append(rel)
+            real_write(loc, rel, data)
+
+        def scenario(path: Path) -> None:
+            """Two rounds of a chunk of frames (one commit each) and an answer after it."""
+            writer = ZarrStore.open(path, config={}).stream("v", **META, chunk_frames=4)
+            writes.clear()
+            try:
+                for s in (4, 8):
+                    writer.append(**columns(s - 4, 4))
+                    writer.add_answers([dict(t_start=0.0, t_end=s / 25, question="q", text=f"after {s}",
+                                             tokens_kept=s, tokens_full=10 * s, latency_s=0.1)])
+            except Crash:
+                pass
+            del writer                                    # the crashed process's lock goes with it
+
+        monkeypatch.setattr(store_files.Location, "write", write)
+        crash_at = -1
+        scenario(tmp_path / "all.zarr")
+        total = len(writes)
+        assert total > 40 and sum(w.endswith("zarr.json") for w in writes) > 4
+        for crash_at in range(total):
+            path = tmp_path / f"crash{crash_at}.zarr"
+            scenario(path)
+            assert len(writes) == crash_at
+            committed = self._assert_consistent_incomplete(path, 0)
+            texts = read_stream(path, "v")["answers"]["text"].tolist()
+            assert texts == [f"after {s}" for s in (4, 8)][:len(texts)], crash_at
+            assert committed >= 4 * len(texts), crash_at          # an answer comes after its frames
+        monkeypatch.undo()
+        redo = ZarrStore.open(tmp_path / "crash20.zarr").stream("v", **META)  # the resumed batch redoes it
         redo.close(complete=True)
-        assert validate_store(tmp_path / "out.zarr") == []
+        assert validate_store(tmp_path / "crash20.zarr") == []
 
 
 class TestOwnership:
@@ -592,7 +615,7 @@ class TestOwnership:
         """, stdin=True)
         try:
             assert first.stdout.readline().strip() == "ready"
-            assert (tmp_path / "out.zarr/.locks/v.lock").is_file()
+            assert json.loads((tmp_path / "out.zarr/.locks/v.owner").read_text())["pid"] == first.pid
             second = spawn(tmp_path, """
                 try:
                     store.stream("v", **{**META, "source": "clip.mkv"}, overwrite=True)   # what `run` asks
@@ -617,7 +640,7 @@ class TestOwnership:
         data = read_stream(tmp_path / "out.zarr", "v")
         assert data["attrs"]["complete"] is True and data["attrs"]["source"] == META["source"]
         np.testing.assert_array_equal(data["frame_index"], np.arange(40) * 2)    # the first writer's rows only
-        assert not (tmp_path / "out.zarr/.locks").exists()
+        assert not (tmp_path / "out.zarr/.locks/v.owner").exists()
 
     def test_a_killed_writers_lock_is_taken_over(self, tmp_path):
         proc = spawn(tmp_path, """
@@ -627,16 +650,16 @@ class TestOwnership:
             time.sleep(60)
         """)
         kill_when_ready(proc)
-        lock = tmp_path / "out.zarr/.locks/v.lock"
-        assert json.loads(lock.read_text())["pid"] == proc.pid                  # left behind by kill -9
+        owner = tmp_path / "out.zarr/.locks/v.owner"
+        assert json.loads(owner.read_text())["pid"] == proc.pid                 # left behind by kill -9
         store = ZarrStore.open(tmp_path / "out.zarr")
         writer = store.stream("v", **META)
-        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert json.loads(owner.read_text())["pid"] == os.getpid()
         assert writer.replaced is not None and not writer.replaced.complete and writer.replaced.frames == 16
         write_frames(writer, 30)
         writer.close(complete=True)
         assert validate_store(store.path) == [] and read_stream(store.path, "v")["attrs"]["frames"] == 30
-        assert not lock.parent.exists()
+        assert not owner.exists()
 
     def test_in_one_process_the_stream_is_free_again_after_close_or_drop(self, store):
         writer = store.stream("v", **META)
@@ -648,30 +671,7 @@ class TestOwnership:
         del again                                                            # dropped unclosed: released too
         store.stream("v", **META).close(complete=True)
         other.close(complete=True)
-        assert validate_store(store.path) == [] and not (store.path / ".locks").exists()
-
-    def test_a_lock_released_between_open_and_flock_is_not_claimed(self, store, monkeypatch):
-        """The owner unlinks its lock file, then drops the flock: a writer that opened the file just
-        before would get the flock of a file no longer at the path, and with it a third writer
-        creating a new file there: two owners. It must open the path again instead."""
-        import sinks.zarr_store as zarr_store
-
-        first = store.stream("v", **META)
-        real_flock, calls = zarr_store._flock, []
-
-        def flock_after_the_owner_released(fd):
-            if not calls:
-                first.close(complete=False)                                 # right between our open and flock
-            calls.append(fd)
-            return real_flock(fd)
-
-        monkeypatch.setattr(zarr_store, "_flock", flock_after_the_owner_released)
-        second = store.stream("v", **META)
-        assert len(calls) == 2                                               # the released file, then the new one
-        monkeypatch.undo()
-        with pytest.raises(SinkError, match="being written by another writer"):
-            store.stream("v", **META)
-        second.close(complete=True)
+        assert validate_store(store.path) == [] and not list((store.path / ".locks").glob("*.owner"))
 
     def test_a_failed_close_still_gives_the_stream_up(self, store, monkeypatch):
         writer = store.stream("v", **META)
@@ -683,26 +683,63 @@ class TestOwnership:
         assert writer.closed
         store.stream("v", **META).close(complete=True)
 
-    def test_without_flock_the_lock_files_pid_decides(self, store, monkeypatch):
-        import sinks.zarr_store as zarr_store
+    def test_without_flock_a_dead_writers_lock_is_taken_over(self, tmp_path):
+        """On a filesystem without flock filelock falls back to a marker file naming its pid: a live
+        writer still refuses a second one, a killed one's marker is taken over."""
+        def no_flock(body: str) -> str:
+            return textwrap.dedent("""
+                import errno
+                import filelock._native._unix as unix
+                def nosys(fd):
+                    raise OSError(errno.ENOSYS, "flock not supported")
+                unix.lock_fd_nonblocking = nosys
+            """) + textwrap.dedent(body)
 
-        monkeypatch.setattr(zarr_store, "fcntl", None)
-        writer = store.stream("v", **META)
-        with pytest.raises(SinkError, match=f"pid {os.getpid()}"):
-            store.stream("v", **META)                                         # this process is alive
-        writer.close(complete=False)
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
-        lock = store.path / ".locks/v.lock"
-        lock.parent.mkdir()
-        lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "since": time.time()}))
-        taken = store.stream("v", **META)                                    # a dead pid on this host
-        assert json.loads(lock.read_text())["pid"] == os.getpid()
-        taken.close(complete=True)
-        lock.parent.mkdir()
-        lock.write_text(json.dumps({"pid": dead.pid, "host": "another-host", "since": time.time()}))
-        with pytest.raises(SinkError, match="pid .* on another-host since"):   # another host's pid: cannot tell
-            store.stream("v", **META, overwrite=True)
+        proc = spawn(tmp_path, no_flock("""
+            w = store.stream("v", **META, chunk_frames=8)
+            w.append(**columns(0, 20))
+            print("ready", flush=True)
+            time.sleep(60)
+        """))
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            second = spawn(tmp_path, no_flock("""
+                try:
+                    store.stream("v", **META)
+                except SinkError as e:
+                    print(e, flush=True)
+                    sys.exit(2)
+            """))
+            out, _ = second.communicate(timeout=60)
+            assert second.returncode == 2 and f"being written by another writer (pid {proc.pid} " in out, out
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+        third = spawn(tmp_path, no_flock("""
+            w = store.stream("v", **META)
+            w.close(complete=True)
+            print("taken", flush=True)
+        """))
+        out, err = third.communicate(timeout=60)
+        assert third.returncode == 0 and out.strip() == "taken", err
+        assert read_stream(tmp_path / "out.zarr", "v")["attrs"]["complete"] is True
+
+    def test_a_full_disk_while_locking_is_one_line_naming_the_store(self, store, monkeypatch):
+        """ENOSPC writing the owner record: a SinkError (exit 2 on the command line) naming the stream
+        and the store, not a bare OSError; nothing is left held."""
+        import sinks.stream_lock as stream_lock
+
+        def full(target, data, atomic=False):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+        monkeypatch.setattr(stream_lock, "write_file", full)
+        with pytest.raises(SinkError) as caught:
+            store.stream("v", **META)
+        assert str(caught.value) == (f"cannot lock stream 'v' of {store.path} ({store.path / '.locks/v.lock'}): "
+                                     f"No space left on device")
+        monkeypatch.undo()
+        store.stream("v", **META).close(complete=True)                        # the lock was given back
 
 
 class TestStreamConfig:
@@ -716,7 +753,7 @@ class TestStreamConfig:
         assert validate_store(store.path) == []
         with pytest.raises(SinkError, match="config cannot be stored as JSON"):
             store.stream("c", **META, config={"f": object()})
-        assert "c" not in store.stream_ids() and not (store.path / ".locks").exists()
+        assert "c" not in store.stream_ids() and not list((store.path / ".locks").glob("*.owner"))
 
     def test_a_replaced_stream_is_reported(self, store):
         first = store.stream("v", **META)
@@ -808,14 +845,14 @@ class TestErrors:
     def test_a_store_created_beside_us_just_now_is_opened(self, tmp_path, monkeypatch):
         """Shard processes started together on one fresh store: one that looked before another's
         root was written, and finds the directory filled after, opens that store (its config kept)."""
-        from sinks import zarr_store as zs
+        from sinks import store_files
         first = ZarrStore.open(tmp_path / "s.zarr", config={"who": "first"})     # the quicker process
-        real, looks = zs._Location.is_file, []
+        real, looks = store_files.Location.is_file, []
 
         def late(loc, rel):                  # our first look came before the root's zarr.json was there
             looks.append(rel)
             return False if len(looks) == 1 else real(loc, rel)
-        monkeypatch.setattr(zs._Location, "is_file", late)
+        monkeypatch.setattr(store_files.Location, "is_file", late)
         second = ZarrStore.open(tmp_path / "s.zarr", config={"who": "second"})
         assert looks[0] == "zarr.json" and second.config == first.config == {"who": "first"}
 

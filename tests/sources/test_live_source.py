@@ -22,7 +22,7 @@ from sources.live import Gap, LatestFrames, LiveConfig, open_live, parse_source,
 from sources.synthetic import render_clip, Shot, write_video
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "live"))
-from live_servers import SilentServer, free_port, http_ts_server, rtsp_or_skip  # noqa: E402
+from live_servers import FlappingServer, SilentServer, free_port, http_ts_server, rtsp_or_skip  # noqa: E402
 
 FAST = LiveConfig(open_timeout_s=2.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.4)
 
@@ -87,7 +87,23 @@ class TestParse:
             base = min(1.0, 0.1 * 2 ** attempt)
             assert base * 0.8 - 1e-9 <= min(ds) and max(ds) <= base * 1.2 + 1e-9
             assert np.std(ds) > 0.03 * base   # jittered, not lockstep
+            # both ways: a jitter only upward would make every client wait longer than asked
+            assert min(ds) < base * 0.9 and max(ds) > base * 1.1
+            assert np.mean(ds) == pytest.approx(base, rel=0.05)
         assert max(delays[7]) <= 1.2
+
+    def test_backoff_jitter_spreads_both_ways_around_the_delay(self):
+        """Jitter scales a delay by a factor in [1 - j, 1 + j], centred on 1: as many reconnects come
+        early as late, and the extremes are reached (a jitter that only lengthens would still pass
+        the bounds check above)."""
+        cfg = LiveConfig(backoff_initial_s=0.1, backoff_max_s=1.0, backoff_jitter=0.2)
+        rng = random.Random(1)
+        for attempt in (0, 3, 9):
+            base = min(1.0, 0.1 * 2 ** attempt)
+            factors = np.array([cfg.backoff_s(attempt, rng) for _ in range(2000)]) / base
+            assert abs(factors.mean() - 1.0) < 0.01
+            assert 0.4 < (factors < 1.0).mean() < 0.6
+            assert factors.min() < 0.82 and factors.max() > 1.18
 
 
 class TestLatestFrames:
@@ -344,14 +360,51 @@ class TestOutages:
             "server closed the connection; reconnect failed: connection refused (2 attempts); gave up")
 
 
+class TestFlappingSource:
+    """A source that opens and then fails at its first read (an HTTP server that answers each GET and
+    closes before a frame) is one outage whose every attempt failed: the backoff grows with each
+    failure, and --max-reconnects N gives up after N of them. (The attempt count used to start over
+    at each successful open: GETs at the first step's rate forever, and never giving up.)"""
+
+    @staticmethod
+    def watch(tmp_path, cfg: LiveConfig, seconds: float):
+        """Capture a flapping server for up to `seconds`: (frames, gaps, stats, source, GET times)."""
+        with FlappingServer(tmp_path) as server, warnings.catch_warnings():
+            warnings.simplefilter("ignore", StreamInterruptedWarning)
+            with open_live(server.url(), config=cfg) as src:
+                frames, gaps = drain(src, seconds)
+                stats = src.stats()
+            return frames, gaps, stats, src, list(server.gets)
+
+    def test_backoff_grows_with_each_failed_read(self, tmp_path):
+        cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.8,
+                         backoff_jitter=0.2)
+        frames, _, stats, _, gets = self.watch(tmp_path, cfg, 4.0)
+        # delays 0.05, 0.1, 0.2, 0.4, then 0.8 (each +-20 %): about 8 GETs in 4 s, not one per 0.05 s
+        assert frames == [] and not stats.connected and stats.gaps == 1
+        assert 4 <= len(gets) <= 12, len(gets)
+        waits = np.diff(gets)
+        assert waits[3] > 4 * waits[0] and waits[-1] >= 0.8 * 0.8 - 0.05, waits
+
+    def test_max_reconnects_counts_failed_reads(self, tmp_path):
+        cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.02, backoff_max_s=0.05,
+                         max_reconnects=3)
+        _, gaps, stats, src, gets = self.watch(tmp_path, cfg, 10.0)
+        assert src.finished, "the source never gave up"
+        assert len(gets) == 1 + 3                         # the first open, then three failed reconnects
+        assert src.error is not None and "\n" not in str(src.error)
+        assert "gave up after 3 failed reconnect attempts (--max-reconnects 3)" in str(src.error)
+        assert len(gaps) == 1 and gaps[0][1].reason.endswith("(3 attempts); gave up"), gaps[0][1].reason
+
+
 class TestDecodeDelay:
     """A network stream's frame arrives when its packet did: FFmpeg's frame threads hold frames back
     (one per thread, less one), and that wait belongs in every latency measured from arrival."""
 
     @staticmethod
     def held_back_s(url: str, threads: int, frames: int = 45) -> float:
-        from sources.live import _NetworkConnection
-        conn = _NetworkConnection(parse_source(url), LiveConfig(decode_threads=threads, read_timeout_s=3.0), None)
+        from sources.live_connections import NetworkConnection
+        conn = NetworkConnection(parse_source(url), LiveConfig(decode_threads=threads, read_timeout_s=3.0), None)
         try:
             waits = []
             for k, (_, _, came) in enumerate(conn.frames()):

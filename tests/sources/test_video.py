@@ -316,6 +316,8 @@ def bad_inputs(video_dir: Path, cfr_video: Video) -> dict[str, tuple[Path, str]]
         for packet in [*stream.encode(frame), *stream.encode()]:
             container.mux(packet)
     truncate(cfr_video.path, d / "no_moov.mp4", 0.6)  # mp4 keeps its index at the end: unreadable
+    (d / "notes.cdg").write_bytes(b"I" * 29 + b"\n")            # FFmpeg would decode these 30 bytes as
+    (d / "notes.nfo").write_bytes(b"not a video, just thirty bytes")    # CD Graphics / ANSI art
     return {
         "missing": (d / "missing.mp4", "no such file"),
         "directory": (d, "is a directory"),
@@ -324,12 +326,15 @@ def bad_inputs(video_dir: Path, cfr_video: Video) -> dict[str, tuple[Path, str]]
         "noise": (d / "noise.mkv", "not a readable video"),
         "audio_only": (d / "audio.wav", "no video stream"),
         "no_moov": (d / "no_moov.mp4", "not a readable video"),
+        "cd_graphics": (d / "notes.cdg", "not a video, FFmpeg would draw it as CD Graphics"),
+        "ansi_art": (d / "notes.nfo", "not a video, FFmpeg would draw it as ASCII/ANSI art"),
     }
 
 
 class TestErrors:
     @pytest.mark.parametrize("decoder", DECODERS)
-    @pytest.mark.parametrize("case", ["missing", "directory", "empty", "text", "noise", "audio_only", "no_moov"])
+    @pytest.mark.parametrize("case", ["missing", "directory", "empty", "text", "noise", "audio_only", "no_moov",
+                                      "cd_graphics", "ansi_art"])
     def test_unreadable_inputs(self, bad_inputs: dict, case: str, decoder: str):
         path, problem = bad_inputs[case]
         with pytest.raises(SourceError) as info:

@@ -26,6 +26,16 @@ class Numbers(Stage):
             yield i
 
 
+class Counted(Numbers):
+    """Numbers that says whether its thread started."""
+
+    started = False
+
+    def produce(self):
+        self.started = True
+        yield from super().produce()
+
+
 class Double(Stage):
     name = "double"
 
@@ -98,6 +108,21 @@ class TestFlow:
         ch.put(_END)                                       # the end marker is never dropped
         ch.put(6)
         assert [ch.get() for _ in range(4)] == [4, 5, _END, 6] and ch.dropped == 4
+
+    def test_drop_oldest_never_drops_the_end_marker_at_the_head(self):
+        """A full queue whose oldest entry is the end marker drops the oldest item behind it; a
+        queue holding only the marker takes the new item beside it (the consumer still ends)."""
+        ch = Channel(2, Policy.DROP_OLDEST)
+        ch.put(0)
+        ch.put(_END)
+        assert ch.get() == 0                              # the marker is now at the head
+        ch.put(1)
+        ch.put(2)                                          # full: 1 goes, the marker stays
+        assert [ch.get() for _ in range(2)] == [_END, 2] and ch.dropped == 1
+        only = Channel(1, Policy.DROP_OLDEST)
+        only.put(_END)
+        only.put(7)
+        assert [only.get() for _ in range(2)] == [_END, 7] and only.dropped == 0
 
     def test_drop_oldest_keeps_newest_and_counts_drops(self):
         src, sink = Numbers(200), Collect(delay=0.002)
@@ -270,6 +295,63 @@ class TestInterrupts:
             if thread.name.startswith("stage-"):
                 thread.join(0.5)
                 assert not thread.is_alive(), f"{thread.name} outlived Graph.run"
+
+    def test_a_signal_at_any_instruction_of_the_wait_stops_the_graph_cleanly(self):
+        """SIGTERM through the CLI's handler, delivered at each bytecode in turn of Graph.run and its
+        waits (a trace function raises it there, as a signal handler would run there): run() ends
+        only after every stage closed, and then raises KeyboardInterrupt. A KeyboardInterrupt that
+        landed on the wait loop's backward jump, outside its `try`, used to leave run() with the
+        stages still running; the process then exited under them (exit 134, 1 run in ~30)."""
+        import functools
+        import sys
+
+        from pipeline.commands.cli import _raise_interrupt
+        from pipeline.core.graph import INTERRUPTS, wait_through_interrupts
+
+        watched = {Graph.run.__code__, wait_through_interrupts.__code__}
+
+        def run_with_signal_at(k: int) -> tuple[bool, bool, Counted, Collect]:
+            """(signalled, raised KeyboardInterrupt, source, sink) with SIGTERM at the k-th bytecode."""
+            src, sink = Counted(30, delay=0.001), Collect()
+            g, _ = chain(src, Double(), sink)
+            seen, signalled = [0], [False]
+
+            def trace(frame, event, arg):
+                if frame.f_code not in watched:
+                    return None
+                frame.f_trace_opcodes = True
+                if event == "opcode":
+                    seen[0] += 1
+                    if seen[0] == k:
+                        signalled[0] = True
+                        signal.raise_signal(signal.SIGTERM)
+                return trace
+            INTERRUPTS.reset()
+            sys.settrace(trace)
+            try:
+                g.run()
+                raised = False
+            except KeyboardInterrupt:
+                raised = True
+            finally:
+                sys.settrace(None)
+            return signalled[0], raised, src, sink
+
+        previous = signal.signal(signal.SIGTERM, functools.partial(_raise_interrupt, INTERRUPTS))
+        try:
+            k, checked = 0, 0
+            while True:
+                k += 1
+                signalled, raised, src, sink = run_with_signal_at(k)
+                if not signalled:
+                    break
+                checked += 1
+                # before the stages start, the signal may simply end run(); after, never before they closed
+                assert raised and (sink.closed or not src.started), \
+                    f"a signal at bytecode {k} of Graph.run or its waits left the stages running"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        assert checked > 50   # every bytecode of at least one turn of the wait, and the closing
 
     def test_abort_skips_finish_and_still_closes(self):
         src, sink = Numbers(10_000, delay=0.001), Collect()

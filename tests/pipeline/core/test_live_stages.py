@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from arr_coc.attending import retained_tokens
 from pipeline.config import PipelineConfig
+from pipeline.configio import load_config
 from pipeline.core.live_stages import LiveBatch, LiveOptions, LiveVLMStage, warm_vlm
-from pipeline.core.stages import AllocationBatch, AnswerItem
+from pipeline.core.items import AllocationBatch, AnswerItem
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import AnswerRequest, AnswerResult
+from pipeline.runtime.requests import AnswerRequest, AnswerResult
 from sources.frame import Frame
 from sources.live import Gap
 
@@ -80,10 +82,10 @@ class TestWindowAfterAGap:
 
 
 def window(vlm, frames: int, height: int, width: int, retention: float, seed: int) -> AnswerRequest:
-    """A window whose keep maps hold what fraction mode keeps: round(retention * cells) per frame."""
+    """A window whose keep maps hold what fraction mode keeps: retained_tokens(cells, retention) a frame."""
     rng = np.random.default_rng(seed)
     gh, gw = vlm.geometry.grid(height, width)
-    k = round(retention * gh * gw)
+    k = retained_tokens(gh * gw, retention)
     keep = np.zeros((frames, gh * gw), dtype=np.int64)
     for t in range(frames):
         keep[t, rng.choice(gh * gw, size=k, replace=False)] = 1
@@ -133,7 +135,7 @@ class TestFeatureReuse:
 
     def test_a_still_view_is_encoded_once_through_the_batcher(self):
         from pipeline.vlm.batcher import VLMBatcher
-        from pipeline.vlm.config import VLMConfig
+        from pipeline.vlm_config import VLMConfig
 
         vlm = build_tiny_vlm("qwen2_vl", config=VLMConfig(encode="kept", max_new_tokens=4))
         stage = LiveVLMStage(VLMBatcher(vlm, max_wait_s=0.0), "what is there?", LiveOptions(every_s=1.0))
@@ -225,3 +227,59 @@ class TestStagger:
         from arr_coc._validate import ConfigError
         with pytest.raises(ConfigError, match="stagger must be true or false"):
             LiveOptions(stagger="yes")
+
+
+def test_warm_up_estimates_the_allocators_own_frame_budget():
+    """The smallest window warm_vlm prepares keeps what the allocator keeps of each frame: 10 cells at
+    retention 0.25 are retained_tokens' 3 (half up), not round()'s 2; 2 frame pairs: 6 tokens."""
+    asked, warmed = [], []
+    geometry = SimpleNamespace(grid=lambda height, width: (2, 5), temporal_patch_size=2)
+    vlm = SimpleNamespace(geometry=geometry, config=SimpleNamespace(max_batch=1),
+                          prefix_length=lambda question, kept: asked.append(kept) or kept,
+                          warm_up=lambda sizes, lengths: warmed.append((sizes, lengths)))
+    cfg = load_config(PipelineConfig, None, ["model.attending.retention=0.25", "vlm.fps=2.0"])
+    warm_vlm(vlm, "what moves?", [(56, 140)], cfg, LiveOptions(every_s=2.0))    # 4 frames: 2 pairs
+    assert asked == [6, 12] and warmed == [([1, 1], [6, 12])]             # between one and two frames a pair
+
+
+class TestAnswerPeriod:
+    """The next due time is computed, not stepped one period at a time: a tiny period (or a VLM far
+    behind) costs one step a frame, and the schedule stays on its grid."""
+
+    def test_a_frame_far_past_the_due_time_is_one_step(self):
+        import threading
+
+        batcher = RecordingBatcher()
+        stage = LiveVLMStage(batcher, "q", LiveOptions(every_s=1e-3, stagger=False))
+        done = threading.Event()
+
+        def feed():
+            stage.process(live_batch([0.0], 0))
+            stage.process(live_batch([1e9], 1))     # 10^12 periods later: stepping would never end
+            done.set()
+        threading.Thread(target=feed, daemon=True).start()
+        assert done.wait(10.0), "the VLM stage did not finish one frame"
+        due = stage.windows["s"].next_due
+        assert 1e9 < due <= 1e9 + 1e-3 + 1e-6 and len(batcher.requests) == 1
+
+    @pytest.mark.parametrize("due, pts, every, expected", [
+        (1.0, 0.5, 1.0, 1.0),            # not due yet: unchanged
+        (1.0, 1.0, 1.0, 2.0),            # due exactly on the grid: the next point
+        (1.0, 3.5, 1.0, 4.0),            # periods missed while the VLM answered are skipped
+        (0.3, 0.3, 0.1, 0.4),
+    ])
+    def test_next_due_stays_on_the_grid(self, due, pts, every, expected):
+        from pipeline.core.live_stages import next_due_after
+        assert next_due_after(due, pts, every) == pytest.approx(expected)
+
+    @pytest.mark.parametrize("every", [1e-20, 0.0, -1.0, float("nan"), float("inf"), 1e308, True])
+    def test_options_refuse_periods_that_mean_nothing(self, every):
+        from arr_coc._validate import ConfigError
+        with pytest.raises(ConfigError, match="--every"):
+            LiveOptions(every_s=every)
+
+    @pytest.mark.parametrize("duration", [float("nan"), float("inf")])
+    def test_options_refuse_a_duration_that_is_not_finite(self, duration):
+        from arr_coc._validate import ConfigError
+        with pytest.raises(ConfigError, match="--duration"):
+            LiveOptions(duration_s=duration)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import sources.live
+import sources.live_connections
 from pipeline.core.live_stages import StreamCounters
 from pipeline.core.live_status import snapshot
 from sources.live import LiveConfig, LiveSource, SourceSpec, window_rate
@@ -17,7 +18,7 @@ from sources.live import LiveConfig, LiveSource, SourceSpec, window_rate
 WINDOW_S = 2.0
 
 
-class Burst(sources.live._Connection):
+class Burst(sources.live_connections.Connection):
     """A stream that delivers 10 frames at 20 fps, goes silent for longer than the rate window
     (an outage its connection survives), then delivers 30 buffered frames at once."""
 
@@ -44,7 +45,7 @@ class Burst(sources.live._Connection):
 
 
 def test_fps_in_after_a_burst_is_the_windows_own_rate(monkeypatch):
-    monkeypatch.setitem(sources.live._CONNECTIONS, "network", Burst)
+    monkeypatch.setitem(sources.live_connections.CONNECTIONS, "network", Burst)
     Burst.burst_done.clear(), Burst.release.clear()
     source = LiveSource(SourceSpec("network", "burst", "burst", "burst"),
                         LiveConfig(buffer_frames=64, max_reconnects=0)).start()

@@ -11,13 +11,19 @@ from arr_coc._validate import ConfigError
 from arr_coc.checkpoint import DEFAULT_WEIGHTS, read_weights
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
-from pipeline.core.setup import QUERY_DIM, build_model, candidate_attending, check_query, encode_query
+from pipeline.budget import BudgetPlan
+from pipeline.core.setup import QUERY_DIM, build_model, check_query, encode_query
 
 CPU = torch.device("cpu")
 
 
 def config(*overrides: str) -> PipelineConfig:
     return load_config(PipelineConfig, None, list(overrides))
+
+
+def candidate_attending(cfg: PipelineConfig):
+    """Pass 1's allocator config when a VLM answers (what build_model(answering=True) builds)."""
+    return BudgetPlan.of(cfg.vlm).pass1(cfg.model.attending)
 
 
 def test_the_query_is_minilm_whatever_the_vlm():

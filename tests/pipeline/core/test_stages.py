@@ -12,9 +12,10 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.configio import load_config
 from pipeline.runners.run import run_video
-from pipeline.core.cuda import pins_frames, window_frames
-from pipeline.core.stages import AllocationBatch, AnswerItem, DecodeStage, FrameBatch, FrameRef, VLMStage
-from pipeline.vlm.model import AnswerResult
+from pipeline.runtime.cuda import pins_frames, window_frames
+from pipeline.core.items import AllocationBatch, AnswerItem, FrameBatch, FrameRef
+from pipeline.core.stages import DecodeStage, VLMStage
+from pipeline.runtime.requests import AnswerResult
 from sinks import read_stream
 from sources.frame import Frame
 from sources.synthetic import Shot, render_clip, write_video
@@ -124,7 +125,7 @@ def test_device_path_matches_the_host_path(clip, tmp_path, decoder):
 @cuda
 @pytest.mark.cuda
 def test_device_batches_carry_frame_refs(clip):
-    from pipeline.core.stages import RunStatus
+    from pipeline.core.items import RunStatus
     from sources.process import ProcessSource
 
     path, _ = clip

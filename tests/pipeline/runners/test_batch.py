@@ -547,7 +547,7 @@ class TestBadInputs:
         (root / "videos/all/video7010.mp4").unlink()
         code, summary, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
         assert code == 0
-        assert "skipped video7010: video file of video7010 not found" in err
+        assert "warning: skipped video7010: video file of video7010 not found\n" in err
         assert summary["missing"] == 1 and summary["done"] == 1
 
     def test_corrupt_video_is_reported_and_skipped(self, capsys, tmp_path):
@@ -615,7 +615,8 @@ class TestBadInputs:
 
 class TestAnswerQuestions:
     def test_one_vision_pass_matches_separate_requests(self, monkeypatch):
-        from pipeline.vlm import AnswerRequest, VLMConfig
+        from pipeline.runtime.requests import AnswerRequest
+        from pipeline.vlm_config import VLMConfig
         from pipeline.vlm.loading import build_tiny_vlm
 
         vlm = build_tiny_vlm(config=VLMConfig(max_new_tokens=4))
@@ -627,8 +628,8 @@ class TestAnswerQuestions:
         questions = ["what is red?", "who moves?", "how many squares are there?"]
         separate = vlm.answer([AnswerRequest("v", frames, keep, q, 0.0, 1.0) for q in questions])
         calls = []
-        original = vlm._window_tokens                                      # the tower, whatever vlm.encode
-        monkeypatch.setattr(vlm, "_window_tokens",
+        original = vlm.encoder.window_tokens                                      # the tower, whatever vlm.encode
+        monkeypatch.setattr(vlm.encoder, "window_tokens",
                             lambda requests, keeps=None: calls.append(len(requests)) or original(requests, keeps))
         together = vlm.answer_questions(frames, keep, questions)
         chunked = vlm.answer_questions(frames, keep, questions, max_batch=2)
@@ -644,7 +645,8 @@ class TestAnswerQuestions:
     def test_several_videos_in_one_call_match_each_alone(self, monkeypatch, encode):
         """answer_windows (a batch job's videos in flight): one tower call and one decode for all of
         them, and each video's answers and token counts are those it gets alone."""
-        from pipeline.vlm import VLMConfig, WindowQuestions
+        from pipeline.runtime.requests import WindowQuestions
+        from pipeline.vlm_config import VLMConfig
         from pipeline.vlm.loading import build_tiny_vlm
 
         vlm = build_tiny_vlm(config=VLMConfig(max_new_tokens=4, encode=encode))
@@ -660,8 +662,8 @@ class TestAnswerQuestions:
         jobs.insert(1, WindowQuestions(jobs[0].frames, jobs[0].keep, []))    # a video without questions
         alone = [vlm.answer_questions(j.frames, j.keep, j.questions) for j in jobs]
         calls, generated = [], []
-        original, generate = vlm._window_tokens, vlm.generate
-        monkeypatch.setattr(vlm, "_window_tokens",
+        original, generate = vlm.encoder.window_tokens, vlm.generate
+        monkeypatch.setattr(vlm.encoder, "window_tokens",
                             lambda requests, keeps=None: calls.append(len(requests)) or original(requests, keeps))
         monkeypatch.setattr(vlm, "generate", lambda prefixes, **kw: generated.append(len(prefixes)) or
                             generate(prefixes, **kw))

@@ -273,8 +273,8 @@ def test_scene_change_answers_skip_the_streams_first_frame_whatever_its_index():
     import torch
 
     from pipeline.core.live_stages import LiveVLMStage
-    from pipeline.core.stages import AllocationBatch, FrameBatch
-    from pipeline.vlm.model import AnswerResult
+    from pipeline.core.items import AllocationBatch, FrameBatch
+    from pipeline.runtime.requests import AnswerResult
     from sources.frame import Frame
 
     asked = []

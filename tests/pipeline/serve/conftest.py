@@ -10,10 +10,10 @@ from typing import Any, Iterator
 import pytest
 
 from pipeline.config import DecodeConfig, PipelineConfig, RuntimeConfig
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from sources.synthetic import Shot, default_demo_clip, render_clip, write_video
 
-from serve_client import API_KEY  # this directory's helpers
+from serve_client import API_KEY, OTHER_KEY  # this directory's helpers
 
 DEMO_FPS = 25
 
@@ -54,7 +54,8 @@ def server(videos, tmp_path_factory) -> Iterator[Any]:
     store = tmp_path_factory.mktemp("serve_store")
     cfg = PipelineConfig(runtime=RuntimeConfig(device="cpu", vlm="tiny-random", batch_size=8, model_weights="none"),
                          vlm=VLMConfig(max_new_tokens=6), decode=DecodeConfig(process=False))
-    options = ServeOptions(allow_dirs=(videos.allowed,), api_key=API_KEY, store=str(store / "serve.zarr"),
+    options = ServeOptions(allow_dirs=(videos.allowed,), api_key=API_KEY, api_keys=(OTHER_KEY,),
+                           store=str(store / "serve.zarr"),
                            max_upload_mb=0.5, max_fetch_mb=0.5, live_window_s=1.0, fetch_timeout_s=5.0)
     engine = build_engine(cfg, options)
     background = BackgroundServer(create_app(engine)).start()

@@ -7,6 +7,7 @@ import urllib.request
 from typing import Any, Iterator
 
 API_KEY = "test-key"
+OTHER_KEY = "other-test-key"      # a second client of the same server
 
 
 def call(server: Any, method: str, path: str, body: Any = None, *, key: str | None = API_KEY,

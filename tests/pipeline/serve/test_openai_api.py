@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve_client import API_KEY, call, chat_body, sse
 
@@ -142,12 +143,14 @@ class TestChat:
         assert status == 200 and health["status"] == "ok" and health["auth"] is True
         status, text = call(server, "GET", "/metrics", key=None)
         assert status == 200
-        ok = re.search(r'arrcoc_requests_total\{route="/v1/chat/completions",status="200"\} (\d+)', text)
-        assert ok and int(ok.group(1)) >= 1
-        assert int(re.search(r"arrcoc_tokens_kept_total (\d+)", text).group(1)) > 0
-        assert int(re.search(r"arrcoc_tokens_full_total (\d+)", text).group(1)) > 0
-        assert 'arrcoc_queue_depth{queue="requests"} 0' in text and 'arrcoc_queue_depth{queue="vlm"} 0' in text
-        assert re.search(r'arrcoc_request_latency_seconds_bucket\{route="/v1/chat/completions",le="\+Inf"\} \d+', text)
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+        assert samples[("arrcoc_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] >= 1
+        assert samples[("arrcoc_tokens_kept_total", ())] > 0 and samples[("arrcoc_tokens_full_total", ())] > 0
+        assert samples[("arrcoc_queue_depth", (("queue", "requests"),))] == 0
+        assert samples[("arrcoc_queue_depth", (("queue", "vlm"),))] == 0
+        chat_inf = (("le", "+Inf"), ("route", "/v1/chat/completions"))
+        assert samples[("arrcoc_request_latency_seconds_bucket", chat_inf)] >= 1
 
 
 class TestLiveStreams:

@@ -25,7 +25,7 @@ def ray_server(videos, tmp_path_factory):
     from pipeline.config import DecodeConfig, PipelineConfig, RuntimeConfig
     from pipeline.serve import ray_app
     from pipeline.serve.options import ServeOptions
-    from pipeline.vlm.config import VLMConfig
+    from pipeline.vlm_config import VLMConfig
 
     cfg = PipelineConfig(runtime=RuntimeConfig(device="cpu", vlm="tiny-random", batch_size=8, model_weights="none"),
                          vlm=VLMConfig(max_new_tokens=6), decode=DecodeConfig(process=False))

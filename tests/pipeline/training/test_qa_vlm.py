@@ -18,8 +18,9 @@ from pipeline.training.qa_data import (MOTIONS, POLICIES, cell_colors, keep_map,
                                        token_regions, vlm_frame_indices)
 from pipeline.training.qa_forward import IGNORE, QAForward
 from pipeline.training.qa_vlm import QAVLMConfig, build, main, step_data, train
-from pipeline.vlm.config import VLMConfig
-from pipeline.vlm.model import VLM, AnswerRequest
+from pipeline.vlm_config import VLMConfig
+from pipeline.runtime.requests import AnswerRequest
+from pipeline.vlm.model import VLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from qa_standin import make_clip  # noqa: E402
@@ -210,7 +211,7 @@ class TestTrainingInputsAreThePipelines:
                 pruned += prefix.tokens_kept < prefix.tokens_full
                 ids = tokenizer(answer + "<|im_end|>").input_ids
                 assert batch.labels[b][batch.labels[b] != IGNORE].tolist() == ids
-                rows.append(vlm.logits_without_cache(prefix, torch.tensor(ids[:-1])))
+                rows.append(vlm.generator.logits_without_cache(prefix, torch.tensor(ids[:-1])))
                 pooled += int((keep == 2).any())
                 b += 1
         assert pooled and pruned > b // 2, "the keep maps did not prune (or pool): the test would not see it"
@@ -295,7 +296,7 @@ class TestTrainingInputsAreThePipelines:
         _, model, tokenizer, preprocessor = tiny
         vlm = VLM(copy.deepcopy(model), tokenizer, family="qwen2_vl", name="tiny", preprocessor=preprocessor,
                   config=VLMConfig())
-        before, after = vlm.prompt_ids("Where is the red car?", 1)
+        before, after = vlm.prefixes.prompt_ids("Where is the red car?", 1)
         messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Where is the red car?"}]}]
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         video_pad = tokenizer.convert_ids_to_tokens(model.config.video_token_id)

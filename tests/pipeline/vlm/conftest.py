@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import AnswerRequest
+from pipeline.runtime.requests import AnswerRequest
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
@@ -66,7 +66,7 @@ def stock_inputs(vlm, frames, question):
     shows they equal HF's processor output)."""
     pixels, grid = vlm.preprocessor(frames, vlm.device)
     n_full = int(grid.prod()) // vlm.geometry.merge_size ** 2
-    ids = vlm.full_input_ids(question, n_full)[None]
+    ids = vlm.prefixes.full_input_ids(question, n_full)[None]
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values_videos=pixels,
                   video_grid_thw=grid[None], mm_token_type_ids=(ids == vlm.video_token_id).int() * 2)
     if vlm.family == "qwen2_5_vl":

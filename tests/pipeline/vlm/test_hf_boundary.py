@@ -70,10 +70,15 @@ class TestVersionRange:
     def test_bounds(self, version, inside):
         assert (hf.check_version(version) is None) is inside
 
-    def test_pyproject_pins_the_same_range(self):
-        text = (ROOT / "pyproject.toml").read_text()
-        low, high = hf.TESTED_RANGE
-        assert f'"transformers>={low},<{high}"' in text
+    def test_pyproject_declares_a_range_that_holds_the_tested_one(self):
+        """pyproject asks for a broad range (pip installs it beside other packages); the tested range,
+        checked at load, must lie inside it, and no upper bound may refuse a newer release."""
+        import tomllib
+        deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        spec = next(d for d in deps if d.startswith("transformers"))
+        assert "<" not in spec and spec.startswith("transformers>="), spec
+        floor = spec.removeprefix("transformers>=")
+        assert hf._version_tuple(floor) <= hf._version_tuple(hf.TESTED_RANGE[0]), spec
 
 
 def test_outside_the_range_runs_hfs_forward_with_a_warning(monkeypatch):
@@ -81,7 +86,7 @@ def test_outside_the_range_runs_hfs_forward_with_a_warning(monkeypatch):
     monkeypatch.setattr(hf, "installed_version", lambda: "9.0.0")
     fallback = build_tiny_vlm("qwen2_vl")
     assert "outside the range" in (fallback.warning or "")
-    assert fallback._fast_lm is None and not fallback.config.fast_vision
+    assert fallback.pool._fast_lm is None and not fallback.config.fast_vision
     assert hf.attention_implementation(fallback.lm.config) == "sdpa"          # HF's own attention
     frames = make_frames(4, 56, 56)
     monkeypatch.setattr(hf, "installed_version", lambda: "5.20.0")
@@ -93,10 +98,10 @@ def test_outside_the_range_runs_hfs_forward_with_a_warning(monkeypatch):
 
 def test_rope_index_matches_the_models_method():
     vlm = build_tiny_vlm("qwen2_vl")
-    before, after = vlm.prompt_ids("what?", 8)
+    before, after = vlm.prefixes.prompt_ids("what?", 8)
     ids = torch.tensor(before + [vlm.video_token_id] * 8 + after)
     grid = torch.tensor([2, 4, 4])                                   # 2 x (2x2 merged) = 8 tokens
-    positions = vlm.rope_positions(ids, grid)                        # (3, L)
+    positions = vlm.prefixes.rope_positions(ids, grid)                        # (3, L)
     assert positions.shape == (3, len(ids))
     text = positions[:, len(before) + 8:]
     assert torch.equal(text[0], text[1]) and torch.equal(text[1], text[2])  # text: one position on all axes

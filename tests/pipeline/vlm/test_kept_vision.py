@@ -12,14 +12,14 @@ from transformers import vision_utils
 
 from arr_coc._validate import ConfigError
 from arr_coc.lod import pair_lod
-from pipeline.core.cuda import read_back
+from pipeline.runtime.cuda import read_back
 from pipeline.vlm import hf
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.kept_graph import CELL_BUCKETS, KeptGraphs, cell_bucket
 from pipeline.vlm.kept_vision import context_cells, nonzero_each, patch_positions, window_order
 from pipeline.vlm.loading import _wrap
-from pipeline.vlm.model import AnswerRequest
+from pipeline.runtime.requests import AnswerRequest
 from pipeline.vlm.selection import snap_to_windows, token_cells
 from pipeline.vlm.vision_attention import varlen_attention
 
@@ -61,7 +61,7 @@ def every_patch(vlm):
 
 def stock_tokens(vlm, frames) -> torch.Tensor:
     with torch.no_grad():
-        return vlm._merged_tokens([frames])[0]                              # (T', gh, gw, D), every patch
+        return vlm.encoder.merged_tokens([frames])[0]                              # (T', gh, gw, D), every patch
 
 
 def close(a, b) -> bool:
@@ -129,13 +129,13 @@ def test_on_cuda_every_cell_kept_equals_the_graphed_tower(cuda_pair):
     """On CUDA `all` replays a vision graph; `kept` runs the tower eagerly on the gathered patches."""
     graphed, _ = cuda_pair
     frames = make_frames(6, 84, 112, seed=12)
-    want = graphed._merged_tokens([frames])[0]
-    assert graphed._vision_graphs.captured == 1
+    want = graphed.encoder.merged_tokens([frames])[0]
+    assert graphed.encoder._vision_graphs.captured == 1
     torch.testing.assert_close(graphed.encode_cells(frames, None).dense(), want, rtol=1e-4, atol=1e-4)
     keep = random_keep(graphed, frames, seed=13)
     got = graphed.encode_cells(frames, keep)
     assert got.index.numel() == int(torch.from_numpy((keep.reshape(3, 2, 3, 4) != 0).any(1)).sum())
-    assert graphed._vision_graphs.captured == 1                              # kept: no graph
+    assert graphed.encoder._vision_graphs.captured == 1                              # kept: no graph
 
 
 @pytest.mark.cuda
@@ -359,7 +359,7 @@ class TestPaddedGraphShapes:
     @staticmethod
     def padded(vlm):
         k = kept(vlm)
-        k.kept_encoder.graphs = KeptGraphs(k._visual, k.dtype, None, capture_graphs=False)
+        k.kept_encoder.graphs = KeptGraphs(k.encoder._visual, k.dtype, None, capture_graphs=False)
         return k
 
     @pytest.mark.parametrize("family, vision", [("qwen2_vl", {}), ("qwen2_5_vl", {"fullatt_block_indexes": [1]})])
@@ -629,9 +629,9 @@ def test_prepare_reads_the_token_index_before_the_tower_runs(monkeypatch):
     vlm = kept(tiny("qwen2_vl"))
     frames = make_frames(4, 84, 112, seed=5)
     events = []
-    index_of, tokens_of = model_mod.nonzero_each, vlm._window_tokens
+    index_of, tokens_of = model_mod.nonzero_each, vlm.encoder.window_tokens
     monkeypatch.setattr(model_mod, "nonzero_each", lambda masks: events.append("index") or index_of(masks))
-    monkeypatch.setattr(vlm, "_window_tokens", lambda *a, **k: events.append("tower") or tokens_of(*a, **k))
+    monkeypatch.setattr(vlm.encoder, "window_tokens", lambda *a, **k: events.append("tower") or tokens_of(*a, **k))
     prefix, = vlm.prepare([request(frames, random_keep(vlm, frames, seed=6))])
     assert events == ["index", "tower"]
     assert prefix.tokens_kept == int(token_cells(pair_lod(torch.as_tensor(random_keep(vlm, frames, seed=6)))).sum())
@@ -644,7 +644,7 @@ def test_prepare_selects_every_windows_tokens_with_one_read():
     frames = [make_frames(4, 84, 112, seed=90 + i) for i in range(5)]
     reqs = [request(f, random_keep(vlm, f, seed=95 + i) if i else None) for i, f in enumerate(frames)]
     with torch.no_grad():
-        merged = vlm._window_tokens(reqs)
+        merged = vlm.encoder.window_tokens(reqs)
         with CountOps() as count:
             batched = vlm.prepare(reqs)
     assert count.calls == 1

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import make_frames, random_keep, record_prefills, request, rewrap, visual_positions
 
-from pipeline.vlm import model as model_module, passes as passes_module
-from pipeline.vlm.config import TemperingConfig
-from pipeline.vlm.model import AnswerRequest, WindowQuestions
+from pipeline.vlm import generation as generation_module
+from pipeline.vlm_config import TemperingConfig
+from pipeline.runtime.requests import AnswerRequest, WindowQuestions
 from pipeline.vlm.passes import blend_ranks, keep_best, narrow
 from pipeline.vlm.text_model import FastTextModel
 
@@ -25,7 +25,7 @@ def window_case(vlm):
     """Frames, a candidate keep map (mixed full / pooled tokens) and their window prefix."""
     frames = make_frames(4, 112, 140, seed=3)
     keep = random_keep(vlm, frames, seed=4, p=(0.4, 0.4, 0.2))
-    merged = vlm._merged_tokens([frames])[0]
+    merged = vlm.encoder.merged_tokens([frames])[0]
     return frames, keep, vlm.window_prefix(frames, keep, merged)
 
 
@@ -92,7 +92,7 @@ class TestScores:
         frames, keep, window = window_case
         v2 = on(vlm)
         short = v2.window_prefix(frames, random_keep(vlm, frames, seed=9, p=(0.8, 0.1, 0.1)),
-                                 vlm._merged_tokens([frames])[0])
+                                 vlm.encoder.merged_tokens([frames])[0])
         together = v2.passes.scores([window, short], list(QUESTIONS))
         for w, q, got in zip((window, short), QUESTIONS, together):
             torch.testing.assert_close(got, v2.passes.scores([w], [q])[0], atol=1e-6, rtol=1e-4)
@@ -163,7 +163,7 @@ class TestSelection:
         frames, keep, _ = window_case
         scores = np.random.default_rng(7).random(keep.shape).astype(np.float32)
         v2 = on(vlm, candidate_factor=3.0, pass2_blend=weight)
-        window = v2.window_prefix(frames, keep, vlm._merged_tokens([frames])[0], scores)
+        window = v2.window_prefix(frames, keep, vlm.encoder.merged_tokens([frames])[0], scores)
         attention = v2.passes.scores([window], [QUESTIONS[0]])[0]
         assert not torch.equal(keep_best(attention, round(window.tokens_kept / 3)),
                                keep_best(window.scores, round(window.tokens_kept / 3)))  # the two orders differ
@@ -251,14 +251,14 @@ class TestTempering:
                                                                        rank="attention", **tempering))
 
     def rung_sizes(self, v, window) -> list[int]:
-        return v.passes.rung_sizes(window.tokens_kept)
+        return v.passes.plan.pass_sizes(window.tokens_kept)
 
     def test_rung_sizes_grow_or_are_dropped(self, vlm):
         v = self.tempered(vlm)                                              # shares 1/15, 2/15, 1/3
-        assert v.passes.rung_sizes(30) == [2, 4, 10]
-        assert v.passes.rung_sizes(5) == [1, 2]                             # 0.33 -> 1, 0.67 -> 1 (again), 1.67 -> 2
-        assert v.passes.rung_sizes(1) == [1] and v.passes.rung_sizes(0) == [0]
-        assert on(vlm, candidate_factor=1.0).passes.rung_sizes(7) == [7]
+        assert v.passes.plan.pass_sizes(30) == [2, 4, 10]
+        assert v.passes.plan.pass_sizes(5) == [1, 2]                        # 0.33 -> 1, 0.67 -> 1 (again), 1.67 -> 2
+        assert v.passes.plan.pass_sizes(1) == [1] and v.passes.plan.pass_sizes(0) == [0]
+        assert on(vlm, candidate_factor=1.0).passes.plan.pass_sizes(7) == [7]
 
     def test_threshold_zero_stops_at_the_first_pass(self, vlm, window_case, monkeypatch):
         frames, keep, window = window_case
@@ -286,7 +286,8 @@ class TestTempering:
         frames, keep, window = window_case
         v = self.tempered(vlm)
         sure = iter([[0.9, 0.1], [0.8]])
-        monkeypatch.setattr(model_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         reqs = [request(frames, keep, q) for q in QUESTIONS]
         results = v.answer(reqs)
@@ -299,6 +300,30 @@ class TestTempering:
         assert visual_positions(calls[0][1]) < visual_positions(final[1])   # rung 2 holds rung 1's tokens
         direct = vlm.generate(final, confidence=torch.zeros(2))                 # no stubbed value used up
         assert [r.text for r in results] == [vlm.decode(direct.tokens[b], direct.lengths[b]) for b in range(2)]
+
+    def test_a_confidence_at_the_threshold_is_accepted(self, vlm, window_case, monkeypatch):
+        """Accepted means confidence >= threshold: exactly 0.5 at threshold 0.5 stops at pass 1."""
+        frames, keep, window = window_case
+        v = self.tempered(vlm, threshold=0.5)
+        sure = iter([[0.5, 0.5]] * 3)
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
+        results = v.answer([request(frames, keep, q) for q in QUESTIONS])
+        first = self.rung_sizes(v, window)[0]
+        assert [(r.passes, r.tokens_kept) for r in results] == [(1, first), (1, first)]
+
+    def test_most_confident_breaks_a_tie_for_the_larger_budget(self, vlm, window_case, monkeypatch):
+        """fallback most_confident, no pass confident enough, two passes equally sure: the answer is
+        the second's (the larger budget), as vlm.tempering documents."""
+        frames, keep, window = window_case
+        v = self.tempered(vlm, threshold=0.9, max_passes=2, fallback="most_confident")
+        sure = iter([[0.4], [0.4]])
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
+        result = v.answer([request(frames, keep, QUESTIONS[0])])[0]
+        sizes = self.rung_sizes(v, window)
+        assert (result.passes, result.tokens_kept, result.tokens_spent) == (2, sizes[1], sizes[0] + sizes[1])
+        assert result.confidence == pytest.approx(0.4)
 
     def test_generate_reports_a_first_confidence_it_is_given(self, vlm, window_case):
         """Passes hands generate the confidence it already measured: reported as given, not measured
@@ -317,7 +342,7 @@ class TestTempering:
         asks both again (as it does without escalate)."""
         frames, keep, window = window_case
         sure = [0.3, 0.7]
-        monkeypatch.setattr(model_module, "first_token_confidence",
+        monkeypatch.setattr(generation_module, "first_token_confidence",
                             lambda logits, measure: torch.tensor(sure[:len(logits)]))
         reqs = [request(frames, keep, q) for q in QUESTIONS]
         fixed = self.tempered(vlm, threshold=0.9, max_passes=2).answer(reqs)
@@ -332,7 +357,7 @@ class TestTempering:
     def test_answer_fields_reach_the_store(self, vlm, tmp_path):
         """run_video with tempering: the answers' passes and tokens_spent land in the store."""
         from pipeline.config import PipelineConfig, RuntimeConfig
-        from pipeline.vlm.config import VLMConfig
+        from pipeline.vlm_config import VLMConfig
         from pipeline.config import DecodeConfig
         from pipeline.runners.run import run_video
         from sinks import read_stream, validate_store
@@ -377,7 +402,7 @@ def test_rung_budgets_count_pooled_tokens_as_one(vlm):
     frames = make_frames(2, 112, 112)
     gh, gw = vlm.geometry.grid(112, 112)
     keep = np.full((2, gh, gw), 2, np.int64)                                 # every cell pooled
-    window = vlm.window_prefix(frames, keep, vlm._merged_tokens([frames])[0])
+    window = vlm.window_prefix(frames, keep, vlm.encoder.merged_tokens([frames])[0])
     assert window.tokens_kept == -(-gh // 2) * -(-gw // 2)                   # one token per block
     result = on(vlm, candidate_factor=2.0).answer([request(frames, keep, "where?")])[0]
     assert result.tokens_kept == round(window.tokens_kept / 2)
@@ -387,7 +412,7 @@ def test_rung_budgets_count_pooled_tokens_as_one(vlm):
                                             ("x", "vlm.pass2_blend must be a number")])
 def test_pass2_blend_is_checked(value, message):
     from arr_coc._validate import ConfigError
-    from pipeline.vlm.config import VLMConfig
+    from pipeline.vlm_config import VLMConfig
     assert VLMConfig().pass2_blend == 0.0
     with pytest.raises(ConfigError, match=message):
         VLMConfig(pass2_blend=value)

@@ -11,8 +11,8 @@ import torch
 from conftest import make_frames, random_keep, record_prefills, rewrap
 
 from arr_coc._validate import ConfigError
-from pipeline.vlm.config import TemperingConfig
-from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm_config import TemperingConfig
+from pipeline.runtime.requests import AnswerRequest
 from pipeline.vlm.probe import FEATURES, FORMAT, Probe, fit_probe, probe_features
 
 

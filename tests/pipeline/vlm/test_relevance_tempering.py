@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import make_frames, random_keep, record_prefills, rewrap, visual_positions
 
-from pipeline.vlm import model as model_module, passes as passes_module
-from pipeline.vlm.config import TemperingConfig
-from pipeline.vlm.model import AnswerRequest
+from pipeline.vlm import generation as generation_module, passes as passes_module
+from pipeline.vlm_config import TemperingConfig
+from pipeline.runtime.requests import AnswerRequest
 from pipeline.vlm.passes import keep_best, per_frame_order
 from pipeline.vlm.selection import allocation_keys, allocation_sizes, pair_lod, select_tokens, token_relevance
 
@@ -51,7 +51,7 @@ class TestTokenRelevance:
         frames = make_frames(4, 112, 140, seed=1)
         keep = random_keep(vlm, frames, seed=2, p=(0.4, 0.4, 0.2))
         req = scored(frames, keep)
-        merged = vlm._merged_tokens([frames])[0]
+        merged = vlm.encoder.merged_tokens([frames])[0]
         window = vlm.window_prefix(frames, keep, merged, req.scores)
         assert window.scores.shape == (window.tokens_kept,) and window.scores.dtype == torch.float32
         assert vlm.window_prefix(frames, keep, merged).scores is None
@@ -65,7 +65,7 @@ class TestTokenRelevance:
         gh, gw = vlm.geometry.grid(112, 112)
         keep = np.ones((2, gh, gw), np.int64)
         with pytest.raises(ValueError, match=r"scores shape \(2, 1, 1\) does not match the VLM grid"):
-            vlm.window_prefix(frames, None, vlm._merged_tokens([frames])[0], np.zeros((2, 1, 1), np.float32))
+            vlm.window_prefix(frames, None, vlm.encoder.merged_tokens([frames])[0], np.zeros((2, 1, 1), np.float32))
         with pytest.raises(ValueError, match=r"AnswerRequest.scores must be the keep map's shape"):
             vlm.answer_questions(frames, keep, [QUESTION], scores=np.zeros((2, gh, gw + 1), np.float32))
 
@@ -124,7 +124,7 @@ class TestRelevanceRanking:
         for t in range(2):
             best = np.argsort(-pair[t].ravel(), kind="stable")[: n // 2]
             expected[2 * t: 2 * t + 2].reshape(2, -1)[:, best] = 1
-        merged = vlm._merged_tokens([frames])[0]
+        merged = vlm.encoder.merged_tokens([frames])[0]
         want = vlm.question_prefix(vlm.window_prefix(frames, expected, merged), QUESTION)
         assert visual_positions(calls[0][0]) == visual_positions(want)
 
@@ -203,7 +203,7 @@ class TestAllocationRanking:
         calls = record_prefills(v, monkeypatch)
         result = v.answer([AnswerRequest("s", frames, keep, QUESTION, 0.0, 1.0, scores=relevance.numpy())])[0]
         assert result.passes == 2
-        merged = v._merged_tokens([frames])[0]
+        merged = v.encoder.merged_tokens([frames])[0]
         for call, retention in zip(calls, (0.2, 0.5)):
             own = self.allocate(relevance, retention).numpy()
             want = v.question_prefix(v.window_prefix(frames, own, merged), QUESTION)
@@ -219,7 +219,8 @@ class TestFallback:
         keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
         v = tempered(vlm, threshold=0.9, fallback=fallback)
         sure = iter([[0.3], [0.6], [0.2]])
-        monkeypatch.setattr(model_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         return v, v.answer([scored(frames, keep, seed=13)])[0], calls
 
@@ -244,7 +245,8 @@ class TestFallback:
         keep = random_keep(vlm, frames, seed=12, p=(0.1, 0.7, 0.2))
         v = tempered(vlm, threshold=0.5, fallback="most_confident")
         sure = iter([[0.3], [0.6]])
-        monkeypatch.setattr(model_module, "first_token_confidence", lambda logits, measure: torch.tensor(next(sure)))
+        monkeypatch.setattr(generation_module, "first_token_confidence",
+                            lambda logits, measure: torch.tensor(next(sure)))
         calls = record_prefills(v, monkeypatch)
         result = v.answer([scored(frames, keep, seed=13)])[0]
         assert (result.passes, result.tokens_kept) == (2, calls[1][0].tokens_kept)

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_frames, random_keep, request
 
 from pipeline.vlm.batcher import VLMBatcher
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
 from pipeline.vlm.remote import RemoteVLM, VLMProcessError
 

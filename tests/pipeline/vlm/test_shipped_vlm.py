@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from pipeline.training.qa_data import vlm_frame_indices
-from pipeline.vlm import VLMConfig, VLMLoadError, load_vlm
+from pipeline.vlm import VLMLoadError, load_vlm
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm import loading
 from pipeline.vlm.loading import SHIPPED, build_tiny_vlm
-from pipeline.vlm.model import AnswerRequest
+from pipeline.runtime.requests import AnswerRequest
 from evaluation.synth_qa import SPLIT_SEEDS, make_qa_clip
 
 NAME = "arrcoc-synth-qa"

@@ -69,6 +69,14 @@ class TestCalibrate:
         assert calibrate(conf, correct, precision=0.5) == 0.0                    # 3 of 5
         assert calibrate([0.3, 0.6], [False, False], precision=0.5) > 0.6       # none reaches it: ask again
 
+    def test_boundaries(self):
+        """An answer exactly at a threshold is accepted, a precision met exactly is met, and of equally
+        good thresholds the lower one wins (a mutant of any of those comparisons fails here)."""
+        assert calibrate([0.0, 1.0], [False, True], precision=1.0) == pytest.approx(0.5)  # 0 accepts the 0.0
+        conf, correct = [0.2, 0.4, 0.6, 0.8], [False, True, False, True]
+        assert calibrate(conf, correct, precision=0.5) == 0.0                     # 2 of 4: exactly 0.5
+        assert calibrate(conf, correct) == pytest.approx(0.3)                     # 3 of 4 from 0.3 and from 0.7
+
     def test_escalate_asks_again_the_least_confident_share(self):
         conf = [0.9, 0.2, 0.5, 0.4, 0.8, 0.1, 0.7, 0.3, 0.6, 0.05]
         right = [True] * 10                                                  # correctness plays no part
@@ -81,7 +89,7 @@ class TestCalibrate:
             calibrate(conf, right, precision=0.5, escalate=0.2)
 
     def test_the_threshold_works_as_the_config_reads_it(self):
-        from pipeline.vlm.config import TemperingConfig
+        from pipeline.vlm_config import TemperingConfig
 
         t = calibrate([0.1, 0.9], [False, True])
         assert TemperingConfig(ladder=(0.1, 0.2), threshold=t).threshold == t
@@ -122,32 +130,16 @@ class TestConfig:
     ])
     def test_bad_values_name_the_field(self, values, match):
         from pipeline.configio import from_mapping
-        from pipeline.vlm.config import VLMConfig
+        from pipeline.vlm_config import VLMConfig
 
         with pytest.raises(ConfigError, match=match):
             from_mapping(VLMConfig, values, "vlm")
 
-    def test_keep_shares(self):
-        from pipeline.vlm.config import TemperingConfig, VLMConfig
-
-        assert VLMConfig().keep_shares() == ()
-        assert VLMConfig(pass2="attention", candidate_factor=4.0).keep_shares() == (0.25,)
-        v = VLMConfig(pass2="attention", candidate_factor=3.0,
-                      tempering=TemperingConfig(ladder=(0.05, 0.1, 0.25, 0.5), max_passes=3, rank="attention"))
-        assert v.candidate_fraction() == pytest.approx(0.75)                 # 3 x the top rung used (0.25)
-        assert v.keep_shares() == pytest.approx((0.05 / 0.75, 0.1 / 0.75, 0.25 / 0.75))
-        v = VLMConfig(pass2="attention", candidate_factor=3.0,
-                      tempering=TemperingConfig(ladder=(0.2, 0.5), rank="attention"))
-        assert v.candidate_fraction() == 1.0 and v.keep_shares() == pytest.approx((0.2, 0.5))
-
-    def test_relevance_keeps_the_top_rung_as_candidates(self):
-        """rank relevance: pass 1 keeps the top rung used (no candidate_factor), each rung a share of it."""
-        from pipeline.vlm.config import TemperingConfig, VLMConfig
+    def test_multipass(self):
+        from pipeline.vlm_config import TemperingConfig, VLMConfig
 
         v = VLMConfig(candidate_factor=3.0, tempering=TemperingConfig(ladder=(0.05, 0.1, 0.25, 0.5), max_passes=3))
         assert v.pass2 == "off" and v.multipass and not VLMConfig().multipass
-        assert v.candidate_fraction() == pytest.approx(0.25)
-        assert v.keep_shares() == pytest.approx((0.2, 0.4, 1.0))
 
 
 class TestEscalationShare:

@@ -10,9 +10,9 @@ from torch import nn
 
 from arr_coc._validate import ConfigError
 from conftest import rewrap
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import StaticKVCache
+from pipeline.vlm.decoding import StaticKVCache
 from pipeline.vlm.text_model import FastTextModel, concat_weights, unsupported
 
 
@@ -42,12 +42,12 @@ def test_masked_prefill_then_steps_into_a_cache_equal_hf(family):
     """Left-padded prefill with a mask into a static cache, then single-token steps: each output equals
     HF's forward on the same cache contents and mask."""
     vlm = build_tiny_vlm(family)
-    assert vlm._fast_lm is not None
+    assert vlm.pool._fast_lm is not None
     B, L, steps = 2, 11, 3
     embeds, positions = inputs(vlm, B, L, seed=1)
     pads = torch.tensor([0, 4])
     caches = [StaticKVCache(vlm.lm, B, L + steps, vlm.dtype, vlm.device) for _ in range(2)]
-    steppers = [vlm._fast_lm, lambda e, m, p, c: vlm._hf_lm_step(e, vlm.attention_masks(m), p, c)]
+    steppers = [vlm.pool._fast_lm, lambda e, m, p, c: vlm.pool._hf_lm_step(e, vlm.attention_masks(m), p, c)]
     outs = [[], []]
     with torch.no_grad():
         for i, (cache, fn) in enumerate(zip(caches, steppers)):
@@ -123,15 +123,15 @@ def test_models_it_cannot_run_fall_back_to_hf():
     with pytest.raises(ValueError, match="cannot run this model"):
         FastTextModel(vlm.lm, vlm.attn_impl)
     wrapped = rewrap(vlm)
-    assert wrapped._fast_lm is None
+    assert wrapped.pool._fast_lm is None
     embeds, positions = inputs(wrapped)
     with torch.no_grad():
-        torch.testing.assert_close(wrapped.lm_step(embeds, None, positions, None),
+        torch.testing.assert_close(wrapped.pool.lm_step(embeds, None, positions, None),
                                    wrapped.lm(inputs_embeds=embeds, position_ids=positions).last_hidden_state)
 
 
 def test_config_flag():
-    assert build_tiny_vlm("qwen2_vl", config=VLMConfig(fast_lm=False))._fast_lm is None
+    assert build_tiny_vlm("qwen2_vl", config=VLMConfig(fast_lm=False)).pool._fast_lm is None
     with pytest.raises(ConfigError, match="fast_lm must be true or false"):
         VLMConfig(fast_lm="yes")
 
@@ -141,7 +141,7 @@ def test_rotary_of_older_transformers_is_recomposed():
     the interleaving by mrope_section to the attention layer: recomposed here, they give what
     transformers 5.x's (B, L, hd) give."""
     vlm = build_tiny_vlm("qwen2_5_vl")
-    fast, rotary = vlm._fast_lm, vlm.lm.rotary_emb
+    fast, rotary = vlm.pool._fast_lm, vlm.lm.rotary_emb
     embeds, positions = inputs(vlm)
     new = fast.rotary(embeds, positions)
 

@@ -11,7 +11,7 @@ from pipeline.vlm import vision_attention
 @torch.no_grad()
 def test_batched_equals_hf_per_block_loop(vlm, monkeypatch):
     frames = make_frames(6, 84, 112, seed=3)                        # 3 temporal patches of 6 x 8 patches
-    pixels, grid = vlm._preprocess([frames])
+    pixels, grid = vlm.encoder.preprocess([frames])
     calls = {"batched": 0}
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -21,14 +21,14 @@ def test_batched_equals_hf_per_block_loop(vlm, monkeypatch):
         return sdpa(q, *a, **k)
 
     monkeypatch.setattr(vision_attention.F, "scaled_dot_product_attention", counting)
-    batched = vlm._vision(pixels, grid)[0]
+    batched = vlm.encoder.vision(pixels, grid)[0]
     counted = dict(calls)
-    reference = vlm._visual(pixels, grid_thw=grid.to(vlm.device))    # outside batched_attention: HF's forward
+    reference = vlm.encoder._visual(pixels, grid_thw=grid.to(vlm.device))    # outside batched_attention: HF's forward
     reference = getattr(reference, "pooler_output", reference).view(batched.shape)
     torch.testing.assert_close(batched, reference, rtol=1e-5, atol=1e-5)
-    assert counted["batched"] == len(vlm._visual.blocks)                # every layer, one call each
+    assert counted["batched"] == len(vlm.encoder._visual.blocks)                # every layer, one call each
     # Qwen2.5-VL's windows at 6 x 8 patches: 4 x 4 and 2 x 4 edge windows, padded to 16 and masked
-    assert counted["padded"] == (0 if vlm.family == "qwen2_vl" else len(vlm._visual.blocks) - 1)
+    assert counted["padded"] == (0 if vlm.family == "qwen2_vl" else len(vlm.encoder._visual.blocks) - 1)
 
 
 def test_batched_attention_restores_the_previous_length():

@@ -10,7 +10,7 @@ import torch
 from arr_coc._validate import ConfigError
 from conftest import make_frames
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import TINY_WARNING, _wrap
 from pipeline.vlm.vision_blocks import ALIGN, patch_vision_blocks, rotate_qk
 
@@ -35,9 +35,9 @@ def tiny_pair(family, dtype=torch.float32, device="cpu", **vision):
 
 def tower_outputs(vlm, frames):
     with torch.no_grad():
-        pixels, grid = vlm._preprocess([frames])
-        batched = vlm._vision(pixels, grid)[0]                               # the pipeline's batched attention
-        plain = vlm._visual(pixels, grid_thw=grid.to(vlm.device))            # HF's tower forward, blocks patched or not
+        pixels, grid = vlm.encoder.preprocess([frames])
+        batched = vlm.encoder.vision(pixels, grid)[0]                               # the pipeline's batched attention
+        plain = vlm.encoder._visual(pixels, grid_thw=grid.to(vlm.device))            # HF's tower forward, blocks patched or not
     return batched, getattr(plain, "pooler_output", plain)
 
 
@@ -50,8 +50,8 @@ CASES = [("qwen2_vl", {}),                                                    # 
 @pytest.mark.parametrize("family,vision", CASES)
 def test_tower_equals_hf_blocks(family, vision):
     hf, fast = tiny_pair(family, **vision)
-    assert all(not getattr(b, "_arr_coc_fast", False) for b in hf._visual.blocks)
-    assert all(b._arr_coc_fast for b in fast._visual.blocks)
+    assert all(not getattr(b, "_arr_coc_fast", False) for b in hf.encoder._visual.blocks)
+    assert all(b._arr_coc_fast for b in fast.encoder._visual.blocks)
     frames = make_frames(4, 56, 84, seed=3)
     for got, want in zip(tower_outputs(fast, frames), tower_outputs(hf, frames)):
         # float32 rounding: the patch embedding's GEMM sums in another order than the convolution,
@@ -66,7 +66,7 @@ def test_padded_mlp_weights_are_views_and_state_dict_is_unchanged():
     assert list(after) == list(before)
     for name, value in before.items():
         assert torch.equal(after[name], value), name
-    mlp = fast._visual.blocks[0].mlp
+    mlp = fast.encoder._visual.blocks[0].mlp
     weight, bias = mlp.gate_proj._arr_coc_padded
     assert weight.shape[0] == 64 and 64 % ALIGN == 0
     assert mlp.gate_proj.weight.data_ptr() == weight.data_ptr()              # the module's weight is a view
@@ -77,9 +77,9 @@ def test_patching_twice_changes_nothing():
     _, fast = tiny_pair("qwen2_vl")
     frames = make_frames(2, 56, 56, seed=4)
     first = tower_outputs(fast, frames)[0]
-    forwards = [b.forward for b in fast._visual.blocks]
-    assert patch_vision_blocks(fast._visual) == len(forwards)
-    assert [b.forward for b in fast._visual.blocks] == forwards
+    forwards = [b.forward for b in fast.encoder._visual.blocks]
+    assert patch_vision_blocks(fast.encoder._visual) == len(forwards)
+    assert [b.forward for b in fast.encoder._visual.blocks] == forwards
     torch.testing.assert_close(tower_outputs(fast, frames)[0], first, atol=0, rtol=0)
 
 
@@ -88,11 +88,11 @@ def test_patch_embedding_as_a_gemm_equals_the_convolution(family):
     """The fast patch embedding (one GEMM over the patch rows) gives what HF's Conv3d gives; in
     training the module keeps HF's forward."""
     hf, fast = tiny_pair(family)
-    embed = fast._visual.patch_embed
-    assert embed._arr_coc_fast and not getattr(hf._visual.patch_embed, "_arr_coc_fast", False)
+    embed = fast.encoder._visual.patch_embed
+    assert embed._arr_coc_fast and not getattr(hf.encoder._visual.patch_embed, "_arr_coc_fast", False)
     rows = torch.randn(12, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        want = hf._visual.patch_embed(rows)
+        want = hf.encoder._visual.patch_embed(rows)
         got = embed(rows)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -106,7 +106,7 @@ def test_patch_embedding_as_a_gemm_equals_the_convolution(family):
 
 def test_training_runs_hf_forward():
     _, fast = tiny_pair("qwen2_vl")
-    block = fast._visual.blocks[0]
+    block = fast.encoder._visual.blocks[0]
     seen = []
     block.mlp.register_forward_hook(lambda *a: seen.append(1))                # HF's forward calls the MLP module
     x = torch.randn(8, block.norm1.normalized_shape[0])
@@ -147,10 +147,10 @@ def test_config_flag():
 
 def test_unknown_blocks_keep_hf_forward():
     hf, _ = tiny_pair("qwen2_vl")
-    block = hf._visual.blocks[0]
+    block = hf.encoder._visual.blocks[0]
     block.norm1 = torch.nn.Identity()                                         # not a norm this forward knows
     forward = block.forward
-    assert patch_vision_blocks(hf._visual) == len(hf._visual.blocks) - 1
+    assert patch_vision_blocks(hf.encoder._visual) == len(hf.encoder._visual.blocks) - 1
     assert block.forward == forward and not getattr(block, "_arr_coc_fast", False)
 
 

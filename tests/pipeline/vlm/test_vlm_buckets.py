@@ -13,9 +13,10 @@ import torch
 from conftest import make_frames, mixed_requests, random_keep, request
 from pipeline.vlm.builtin import arch_config, build_model, build_tokenizer
 from arr_coc._validate import ConfigError
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import _wrap
-from pipeline.vlm.model import CACHE_BUCKET, KV_CACHE_BUDGET, MAX_LAYOUTS, Prefix, batch_bucket
+from pipeline.vlm.prefill import CACHE_BUCKET, KV_CACHE_BUDGET, batch_bucket
+from pipeline.vlm.prefix import MAX_LAYOUTS, Prefix
 from pipeline.vlm.selection import pair_lod, select_tokens
 from test_vlm_graph_prefill import random_prefix, rewrap
 from test_vlm_static_decode import assert_steps_close
@@ -25,7 +26,7 @@ MEASURED_MIX = [1, 4, 6, 7, 8, 9, 10, 11, 12, 3, 16, 2, 5, 13, 14, 15]   # the l
 
 def unbucketed(vlm):
     plain = rewrap(vlm)
-    plain.bucket_batches = False
+    plain.pool.bucket_batches = False
     return plain
 
 
@@ -54,14 +55,14 @@ class TestBucketedEqualsExact:
         prefixes = prefixes[:n]
         bucketed, plain = rewrap(vlm), unbucketed(vlm)
         if not row_padded:
-            bucketed.row_padded_prefill_tokens = 0
+            bucketed.pool.row_padded_prefill_tokens = 0
         L = max(p.embeds.shape[0] for p in prefixes)
-        _, rows, _ = bucketed._prefill_shape(L, n)
+        _, rows, _ = bucketed.pool._prefill_shape(L, n)
         assert rows == (batch_bucket(n) if row_padded else n)
         got = bucketed.generate(prefixes, max_new_tokens=8, return_logits=True)
         want = plain.generate(prefixes, max_new_tokens=8, return_logits=True)
-        assert [d.rows for d in bucketed._decoders.values()] == [batch_bucket(n)]
-        assert [d.rows for d in plain._decoders.values()] == [n]
+        assert [d.rows for d in bucketed.pool._decoders.values()] == [batch_bucket(n)]
+        assert [d.rows for d in plain.pool._decoders.values()] == [n]
         assert torch.equal(got.tokens, want.tokens) and got.lengths == want.lengths
         assert got.tokens.shape == (n, 8) and len(got.step_logits) == 8
         assert all(s.shape == (n, vlm.model.config.text_config.vocab_size) for s in got.step_logits)
@@ -83,7 +84,7 @@ class TestBucketedEqualsExact:
             alone = v.generate([prefix], max_new_tokens=6, return_logits=True)
             assert torch.equal(alone.tokens[0], batched.tokens[b])
             assert_steps_close([s[0] for s in alone.step_logits], [s[b] for s in batched.step_logits])
-        assert sorted(v._decoders) == [(1, CACHE_BUCKET), (8, CACHE_BUCKET)]
+        assert sorted(v.pool._decoders) == [(1, CACHE_BUCKET), (8, CACHE_BUCKET)]
 
 
 class TestPaddingRows:
@@ -91,8 +92,8 @@ class TestPaddingRows:
     def test_are_finite_and_decode(self, vlm, prefixes, row_padded):
         v = rewrap(vlm)
         if not row_padded:
-            v.row_padded_prefill_tokens = 0
-        decoder, _ = v._prefill(prefixes, 6)
+            v.pool.row_padded_prefill_tokens = 0
+        decoder, _ = v.pool._prefill(prefixes, 6)
         L = int(decoder.slot)
         v.generate(prefixes, max_new_tokens=6)
         assert decoder.rows == 8 and decoder.batch == 5
@@ -107,9 +108,9 @@ class TestPaddingRows:
         """Even a poisoned padding row (NaN in every slot it may not see and in its fed token's
         embedding path) leaves the real rows exactly as they were: every op is per row."""
         v = rewrap(vlm)
-        v.row_padded_prefill_tokens = 0                  # the prefill leaves rows 5.. as they are
+        v.pool.row_padded_prefill_tokens = 0                  # the prefill leaves rows 5.. as they are
         want = v.generate(prefixes, max_new_tokens=6, return_logits=True)
-        decoder = next(iter(v._decoders.values()))
+        decoder = next(iter(v.pool._decoders.values()))
         for k in decoder.cache.keys + decoder.cache.values:
             k[5:] = float("nan")
         got = v.generate(prefixes, max_new_tokens=6, return_logits=True)
@@ -127,14 +128,14 @@ class TestDecoderReuse:
         for i, n in enumerate(MEASURED_MIX):
             batch = [random_prefix(vlm, 40 + (i + b) % 24, seed=b) for b in range(n)]
             got = v.generate(batch, max_new_tokens=4, return_logits=True)
-            decoder = v._decoders[(batch_bucket(n), CACHE_BUCKET)]
+            decoder = v.pool._decoders[(batch_bucket(n), CACHE_BUCKET)]
             assert seen.setdefault(batch_bucket(n), decoder) is decoder
             if n in (3, 13):                             # and still the exact batch's results
                 want = plain.generate(batch, max_new_tokens=4, return_logits=True)
                 assert torch.equal(got.tokens, want.tokens)
                 assert_steps_close(got.step_logits, want.step_logits)
         assert v.counters["decoders"] == 5 and v.counters["evicted"] == 0
-        assert sorted(v._decoders) == [(r, CACHE_BUCKET) for r in (1, 2, 4, 8, 16)]
+        assert sorted(v.pool._decoders) == [(r, CACHE_BUCKET) for r in (1, 2, 4, 8, 16)]
         for n in MEASURED_MIX[:4]:
             plain.generate([random_prefix(vlm, 40, seed=b) for b in range(n)], max_new_tokens=4)
         assert plain.counters["decoders"] == 4 + 2                   # 3 and 13 above, then 1, 4, 6, 7
@@ -143,29 +144,29 @@ class TestDecoderReuse:
         v = rewrap(vlm)
         gen = lambda n: v.generate([random_prefix(vlm, 50, seed=b) for b in range(n)], max_new_tokens=3)
         gen(1)
-        one = v._decoders[(1, CACHE_BUCKET)]
+        one = v.pool._decoders[(1, CACHE_BUCKET)]
         cache = one.cache.keys + one.cache.values
-        assert one.nbytes == sum(t.nbytes for t in cache) == v._slot_bytes * 1 * CACHE_BUCKET
-        assert v.kv_cache_budget == KV_CACHE_BUDGET
-        v.kv_cache_budget = v._slot_bytes * CACHE_BUCKET * (1 + 8)      # 1, 2 and 4 fit, or 1 and 8
+        assert one.nbytes == sum(t.nbytes for t in cache) == v.pool._slot_bytes * 1 * CACHE_BUCKET
+        assert v.pool.kv_cache_budget == KV_CACHE_BUDGET
+        v.pool.kv_cache_budget = v.pool._slot_bytes * CACHE_BUCKET * (1 + 8)      # 1, 2 and 4 fit, or 1 and 8
         gen(2), gen(3)
-        assert list(v._decoders) == [(1, CACHE_BUCKET), (2, CACHE_BUCKET), (4, CACHE_BUCKET)]
+        assert list(v.pool._decoders) == [(1, CACHE_BUCKET), (2, CACHE_BUCKET), (4, CACHE_BUCKET)]
         gen(1)                                                       # now most recently used
         gen(5)                                                       # bucket 8 needs 8 rows: drop 2 and 4
-        assert list(v._decoders) == [(1, CACHE_BUCKET), (8, CACHE_BUCKET)]
-        assert v._decoders[(1, CACHE_BUCKET)] is one
+        assert list(v.pool._decoders) == [(1, CACHE_BUCKET), (8, CACHE_BUCKET)]
+        assert v.pool._decoders[(1, CACHE_BUCKET)] is one
         assert v.counters["evicted"] == 2 and v.counters["decoders"] == 4
-        assert sum(d.nbytes for d in v._decoders.values()) <= v.kv_cache_budget
-        v.kv_cache_budget = 0                                        # the one in use is kept regardless
+        assert sum(d.nbytes for d in v.pool._decoders.values()) <= v.pool.kv_cache_budget
+        v.pool.kv_cache_budget = 0                                        # the one in use is kept regardless
         gen(16)
-        assert list(v._decoders) == [(16, CACHE_BUCKET)]
+        assert list(v.pool._decoders) == [(16, CACHE_BUCKET)]
 
     def test_a_dropped_decoder_is_freed_at_once(self, vlm):
         """Its prefill graphs refer back to it: make_room breaks that cycle, so the cache is freed
         when it is dropped, not whenever (and in whichever thread) Python's collector next runs."""
         v = rewrap(vlm)
         v.generate([random_prefix(vlm, 50, seed=0)], max_new_tokens=3)
-        one = v._decoders[(1, CACHE_BUCKET)]
+        one = v.pool._decoders[(1, CACHE_BUCKET)]
         one._graph(64, lambda b: None, {"embeds": torch.zeros(1, 64, 8)}, pool=None)  # captured on first call
         assert len(one.prefill_graphs) == 1
         dropped = weakref.ref(one)
@@ -173,9 +174,9 @@ class TestDecoderReuse:
         was_on = gc.isenabled()
         gc.disable()
         try:
-            v.kv_cache_budget = 0
+            v.pool.kv_cache_budget = 0
             v.generate([random_prefix(vlm, 50, seed=b) for b in range(2)], max_new_tokens=3)
-            assert list(v._decoders) == [(2, CACHE_BUCKET)] and v.counters["evicted"] == 1
+            assert list(v.pool._decoders) == [(2, CACHE_BUCKET)] and v.counters["evicted"] == 1
             assert dropped() is None
         finally:
             if was_on:
@@ -183,9 +184,9 @@ class TestDecoderReuse:
 
     def test_the_budget_is_a_setting(self, vlm):
         """vlm.kv_cache_gib sets the budget (GiB); out-of-range values are one ConfigError."""
-        assert VLMConfig().kv_cache_gib == 6.0 and vlm.kv_cache_budget == KV_CACHE_BUDGET == 6 << 30
-        assert rewrap(vlm, kv_cache_gib=0.5).kv_cache_budget == 1 << 29
-        assert rewrap(vlm, kv_cache_gib=0).kv_cache_budget == 0
+        assert VLMConfig().kv_cache_gib == 6.0 and vlm.pool.kv_cache_budget == KV_CACHE_BUDGET == 6 << 30
+        assert rewrap(vlm, kv_cache_gib=0.5).pool.kv_cache_budget == 1 << 29
+        assert rewrap(vlm, kv_cache_gib=0).pool.kv_cache_budget == 0
         for bad in (-1.0, 5000.0):
             with pytest.raises(ConfigError, match="vlm.kv_cache_gib"):
                 VLMConfig(kv_cache_gib=bad)
@@ -197,7 +198,7 @@ class TestWarmUp:
         keys = v.warm_up(range(1, 17), [50, 300], max_new_tokens=8)
         # 50 -> padded 64 -> 64 + 7 slots -> 256; 300 -> 320 -> 512
         assert keys == [(r, length) for length in (256, 512) for r in (1, 2, 4, 8, 16)]
-        assert list(v._decoders) == keys and v.counters["decoders"] == 10
+        assert list(v.pool._decoders) == keys and v.counters["decoders"] == 10
         fresh = rewrap(vlm)
         for n, length in ((3, 50), (9, 45), (16, 61), (1, 300), (6, 290)):
             batch = [random_prefix(vlm, length - b % 3, seed=b) for b in range(n)]
@@ -209,7 +210,7 @@ class TestWarmUp:
 
     def test_budget_and_bad_arguments(self, vlm):
         v = rewrap(vlm)
-        v.kv_cache_budget = v._slot_bytes * CACHE_BUCKET * (2 + 16)
+        v.pool.kv_cache_budget = v.pool._slot_bytes * CACHE_BUCKET * (2 + 16)
         # buckets 1, 2, 16: the 16 rows need the room of bucket 1; then bucket 8 needs all of it
         assert v.warm_up([1, 2, 9, 16], [10], max_new_tokens=4) == [(2, 256), (16, 256)]
         assert v.warm_up([5, 6], [10], max_new_tokens=4) == [(8, 256)]
@@ -234,23 +235,23 @@ class TestFullSizeArithmetic:
 
     def test_kv_bytes_and_padded_prefill_limit(self, full_size):
         small, large = full_size["qwen2-vl-2b"], full_size["qwen2.5-vl-7b"]
-        assert (small._slot_bytes, large._slot_bytes) == (28 * 1024, 56 * 1024)
-        assert KV_CACHE_BUDGET // small._slot_bytes // (31 * 768) == 9        # all buckets, 9 cache lengths
-        assert KV_CACHE_BUDGET // large._slot_bytes // (31 * 768) == 4
-        assert 4500 < small.row_padded_prefill_tokens < 4700 and 880 < large.row_padded_prefill_tokens < 960
+        assert (small.pool._slot_bytes, large.pool._slot_bytes) == (28 * 1024, 56 * 1024)
+        assert KV_CACHE_BUDGET // small.pool._slot_bytes // (31 * 768) == 9        # all buckets, 9 cache lengths
+        assert KV_CACHE_BUDGET // large.pool._slot_bytes // (31 * 768) == 4
+        assert 4500 < small.pool.row_padded_prefill_tokens < 4700 and 880 < large.pool.row_padded_prefill_tokens < 960
         # 2B: buckets 16 / 8 / 4 padded up to 256 / 512 / 1088 tokens; a full bucket always
-        assert small._prefill_shape(250, 9) == (256, 16, False)
-        assert small._prefill_shape(300, 9) == (300, 9, False)
-        assert small._prefill_shape(500, 5) == (512, 8, False)
-        assert small._prefill_shape(1050, 3) == (1088, 4, False)
-        assert small._prefill_shape(1100, 3) == (1100, 3, False)
-        assert small._prefill_shape(2000, 16) == (2048, 16, False)
-        assert small._prefill_shape(2100, 16) == (2100, 16, False)           # past graph_prefill_max_tokens
-        assert large._prefill_shape(100, 3) == (128, 4, False)
-        assert large._prefill_shape(100, 7) == (100, 7, False)
-        assert large._prefill_shape(500, 8) == (512, 8, False)
+        assert small.pool._prefill_shape(250, 9) == (256, 16, False)
+        assert small.pool._prefill_shape(300, 9) == (300, 9, False)
+        assert small.pool._prefill_shape(500, 5) == (512, 8, False)
+        assert small.pool._prefill_shape(1050, 3) == (1088, 4, False)
+        assert small.pool._prefill_shape(1100, 3) == (1100, 3, False)
+        assert small.pool._prefill_shape(2000, 16) == (2048, 16, False)
+        assert small.pool._prefill_shape(2100, 16) == (2100, 16, False)           # past graph_prefill_max_tokens
+        assert large.pool._prefill_shape(100, 3) == (128, 4, False)
+        assert large.pool._prefill_shape(100, 7) == (100, 7, False)
+        assert large.pool._prefill_shape(500, 8) == (512, 8, False)
         off = rewrap(small, cuda_graphs=False)
-        assert not off.bucket_batches and off._prefill_shape(100, 3) == (100, 3, False)
+        assert not off.pool.bucket_batches and off.pool._prefill_shape(100, 3) == (100, 3, False)
 
 
 def reference_prefix(vlm, frames, keep, question, merged) -> Prefix:
@@ -260,9 +261,9 @@ def reference_prefix(vlm, frames, keep, question, merged) -> Prefix:
     n_full = Tp * gh * gw
     lod = torch.ones(Tp, gh, gw, dtype=torch.int8) if keep is None else pair_lod(torch.as_tensor(keep))
     tokens, index = select_tokens(merged, lod)
-    ids = vlm.full_input_ids(question, n_full)
+    ids = vlm.prefixes.full_input_ids(question, n_full)
     m = vlm.geometry.merge_size
-    full_pos = vlm.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))
+    full_pos = vlm.prefixes.rope_positions(ids, torch.tensor([Tp, gh * m, gw * m]))
     v0 = int((ids == vlm.video_token_id).nonzero()[0])
     text = vlm.lm.embed_tokens(ids)
     embeds = torch.cat([text[:v0], tokens.to(text.dtype), text[v0 + n_full:]])
@@ -282,7 +283,7 @@ class TestSharedWindowPrefix:
     def test_equals_per_question_prefix(self, vlm, shape, fps):
         v = rewrap(vlm, fps=fps)                         # Qwen2.5-VL's temporal positions scale with 1/fps
         frames = make_frames(*shape, seed=3)
-        merged = v._merged_tokens([frames])[0]
+        merged = v.encoder.merged_tokens([frames])[0]
         for keep in (None, random_keep(v, frames, seed=4), random_keep(v, frames, seed=5, p=(0.9, 0.05, 0.05))):
             window = v.window_prefix(frames, keep, merged)
             for question in QUESTIONS:
@@ -309,10 +310,10 @@ class TestSharedWindowPrefix:
             alone = v.answer([request(frames, keep, question)])[0]
             assert (result.text, result.tokens_kept) == (alone.text, alone.tokens_kept)
         assert len(calls) == 1 and len(again) == 2
-        grid = next(iter(v._layouts))
+        grid = next(iter(v.prefixes._layouts))
         for t in range(1, MAX_LAYOUTS + 1):                          # as many other grids as are kept
-            v._layout(t, 1, 3)
-        assert len(calls) == 1 + MAX_LAYOUTS and len(v._layouts) == MAX_LAYOUTS and grid not in v._layouts
+            v.prefixes._layout(t, 1, 3)
+        assert len(calls) == 1 + MAX_LAYOUTS and len(v.prefixes._layouts) == MAX_LAYOUTS and grid not in v.prefixes._layouts
         v.answer_questions(frames, keep, QUESTIONS[:1])              # dropped as least recently used
         assert len(calls) == 2 + MAX_LAYOUTS
 
@@ -337,8 +338,8 @@ def test_cuda_warm_up_captures_everything_ahead(family):
     assert keys == [(r, CACHE_BUCKET) for r in (1, 2, 4, 8, 16)]
     captured = dict(graphed.counters)
     assert (captured["decoders"], captured["decode_graphs"], captured["prefill_graphs"]) == (5, 5, 10)
-    for row_padded_tokens in (graphed.row_padded_prefill_tokens, 0):
-        graphed.row_padded_prefill_tokens = row_padded_tokens
+    for row_padded_tokens in (graphed.pool.row_padded_prefill_tokens, 0):
+        graphed.pool.row_padded_prefill_tokens = row_padded_tokens
         for n in MEASURED_MIX:
             batch = [random_prefix(graphed, 40 + (b * 37) % 80, seed=b) for b in range(n)]
             kw = dict(max_new_tokens=8, return_logits=True)

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from arr_coc._validate import ConfigError
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import MAX_PREFILL_GRAPHS, PREFILL_BUCKET, Prefix
+from pipeline.vlm.decoding import MAX_PREFILL_GRAPHS
+from pipeline.vlm.prefill import PREFILL_BUCKET
+from pipeline.vlm.prefix import Prefix
 from conftest import rewrap
 from test_vlm_static_decode import HOST_SYNC_OPS, assert_steps_close, mixed_prefixes
 
@@ -32,12 +34,12 @@ def random_prefix(vlm, n, seed):
 class TestPlan:
     def test_lengths_round_up_to_the_bucket_below_the_threshold(self, vlm):
         small = rewrap(vlm, graph_prefill_max_tokens=256)
-        got = {n: small._prefill_plan(n) for n in (1, 63, 64, 65, 200, 256, 257, 1000)}
+        got = {n: small.pool._prefill_plan(n) for n in (1, 63, 64, 65, 200, 256, 257, 1000)}
         # on the CPU nothing is replayed, but the padding is the same as on a GPU
         assert got == {1: (64, False), 63: (64, False), 64: (64, False), 65: (128, False),
                        200: (256, False), 256: (256, False), 257: (257, False), 1000: (1000, False)}
-        assert rewrap(vlm, graph_prefill_max_tokens=0)._prefill_plan(65) == (65, False)
-        assert rewrap(vlm, cuda_graphs=False)._prefill_plan(65) == (65, False)
+        assert rewrap(vlm, graph_prefill_max_tokens=0).pool._prefill_plan(65) == (65, False)
+        assert rewrap(vlm, cuda_graphs=False).pool._prefill_plan(65) == (65, False)
         assert PREFILL_BUCKET == 64 and VLMConfig().graph_prefill_max_tokens == 2048
 
     def test_config_is_validated(self):
@@ -50,12 +52,12 @@ class TestPlan:
 def check_bucketed_equals_unbucketed(vlm, batch, max_new=8):
     plain = rewrap(vlm, graph_prefill_max_tokens=0)
     L = max(p.embeds.shape[0] for p in batch)
-    padded, _ = vlm._prefill_plan(L)
+    padded, _ = vlm.pool._prefill_plan(L)
     assert padded % PREFILL_BUCKET == 0 and padded > L                      # really padded further
-    decoder, first = vlm._prefill(batch, max_new)
+    decoder, first = vlm.pool._prefill(batch, max_new)
     assert int(decoder.slot) == padded                                       # decoding resumes after it
     first = first.clone()
-    plain_decoder, plain_first = plain._prefill(batch, max_new)
+    plain_decoder, plain_first = plain.pool._prefill(batch, max_new)
     assert int(plain_decoder.slot) == L
     torch.testing.assert_close(first, plain_first, atol=2e-5, rtol=1e-4)
     got = vlm.generate(batch, max_new_tokens=max_new, return_logits=True)
@@ -63,7 +65,7 @@ def check_bucketed_equals_unbucketed(vlm, batch, max_new=8):
     assert torch.equal(got.tokens, want.tokens) and got.lengths == want.lengths == [max_new] * len(batch)
     assert_steps_close(got.step_logits, want.step_logits)
     for b, prefix in enumerate(batch):                                       # and the uncached forward
-        reference = vlm.logits_without_cache(prefix, got.tokens[b, :max_new - 1])
+        reference = vlm.generator.logits_without_cache(prefix, got.tokens[b, :max_new - 1])
         assert_steps_close([s[b] for s in got.step_logits], list(reference))
 
 
@@ -85,10 +87,10 @@ class TestBucketedPrefill:
         M-RoPE positions), real rows see none of it."""
         prefixes = mixed_prefixes(vlm)
         B = len(prefixes)
-        padded, _ = vlm._prefill_plan(max(p.embeds.shape[0] for p in prefixes), B)
-        decoder, _ = vlm._prefill(prefixes, 2)
+        padded, _ = vlm.pool._prefill_plan(max(p.embeds.shape[0] for p in prefixes), B)
+        decoder, _ = vlm.pool._prefill(prefixes, 2)
         assert decoder.rows == 4                                             # one padding row
-        embeds, positions, pads = vlm._left_pad(prefixes, padded, decoder.rows)  # (R, L, D), (3, R, L)
+        embeds, positions, pads = vlm.pool._left_pad(prefixes, padded, decoder.rows)  # (R, L, D), (3, R, L)
         slots = torch.arange(padded)
         pad = torch.tensor(pads)
         want = decoder.prefill_forward(embeds, positions, slots, pad)       # (R, V)
@@ -120,9 +122,9 @@ class TestBucketedPrefill:
                 return func(*args, **(kwargs or {}))
 
         prefixes = mixed_prefixes(vlm)
-        padded, _ = vlm._prefill_plan(114)
-        embeds, positions, pads = vlm._left_pad(prefixes, padded)
-        decoder, _ = vlm._prefill(prefixes, 2)
+        padded, _ = vlm.pool._prefill_plan(114)
+        embeds, positions, pads = vlm.pool._left_pad(prefixes, padded)
+        decoder, _ = vlm.pool._prefill(prefixes, 2)
         slots, pad = torch.arange(padded), torch.tensor(pads)
         with OpNames() as log:
             logits = decoder.prefill_forward(embeds, positions, slots, pad)
@@ -132,7 +134,7 @@ class TestBucketedPrefill:
 
     def test_no_graphs_on_cpu(self, vlm):
         vlm.generate(mixed_prefixes(vlm), max_new_tokens=3)
-        assert all(not d.prefill_graphs and d.graph is None for d in vlm._decoders.values())
+        assert all(not d.prefill_graphs and d.graph is None for d in vlm.pool._decoders.values())
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
@@ -146,16 +148,16 @@ class TestGraphReplay:
         prefixes = mixed_prefixes(vlm)
         graphs = set()
         for batch in (prefixes, prefixes[::-1]):                             # 2nd: same graph, new inputs
-            padded, graphed = vlm._prefill_plan(max(p.embeds.shape[0] for p in batch), len(batch))
+            padded, graphed = vlm.pool._prefill_plan(max(p.embeds.shape[0] for p in batch), len(batch))
             assert graphed and padded == 128
-            decoder, _ = vlm._prefill(batch, 4)
+            decoder, _ = vlm.pool._prefill(batch, 4)
             assert decoder.rows == 4                                         # batch 3 in bucket 4
-            embeds, positions, pads = vlm._left_pad(batch, padded, decoder.rows)
+            embeds, positions, pads = vlm.pool._left_pad(batch, padded, decoder.rows)
             want = decoder.prefill(embeds, positions, pads).clone()          # eager
             want_keys = [k[:, :, :padded].clone() for k in decoder.cache.keys]
             for k in decoder.cache.keys:
                 k.zero_()
-            got = decoder.prefill(embeds, positions, pads, pool=vlm._pool())
+            got = decoder.prefill(embeds, positions, pads, pool=vlm.pool.graph_pool())
             assert list(decoder.prefill_graphs) == [padded]
             graphs.add(decoder.prefill_graphs[padded])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -174,11 +176,11 @@ class TestGraphReplay:
             got, want = graphed.generate(batch, **kw), eager.generate(batch, **kw)
             assert torch.equal(got.tokens, want.tokens) and got.lengths == want.lengths
             assert_steps_close(got.step_logits, want.step_logits, atol=1e-4, rtol=1e-4)
-            for key, decoder in graphed._decoders.items():
+            for key, decoder in graphed.pool._decoders.items():
                 for length, graph in decoder.prefill_graphs.items():
                     assert graph.graph is not None
                     assert graphs.setdefault((key, length), graph) is graph  # captured once per shape
-            assert all(not d.prefill_graphs for d in eager._decoders.values())
+            assert all(not d.prefill_graphs for d in eager.pool._decoders.values())
         assert sorted((key[0], length) for key, length in graphs) == [(1, 128), (4, 128)]
 
     def test_graphs_per_decoder_are_bounded_and_long_prefixes_eager(self, family):
@@ -191,25 +193,25 @@ class TestGraphReplay:
         # (1, 1024) decoder: one more than it keeps graphs for
         for padded in range(PREFILL_BUCKET, top + 1, PREFILL_BUCKET):
             n = padded - 10
-            assert vlm._prefill_plan(n) == (padded, True)
+            assert vlm.pool._prefill_plan(n) == (padded, True)
             prefix = random_prefix(vlm, n, seed=n)
-            decoder, got = vlm._prefill([prefix], 1025 - padded)
+            decoder, got = vlm.pool._prefill([prefix], 1025 - padded)
             assert decoder.length == 1024 and list(decoder.prefill_graphs)[-1] == padded
             captured.append(decoder.prefill_graphs[padded])
-            _, want = plain._prefill([prefix], 1025 - padded)
+            _, want = plain.pool._prefill([prefix], 1025 - padded)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         kept = list(range(2 * PREFILL_BUCKET, top + 1, PREFILL_BUCKET))
         assert list(decoder.prefill_graphs) == kept                          # 64 was dropped
         assert len(decoder.prefill_graphs) == MAX_PREFILL_GRAPHS
         assert vlm.counters["prefill_graphs"] == n_graphs
-        vlm._prefill([random_prefix(vlm, 40, seed=40)], 1025 - PREFILL_BUCKET)
+        vlm.pool._prefill([random_prefix(vlm, 40, seed=40)], 1025 - PREFILL_BUCKET)
         assert list(decoder.prefill_graphs) == kept[1:] + [PREFILL_BUCKET]
         assert decoder.prefill_graphs[PREFILL_BUCKET] is not captured[0]     # captured again
         long = random_prefix(vlm, top + 10, seed=1)                          # past the threshold: eager
-        assert vlm._prefill_plan(top + 10) == (top + 10, False)
-        same, got = vlm._prefill([long], 1025 - (top + 10))                  # the (1, 1024) decoder too
+        assert vlm.pool._prefill_plan(top + 10) == (top + 10, False)
+        same, got = vlm.pool._prefill([long], 1025 - (top + 10))                  # the (1, 1024) decoder too
         assert same is decoder and list(decoder.prefill_graphs) == kept[1:] + [PREFILL_BUCKET]
-        torch.testing.assert_close(got, plain._prefill([long], 2)[1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, plain.pool._prefill([long], 2)[1], atol=1e-4, rtol=1e-4)
 
 
 def test_bench_records_the_prefill_it_times(tmp_path):

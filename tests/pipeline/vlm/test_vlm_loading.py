@@ -10,7 +10,8 @@ import torch
 
 from arr_coc._validate import ConfigError
 from conftest import make_frames, random_keep, request
-from pipeline.vlm import VLMConfig, VLMLoadError, load_vlm
+from pipeline.vlm import VLMLoadError, load_vlm
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.batcher import VLMBatcher
 from pipeline.vlm.loading import TINY_WARNING, build_tiny_vlm
 

@@ -22,7 +22,7 @@ class TestStockEquivalence:
             prefix = vlm.prepare([request(frames, keep, question)])[0]
             assert prefix.tokens_kept == prefix.tokens_full == inputs["pixel_values_videos"].shape[0] // 4
             # every position of the prefill, not only the last
-            hidden = vlm.lm_step(prefix.embeds[None], None, prefix.positions[:, None], None)
+            hidden = vlm.pool.lm_step(prefix.embeds[None], None, prefix.positions[:, None], None)
             ours_all = vlm.model.lm_head(hidden[0]).float()
             torch.testing.assert_close(ours_all, stock_logits, atol=1e-5, rtol=1e-5)
             out = vlm.generate([prefix], max_new_tokens=8, return_logits=True)
@@ -44,7 +44,7 @@ class TestPruned:
                            return_logits=True)
         n = out.lengths[0]
         assert n >= 2
-        reference = vlm.logits_without_cache(prefix, out.tokens[0, :n - 1])   # (n, V)
+        reference = vlm.generator.logits_without_cache(prefix, out.tokens[0, :n - 1])   # (n, V)
         for step in range(n):
             torch.testing.assert_close(out.step_logits[step][0], reference[step], atol=2e-5, rtol=1e-4)
 
@@ -135,5 +135,5 @@ class TestHooks:
         assert text.shape == (len("red car"), D)                              # byte-level tiny tokenizer
         assert visual.shape == (2, gh * gw, D)
         prefix = vlm.prepare([request(frames)])[0]
-        v0 = len(vlm.prompt_ids("q", 0)[0])
+        v0 = len(vlm.prefixes.prompt_ids("q", 0)[0])
         torch.testing.assert_close(prefix.embeds[v0:v0 + 2 * gh * gw], visual.reshape(-1, D))

@@ -45,10 +45,10 @@ class TestAgainstHF:
         processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=vlm.tokenizer,
                                      video_processor=hf)
         frames = make_frames(4, 56, 84)
-        before, after = vlm.prompt_ids("what?", 0)
+        before, after = vlm.prefixes.prompt_ids("what?", 0)
         text = vlm.tokenizer.decode(before + [vlm.video_token_id] + after)
         ref = processor(text=[text], videos=[frames], return_tensors="pt")
-        ours = vlm.full_input_ids("what?", int(ref["video_grid_thw"][0].prod()) // 4)
+        ours = vlm.prefixes.full_input_ids("what?", int(ref["video_grid_thw"][0].prod()) // 4)
         assert ref["input_ids"][0].tolist() == ours.tolist()
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import make_frames, random_keep
 
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import WindowQuestions
+from pipeline.runtime.requests import WindowQuestions
 from pipeline.vlm.remote import VLMProcessError
 from pipeline.vlm.server import ServerAddress, SharedVLM, VLMServer
 

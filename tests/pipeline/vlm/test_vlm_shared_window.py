@@ -17,7 +17,7 @@ QUESTIONS = ["a?", "what colour is the car on the left of the road?", "who is ta
 def question_prefixes(vlm, keep_seed: int | None, n: int = len(QUESTIONS), T: int = 4):
     frames = make_frames(T, 84, 112, seed=40 + T)
     keep = None if keep_seed is None else random_keep(vlm, frames, seed=keep_seed)
-    merged = vlm._merged_tokens([frames])[0]
+    merged = vlm.encoder.merged_tokens([frames])[0]
     window = vlm.window_prefix(frames, keep, merged)
     return [vlm.question_prefix(window, q) for q in QUESTIONS[:n]]
 
@@ -32,18 +32,18 @@ def unshared(prefixes):
 def test_shared_window_equals_whole_prefixes(vlm, keep_seed, n):
     prefixes = question_prefixes(vlm, keep_seed, n)
     calls = []
-    original = vlm._prefill_shared
-    vlm._prefill_shared = lambda *a: calls.append(a[2]) or original(*a)
+    original = vlm.pool._prefill_shared
+    vlm.pool._prefill_shared = lambda *a: calls.append(a[2]) or original(*a)
     try:
         shared = vlm.generate(prefixes, max_new_tokens=6, return_logits=True)
     finally:
-        del vlm._prefill_shared
+        del vlm.pool._prefill_shared
     assert len(calls) == 1 and calls[0] == [prefixes[0].window]      # the shared path ran, over the window
     whole = vlm.generate(unshared(prefixes), max_new_tokens=6, return_logits=True)
     assert torch.equal(shared.tokens, whole.tokens) and shared.lengths == whole.lengths
     assert_steps_close(shared.step_logits, whole.step_logits)
     for b, prefix in enumerate(prefixes):
-        reference = vlm.logits_without_cache(prefix, shared.tokens[b, :5])   # (6, V)
+        reference = vlm.generator.logits_without_cache(prefix, shared.tokens[b, :5])   # (6, V)
         assert_steps_close([s[b] for s in shared.step_logits], list(reference))
 
 
@@ -54,8 +54,8 @@ def test_unpadded_shapes_without_graphs(vlm):
     prefixes = question_prefixes(plain, 5, 3)
     n = prefixes[0].window.embeds.shape[0]
     suffix = max(p.embeds.shape[0] for p in prefixes) - n
-    assert plain._shared_shape(n, suffix, 3) == (n, suffix, 3, False)
-    assert vlm._shared_shape(n, suffix, 3)[:3] == (-(-n // 64) * 64, -(-suffix // 16) * 16, 4)
+    assert plain.pool._shared_shape(n, suffix, 3) == (n, suffix, 3, False)
+    assert vlm.pool._shared_shape(n, suffix, 3)[:3] == (-(-n // 64) * 64, -(-suffix // 16) * 16, 4)
     out = plain.generate(prefixes, max_new_tokens=4, return_logits=True)
     whole = plain.generate(unshared(prefixes), max_new_tokens=4, return_logits=True)
     assert torch.equal(out.tokens, whole.tokens)
@@ -82,7 +82,7 @@ def three_windows(vlm):
     groups = []
     for frames, seed, questions in specs:
         keep = None if seed is None else random_keep(vlm, frames, seed=seed)
-        window = vlm.window_prefix(frames, keep, vlm._merged_tokens([frames])[0])
+        window = vlm.window_prefix(frames, keep, vlm.encoder.merged_tokens([frames])[0])
         groups.append(vlm.question_prefixes(window, questions))
     order = [(1, 0), (0, 0), (2, 0), (1, 1), (0, 1), (1, 2)]
     return [groups[g][i] for g, i in order]
@@ -112,7 +112,7 @@ def test_graph_replay_equals_eager(cuda_pair):
     want = eager.generate(unshared(prefixes), max_new_tokens=6, return_logits=True)
     assert torch.equal(got.tokens, want.tokens)
     assert_steps_close(got.step_logits, want.step_logits, atol=1e-4, rtol=1e-3)
-    decoders = list(graphed._decoders.values())
+    decoders = list(graphed.pool._decoders.values())
     assert any(("window", 1, 64) in d.prefill_graphs for d in decoders)
     assert any(("window", 3, 64) in d.prefill_graphs for d in decoders)
     assert any(any(isinstance(k, tuple) and k[0] == "suffix" for k in d.prefill_graphs) for d in decoders)

@@ -8,9 +8,11 @@ from transformers import DynamicCache
 
 from arr_coc._validate import ConfigError
 from conftest import mixed_requests
-from pipeline.vlm.config import VLMConfig
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import build_tiny_vlm
-from pipeline.vlm.model import CACHE_BUCKET, DONE_CHECK_EVERY, PACKED_SDPA, sample_next, sdpa_packed_gqa
+from pipeline.vlm.decoding import PACKED_SDPA, sample_next, sdpa_packed_gqa
+from pipeline.vlm.generation import DONE_CHECK_EVERY
+from pipeline.vlm.prefill import CACHE_BUCKET
 
 # aten ops that read a device value on the host (or size a tensor by one): a CUDA graph cannot hold them
 HOST_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "_unique2",
@@ -19,11 +21,11 @@ HOST_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select"
 
 def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0):
     """The loop the static cache replaced: HF's own forward with a DynamicCache, a 2-D mask grown by one column per step."""
-    embeds, positions, pads = vlm._left_pad(prefixes)
+    embeds, positions, pads = vlm.pool._left_pad(prefixes)
     B, L = embeds.shape[:2]
     mask = (torch.arange(L) >= torch.tensor(pads)[:, None]).long()         # (B, L)
     cache = DynamicCache(config=vlm.lm.config)
-    hidden = vlm._hf_lm_step(embeds, mask, positions, cache)[:, -1]
+    hidden = vlm.pool._hf_lm_step(embeds, mask, positions, cache)[:, -1]
     next_pos = torch.tensor([p.next_position for p in prefixes])
     gen = torch.Generator().manual_seed(seed)
     done = torch.zeros(B, dtype=torch.bool)
@@ -38,7 +40,7 @@ def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
         pos = (next_pos + step).view(1, B, 1).expand(3, B, 1)
-        hidden = vlm._hf_lm_step(vlm.lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
+        hidden = vlm.pool._hf_lm_step(vlm.lm.embed_tokens(token)[:, None], mask, pos, cache)[:, -1]
     return torch.stack(tokens, 1), logits_all
 
 
@@ -70,7 +72,7 @@ class TestStaticCache:
         prefixes = mixed_prefixes(vlm)
         out = vlm.generate(prefixes, max_new_tokens=7, return_logits=True)
         for b, prefix in enumerate(prefixes):
-            reference = vlm.logits_without_cache(prefix, out.tokens[b, :6])   # (7, V)
+            reference = vlm.generator.logits_without_cache(prefix, out.tokens[b, :6])   # (7, V)
             assert_steps_close([s[b] for s in out.step_logits], list(reference))
             alone = vlm.generate([prefix], max_new_tokens=7, return_logits=True)
             assert torch.equal(alone.tokens[0], out.tokens[b])
@@ -86,10 +88,10 @@ class TestStaticCache:
     def test_cache_is_reused_without_leaking_between_calls(self, vlm):
         long_a, short_b = mixed_prefixes(vlm)[1:]
         first = vlm.generate([long_a], max_new_tokens=6, return_logits=True)
-        decoder = vlm._decoders[(1, first_len := next(k for k in vlm._decoders if k[0] == 1)[1])]
+        decoder = vlm.pool._decoders[(1, first_len := next(k for k in vlm.pool._decoders if k[0] == 1)[1])]
         other = vlm.generate([short_b], max_new_tokens=6, return_logits=True)
         again = vlm.generate([long_a], max_new_tokens=6, return_logits=True)
-        assert vlm._decoders[(1, first_len)] is decoder                     # same cache, same shape
+        assert vlm.pool._decoders[(1, first_len)] is decoder                     # same cache, same shape
         assert torch.equal(again.tokens, first.tokens)
         assert_steps_close(again.step_logits, first.step_logits, atol=0, rtol=0)
         tokens, logits = dynamic_reference(vlm, [short_b], 6)
@@ -98,9 +100,9 @@ class TestStaticCache:
 
     def test_cache_length_is_bucketed(self, vlm):
         prefix = mixed_prefixes(vlm)[0]
-        L, _ = vlm._prefill_plan(prefix.embeds.shape[0])     # the cache holds the padded prefix
+        L, _ = vlm.pool._prefill_plan(prefix.embeds.shape[0])     # the cache holds the padded prefix
         for max_new in (1, CACHE_BUCKET - L % CACHE_BUCKET + 1, CACHE_BUCKET - L % CACHE_BUCKET + 2):
-            decoder, _ = vlm._prefill([prefix], max_new)
+            decoder, _ = vlm.pool._prefill([prefix], max_new)
             assert decoder.length % CACHE_BUCKET == 0
             assert L + max_new - 1 <= decoder.length < L + max_new - 1 + CACHE_BUCKET
 
@@ -116,7 +118,7 @@ class TestStaticCache:
                 return out
 
         prefixes = mixed_prefixes(vlm)
-        decoder, logits = vlm._prefill(prefixes, 4)
+        decoder, logits = vlm.pool._prefill(prefixes, 4)
         token = logits.argmax(-1)
         attn = vlm.lm.layers[0].self_attn
         per_query_head = (decoder.rows, attn.num_heads, decoder.length, attn.head_dim)  # what repeat_kv would make
@@ -164,7 +166,7 @@ class TestStaticCache:
         prefixes = mixed_prefixes(vlm)
         out = vlm.generate(prefixes, max_new_tokens=5, return_logits=True)
         for b, prefix in enumerate(prefixes):
-            reference = vlm.logits_without_cache(prefix, out.tokens[b, :4])
+            reference = vlm.generator.logits_without_cache(prefix, out.tokens[b, :4])
             assert_steps_close([s[b] for s in out.step_logits], list(reference))
 
 
@@ -215,11 +217,11 @@ def test_graph_replay_equals_eager_step(family):
         got, want = graphed.generate(batch, **kw), eager.generate(batch, **kw)
         assert torch.equal(got.tokens, want.tokens) and got.lengths == want.lengths
         assert_steps_close(got.step_logits, want.step_logits, atol=1e-4, rtol=1e-4)
-        for key, decoder in graphed._decoders.items():
+        for key, decoder in graphed.pool._decoders.items():
             assert decoder.graph is not None
             assert graphs.setdefault(key, decoder.graph) is decoder.graph    # captured once per shape
-        assert all(d.graph is None for d in eager._decoders.values())
+        assert all(d.graph is None for d in eager.pool._decoders.values())
     assert len(graphs) == 2                                                  # batch 3 and batch 1
     one = graphed.generate(prefixes[1:], max_new_tokens=1, return_logits=True)   # no step: no capture
-    assert [d.graph is None for d in graphed._decoders.values()] == [False, False, True]
+    assert [d.graph is None for d in graphed.pool._decoders.values()] == [False, False, True]
     assert torch.equal(one.tokens, eager.generate(prefixes[1:], max_new_tokens=1).tokens)

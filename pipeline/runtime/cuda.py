@@ -16,7 +16,7 @@ import torch
 from arr_coc._validate import ConfigError
 
 # While a thread captures a CUDA graph, page-locked host allocations in other threads fail (torch's
-# caching host allocator queries its blocks' events; seen on an H100 in live mode as "operation not
+# caching host allocator queries its blocks' events; seen in live mode as "operation not
 # permitted when stream is capturing" / "invalid argument" in pin_memory while the VLM captured its
 # decode step). Captures and those allocations take this lock: captures are rare (one per shape),
 # the allocations short. So do (un)registering host memory and device-wide syncs (a sync waits on

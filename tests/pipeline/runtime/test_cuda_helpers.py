@@ -1,4 +1,4 @@
-"""pipeline.core.cuda's host <-> device helpers (CPU here; the CUDA run takes the same code), and
+"""pipeline.runtime.cuda's host <-> device helpers (CPU here; the CUDA run takes the same code), and
 graph capture beside Python's cyclic collector, and how threads wait for the GPU (CUDA)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.core.cuda import capture, no_cyclic_gc, read_back, set_cuda_wait, upload
+from pipeline.runtime.cuda import capture, no_cyclic_gc, read_back, set_cuda_wait, upload
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs CUDA")])]
@@ -104,7 +104,7 @@ def test_cuda_wait_without_a_driver_is_one_warning():
 WAIT_PROBE = """
 import json, sys, time
 import torch
-from pipeline.core.cuda import set_cuda_wait
+from pipeline.runtime.cuda import set_cuda_wait
 mode, order = sys.argv[1:]
 device = torch.device("cuda")
 if order == "after":                                    # the context exists already

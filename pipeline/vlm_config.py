@@ -117,9 +117,8 @@ class VLMConfig:
     # which patches go through the vision tower: "kept" (only the patches of the cells the
     # allocation keeps and of their context, kept_context; Qwen2.5-VL: of the attention windows
     # holding one; pipeline.vlm.kept_vision) or "all" (every patch, then the allocation's tokens are
-    # picked from the merged grid). Default kept with kept_context 1: on the shipped QA model as
-    # accurate as all (400 test clips: 0.537 / 0.530 against 0.543 / 0.533 at 10 / 25%) and, at 10%
-    # of 32 frames at 448x448 on an H100, time to first token 21.5 against 58.7 ms (Qwen2-VL-2B)
+    # picked from the merged grid). Default kept with kept_context 1: on the shipped QA model about
+    # as accurate as all, at a fraction of the time to first token (docs/performance.md)
     encode: str = "kept"
     # encode: kept, Qwen2.5-VL: "whole" (every cell of an attention window holding a kept cell goes
     # through the tower, so the windowed layers compute what the stock tower does) or "cells" (the
@@ -134,7 +133,7 @@ class VLMConfig:
     # encode: kept: cells within this many cells (in each direction, per frame pair) of a kept cell
     # go through the tower too, as context the kept cells attend to, and are then dropped: the LM
     # gets the same tokens, computed with more of their surroundings. 0: the kept cells only, the
-    # fastest (2B at 10%: 16.5 against 21.5 ms) at 3.7 points of accuracy (0.506 against 0.537)
+    # fastest, at some accuracy (docs/performance.md)
     kept_context: int = 1
     # encode: kept, live streams: at most this many cells' vision features (and pixels, to tell
     # a change) kept per stream, reused for a cell unchanged since it was encoded (0: no reuse)
@@ -205,18 +204,3 @@ class VLMConfig:
     def multipass(self) -> bool:
         """Whether pipeline/vlm/passes.py answers (pass 2, or a tempering ladder)."""
         return self.pass2 != "off" or bool(self.tempering.ladder)
-
-    def candidate_fraction(self) -> float:
-        """With tempering: the share of the cells pass 1 keeps as candidates: the top rung (rank:
-        relevance), candidate_factor times it (rank: attention), at most all."""
-        factor = self.candidate_factor if self.tempering.rank == "attention" else 1.0
-        return min(1.0, factor * self.tempering.rungs[-1])
-
-    def keep_shares(self) -> tuple[float, ...]:
-        """The share of pass 1's candidates each answering pass keeps: (1 / candidate_factor,) for
-        pass 2 alone; with tempering, each rung over candidate_fraction. () with neither."""
-        if not self.multipass:
-            return ()
-        if not self.tempering.ladder:
-            return (1.0 / self.candidate_factor,)
-        return tuple(min(1.0, rung / self.candidate_fraction()) for rung in self.tempering.rungs)

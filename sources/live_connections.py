@@ -1,0 +1,303 @@
+"""How live sources connect: their configuration, what a SOURCE argument names, and one open
+connection per kind (network stream through PyAV, camera through OpenCV, file paced at its frame
+rate). sources/live.py runs the capture thread over them; sources/reconnect.py decides when to
+try again after an outage.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterator, Literal
+from urllib.parse import urlsplit
+
+import av
+import numpy as np
+from av.video.reformatter import VideoReformatter
+
+from sources.errors import SourceError
+from sources.reconnect import backoff_s
+
+SourceKind = Literal["camera", "network", "file"]
+NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
+TRANSPORTS = ("tcp", "udp")
+FALLBACK_FPS = 30.0   # for streams that declare no frame rate (the store needs one)
+_RECEIVED_MAX = 256   # packet arrival times kept until their frame comes out of the decoder
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    """How live sources connect, buffer and recover.
+
+    transport:         RTSP lower transport; TCP survives lossy networks and NAT (default).
+    open_timeout_s:    give up connecting after this long.
+    read_timeout_s:    a stream that delivers nothing for this long has stalled: reconnect.
+    backoff_initial_s, backoff_max_s: reconnect delays double from the first to the cap.
+    backoff_jitter:    each delay is scaled by a random factor in [1 - j, 1 + j], so that many
+                       clients of one server do not reconnect in lockstep.
+    max_reconnects:    give up after this many failed reconnect attempts in a row (None: never): an
+                       attempt fails when the source cannot be opened, or opens and then ends or
+                       stalls before its first frame.
+    probe_s:           how much of a network stream FFmpeg reads to learn its codec and rate (its
+                       default, 5 s, would delay every reconnect by seconds).
+    buffer_frames:     newest frames kept per source; older ones are dropped (and counted).
+    realtime:          files are allowed and played at their frame rate (demos, tests).
+    decode_threads:    FFmpeg decoding threads per network stream. Frame threads each hold a frame
+                       back, counted in the latencies (they run from a frame's packet arrival).
+                       2 (default): one frame held back, two cores' decode rate, plenty for
+                       720p/1080p H.264; 1: none held back; 0: FFmpeg's choice, up to one thread
+                       per core, each holding a frame back (many frames of latency on a big host).
+    """
+
+    transport: Literal["tcp", "udp"] = "tcp"
+    open_timeout_s: float = 5.0
+    read_timeout_s: float = 5.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 1.0
+    backoff_jitter: float = 0.2
+    max_reconnects: int | None = None
+    probe_s: float = 0.5
+    buffer_frames: int = 16
+    realtime: bool = False
+    decode_threads: int = 2
+
+    def __post_init__(self) -> None:
+        from arr_coc._validate import check_choice, check_int, check_range
+
+        check_choice("live.transport", self.transport, TRANSPORTS)
+        check_range("live.open_timeout_s", self.open_timeout_s, 0.0, 3600.0, lo_open=True)
+        check_range("live.read_timeout_s", self.read_timeout_s, 0.0, 3600.0, lo_open=True)
+        check_range("live.backoff_initial_s", self.backoff_initial_s, 0.0, 3600.0)
+        check_range("live.backoff_max_s", self.backoff_max_s, self.backoff_initial_s, 3600.0)
+        check_range("live.backoff_jitter", self.backoff_jitter, 0.0, 1.0)
+        if self.max_reconnects is not None:
+            check_range("live.max_reconnects", self.max_reconnects, 0, None)
+        check_range("live.probe_s", self.probe_s, 0.0, 60.0, lo_open=True)
+        check_range("live.buffer_frames", self.buffer_frames, 1, 10_000)
+        check_int("live.decode_threads", self.decode_threads)
+        check_range("live.decode_threads", self.decode_threads, 0, 64)
+
+    def backoff_s(self, failures: int, rng: random.Random) -> float:
+        """Delay before the reconnect attempt that follows `failures` failed ones in this outage."""
+        return backoff_s(failures, self.backoff_initial_s, self.backoff_max_s, self.backoff_jitter, rng)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    kind: SourceKind
+    target: int | str   # camera index, device path, URL or file path
+    stream_id: str
+    name: str           # what messages show: the spec with any password removed
+
+
+class OpenError(SourceError):
+    """A source could not be (re)opened. `cause` is the why without the source's name, for a Gap's reason."""
+
+    def __init__(self, name: str, message: str, cause: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.cause = cause
+
+
+class Stalled(Exception):
+    """No frame for longer than the read timeout (FFmpeg's interrupt, or frames that stopped coming)."""
+
+    def __init__(self, waited_s: float) -> None:
+        self.waited_s = waited_s
+
+
+class Lost(Exception):
+    """The connection ended; `cause` says how (for a Gap's reason)."""
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+
+
+class Connection:
+    """One open connection to a source: `frames()` yields (stream pts or None, rgb, arrival or None)
+    until it drops; arrival (time.time()) is when the frame's data came in, where the connection
+    knows it (a network stream: its packet), else None (the frame's own time out of the source)."""
+
+    width: int
+    height: int
+    fps: float
+    truncated = False   # a file whose decoding damage stopped early (set once frames() ended)
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class NetworkConnection(Connection):
+    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        options = {"analyzeduration": str(int(cfg.probe_s * 1e6))}
+        if urlsplit(spec.target).scheme.lower().startswith("rtsp"):
+            options["rtsp_transport"] = cfg.transport
+        started = time.monotonic()
+        try:
+            # PyAV's (open, read) timeouts abort a blocked open / read through FFmpeg's interrupt callback
+            self.container = av.open(spec.target, options=options, timeout=(cfg.open_timeout_s, cfg.read_timeout_s))
+        except (av.FFmpegError, OSError) as e:
+            waited = time.monotonic() - started
+            if waited >= 0.9 * cfg.open_timeout_s:
+                raise OpenError(spec.name, f"no answer from the server within the {cfg.open_timeout_s:g} s open timeout",
+                                 f"no answer within the {cfg.open_timeout_s:g} s open timeout") from e
+            raise OpenError(spec.name, f"cannot open the stream ({reason_of(e)})", lowercase_first(reason_of(e))) from e
+        if not self.container.streams.video:
+            self.container.close()
+            raise OpenError(spec.name, "the stream has no video track", "the stream has no video track")
+        self.stream = self.container.streams.video[0]
+        self.stream.thread_type = "AUTO"
+        if cfg.decode_threads:
+            self.stream.codec_context.thread_count = cfg.decode_threads
+        rate = self.stream.average_rate or self.stream.guessed_rate
+        self.fps = float(rate) if rate and 0 < float(rate) <= 1000 else FALLBACK_FPS
+        ctx = self.stream.codec_context
+        if not ctx.width or not ctx.height:
+            self.container.close()
+            raise OpenError(spec.name, f"no video size found in the first {cfg.probe_s:g} s of the stream "
+                             f"(raise live.probe_s)", "no video size found in the stream")
+        # a stream that comes back at another size is scaled to the size it started with (the
+        # allocation grid of a stream is fixed)
+        self.width, self.height = size or (ctx.width, ctx.height)
+        self._reformatter = VideoReformatter()
+        self._read_timeout_s = cfg.read_timeout_s
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
+        """Frames until the server closes the connection (returns) or nothing comes for longer
+        than the read timeout (Stalled). PyAV's read timeout alone misses stalls up to twice the
+        timeout: when it interrupts a read, FFmpeg flushes its parser and returns the held-back
+        packet instead of the error, and the next read gets a fresh timeout. So the time is
+        measured from the last frame, at every packet, too. Until a connection's first frame, the
+        last packet counts: a camera with keyframes further apart than the timeout is waited for."""
+        last, framed = time.monotonic(), False
+        received: dict[int, float] = {}   # packet pts -> its arrival (time.time()), until its frame is out
+        try:
+            for packet in self.container.demux(self.stream):
+                now = time.monotonic()
+                if now - last > self._read_timeout_s:
+                    raise Stalled(now - last)
+                if not framed:
+                    last = now
+                if packet.pts is not None:
+                    received[packet.pts] = time.time()
+                    if len(received) > _RECEIVED_MAX:   # frames that never came out (corrupt, dropped)
+                        del received[next(iter(received))]
+                for frame in packet.decode():
+                    if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
+                        continue
+                    rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
+                                                     format="rgb24").to_ndarray()     # (H, W, 3)
+                    # FFmpeg's frame threads hold frames back (about one per thread): the frame's
+                    # arrival is its packet's, so latencies count the decoder's delay too
+                    came = received.pop(frame.pts, None) if frame.pts is not None else None
+                    yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb, came
+                    last, framed = time.monotonic(), True
+        except av.ExitError:   # "Immediate exit requested": PyAV's read timeout interrupted FFmpeg
+            raise Stalled(time.monotonic() - last) from None
+        except (ConnectionResetError, BrokenPipeError):
+            raise Lost("server closed the connection (connection reset)") from None
+        except (av.FFmpegError, OSError) as e:
+            raise Lost(f"stream error: {lowercase_first(reason_of(e))}") from None
+        raise Lost("server closed the connection")
+
+    def close(self) -> None:
+        self.container.close()
+
+
+def _quiet_opencv() -> None:
+    """OpenCV logs every capture backend it tries and fails (V4L2, its FFmpeg, Orbbec: ~10 lines for
+    a missing camera) before we can say one line ourselves. Its logger goes silent (process-wide,
+    as PyAV's FFmpeg log is); its FFmpeg reads OPENCV_FFMPEG_LOGLEVEL when that backend first starts."""
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")   # AV_LOG_QUIET
+    import cv2
+
+    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+
+
+class CameraConnection(Connection):
+    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        _quiet_opencv()
+        import cv2
+
+        params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(cfg.open_timeout_s * 1000),
+                  cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(cfg.read_timeout_s * 1000)]
+        self.cap = cv2.VideoCapture(spec.target, cv2.CAP_ANY, params)
+        if not self.cap.isOpened():
+            self.cap.release()
+            raise OpenError(spec.name, "cannot open the camera (no such device, busy, or no permission)",
+                             "cannot open the camera")
+        ok, bgr = self.cap.read()
+        if not ok:
+            self.cap.release()
+            raise OpenError(spec.name, "the camera opened but delivers no frames", "the camera delivers no frames")
+        self._first = bgr
+        fps = self.cap.get(cv2.CAP_PROP_FPS)
+        self.fps = float(fps) if 0 < fps <= 1000 else FALLBACK_FPS
+        self.width, self.height = size or (bgr.shape[1], bgr.shape[0])
+        self._read_timeout_s = cfg.read_timeout_s
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+        import cv2
+
+        bgr, self._first = self._first, None
+        while True:
+            if bgr is None:
+                started = time.monotonic()
+                ok, bgr = self.cap.read()
+                if not ok:   # stalled past the backend's read timeout, or unplugged
+                    waited = time.monotonic() - started
+                    if waited >= 0.9 * self._read_timeout_s:
+                        raise Stalled(waited)
+                    raise Lost("the camera stopped delivering frames (unplugged?)")
+            if bgr.shape[:2] != (self.height, self.width):
+                bgr = cv2.resize(bgr, (self.width, self.height), interpolation=cv2.INTER_AREA)
+            msec = self.cap.get(cv2.CAP_PROP_POS_MSEC)
+            yield (msec / 1000.0 if msec > 0 else None), cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), None
+            bgr = None
+
+    def close(self) -> None:
+        self.cap.release()
+
+
+class FileConnection(Connection):
+    """A video file paced to its own timestamps, like a camera that ends when the file does."""
+
+    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        from sources.video import open_video
+
+        self.video = open_video(spec.target, stream_id=spec.stream_id)
+        self.fps, self.width, self.height = float(self.video.fps), self.video.width, self.video.height
+
+    def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
+        start = first_pts = None
+        for frame in self.video:
+            if start is None:
+                start, first_pts = time.monotonic(), frame.pts_s
+            delay = start + (frame.pts_s - first_pts) - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            yield frame.pts_s, frame.rgb, None
+        raise Lost("end of file")
+
+    @property
+    def truncated(self) -> bool:
+        return self.video.truncated
+
+    def close(self) -> None:
+        self.video.close()
+
+
+CONNECTIONS = {"network": NetworkConnection, "camera": CameraConnection, "file": FileConnection}
+
+
+def reason_of(e: BaseException) -> str:
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def lowercase_first(text: str) -> str:
+    """FFmpeg's "Connection refused" inside a sentence: "connection refused" (acronyms stay)."""
+    return text[:1].lower() + text[1:] if text[1:2].islower() else text

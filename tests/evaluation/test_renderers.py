@@ -156,3 +156,15 @@ def test_contact_sheet_one_row_a_renderer(tmp_path, capsys):
     assert image.shape[0] == len(RENDERERS) * (LABEL + TILE + 6) and image.dtype == np.uint8
     assert main(["--out", str(tmp_path / "s.jpg"), "--clips", "1"]) == 0 and (tmp_path / "s.jpg").stat().st_size > 0
     assert main(["--out", str(tmp_path / "t.jpg"), "--clips", "0"]) == 2 and not (tmp_path / "t.jpg").exists()
+
+
+def test_shapes_renderer_keeps_the_original_clips_and_questions():
+    """The shipped model learnt make_qa_clip's clips: the shapes renderer draws them unchanged and only
+    adds region questions after the original ones."""
+    from evaluation.synth_qa import FAMILIES, make_qa_clip
+    for seed in SEEDS[:4]:
+        original, sc = make_qa_clip(seed, split="test"), cached("shapes", seed)
+        assert np.array_equal(original.frames, sc.clip.frames)
+        assert sc.clip.qas[:len(original.qas)] == original.qas
+        assert all(qa.family in REGION_FAMILIES for qa in sc.clip.qas[len(original.qas):])
+        assert all(qa.family in FAMILIES for qa in original.qas)

@@ -45,8 +45,9 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
 family, the region ones included) and adds, per row, accuracy over the questions that name exactly
 one object and the rest (`names_one_object`), and on ARR-COC's rows the named object's share of the
 kept tokens against its share of the cells (`named_object_share`, benchmarks/named_objects.py).
---held-out is --renderer of the held-out renderer (its test split; tempering's --val-root split
-then comes from the training renderers).
+`--renderer in-distribution` is every training renderer (clip k from the (k mod n)-th): the
+in-distribution test split. --held-out is --renderer of the held-out renderer (its test split;
+tempering's --val-root split then comes from the training renderers).
     python benchmarks/bench_accuracy.py --quick                    # CPU smoke: tiny-random, 3 clips
 
 Accuracy is exact match (eval's normalisation), overall and per question family, with the mean
@@ -90,8 +91,9 @@ ONE_OBJECT = ("where", "shape", "exists", "direction")
 
 def ensure_split(root: Path, count: int, split: str = "test", renderer: str | None = None) -> None:
     """Write `count` clips of `split` under root unless it has them: the original generator's, or
-    `renderer`'s (evaluation/renderers.py; the held-out one for evaluation, its test split only;
-    a validation split for it comes from the training renderers, which it must not tune on)."""
+    `renderer`'s (evaluation/renderers.py; comma-separated names share the clips; the held-out one
+    for evaluation, its test split only: a validation split for it comes from the training
+    renderers, which it must not tune on)."""
     if (root / f"{split}_qa.json").exists():
         return
     print(f"generating {count} {split} clips ({renderer or 'original generator'}) under {root}", file=sys.stderr)
@@ -101,7 +103,7 @@ def ensure_split(root: Path, count: int, split: str = "test", renderer: str | No
         return
     from evaluation.renderers import HELD_OUT, training_renderers, write_renderer_split
     held_out = renderer == HELD_OUT
-    renderers = training_renderers() if held_out and split != "test" else (renderer,)
+    renderers = training_renderers() if held_out and split != "test" else tuple(renderer.split(","))
     write_renderer_split(root, split, count, renderers, evaluation=held_out and split == "test",  # type: ignore[arg-type]
                          progress=sys.stderr.isatty())
 
@@ -359,7 +361,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, help="dataset root (test_qa.json + videos/); generated with --make")
     ap.add_argument("--make", type=int, default=200, help="test clips to generate when ROOT has none (default 200)")
-    ap.add_argument("--renderer", help="generate ROOT's clips with this renderer (evaluation/renderers.py; default: "
+    ap.add_argument("--renderer", help="generate ROOT's clips with this renderer (evaluation/renderers.py; several "
+                                       "comma-separated, or in-distribution: every training renderer; default: "
                                        "the original generator's seven families); adds the names-one-object "
                                        "breakdown and the named object's share of ARR-COC's tokens")
     ap.add_argument("--held-out", action="store_true", help="the held-out renderer's test split (--renderer HELD_OUT)")
@@ -415,13 +418,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.vlm, args.limit, args.make = "tiny-random", args.limit or 3, 3
-    from evaluation.renderers import HELD_OUT, RENDERERS
+    from evaluation.renderers import HELD_OUT, RENDERERS, training_renderers
     if args.held_out:
         if args.renderer not in (None, HELD_OUT):
             ap.error(f"--held-out is --renderer {HELD_OUT}; drop --renderer {args.renderer}")
         args.renderer = HELD_OUT
-    if args.renderer is not None and args.renderer not in RENDERERS:
-        ap.error(f"unknown renderer {args.renderer!r}; choose from {', '.join(RENDERERS)}")
+    if args.renderer == "in-distribution":
+        args.renderer = ",".join(training_renderers())
+    for name in (args.renderer or "").split(",") if args.renderer else ():
+        if name not in RENDERERS:
+            ap.error(f"unknown renderer {name!r}; choose from {', '.join(RENDERERS)} or in-distribution")
+        if name == HELD_OUT and args.renderer != HELD_OUT:
+            ap.error(f"{HELD_OUT} is the held-out renderer: evaluate it alone (--held-out)")
     if args.retentions is None:
         args.retentions = "1,0.25" if args.quick else ",".join(f"{r:g}" for r in RETENTIONS)
     policies = [p for p in args.policies.split(",") if p]

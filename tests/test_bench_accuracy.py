@@ -131,6 +131,19 @@ def test_renderer_split_adds_the_named_object_measures(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "x"),
                           "--held-out", "--renderer", "photo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--held-out is --renderer" in bad.stderr and not (tmp_path / "x").exists()
+    bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "x"),
+                          "--renderer", "photo,styled"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "evaluate it alone" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_in_distribution_split_draws_every_training_renderer(tmp_path):
+    from evaluation.renderers import training_renderers
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--make", "3", "--renderer", "in-distribution", "--policies", "stock", "--limit", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = json.loads((tmp_path / "data" / "test_qa.json").read_text())
+    assert {r["renderer"] for r in records} == set(training_renderers())
 
 
 def test_a_variant_setting_out_of_range_fails_before_any_row(tmp_path):

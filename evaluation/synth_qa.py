@@ -76,7 +76,8 @@ def _renderers(args: argparse.Namespace, splits: list[str]) -> tuple[tuple[str, 
 
 def _parse(argv: Sequence[str] | None) -> _Request:
     p = _Parser(prog="python -m evaluation.synth_qa",
-                description="write generated video-QA splits (MSRVTT-QA layout) of the original generator or the renderers")
+                description="write generated video-QA splits (MSRVTT-QA layout): the original generator's or "
+                            "the renderers'")
     p.add_argument("--root", required=True, help="output directory (MSRVTT-QA release layout)")
     p.add_argument("--splits", help="comma-separated splits (default: train,val,test; with --held-out: test)")
     p.add_argument("--count", type=int, nargs="+", metavar="N",

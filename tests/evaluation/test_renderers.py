@@ -94,7 +94,7 @@ class TestQuestions:
     def test_answers_follow_the_tracks(self, renderer):
         for seed in SEEDS:
             sc = cached(renderer, seed)
-            tracks, size = sc.tracks, sc.clip.frames.shape[1:3]
+            tracks = sc.tracks
             for qa in sc.clip.qas:
                 named = [tracks[i] for i in qa.names]
                 assert all(0 <= i < len(tracks) for i in qa.names)

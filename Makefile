@@ -4,8 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU wheel for machines without a GPU; GPU users install their own torch first.
 TORCH_SPEC ?= torch==2.13.0
+# pip's notices (a newer pip, running as root in a container) are not this project's to show
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: setup demo test bench-frontend clean
+.PHONY: setup demo demo-figure test bench-frontend clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +23,10 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(BIN)/python -m pipeline demo --out out/demo.zarr
+
+# the README's picture: the demo's contact sheet, regenerated only by asking for it
+demo-figure: demo
+	cp out/demo_contact.png docs/demo_contact.png
 
 test: setup
 	$(BIN)/python -m pytest -q

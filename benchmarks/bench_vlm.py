@@ -33,6 +33,12 @@ numpy array, which the preprocessor copies into page-locked memory before upload
     python benchmarks/bench_vlm.py --graph-prefill-max-tokens 4608  # GPU, every setting's prefill a graph
     python benchmarks/bench_vlm.py --hf-lm         # GPU, the LM's layers through HF's forward instead of pipeline.vlm.text_model
     python benchmarks/bench_vlm.py --encode kept   # GPU, the ARR-COC rows with vlm.encode: kept only
+    python benchmarks/bench_vlm.py --arch qwen3-vl-8b qwen3-vl-2b   # GPU, Qwen3-VL through transformers' forward
+
+Qwen3-VL (--arch qwen3-vl-8b, qwen3-vl-2b; tiny-qwen3_vl with --tiny) runs through transformers'
+own forward (pipeline/vlm/hf_forward.py: no static cache or CUDA graphs yet), so its rows are
+"stock" and one per retention, every patch through the vision tower: ttft_x_stock is the speed-up
+over the stock model through transformers' forward; the prefill is generate()'s first token.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_topology, scratch_result  # noqa: E402
 from pipeline.runtime.cuda import window_frames  # noqa: E402
+from pipeline.vlm import qwen3_vl  # noqa: E402
 from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
 from pipeline.vlm_config import VLMConfig  # noqa: E402
 from pipeline.vlm.loading import _wrap  # noqa: E402
@@ -251,6 +258,12 @@ def _bench_setting(vlm, frames, keep, new_tokens: int, reps: int, scores: torch.
 def build_vlm(name: str, device: torch.device, dtype: torch.dtype, cfg: VLMConfig):
     # full-size architectures: English-word merges, so the prompt's text tokens cost what they do with Qwen's vocabulary
     tokenizer = build_tokenizer("bytes" if name.startswith("tiny-") else "english")
+    if name in QWEN3_ARCHS:
+        model_cfg = qwen3_vl.tiny_config(tokenizer) if name.startswith("tiny-") else qwen3_vl.arch_config(name, tokenizer)
+        vlm = _wrap(build_model(model_cfg, device=device, dtype=dtype), tokenizer, model_cfg.model_type, name,
+                    cfg, {}, "random weights (benchmark)")
+        vlm.eos_ids = set()          # a fixed count of decoded tokens, as below
+        return vlm
     if name.startswith("tiny-"):
         family = name.removeprefix("tiny-")
         model_cfg, family_name = tiny_config(family, tokenizer), family
@@ -264,10 +277,42 @@ def build_vlm(name: str, device: torch.device, dtype: torch.dtype, cfg: VLMConfi
     return vlm
 
 
+QWEN3_ARCHS = qwen3_vl.ARCHS + ("tiny-qwen3_vl",)
+
+
+@torch.no_grad()
+def bench_hf_forward(vlm, frames, keep, new_tokens: int, reps: int) -> dict:
+    """One row of a VLM answering through transformers' forward (Qwen3-VL): front end = the window
+    (preprocess, the tower on every patch, selection, prompt), prefill = the first generated token,
+    time to first token = both, decode tokens/s from the first token to the last of new_tokens."""
+    device = vlm.device
+    preprocess_s, _ = timed(lambda: vlm.preprocessor(frames, device), device, reps)
+    vision_s, _ = timed(lambda: vlm.features(frames), device, reps)
+    front_s, window = timed(lambda: vlm.window(frames, keep), device, reps)
+    prompt = vlm.prompt(window, QUESTION)
+    prefill_s, _ = timed(lambda: vlm.generate(prompt, max_new_tokens=1), device, reps)
+    ttft_s, _ = timed(lambda: vlm.generate(vlm.prompt(vlm.window(frames, keep), QUESTION), max_new_tokens=1),
+                      device, reps)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    decode_s = statistics.median(vlm.generate(prompt, max_new_tokens=new_tokens).decode_s for _ in range(reps))
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    n = len(vlm.generate(prompt, max_new_tokens=new_tokens).tokens)
+    return dict(encode="all", vision_cells=window.tokens_full, tokens_kept=window.tokens_kept,
+                tokens_full=window.tokens_full, retention_actual=window.tokens_kept / window.tokens_full,
+                prefix_len=prompt.embeds.shape[0], prefill_len=prompt.embeds.shape[0], prefill_graph=False,
+                preprocess_ms=preprocess_s * 1e3, vision_ms=(vision_s - preprocess_s) * 1e3,
+                selection_ms=(front_s - vision_s) * 1e3, front_end_ms=front_s * 1e3, prefill_ms=prefill_s * 1e3,
+                ttft_ms=ttft_s * 1e3, decode_tokens=n,
+                decode_tok_s=(n - 1) / decode_s if n > 1 else float("nan"), peak_mem_gib=peak)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with the tiny random models")
-    ap.add_argument("--arch", nargs="+", default=None, help=f"architectures (default: {', '.join(ARCHS)})")
+    ap.add_argument("--arch", nargs="+", default=None,
+                    help=f"architectures (default: {', '.join(ARCHS)}; also {', '.join(QWEN3_ARCHS)})")
     ap.add_argument("--frames", type=int, default=None, help="frames per window (default 32; --tiny 4)")
     ap.add_argument("--size", type=int, default=None, help="frame side in pixels (default 448; --tiny 112)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 64; --tiny 6)")
@@ -319,6 +364,21 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - t0
         relevance, source, arrcoc_ms, arrcoc_eager_ms = relevance_map(vlm, frames, reps)
         maps = keep_maps(relevance, args.retention, vlm.geometry.temporal_patch_size)
+        if arch in QWEN3_ARCHS:       # transformers' forward: stock and each retention, every patch encoded
+            settings = [("stock", None)] + [(f"arr-coc {int(r * 100)}%", maps[r]) for r in args.retention]
+            rows = [dict(bench_hf_forward(vlm, window, keep, new_tokens, reps), arch=arch, setting=label,
+                         keep_source=None if keep is None else source, build_s=build_s, kept_windows=None,
+                         snap_windows=0, kept_context=None, arrcoc_ms=None if keep is None else arrcoc_ms,
+                         arrcoc_eager_ms=None if keep is None else arrcoc_eager_ms, arrcoc_share_of_vlm=None,
+                         prefill_x_hf_stock=None)
+                    for label, keep in settings]
+            for r in rows:
+                r["prefill_x_stock"] = rows[0]["prefill_ms"] / r["prefill_ms"]
+                r["ttft_x_stock"] = rows[0]["ttft_ms"] / r["ttft_ms"]
+            results += rows
+            del vlm
+            gc.collect()
+            continue
         modes = ["all", "kept"] if args.encode == "both" else [args.encode]
         if vlm.kept_encoder.window is not None and "kept" in modes and args.kept_windows != "whole":
             # Qwen2.5-VL: the kept cells only (vlm.kept_windows: cells), after or instead of whole windows

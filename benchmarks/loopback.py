@@ -71,11 +71,13 @@ def serve_ts(clip: Path, wfile, stop: threading.Event) -> None:
 
 
 class TSServer:
-    """http://127.0.0.1:PORT/<anything>.ts -> the clip, live. One thread per client."""
+    """http://127.0.0.1:PORT/<anything>.ts -> the clip, live. One thread per client; `send` is what
+    each one gets (a subclass may send something else: tests/live/live_servers.py)."""
 
     def __init__(self, clip: Path) -> None:
+        self.clip = clip
         self.stop = threading.Event()
-        stop = self.stop
+        server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
@@ -83,7 +85,7 @@ class TSServer:
                 self.send_header("Content-Type", "video/mp2t")
                 self.end_headers()
                 try:
-                    serve_ts(clip, self.wfile, stop)
+                    server.send(self.wfile)
                 except (BrokenPipeError, ConnectionResetError, av.FFmpegError, OSError):
                     pass  # the client went away
 
@@ -94,6 +96,9 @@ class TSServer:
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def send(self, wfile) -> None:
+        serve_ts(self.clip, wfile, self.stop)
 
     def url(self, i: int = 0) -> str:
         return f"http://127.0.0.1:{self.port}/stream{i}.ts"

@@ -52,6 +52,7 @@ class Answer:
     passes: int = 1       # answering passes (vlm.tempering: one per budget tried)
     tokens_spent: int | None = None   # visual tokens over all passes (None: tokens_kept, one pass)
     confidence: float = float("nan")  # of the answer's first token (vlm.tempering.confidence)
+    no_answer: str = ""   # why `text` is no answer: empty, or not one the model gives ("": an answer)
 
     def __post_init__(self) -> None:
         if self.tokens_spent is None:
@@ -186,7 +187,8 @@ class Pipeline:
                            progress=False, vlm_factory=self._load_vlm, query_embedding=self._query(question))
         answers = tuple(Answer(text=a.text, t_start=a.t_start, t_end=a.t_end, question=a.question,
                                tokens_kept=a.tokens_kept, tokens_full=a.tokens_full, latency_s=a.latency_s,
-                               passes=a.passes, tokens_spent=a.tokens_spent, confidence=a.confidence)
+                               passes=a.passes, tokens_spent=a.tokens_spent, confidence=a.confidence,
+                               no_answer=a.no_answer)
                         for a in result.answers)
         return VideoAnswers(stream_id=result.stream_id, question=question, answers=answers, frames=result.frames,
                             grid=result.grid, store=result.out, notes=tuple(result.notes))
@@ -248,16 +250,17 @@ class Pipeline:
               videos: str | os.PathLike | None = None, limit: int | None = None, shard: str | None = None,
               out: str | os.PathLike | None = None, ray: str | None = None, workers: int | None = None,
               in_flight: int | None = None, videos_per_task: int | None = None, stock_tokens: bool = False,
-              progress: bool | None = False, vlm_server: str | None = None) -> BatchSummary:
+              progress: bool | None = False, vlm_server: str | None = None, overwrite: bool = False) -> BatchSummary:
         """Answer every question of a dataset split, as `python -m pipeline batch` does: resumable
-        (complete videos are skipped), locally or on Ray Data (ray: 'auto', 'local' or an address).
+        (complete videos are skipped; a store answered with other settings is refused, `overwrite`
+        starts it afresh: runners/settings.py), locally or on Ray Data (ray: 'auto', 'local' or an address).
         shard: 'i/n', every n-th video from the i-th; out: default <dataset>_<split>.zarr;
         stock_tokens: send every visual token (the baseline); vlm_server: the socket of a shared
         VLM process to answer with instead of loading one (`batch --processes` starts it and sets
         its key in the environment: pipeline/vlm/server.py)."""
         from sources.msrvtt import load_msrvtt
 
-        from .runners.batch import IN_FLIGHT, default_out, make_plan, parse_shard, run_batch
+        from .runners.batch import IN_FLIGHT, VideoAnswerer, default_out, make_plan, parse_shard, run_batch
 
         check_choice("dataset", dataset, get_args(Dataset))
         check_choice("task", task, get_args(Task))
@@ -267,6 +270,11 @@ class Pipeline:
         in_flight = IN_FLIGHT if in_flight is None else in_flight
         if ray is not None and vlm_server is not None:
             raise ConfigError("a shared VLM process (vlm_server) serves the local path; Ray actors load their own")
+        if overwrite and shard is not None:
+            raise ConfigError("--overwrite with --shard would delete the other shards' answers: start the store "
+                              "afresh once (without --shard), then run the shards")
+        # the settings check (or the fresh start) before any model loads
+        VideoAnswerer.create_store(self._config, out, stock=stock_tokens, overwrite=overwrite)
         if ray is not None:
             from .runners.ray_batch import run_ray_batch
             return run_ray_batch(plan, out, self._config, address=ray, stock=stock_tokens, workers=workers,

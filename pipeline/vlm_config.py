@@ -156,6 +156,9 @@ class VLMConfig:
     # rank quantile (passes.blend_ranks; 0: attention alone, 1: pass 1's order)
     pass2_blend: float = 0.0
     tempering: TemperingConfig = field(default_factory=TemperingConfig)
+    # Qwen3-VL: a frame group none of whose tokens is kept keeps its timestamp text and markers
+    # ("keep") or loses them too ("drop"): pipeline/vlm/frame_groups.py
+    empty_frame_groups: Literal["keep", "drop"] = "keep"
 
     def __post_init__(self) -> None:
         check_range("vlm.fps", self.fps, 0.0, 240.0, lo_open=True)
@@ -184,6 +187,7 @@ class VLMConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"vlm.{name} must be true or false, got {getattr(self, name)!r}")
         check_choice("vlm.pass2", self.pass2, PASS2)
+        check_choice("vlm.empty_frame_groups", self.empty_frame_groups, ("keep", "drop"))
         check_range("vlm.candidate_factor", self.candidate_factor, 1.0, 64.0)
         if self.pass2_layers is not None:
             check_int("vlm.pass2_layers", self.pass2_layers)

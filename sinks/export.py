@@ -23,6 +23,9 @@ ExportFormat = Literal["jsonl", "csv"]
 EXPORT_FORMATS = ("jsonl", "csv")
 SCENE_CHANGE_COLUMNS = ("pts", "frame_index")
 EXPORT_COLUMNS = ("kind", "stream", *SCENE_CHANGE_COLUMNS, *ANSWERS.names)
+# a live stream's times are arrival clocks (0.004954099655151367 s): a millisecond is finer than any
+# frame interval a store holds, and the store keeps the exact values
+TIME_DECIMALS = 3
 
 
 def export_rows(store: str | os.PathLike, stream_id: str | None = None) -> list[dict[str, Any]]:
@@ -35,7 +38,7 @@ def export_rows(store: str | os.PathLike, stream_id: str | None = None) -> list[
         cuts = data["scene_change"].nonzero()[0]
         for k in cuts:
             events.append((float(data["pts"][k]), 0, {"kind": "scene_change", "stream": sid,
-                                                      "pts": float(data["pts"][k]),
+                                                      "pts": round(float(data["pts"][k]), TIME_DECIMALS),
                                                       "frame_index": int(data["frame_index"][k])}))
         answers = data["answers"]
         for k in range(len(answers["text"])):
@@ -50,6 +53,8 @@ def _plain(dtype: str, value: Any) -> Any:
     """A stored value as JSON / CSV writes it."""
     if dtype == "str":
         return str(value)
+    if dtype == "float64":  # times (s): to the millisecond, as run, live and the API print them
+        return round(float(value), TIME_DECIMALS)
     if dtype == "float32":  # rounded, not its float64 expansion (0.1234 -> 0.1234000027179718)
         value = float(value)
         return round(value, 6) if math.isfinite(value) else None   # JSON has no NaN: null / an empty cell

@@ -46,9 +46,10 @@ def render_homunculus(rgb: np.ndarray, tokens: np.ndarray, relevance: np.ndarray
                       token_scale: float | None = None) -> np.ndarray:
     """Blend the token map over one frame.
 
-    rgb (H, W, 3) uint8; tokens (gh, gw) tokens spent per cell (0 = dropped); relevance (gh, gw)
-    in [0, 1] colours the kept cells when given, else tokens / token_scale (default: tokens.max()).
-    Returns (H, W, 3) uint8.
+    rgb (H, W, 3) uint8; tokens (gh, gw) tokens spent per cell (0 = dropped). With relevance
+    (gh, gw) in [0, 1]: a heat map of it over every cell, the kept cells outlined (the relevance map
+    whole, and where the tokens went). Without: kept cells tinted by tokens / token_scale (default:
+    tokens.max()) and outlined, dropped cells darkened. Returns (H, W, 3) uint8.
     """
     rgb = np.asarray(rgb)
     tokens = np.asarray(tokens)
@@ -72,7 +73,8 @@ def render_homunculus(rgb: np.ndarray, tokens: np.ndarray, relevance: np.ndarray
     kept = (tokens > 0)[cell_y][:, cell_x]  # (H, W)
     tint = colormap(heat)[cell_y][:, cell_x].astype(np.float32)  # (H, W, 3)
     frame = rgb.astype(np.float32)
-    out = np.where(kept[..., None], (1 - ALPHA) * frame + ALPHA * tint, DROP_DIM * frame)
+    tinted = kept if relevance is None else np.ones_like(kept)  # relevance: every cell (H, W)
+    out = np.where(tinted[..., None], (1 - ALPHA) * frame + ALPHA * tint, DROP_DIM * frame)
     out = out.astype(np.uint8)
     # outline kept cells: first and last pixel row/column of every cell
     edge_y = np.diff(cell_y, prepend=-1) != 0
@@ -86,16 +88,31 @@ def render_homunculus(rgb: np.ndarray, tokens: np.ndarray, relevance: np.ndarray
 @dataclass(frozen=True)
 class FrameLabel:
     """What the label of a rendered frame says: its time and index, the tokens the frame kept of a
-    stock VLM's (one per cell), and whether a new shot / fixation starts there."""
+    stock VLM's (one per cell), and whether a new shot / fixation starts there. `cuts`: frame
+    indices of the scene changes the tile stands for (a contact sheet's tile stands for the frames
+    since the previous tile, so a cut between two tiles is tagged on the later one). `unchanged`: the
+    frame got no tokens because nothing in it changed since the VLM last saw it (temporal
+    redundancy, arr_coc/realizing.py): the VLM's earlier tokens of it are reused, not lost."""
 
     pts_s: float
     frame_index: int
     tokens_kept: int
     tokens_full: int
     scene_change: bool = False
+    cuts: tuple[int, ...] = ()
+    unchanged: bool = False   # no cell changed since the VLM saw it: no new tokens, its earlier ones serve
 
-    def lines(self) -> tuple[str, str]:
-        return f"{self.pts_s:.2f} s  #{self.frame_index}", f"{self.tokens_kept}/{self.tokens_full} tokens"
+    def lines(self) -> tuple[str, ...]:
+        lines = (f"{self.pts_s:.2f} s  #{self.frame_index}", f"{self.tokens_kept}/{self.tokens_full} tokens")
+        return (*lines, "unchanged: reused") if self.unchanged else lines
+
+    def cut_tag(self) -> str | None:
+        """The tag of the label's scene changes: "CUT" on the cut's own frame, else where they were."""
+        cuts = tuple(c for c in self.cuts if c != self.frame_index)
+        if not cuts:
+            return "CUT" if self.scene_change else None
+        shown = " ".join(f"#{c}" for c in cuts[:2]) + (f" +{len(cuts) - 2}" if len(cuts) > 2 else "")
+        return ("CUT " if len(cuts) == 1 else "CUTS ") + shown
 
 
 def font_scale(height: int, width: int) -> float:
@@ -110,7 +127,8 @@ def _text(image: np.ndarray, text: str, x: int, baseline: int, scale: float, col
 def label_frame(image: np.ndarray, label: FrameLabel) -> np.ndarray:
     """Draw the label on a rendered frame (H, W, 3) uint8, in place, and return it: time, frame index
     and tokens in the top-left corner on a dark box; on a scene change a CUT tag in the top-right
-    corner and a border in CUT_COLOUR."""
+    corner and a border in CUT_COLOUR; for cuts in the frames the tile stands for, a tag naming them
+    ("CUT #13") and the border."""
     h, w = image.shape[:2]
     scale = font_scale(h, w)
     lines = label.lines()
@@ -122,22 +140,24 @@ def label_frame(image: np.ndarray, label: FrameLabel) -> np.ndarray:
     box[:] = (box.astype(np.float32) * 0.35).astype(np.uint8)  # darkened, the frame shows through
     for k, text in enumerate(lines):
         _text(image, text, pad, pad + line_h * (k + 1) - sizes[k][1] - 1, scale)
-    if label.scene_change:
+    tag = label.cut_tag()
+    if tag is not None:
         border = max(2, round(min(h, w) / 100))
         image[:border], image[-border:], image[:, :border], image[:, -border:] = (CUT_COLOUR,) * 4
-        (tw, th), base = cv2.getTextSize("CUT", FONT, scale, 2)
-        x0, y0 = w - tw - 2 * pad - border, border
+        (tw, th), base = cv2.getTextSize(tag, FONT, scale, 2)
+        x0, y0 = max(border, w - tw - 2 * pad - border), border
         image[y0:y0 + th + base + 2 * pad, x0:w - border] = CUT_COLOUR
-        cv2.putText(image, "CUT", (x0 + pad, y0 + pad + th), FONT, scale, (0, 0, 0), 2, cv2.LINE_AA)
+        cv2.putText(image, tag, (x0 + pad, y0 + pad + th), FONT, scale, (0, 0, 0), 2, cv2.LINE_AA)
     return image
 
 
-def legend_strip(width: int, *, colour_by: ColourBy, token_scale: float = 1.0, scale: float | None = None) -> np.ndarray:
+def legend_strip(width: int, *, colour_by: ColourBy, token_scale: float = 1.0,
+                 scale: float | None = None) -> np.ndarray:
     """A strip (h, width, 3) uint8 to put under a frame or a sheet, saying what the colours mean.
 
-    colour_by "tokens": one swatch per count 0..token_scale (0: a dropped, darkened cell) under the
-    caption "tokens per cell"; "relevance": a dropped-cell swatch, then a colour bar from 0 to 1
-    under "relevance (kept cells)". token_scale: the count that gets the top colour.
+    colour_by "tokens": one swatch per count 0..token_scale (0: a dropped, darkened cell) under a
+    caption saying what 0 means; "relevance": a colour bar from 0 to 1 under "relevance of every
+    cell". token_scale: the count that gets the top colour.
     """
     if colour_by not in COLOUR_BY:
         raise ValueError(f"Invalid colour_by ({colour_by!r}). Supported values are {', '.join(COLOUR_BY)}.")
@@ -148,7 +168,8 @@ def legend_strip(width: int, *, colour_by: ColourBy, token_scale: float = 1.0, s
     bar_h = max(6, line)
     strip = np.full((pad + line + bar_h + line + pad, width, 3), BACKGROUND, np.uint8)
     bar_top = pad + line
-    caption = "tokens per cell" if colour_by == "tokens" else "relevance (kept cells)"
+    caption = ("tokens per cell (0: no new token: unchanged since the VLM saw it, or not relevant)"
+               if colour_by == "tokens" else "relevance of every cell (outlined: cells given tokens)")
     _text(strip, caption, pad, pad + text_h + 1, scale)
     dropped = np.uint8(DROP_DIM * 128)  # a mid-grey frame under a dropped cell
     left, right = pad, width - pad
@@ -162,11 +183,14 @@ def legend_strip(width: int, *, colour_by: ColourBy, token_scale: float = 1.0, s
             tw = cv2.getTextSize(str(k), FONT, scale, 1)[0][0]
             _text(strip, str(k), (x0 + x1 - tw) // 2, bar_top + bar_h + text_h + 3, scale)
         return strip
-    # a dropped-cell swatch, then a continuous bar (relevance 0..1, or many token counts)
-    swatch = max(bar_h, (right - left) // 8)
-    strip[bar_top:bar_top + bar_h, left:left + swatch] = dropped
-    _text(strip, "0" if colour_by == "tokens" else "none", left, bar_top + bar_h + text_h + 3, scale)
-    x0 = left + swatch + pad
+    # many token counts: a dropped-cell swatch, then a continuous bar; relevance: the bar 0..1 alone
+    # (every cell is coloured by it)
+    x0 = left
+    if colour_by == "tokens":
+        swatch = max(bar_h, (right - left) // 8)
+        strip[bar_top:bar_top + bar_h, left:left + swatch] = dropped
+        _text(strip, "0", left, bar_top + bar_h + text_h + 3, scale)
+        x0 = left + swatch + pad
     values = np.linspace(0.0, 1.0, max(right - x0, 1))
     strip[bar_top:bar_top + bar_h, x0:right] = colormap(values)[None]
     low, high = ("1", f"{token_scale:g}") if colour_by == "tokens" else ("0", "1")

@@ -198,6 +198,8 @@ ANSWERS = Table("answers", "answer", "answer_count", (
           default_from="tokens_kept"),
     Field("confidence", "float32", ("answer",), "the VLM's confidence in the answer's first token (NaN: unknown)",
           valid=(0.0, 1.0), clip=True, default=float("nan")),
+    Field("no_answer", "str", ("answer",), "why the text is no answer: the model generated nothing, or words "
+          "outside the answers it was trained to give (\"\": an answer)", default=""),
 ))
 
 GAPS = Table("gaps", "gap", "gap_count", (

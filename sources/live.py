@@ -21,11 +21,12 @@ across a reconnect; the exact outage is in the Gap's wall-clock times.
 
 When a stream stalls (no frame for more than read_timeout_s, measured from the last frame, so a
 stall just over the timeout counts too) or drops, the thread reconnects with capped exponential
-backoff and jitter, forever unless `max_reconnects` attempts in a row fail (sources/reconnect.py). Every such outage is a
-`Gap` with a reason a person can read ("no frames for 8.0 s (read timeout 5 s)", "server closed the
-connection; reconnect failed: connection refused (4 attempts)"); a StreamInterruptedWarning says
-when it begins and ends. The first frames after a reconnect carry the Gap (last frame before,
-first frame after), which is never dropped: it moves to the next surviving frame. An outage still
+backoff and jitter, forever unless `max_reconnects` attempts in a row fail (sources/reconnect.py).
+Every such outage is a `Gap` with a reason a person can read ("no frames for 8.0 s (read timeout
+5 s)", "server closed the connection; reconnect failed: connection refused (4 attempts)"); a
+StreamInterruptedWarning says when it begins and ends. The first frames after a reconnect carry
+the Gap (last frame before, first frame after), which is never dropped: it moves to the next
+surviving frame. An outage still
 open when the capture ends (closed, or gave up) is a Gap that ends then: `take()` returns it with
 no frames once the frames before it are taken. stats() counts the gaps and the seconds without
 frames. Failing to open a source at start is a SourceError.
@@ -241,7 +242,8 @@ class LiveSource:
     def begin(self) -> None:
         """The consumer is ready for frames (the first `take()` calls this too). A file starts
         playing now, at pts 0 of the session; a stream forgets the frames that arrived before,
-        uncounted, so that the consumer's first frames are the newest."""
+        uncounted, so that the consumer's first frames are the newest (stats() count outages from here
+        on, the one still open included)."""
         with self._begin_lock:
             if self.began_at is not None:
                 return
@@ -252,6 +254,8 @@ class LiveSource:
                     self._start_capture()
             else:
                 self.buffer.clear()
+                with self._lock:   # and the outages that ended before (their gaps rode on those frames)
+                    self._outages, self._outage_s = int(self._outage is not None), 0.0
 
     def _start_capture(self) -> None:
         self._thread = threading.Thread(target=self._capture, name=f"capture-{self.stream_id}", daemon=True)
@@ -329,7 +333,8 @@ class LiveSource:
                     # was probed): start it after the last frame so pts never go backwards
                     base = arrival - self._t0 if self._last is None else max(arrival - self._t0, self._last[0] + 1e-3)
                     segment = (base, stream_pts)
-                pts = segment[0] + (stream_pts - segment[1]) if segment and stream_pts is not None else arrival - self._t0
+                pts = (segment[0] + (stream_pts - segment[1]) if segment and stream_pts is not None
+                       else arrival - self._t0)
                 if self._last is not None:
                     pts = max(pts, self._last[0] + 1e-6)   # never backwards, also across reconnects
                 gap = self._recover(pts, arrival)
@@ -385,7 +390,8 @@ class LiveSource:
             # no frame ends it: it lasts as long on the session timeline as on the wall clock
             length = max(now - outage.start_wall, 1e-6)
             last_gap = Gap(self.stream_id, outage.start_pts, outage.start_pts + length, outage.start_wall,
-                           outage.start_wall + length, outage.reason(now, ending or "still down when the capture ended"))
+                           outage.start_wall + length,
+                           outage.reason(now, ending or "still down when the capture ended"))
         self.buffer.close(last_gap)
 
     def _reconnect(self) -> Connection | None:
@@ -394,8 +400,8 @@ class LiveSource:
         if self._outage is None:   # the stream ended without an outage: stopped
             return None
         size = (self.width, self.height)
-        conn, self.error = self._policy.run(self._outage, lambda: CONNECTIONS[self.spec.kind](self.spec, self.config, size),
-                                            self._stop, self.name)
+        conn, self.error = self._policy.run(
+            self._outage, lambda: CONNECTIONS[self.spec.kind](self.spec, self.config, size), self._stop, self.name)
         if conn is not None:
             self.reconnects += 1
         return conn

@@ -1,4 +1,4 @@
-"""How live sources connect: their configuration, what a SOURCE argument names, and one open
+"""How live sources connect: their configuration, a parsed SOURCE (SourceSpec), and one open
 connection per kind (network stream through PyAV, camera through OpenCV, file paced at its frame
 rate). sources/live.py runs the capture thread over them; sources/reconnect.py decides when to
 try again after an outage.
@@ -142,8 +142,9 @@ class NetworkConnection(Connection):
         except (av.FFmpegError, OSError) as e:
             waited = time.monotonic() - started
             if waited >= 0.9 * cfg.open_timeout_s:
-                raise OpenError(spec.name, f"no answer from the server within the {cfg.open_timeout_s:g} s open timeout",
-                                 f"no answer within the {cfg.open_timeout_s:g} s open timeout") from e
+                raise OpenError(spec.name,
+                                f"no answer from the server within the {cfg.open_timeout_s:g} s open timeout",
+                                f"no answer within the {cfg.open_timeout_s:g} s open timeout") from e
             raise OpenError(spec.name, f"cannot open the stream ({reason_of(e)})", lowercase_first(reason_of(e))) from e
         if not self.container.streams.video:
             self.container.close()

@@ -69,7 +69,7 @@ class VideoInfo:
 def probe(path: str | Path) -> VideoInfo:
     """Read a video file's size, frame rate, duration, frame count and codec (decodes one frame)."""
     path = Path(path)
-    _check_file(path)
+    check_file(path)
     container, stream = _open_container(path)
     with container:
         first = _first_frame(path, container, stream)
@@ -96,7 +96,7 @@ def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None
     """
     path = Path(path)
     _check_args(path, decoder, fps, start_s, end_s, max_frames, stream_id, threads, max_pixels)
-    _check_file(path)
+    check_file(path)
     cls = _PyAVSource if decoder == "pyav" else _DecordSource
     return cls(path, fps=None if fps is None else float(fps), start_s=float(start_s),
                end_s=None if end_s is None else float(end_s), max_frames=max_frames,
@@ -521,7 +521,8 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
-def _check_file(path: Path) -> None:
+def check_file(path: Path) -> None:
+    """A SourceError unless `path` is a non-empty file (what every file source checks first)."""
     if not path.exists():
         raise SourceError(f"{path}: no such file")
     if path.is_dir():

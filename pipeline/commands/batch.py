@@ -48,7 +48,8 @@ def cmd_batch(args: Any) -> int:
     summary = pipe.batch(args.root, dataset=args.dataset, split=args.split, task=args.task, videos=args.videos,
                          limit=args.limit, shard=args.shard, out=args.out, ray=args.ray, workers=args.workers,
                          in_flight=args.in_flight, videos_per_task=args.videos_per_task,
-                         stock_tokens=args.stock_tokens, progress=args.progress, vlm_server=args.vlm_server)
+                         stock_tokens=args.stock_tokens, progress=args.progress, vlm_server=args.vlm_server,
+                         overwrite=args.overwrite)
     row = summary.to_dict()
     if pipe.config.runtime.vlm.startswith("tiny-random"):
         row["notes"] = ["tiny-random is a built-in random model for smoke tests: its answers are meaningless"]
@@ -58,7 +59,7 @@ def cmd_batch(args: Any) -> int:
 
 def _child_argv(argv: list[str], i: int, n: int, out: str, vlm_server: str | None = None) -> list[str]:
     """This command line for shard i of n: without --processes (and without --out / progress /
-    shared-VLM / MPS flags, which the parent sets; vlm_server: the shared VLM's socket)."""
+    shared-VLM / MPS / --overwrite flags, which the parent handles; vlm_server: the shared VLM's socket)."""
     drop_with_value = {"--processes", "--out", "--vlm-server"}
     rest, skip = [], False
     for a in argv:
@@ -68,7 +69,8 @@ def _child_argv(argv: list[str], i: int, n: int, out: str, vlm_server: str | Non
         if a in drop_with_value:
             skip = True
             continue
-        if a.split("=", 1)[0] in drop_with_value or a in ("--progress", "--no-progress", "--shared-vlm", "--mps"):
+        if a.split("=", 1)[0] in drop_with_value or a in ("--progress", "--no-progress", "--shared-vlm", "--mps",
+                                                          "--overwrite"):
             continue
         rest.append(a)
     server = [] if vlm_server is None else ["--vlm-server", vlm_server]
@@ -78,7 +80,7 @@ def _child_argv(argv: list[str], i: int, n: int, out: str, vlm_server: str | Non
 def _side_by_side(args: Any) -> int:
     from sources.msrvtt import load_msrvtt
 
-    from ..runners.batch import default_out, make_plan
+    from ..runners.batch import VideoAnswerer, default_out, make_plan
 
     from ..core.mps import check_cuda, mps_clients
 
@@ -89,6 +91,8 @@ def _side_by_side(args: Any) -> int:
     data = load_msrvtt(args.root, args.split, task=args.task, videos_dir=args.videos)
     plan = make_plan(data, limit=args.limit)
     out = args.out if args.out is not None else default_out(args.dataset, args.split)
+    # the settings check (or the fresh start) once, here: the processes only resume
+    VideoAnswerer.create_store(cfg, out, stock=args.stock_tokens, overwrite=args.overwrite)
     started = time.monotonic()
     # the packages beside this one (sources, sinks, arr_coc) importable from any directory, installed or not
     root = str(Path(__file__).resolve().parents[2])

@@ -15,6 +15,7 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -32,15 +33,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", help="output zarr store (default: <video stem>.zarr)")
+def _common(p: argparse.ArgumentParser, *, out: str = "<video stem>.zarr",
+            vlm: str = "none: allocation only, no answers") -> None:
+    p.add_argument("--out", help=f"output zarr store (default: {out})")
     p.add_argument("--config", help="YAML config (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set model.attending.retention=0.1 (repeatable)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="where the model runs (default: auto)")
     p.add_argument("--decoder", choices=["pyav", "decord"], help="video decoder (default: pyav)")
-    p.add_argument("--vlm", help="VLM: HF id, local snapshot path, tiny-random, or none (default: none)")
-    p.add_argument("--every", type=float, metavar="SECONDS", help="one answer per window of this length")
+    p.add_argument("--vlm", help="VLM: HF id, local snapshot path, arrcoc-synth-qa (shipped, offline; generated "
+                                 f"scenes only), tiny-random, or none (default: {vlm})")
+    p.add_argument("--every", type=float, metavar="SECONDS",
+                   help="one answer per window of this length (one frame to a day)")
     p.add_argument("--overlay", metavar="FILE.mp4", help="also render the homunculus heat map over the video")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="force the progress bar (default: only on a terminal)")
@@ -56,9 +60,15 @@ def build_parser(prog: str = "python -m pipeline") -> argparse.ArgumentParser:
     run.add_argument("--query", required=True, help="the question to answer / attend to")
     _common(run)
     run.set_defaults(func=_lazy("run", "cmd_run"))
-    demo = sub.add_parser("demo", help="generate a sample video and run the pipeline on it")
-    demo.add_argument("--query", default="where is the red square?", help="question (default: %(default)s)")
-    _common(demo)
+    demo = sub.add_parser("demo", help="generate a sample video and run the pipeline on it",
+                          description="Generate a sample clip, answer questions about it with the shipped model "
+                                      "and draw the homunculus (overlay video, contact sheet). Each run starts "
+                                      "its store afresh.")
+    demo.add_argument("--query", help="with the QA model: one more question about the clip, after its own six; "
+                                      "with --vlm none: the question relevance is realized for "
+                                      "(default: 'where is the red square?')")
+    _common(demo, out="out/demo.zarr, replaced on each run",
+            vlm="arrcoc-synth-qa when installed, else none")
     demo.set_defaults(func=_lazy("demo", "cmd_demo"))
     _add_batch(sub)
     _add_eval(sub)
@@ -71,10 +81,18 @@ def build_parser(prog: str = "python -m pipeline") -> argparse.ArgumentParser:
     return parser
 
 
+# The choices and defaults the parsers show, written here because their homes import torch, zarr
+# or PyAV (runners/batch.py, sinks/): --help and a one-line input error must not wait for those.
+# tests/pipeline/commands/test_startup.py checks each against its home.
+DATASETS = ("msrvtt",)              # pipeline.runners.batch.DATASETS
+IN_FLIGHT = 4                       # pipeline.runners.batch.IN_FLIGHT
+EXPORT_FORMATS = ("jsonl", "csv")   # sinks.export.EXPORT_FORMATS
+COLOUR_BY = ("relevance", "tokens")  # sinks.overlay.COLOUR_BY
+
+
 def _add_batch(sub: Any) -> None:
     from sources.msrvtt import TASKS
 
-    from ..runners.batch import DATASETS, IN_FLIGHT
     p = sub.add_parser("batch", help="answer every question of a dataset split (resumable, optionally on Ray)")
     p.add_argument("--dataset", required=True, choices=DATASETS, help="dataset layout")
     p.add_argument("--root", required=True, help="dataset root (annotation JSON files; videos under videos/ ...)")
@@ -108,6 +126,9 @@ def _add_batch(sub: Any) -> None:
                         "one running, else one started and stopped for the run; needs the driver's "
                         "nvidia-cuda-mps-control), so that their kernels share the GPU at once instead of taking "
                         "turns (docs/performance.md)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start --out afresh. Without it a re-run resumes: it skips the videos already answered, "
+                        "and refuses a store answered with other settings (docs/usage.md)")
     p.add_argument("--vlm-server", help=argparse.SUPPRESS)  # set by --processes: the shared VLM's socket
     _common(p)
     p.set_defaults(func=_lazy("batch", "cmd_batch"))
@@ -136,8 +157,6 @@ def _add_eval(sub: Any) -> None:
 
 
 def _add_export(sub: Any) -> None:
-    from sinks.export import EXPORT_FORMATS
-
     p = sub.add_parser("export", help="a store's answers and scene changes as JSON lines or CSV (one row each)")
     p.add_argument("store", help="the zarr store (a path or an fsspec URL)")
     p.add_argument("--stream", metavar="ID", help="only this stream (default: every stream of the store)")
@@ -148,8 +167,6 @@ def _add_export(sub: Any) -> None:
 
 
 def _add_render(sub: Any) -> None:
-    from sinks.overlay import COLOUR_BY
-
     p = sub.add_parser("render", help="a store's token maps over its video: an overlay video or a contact sheet, "
                                       "labelled, with a legend")
     p.add_argument("store", help="the zarr store (a path or an fsspec URL)")
@@ -159,7 +176,8 @@ def _add_render(sub: Any) -> None:
     what.add_argument("--out", metavar="OVERLAY.mp4", help="an overlay video of every stored frame (.mp4, .mkv, .mov)")
     what.add_argument("--contact-sheet", metavar="SHEET.png", help="a PNG grid of frames spread over the stream")
     p.add_argument("--color", choices=COLOUR_BY, default="tokens",
-                   help="what the colours show on kept cells: tokens per cell or their relevance (default: %(default)s)")
+                   help="what the colours show: tokens per kept cell, or the relevance of every cell "
+                        "(default: %(default)s)")
     p.add_argument("--tiles", type=int, default=8, metavar="N", help="contact sheet: frames on it (default: %(default)s)")
     p.add_argument("--columns", type=int, default=4, metavar="N", help="contact sheet: tiles per row (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
@@ -179,7 +197,8 @@ def _add_live(sub: Any) -> None:
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this long (default: until Ctrl-C)")
     p.add_argument("--realtime", action="store_true", help="allow files, played at their real frame rate")
     p.add_argument("--max-reconnects", type=int, metavar="N",
-                   help="give up a source after N failed reconnect attempts in a row (default: retry forever)")
+                   help="give up a source after N failed reconnect attempts in a row, an attempt that opens but "
+                        "brings no frame included (default: retry forever)")
     p.add_argument("--transport", choices=["tcp", "udp"], default="tcp", help="RTSP transport (default: tcp)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="open / read timeout: a stream silent this long is reconnected (default: 5)")
@@ -282,18 +301,26 @@ def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     return call
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from sinks import SinkError
-    from sources import SourceError
+# the user errors of modules a command may import: (module, class)
+_USER_ERRORS = (("sources.errors", "SourceError"), ("sinks.store_files", "SinkError"),
+                (f"{__package__.rpartition('.')[0]}.core.query", "QueryEncoderError"),
+                (f"{__package__.rpartition('.')[0]}.vlm.loading", "VLMLoadError"))
 
-    from ..core.query import QueryEncoderError
-    errors: list[type[BaseException]] = [UsageError, ConfigError, SourceError, SinkError, QueryEncoderError]
-    try:
-        from ..vlm import VLMLoadError
-        errors.append(VLMLoadError)
-    except ImportError:
-        pass
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes that mean bad input. An exception of a class can only exist once its
+    module was imported, so only the modules already loaded are asked: an input error found before
+    the model code loads (a missing file) is reported without importing torch for it."""
+    errors: list[type[BaseException]] = [UsageError, ConfigError]
+    for module, name in _USER_ERRORS:
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
+
+
+def _stage_error() -> type[BaseException] | None:
+    graph = sys.modules.get(f"{__package__.rpartition('.')[0]}.core.graph")
+    return graph.StageError if graph is not None else None
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -334,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, functools.partial(_raise_interrupt, INTERRUPTS))  # SIGTERM ends cleanly, like Ctrl-C
     warnings.formatwarning = _one_line_warning
     _quiet_ffmpeg()
+    _quiet_progress_bars()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     _configure_logging(verbose)
     try:
@@ -351,18 +379,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 signal.signal(sig, handler)
         return EXIT_INTERRUPTED
     except Exception as e:  # one line for the user; the traceback only on request
-        from ..core.graph import StageError
-
         if verbose:
             traceback.print_exc()
-        from sources import DecoderCrashed
+        from sources.errors import DecoderCrashed
 
-        cause = e.error if isinstance(e, StageError) else e
+        StageError = _stage_error()
+        staged = StageError is not None and isinstance(e, StageError)
+        cause = e.error if staged else e
         # a decoder that died (out of memory?) is a failed stage, not bad input
         user = isinstance(cause, _user_errors()) and not isinstance(cause, DecoderCrashed)
-        message = str(cause) if isinstance(e, StageError) and isinstance(cause, _user_errors()) else str(e)
+        message = str(cause) if staged and isinstance(cause, _user_errors()) else str(e)
         first = message.strip().splitlines()[0] if message.strip() else type(e).__name__
-        if not user and not isinstance(e, StageError):
+        if not user and not staged:
             first = f"{type(e).__name__}: {first}"
         print(f"error: {first}", file=sys.stderr)
         return EXIT_USAGE if user else EXIT_FAILED
@@ -388,6 +416,15 @@ def _quiet_ffmpeg() -> None:
         av.logging.set_level(None)
     except (ImportError, AttributeError):
         pass
+
+
+def _quiet_progress_bars() -> None:
+    """Hugging Face's progress bars ("Loading weights" ...) only on a terminal: piped into a file
+    or a log they are carriage-return noise between the one-line errors and JSON metric lines.
+    The environment variable is read when huggingface_hub is first imported (after this) and is
+    inherited by the processes a command starts; a value the user set is kept."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _raise_interrupt(interrupts: Any, signum: int, frame: Any) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from .common import EXIT_OK, load_run_config
 
 DEMO_SEED = 2_000_001   # a test-split clip (evaluation.synth_qa.SPLIT_SEEDS): a moving object, a cut, 6 questions
+ALLOCATION_QUERY = "where is the red square?"   # --vlm none: what relevance is realized for
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -23,6 +24,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = load_run_config(args)
     out = Path(args.out) if args.out else Path("out/demo.zarr")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # a demo shows this run's answers: its store starts afresh (a resume would skip the answered clip),
+    # and only an arr-coc store is ever replaced (sinks.ZarrStore.open, mode "w")
     overlay = Path(args.overlay or out.parent / "demo_overlay.mp4")
     sheet = out.parent / "demo_contact.png"
     if cfg.runtime.vlm == "none":
@@ -40,15 +43,19 @@ def _qa_demo(args, cfg, out: Path, overlay: Path, sheet: Path) -> int:
     from evaluation.synth_qa import make_qa_clip
     from sources.synthetic import write_video
 
-    from ..runners.batch import run_batch
+    from ..runners.batch import VideoAnswerer, run_batch
     from ..runners.render import render_store
 
     clip = make_qa_clip(DEMO_SEED, split="test")
     video = out.parent / "qa_sample.mp4"
     write_video(video, clip.frames, fps=round(clip.fps))
     print(f"generated sample video {video} ({len(clip.frames)} frames, {len(clip.qas)} questions)", file=sys.stderr)
-    work = VideoWork("qa_sample", video, tuple(Question(str(k), "qa_sample", qa.question, qa.answer, qa.family)
-                                               for k, qa in enumerate(clip.qas)))
+    asked = [(qa.question, qa.answer, qa.family) for qa in clip.qas]
+    if args.query:   # the user's own question: answered, not scored (it has no known answer)
+        asked.append((args.query, "", "user"))
+    work = VideoWork("qa_sample", video, tuple(Question(str(k), "qa_sample", q, a, family)
+                                               for k, (q, a, family) in enumerate(asked)))
+    VideoAnswerer.create_store(cfg, out, overwrite=True)
     summary = run_batch([work], out, cfg, progress=args.progress, in_flight=1)
     if summary.count("done") != 1:
         raise RuntimeError(f"the demo clip was not answered: {summary.to_dict()}")
@@ -56,30 +63,34 @@ def _qa_demo(args, cfg, out: Path, overlay: Path, sheet: Path) -> int:
     data = read_stream(out, "qa_sample")
     answers = data["answers"]
     rows = []
-    for qa, text, kept, full in zip(clip.qas, answers["text"], answers["tokens_kept"], answers["tokens_full"]):
-        rows.append({"question": qa.question, "answer": str(text), "expected": qa.answer,
-                     "correct": str(text).strip().lower() == qa.answer, "tokens_kept": int(kept),
-                     "tokens_full": int(full)})
+    for (question, expected, _), text, kept, full in zip(asked, answers["text"], answers["tokens_kept"],
+                                                          answers["tokens_full"]):
+        rows.append({"question": question, "answer": str(text), "expected": expected or None,
+                     "correct": str(text).strip().lower() == expected if expected else None,
+                     "tokens_kept": int(kept), "tokens_full": int(full)})
+    scored = [r for r in rows if r["expected"] is not None]
     render_store(out, "qa_sample", video, overlay=overlay)
     render_store(out, "qa_sample", video, sheet=sheet)
     print(json.dumps({"stream": "qa_sample", "out": str(out), "vlm": cfg.runtime.vlm,
-                      "correct": f"{sum(r['correct'] for r in rows)}/{len(rows)}",
+                      "correct": f"{sum(bool(r['correct']) for r in scored)}/{len(scored)}",
                       "scene_changes": [int(i) for i in data["frame_index"][data["scene_change"]]],
                       "answers": rows}))
     for r in rows:
-        mark = "ok " if r["correct"] else "NO "
-        print(f"{mark} {r['question']:<45} -> {r['answer']:<12} (expected {r['expected']}; "
+        mark = {True: "ok ", False: "NO ", None: "?  "}[r["correct"]]
+        expected = f"expected {r['expected']}" if r["expected"] else "your question"
+        print(f"{mark} {r['question']:<45} -> {r['answer']:<12} ({expected}; "
               f"{r['tokens_kept']}/{r['tokens_full']} visual tokens)", file=sys.stderr)
     print(f"overlay video: {overlay}\ncontact sheet: {sheet}")
     return EXIT_OK
 
 
 def _allocation_demo(args, cfg, out: Path, overlay: Path, sheet: Path) -> int:
-    from sinks import contact_sheet, read_stream
-    from sources import open_video
+    from sinks import ZarrStore
     from sources.synthetic import default_demo_clip, write_video
 
     from ..api import Pipeline
+    from ..configio import to_dict
+    from ..runners.render import render_store
     from ..runners.run import print_summary
 
     video = out.parent / "sample.mp4"
@@ -87,12 +98,10 @@ def _allocation_demo(args, cfg, out: Path, overlay: Path, sheet: Path) -> int:
         clip = default_demo_clip()
         write_video(video, clip.frames, fps=25)
         print(f"generated sample video {video} ({len(clip.frames)} frames, cuts at {clip.cuts})", file=sys.stderr)
-    result = Pipeline(config=cfg).run(video, args.query, out=out, overlay=overlay, progress=args.progress)
-    data = read_stream(out, result.stream_id)
-    with open_video(video) as src:
-        frames = [f.rgb for f in src]
-    picks = list(range(0, len(frames), max(1, len(frames) // 8)))[:8]
-    contact_sheet([frames[i] for i in picks], data["tokens"][picks], sheet)
+    ZarrStore.open(out, config=to_dict(cfg), mode="w")
+    result = Pipeline(config=cfg).run(video, args.query or ALLOCATION_QUERY, out=out, overlay=overlay,
+                                      progress=args.progress)
+    render_store(out, result.stream_id, video, sheet=sheet)   # labelled, with a legend and the cuts
     print_summary(result, args.verbose)
     print(f"overlay video: {overlay}\ncontact sheet: {sheet}")
     return EXIT_OK

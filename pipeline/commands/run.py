@@ -7,6 +7,11 @@ from .common import EXIT_OK, load_run_config
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sources.video import check_file
+
+    check_file(Path(args.video))   # a missing file is one line at once, before the model code loads
     from ..api import Pipeline
     from ..runners.run import print_summary
 

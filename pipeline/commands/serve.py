@@ -9,9 +9,24 @@ from arr_coc._validate import ConfigError
 from .common import EXIT_OK, load_run_config
 
 
+SERVE_EXTRA = (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("python-multipart", "python_multipart"))
+
+
+def check_serve_extra() -> None:
+    """One line naming the `serve` extra when its packages are missing (before any model loads)."""
+    import importlib.util
+
+    missing = [package for package, module in SERVE_EXTRA if importlib.util.find_spec(module) is None
+               and not (module == "python_multipart" and importlib.util.find_spec("multipart") is not None)]
+    if missing:
+        raise ConfigError(f"serve needs the serve extra ({', '.join(missing)} not installed): "
+                          "pip install 'arr-coc-video[serve]' (in a checkout: pip install -e '.[serve]')")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve.options import ServeOptions, resolve_api_key
 
+    check_serve_extra()
     if args.overlay:
         raise ConfigError("--overlay is not supported by `serve` (the page at / draws the homunculus)")
     keys = args.api_key or [None]

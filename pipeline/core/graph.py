@@ -213,14 +213,14 @@ class Workers:
 
 class Interrupts:
     """Ctrl-C and SIGTERM, for the main thread's waits (`wait_through_interrupts`, `Graph.run`), as
-    counts the wait acts on rather than as a KeyboardInterrupt landing at any bytecode: one that
-    landed just outside the wait's `try` (its loop's backward jump, or between Graph.run's two waits)
-    left the wait with every stage still running, and the interpreter then exited under threads in
-    torch code ("terminate called without an active exception", exit 134, the decode worker's
-    shared memory never unlinked).
+    counts the wait acts on rather than as a KeyboardInterrupt. A handler's exception lands at any
+    bytecode, also just outside the wait's `try` (its loop's backward jump, or between Graph.run's
+    two waits): it then leaves the wait with every stage still running, and the interpreter exits
+    under threads in torch code ("terminate called without an active exception", exit 134, the
+    decode worker's shared memory never unlinked).
 
-    A signal handler asks `absorb()` first (the CLI's SIGTERM and SIGINT handlers; while a wait
-    runs, Ctrl-C's default handler is replaced by one that only does that): while a wait in the
+    A signal handler asks `absorb()` first (the CLI's SIGTERM handler; while a wait runs, Ctrl-C's
+    default handler is replaced by one that only does that): while a wait in the
     main thread runs, or once the process was interrupted, the signal is queued for a wait to take
     and the handler returns; only a first signal outside any wait (during set-up) should raise
     KeyboardInterrupt. The queue is a deque: the handler and the wait run in the same thread, and a
@@ -361,7 +361,8 @@ class Graph:
         first failure. workers: take the threads from there (kept warm across runs) instead of new ones.
 
         Ctrl-C or the CLI's SIGTERM (queued for this wait: Interrupts; or a KeyboardInterrupt in this
-        thread) calls `on_interrupt` and stops the sources; what they produced drains. A second one aborts the drain (`abort`).
+        thread) calls `on_interrupt` and stops the sources; what they produced drains. A second one
+        aborts the drain (`abort`).
         Either way run() returns only once every stage thread has ended and every stage is closed,
         then re-raises KeyboardInterrupt: threads that ran torch code must not outlive the
         interpreter ("terminate called without an active exception", exit 134), and a close cut

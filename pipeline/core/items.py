@@ -20,6 +20,8 @@ from arr_coc.model import Allocation
 from arr_coc.texture import Texture
 from sources.frame import Frame
 
+from ..runtime.answer_words import no_answer
+
 Outcome = Literal["complete", "damaged", "incomplete"]   # how a stream of a finished graph ends
 
 
@@ -97,6 +99,7 @@ class AnswerItem:
     passes: int = 1                   # answering passes (vlm.tempering)
     tokens_spent: int | None = None   # visual tokens over all passes (None: tokens_kept)
     confidence: float = float("nan")  # of the answer's first token (pipeline/vlm/tempering.py)
+    no_answer: str = ""               # why `text` is no answer ("": an answer; pipeline/runtime/answer_words.py)
 
     frames_count = 0
     description = property(lambda self: f"answer for '{self.stream_id}' {self.t_start:.2f}-{self.t_end:.2f}s")
@@ -106,19 +109,21 @@ class AnswerItem:
             self.tokens_spent = self.tokens_kept
 
     @classmethod
-    def of(cls, stream_id: str, t_start: float, t_end: float, question: str, result: Any) -> AnswerItem:
-        """The item of a VLM's AnswerResult (pipeline/runtime/requests.py) for one window."""
+    def of(cls, stream_id: str, t_start: float, t_end: float, question: str, result: Any,
+           model: str | None = None) -> AnswerItem:
+        """The item of a VLM's AnswerResult (pipeline/runtime/requests.py) for one window; `model`:
+        the VLM's name, whose snapshot may list the answers it gives (pipeline/runtime/answer_words.py)."""
         return cls(stream_id=stream_id, t_start=float(t_start), t_end=float(t_end), question=question,
                    text=result.text, tokens_kept=result.tokens_kept, tokens_full=result.tokens_full,
                    latency_s=float(result.latency_s), passes=result.passes, tokens_spent=result.tokens_spent,
-                   confidence=float(result.confidence))
+                   confidence=float(result.confidence), no_answer=no_answer(result.text, model))
 
     def row(self) -> dict[str, Any]:
         """The store's answer columns (StreamWriter.add_answers)."""
         return dict(t_start=self.t_start, t_end=self.t_end, question=self.question, text=self.text,
                     tokens_kept=self.tokens_kept, tokens_full=self.tokens_full, latency_s=self.latency_s,
                     passes=self.passes, tokens_spent=self.tokens_spent,
-                    confidence=self.confidence if math.isfinite(self.confidence) else None)
+                    confidence=self.confidence if math.isfinite(self.confidence) else None, no_answer=self.no_answer)
 
 
 @dataclass(frozen=True)

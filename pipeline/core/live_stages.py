@@ -206,6 +206,7 @@ class _Window:
     seen: bool = False     # a frame of this stream has been through; the first one is no scene change
     phase: float = 0.0     # LiveOptions.stagger: the share of every_s this stream's answers come later
     cut: bool = True       # a scene change (or a gap) since the last request: the VLM drops its cached features
+    last_end: float | None = None   # t_end of the last window asked for
 
 
 def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: PipelineConfig,
@@ -308,10 +309,18 @@ class LiveVLMStage(Stage):
         return win
 
     def finish(self) -> Iterable[Any]:
+        """The answers still on their way, then each stream's last partial window: the frames since
+        its last window (a 10 s file answered every 2 s ends with 8-10 s, as `run` answers it)."""
         out: list[Any] = []
         for sid, win in self.windows.items():
             if win.pending is not None:
                 win.pending.exception()   # wait: an answer already asked for is still written
+                out += self._collect(sid, win)
+            tail = [f for f in win.rgb if win.last_end is None or f[0] > win.last_end]
+            if tail and not self.options.on_scene_change:
+                win.rgb = collections.deque(tail)
+                self._submit(sid, win)
+                win.pending.exception()
                 out += self._collect(sid, win)
         return out
 
@@ -338,7 +347,7 @@ class LiveVLMStage(Stage):
                                 t_start=float(frames[0][0]), t_end=float(frames[-1][0]), arrival_s=arrival_mono,
                                 reuse_key=sid, scene_change=win.cut)   # cells unchanged since the last window: reused
         win.pending, win.pending_meta = self.batcher.submit(request), (request.t_start, request.t_end)
-        win.cut = False
+        win.cut, win.last_end = False, request.t_end
 
     def _collect(self, sid: str, win: _Window) -> list[AnswerItem]:
         if win.pending is None or not win.pending.done():
@@ -346,4 +355,5 @@ class LiveVLMStage(Stage):
         future, (t_start, t_end) = win.pending, win.pending_meta
         win.pending = win.pending_meta = None
         result = future.result()   # a VLM error fails the stage, naming the stream
-        return [AnswerItem.of(sid, t_start, t_end, self.question, result)]
+        return [AnswerItem.of(sid, t_start, t_end, self.question, result,
+                              getattr(getattr(self.batcher, "vlm", None), "name", None))]

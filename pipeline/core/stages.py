@@ -327,7 +327,8 @@ class VLMStage(Stage):
         result = self.vlm.answer([request])[0]
         self.rgb, self.lod, self.relevance, self.stride, self.offered = [], [], [], 1, 0
         self.answered += 1
-        return AnswerItem.of(self.stream_id, request.t_start, request.t_end, self.question, result)
+        return AnswerItem.of(self.stream_id, request.t_start, request.t_end, self.question, result,
+                             getattr(self.vlm, "name", None))
 
 
 def frame_rows(frames: list[Frame], allocation: Any) -> dict[str, np.ndarray]:
@@ -427,7 +428,7 @@ class SinkStage(Stage):
             for a in answers:
                 self.answers_out.write(json.dumps({
                     "stream": a.stream_id, "t_start": round(a.t_start, 3), "t_end": round(a.t_end, 3),
-                    "question": a.question, "text": a.text, "tokens_kept": a.tokens_kept,
+                    "question": a.question, "text": a.text, "no_answer": a.no_answer, "tokens_kept": a.tokens_kept,
                     "tokens_full": a.tokens_full, "latency_s": round(a.latency_s, 4), "passes": a.passes,
                     "tokens_spent": a.tokens_spent}) + "\n")
             self.answers_out.flush()

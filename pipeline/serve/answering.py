@@ -16,10 +16,12 @@ class LocalVLM:
 
     def __init__(self, vlm: Any) -> None:
         from ..vlm.batcher import VLMBatcher
+        from ..vlm.hf_forward import model_card
 
         self.vlm = vlm
         self.batcher = VLMBatcher(vlm)
         self.name, self.geometry, self.config, self.warning = vlm.name, vlm.geometry, vlm.config, vlm.warning
+        self.card = model_card(vlm)            # family, architecture, engine: what /v1/models says
         self._pending = 0
         self._lock = threading.Lock()
 
@@ -90,19 +92,24 @@ def context_length(vlm: Any) -> int | None:
 
 
 def answer_row(t_start: float, t_end: float, text: str, tokens_kept: int, tokens_full: int,
-               latency_s: float, passes: int = 1, tokens_spent: int | None = None) -> dict[str, Any]:
-    """One answer as the API shows it; passes and tokens_spent as the store keeps them (tempering)."""
+               latency_s: float, passes: int = 1, tokens_spent: int | None = None,
+               no_answer: str = "") -> dict[str, Any]:
+    """One answer as the API shows it; passes and tokens_spent as the store keeps them (tempering);
+    no_answer: why `text` is no answer ("": an answer; pipeline/runtime/answer_words.py)."""
     return {"t_start": round(float(t_start), 3), "t_end": round(float(t_end), 3), "text": text,
+            "no_answer": str(no_answer),
             "tokens_kept": int(tokens_kept), "tokens_full": int(tokens_full), "latency_s": round(float(latency_s), 4),
             "passes": int(passes), "tokens_spent": int(tokens_kept if tokens_spent is None else tokens_spent)}
 
 
-def result_row(t_start: float, t_end: float, result: Any) -> dict[str, Any]:
-    """answer_row of a VLM's AnswerResult for the window [t_start, t_end]."""
+def result_row(t_start: float, t_end: float, result: Any, model: str | None = None) -> dict[str, Any]:
+    """answer_row of a VLM's AnswerResult for the window [t_start, t_end]; model: the VLM's name."""
+    from ..runtime.answer_words import no_answer
+
     return answer_row(t_start, t_end, result.text, result.tokens_kept, result.tokens_full, result.latency_s,
-                      result.passes, result.tokens_spent)
+                      result.passes, result.tokens_spent, no_answer(result.text, model))
 
 
 def item_row(item: AnswerItem) -> dict[str, Any]:
     return answer_row(item.t_start, item.t_end, item.text, item.tokens_kept, item.tokens_full, item.latency_s,
-                      item.passes, item.tokens_spent)
+                      item.passes, item.tokens_spent, item.no_answer)

@@ -32,7 +32,7 @@ from .engine import Engine
 from .errors import ApiError, error_body
 from .limits import answer_period, duration_s, parse_json
 from .media import too_large
-from .openai_api import DONE, chunk, completion_body, extension, parse_chat, sse, window_line
+from .openai_api import DONE, answer_text, chunk, completion_body, extension, parse_chat, sse, window_line
 from .owners import OWNER, owner_of, request_owner
 
 STATIC = Path(__file__).with_name("static")
@@ -76,7 +76,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": 0,
-                                            "owned_by": "arr-coc"}]}
+                                            "owned_by": "arr-coc", **engine.service.card}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -215,7 +215,7 @@ async def _stream_answer(engine: Engine, blocking: Callable[..., Any], ref: Any,
     sent = 0
 
     def piece(row: dict[str, Any]) -> str:
-        text = window_line(row) if windowed else row["text"]
+        text = window_line(row) if windowed else answer_text(row)
         return chunk(request_id, model, created, {"content": ("\n" if sent else "") + text})
     try:
         while not work.done() or not answers.empty():

@@ -124,7 +124,7 @@ class Engine:
 
         def answered(request: Any, result: Any) -> None:
             if on_answer is not None:
-                on_answer(result_row(request.t_start, request.t_end, result))
+                on_answer(result_row(request.t_start, request.t_end, result, self.service.name))
         result = run_video(ref.target, question, self.options.store, cfg, progress=False,
                            vlm=RequestVLM(self.service, answered), model=self.model, stream_id=request_id)
         answers = [item_row(a) for a in result.answers]
@@ -200,9 +200,10 @@ def homunculus_json(stream_id: str, data: dict[str, Any]) -> dict[str, Any]:
         "tokens_kept": tokens.sum(1).tolist(),
         "tokens_full": gh * gw,
         "scene_changes": [round(float(p), 4) for p in data["pts"][data["scene_change"]]],
-        "answers": [answer_row(s, e, str(t), k, f, lat, n, spent) for s, e, t, k, f, lat, n, spent in
+        "answers": [answer_row(s, e, str(t), k, f, lat, n, spent, str(why)) for s, e, t, k, f, lat, n, spent, why in
                     zip(answers["t_start"], answers["t_end"], answers["text"], answers["tokens_kept"],
-                        answers["tokens_full"], answers["latency_s"], answers["passes"], answers["tokens_spent"])],
+                        answers["tokens_full"], answers["latency_s"], answers["passes"], answers["tokens_spent"],
+                        answers["no_answer"])],
         "gaps": [{"start_pts": float(s), "end_pts": float(e), "reason": str(r)}
                  for s, e, r in zip(gaps.get("start_pts", []), gaps.get("end_pts", []), gaps.get("reason", []))],
     }

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import PipelineConfig
+from ..runtime.answer_words import shown
 from .engine import Completion
 from .errors import ApiError
 from .limits import answer_period, check_message_count
@@ -133,12 +134,17 @@ def _videos(message: dict[str, Any], k: int) -> list[str]:
 def content(answers: list[dict[str, Any]], windowed: bool) -> str:
     """The assistant message: the answer, or with windows, one "[t0-t1 s] answer" line per window."""
     if not windowed:
-        return "\n".join(a["text"] for a in answers)
+        return "\n".join(answer_text(a) for a in answers)
     return "\n".join(window_line(a) for a in answers)
 
 
+def answer_text(answer: dict[str, Any]) -> str:
+    """The answer as a person reads it: its text, or "no answer (why)" (the text stays in `arrcoc.answers`)."""
+    return shown(answer["text"], answer.get("no_answer", ""))
+
+
 def window_line(answer: dict[str, Any]) -> str:
-    return f"[{answer['t_start']:.1f}-{answer['t_end']:.1f} s] {answer['text']}"
+    return f"[{answer['t_start']:.1f}-{answer['t_end']:.1f} s] {answer_text(answer)}"
 
 
 def extension(completion: Completion) -> dict[str, Any]:

@@ -60,9 +60,10 @@ class VLMDeployment:
         self._lock = threading.Lock()      # the VLM's caches are not shared between threads
 
     def info(self) -> dict[str, Any]:
+        from ..vlm.hf_forward import model_card
         v = self.vlm
         return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning,
-                "context_length": context_length(v)}
+                "context_length": context_length(v), "card": model_card(v)}
 
     def count_tokens(self, text: str) -> int:
         return len(self.vlm.tokenizer(text).input_ids)
@@ -86,6 +87,7 @@ class RemoteVLM:
         info = handle.info.remote().result()
         self.name, self.geometry, self.config, self.warning = info["name"], info["geometry"], info["config"], info["warning"]
         self.context = info["context_length"]
+        self.card = info["card"]
         self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")
         self._pending = 0
         self._lock = threading.Lock()

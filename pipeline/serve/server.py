@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
     """The VLM named by runtime.vlm behind one batcher, the ARR-COC model, the store and the uploads."""
     if cfg.runtime.vlm == "none":
-        raise ConfigError("serve answers questions: name a VLM with --vlm (a Hugging Face id, a local snapshot, "
-                          "or tiny-random for smoke tests)")
+        raise ConfigError("serve answers questions: name a VLM with --vlm: arrcoc-synth-qa (shipped, offline; "
+                          "generated scenes only), a Hugging Face id such as Qwen/Qwen2-VL-2B-Instruct, a local "
+                          "snapshot, or tiny-random for smoke tests")
     from ..vlm.loading import load_answerer
     vlm = load_answerer(cfg, runtime_device(cfg))
     service = LocalVLM(vlm)

@@ -79,7 +79,7 @@ def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: P
                     config_extra: dict | None = None) -> Path:
     """A Hugging Face snapshot of the model in bf16: config (plus config_extra's fields),
     weights, tokenizer (+ chat template), processor configs with this model's frame size
-    (geometry), and the training summary."""
+    (geometry), the training summary and the answers it was trained to give (answer_words.json)."""
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -100,4 +100,9 @@ def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: P
     (root / "video_preprocessor_config.json").write_text(json.dumps(
         {**processor, "video_processor_type": "Qwen2VLVideoProcessor", "fps": fps}, indent=2) + "\n")
     (root / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # every answer the model was trained to give: anything else it says is shown as no answer
+    from evaluation.synth_qa import ANSWER_WORDS
+
+    from pipeline.runtime.answer_words import WORDS_FILE
+    (root / WORDS_FILE).write_text(json.dumps(list(ANSWER_WORDS), indent=1) + "\n")
     return root

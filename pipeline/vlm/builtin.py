@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                           Qwen2VLConfig, Qwen2VLForConditionalGeneration)
 
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
 
 Family = Literal["qwen2_vl", "qwen2_5_vl"]
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
@@ -186,8 +186,9 @@ def small_config(tokenizer: PreTrainedTokenizerFast, *, hidden: int, intermediat
     return _config("qwen2_vl", text, vision, ids)
 
 
-def family_of(config) -> Family:
-    return "qwen2_5_vl" if isinstance(config, Qwen2_5_VLConfig) else "qwen2_vl"
+def model_class(family: str) -> type:
+    """The transformers class of a family: Qwen2-VL, Qwen2.5-VL, or Qwen3-VL (dense, MoE)."""
+    return qwen3_vl.model_class(family) if family in qwen3_vl.FAMILIES else MODEL_CLASSES[family]
 
 
 def build_model(config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -199,7 +200,7 @@ def build_model(config, *, device: torch.device | str = "cpu", dtype: torch.dtyp
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = MODEL_CLASSES[family_of(config)](config)
+            model = model_class(config.model_type)(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.runtime.cuda import resolve_device
-from pipeline.vlm.builtin import FAMILIES, MODEL_CLASSES, build_model, build_tokenizer, tiny_config
+from pipeline.vlm import qwen3_vl
+from pipeline.vlm.builtin import FAMILIES, build_model, build_tokenizer, model_class, tiny_config
 from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.model import VLM
@@ -21,7 +22,7 @@ from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VideoPrep
 if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
 
-TINY_SPECS = {"tiny-random": "qwen2_vl", "tiny-random-qwen2_5_vl": "qwen2_5_vl"}
+TINY_SPECS = {"tiny-random": "qwen2_vl", "tiny-random-qwen2_5_vl": "qwen2_5_vl", "tiny-random-qwen3_vl": "qwen3_vl"}
 # Snapshots shipped inside the package, loaded by name through the very path of a user's local
 # snapshot (_load_pretrained): `arrcoc-synth-qa` is the small Qwen2-VL trained on generated video QA
 # (pipeline.training.qa_vlm), meaningful on generated scenes only.
@@ -73,7 +74,8 @@ def shipped_path(spec: str) -> str | None:
 def build_tiny_vlm(family: str = "qwen2_vl", *, device="cpu", dtype=torch.float32,
                    config: VLMConfig | None = None) -> VLM:
     tokenizer = build_tokenizer()
-    model = build_model(tiny_config(family, tokenizer), device=device, dtype=dtype)
+    model_config = qwen3_vl.tiny_config(tokenizer) if family == "qwen3_vl" else tiny_config(family, tokenizer)
+    model = build_model(model_config, device=device, dtype=dtype)
     return _wrap(model, tokenizer, family, f"tiny-random ({family})", config or VLMConfig(), {}, TINY_WARNING)
 
 
@@ -102,7 +104,7 @@ def _load_pretrained(spec: str, device, dtype, config: VLMConfig, local_files_on
     _check_family(spec, family)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_files_only)
-        model = MODEL_CLASSES[family].from_pretrained(spec, dtype=dtype, local_files_only=local_files_only).to(device)
+        model = model_class(family).from_pretrained(spec, dtype=dtype, local_files_only=local_files_only).to(device)
     except Exception as e:
         raise VLMLoadError(f"cannot load VLM {spec!r}: {str(e).splitlines()[0]}") from None
     # The processor configs are read as plain JSON: preprocessing runs on the device in our own code,
@@ -170,12 +172,16 @@ def _check_snapshot_dir(spec: str) -> None:
 
 
 def _check_family(spec: str, family) -> None:
-    if family not in FAMILIES:
+    if family not in FAMILIES + qwen3_vl.FAMILIES:
         raise VLMLoadError(f"{spec!r} is not a Qwen2-VL-family snapshot (model_type={family!r}); "
-                           f"supported: {', '.join(FAMILIES)}")
+                           f"supported: {', '.join(FAMILIES + qwen3_vl.FAMILIES)}")
 
 
 def _wrap(model, tokenizer, family, name, config: VLMConfig, processor_cfg: dict, warning) -> VLM:
+    """The answering VLM over a loaded model: the fast engine, or for Qwen3-VL transformers' own
+    forward (pipeline.vlm.hf_forward), with its processor's normalisation where the snapshot names none."""
+    if family in qwen3_vl.FAMILIES:
+        processor_cfg = {**qwen3_vl.PROCESSOR_DEFAULTS, **processor_cfg}
     vision = model.config.vision_config
     # A snapshot's processor caps the frame size: a model trained at small frames (arrcoc-synth-qa)
     # sees them at that size whatever vlm.max_pixels asks; Qwen's own caps (12.8M px images, 602k
@@ -188,6 +194,10 @@ def _wrap(model, tokenizer, family, name, config: VLMConfig, processor_cfg: dict
                                      tuple(processor_cfg.get("image_std", OPENAI_CLIP_STD)),
                                      float(processor_cfg.get("rescale_factor", 1 / 255)),
                                      int(processor_cfg.get("resample", 3)))
+    if family in qwen3_vl.FAMILIES:
+        from pipeline.vlm.hf_forward import HFForwardVLM
+        return HFForwardVLM(model, tokenizer, family=family, name=name, config=config, preprocessor=preprocessor,
+                            warning=warning)
     return VLM(model, tokenizer, family=family, name=name, config=config, preprocessor=preprocessor,
                warning=warning)
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -124,7 +123,7 @@ def http_ts_server(tmp: Path, *, size: tuple[int, int] = (160, 120), fps: int = 
     return TSServer(encode_clip(Path(tmp) / "clip.ts", *size, fps, seconds))
 
 
-class FlappingServer:
+class FlappingServer(TSServer):
     """An HTTP MPEG-TS server whose stream opens and then fails at its first read: every GET gets the
     head of a clip, enough for FFmpeg to open the stream (codec, size) but not to decode a frame,
     and then the connection closes. `gets` holds each request's time (time.monotonic()), a context
@@ -132,33 +131,17 @@ class FlappingServer:
     version, and a head that opens nothing, or that holds a frame, would test something else."""
 
     def __init__(self, tmp: Path) -> None:
-        clip = encode_clip(Path(tmp) / "flap.ts", 160, 120, 30, 1.0).read_bytes()
         self.head = b""
         self.gets: list[float] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                server.gets.append(time.monotonic())
-                self.send_response(200)
-                self.send_header("Content-Type", "video/mp2t")
-                self.end_headers()
-                try:
-                    self.wfile.write(server.head)
-                except OSError:
-                    pass  # the client went away
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self._calibrate(clip)
+        super().__init__(encode_clip(Path(tmp) / "flap.ts", 160, 120, 30, 1.0))
+        self._calibrate(self.clip.read_bytes())
         self.gets.clear()
 
-    def url(self) -> str:
+    def send(self, wfile) -> None:
+        self.gets.append(time.monotonic())
+        wfile.write(self.head)
+
+    def url(self, i: int = 0) -> str:
         return f"http://127.0.0.1:{self.port}/flapping.ts"
 
     def _calibrate(self, clip: bytes) -> None:
@@ -184,13 +167,3 @@ class FlappingServer:
                 return
             break
         raise RuntimeError("no head of the clip opens without a frame in it")
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def __enter__(self) -> "FlappingServer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,4 +1,5 @@
-"""A fake NVIDIA MPS control binary for the tests of `--mps` (pipeline/core/mps.py), on CPU."""
+"""Shared by the pipeline tests: a fake NVIDIA MPS control binary for the tests of `--mps`
+(pipeline/core/mps.py), on CPU; VLMs that generate nothing (silent_vlms)."""
 from __future__ import annotations
 
 import os
@@ -66,3 +67,28 @@ def fake_mps(tmp_path, monkeypatch):
         monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
         return FakeMPS(record)
     return make
+
+
+@pytest.fixture(scope="session")
+def silent_vlms():
+    """`with silent_vlms():` every VLM loaded inside generates nothing (what the shipped model did
+    on real footage): the answers' other fields are the VLM's own."""
+    import contextlib
+    import dataclasses
+
+    import pipeline.vlm.loading as loading
+
+    def silent(load):
+        def load_silent(*args, **kwargs):
+            vlm = load(*args, **kwargs)
+            answer = vlm.answer
+            vlm.answer = lambda requests, *a, **k: [dataclasses.replace(r, text="") for r in answer(requests, *a, **k)]
+            return vlm
+        return load_silent
+
+    @contextlib.contextmanager
+    def silenced():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loading, "load_vlm", silent(loading.load_vlm))   # load_answerer's
+            yield
+    return silenced

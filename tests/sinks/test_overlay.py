@@ -45,6 +45,17 @@ class TestRender:
         by_tokens = render_homunculus(gray_frame(10, 20), np.array([[1, 4]]))
         assert not np.array_equal(by_tokens[5, 4], by_tokens[5, 14])
 
+    def test_relevance_is_a_heat_map_of_every_cell_with_the_kept_ones_outlined(self):
+        """--color relevance shows the whole relevance map: a dropped cell is coloured by its
+        relevance like a kept one (not darkened), only the outline tells them apart."""
+        relevance = np.zeros((4, 6), np.float32)
+        relevance[:, 3:] = 1.0                                     # the dropped half is the relevant one
+        out = render_homunculus(gray_frame(48, 72), half_kept(), relevance)
+        dropped_inside = out[14:22, 50:58].astype(float)
+        want = (1 - ALPHA) * GRAY + ALPHA * colormap(np.array(1.0)).astype(float)
+        assert np.abs(dropped_inside - want).max() <= 1
+        assert not np.any(np.all(out[:, 37:] == OUTLINE, axis=-1)) and np.all(out[12, 0:36] == OUTLINE)
+
     def test_colormap_is_ordered_dark_to_bright(self):
         lum = colormap(np.linspace(0, 1, 11)).astype(float) @ [0.299, 0.587, 0.114]  # (11,)
         assert np.all(np.diff(lum) > 0)
@@ -143,10 +154,20 @@ class TestLabelsAndLegend:
         colours = {tuple(c) for c in strip.reshape(-1, 3)}
         top = tuple(colormap(np.array(1.0)))                  # the colour of the most tokens / relevance 1
         assert top in colours
-        assert (int(DROP_DIM * 128),) * 3 in colours          # the dropped-cell swatch
+        # tokens: the dropped-cell swatch; relevance colours every cell, dropped ones too: none
+        assert ((int(DROP_DIM * 128),) * 3 in colours) == (colour_by == "tokens")
         if colour_by == "tokens" and token_scale == 3.0:      # one swatch per count
             for k in (1, 2):
                 assert tuple(colormap(np.array(k / 3.0))) in colours
+
+    @pytest.mark.parametrize("scene_change, cuts, tag", [
+        (False, (), None), (True, (5,), "CUT"), (False, (3,), "CUT #3"), (True, (3, 5), "CUT #3"),
+        (False, (1, 2, 3, 4), "CUTS #1 #2 +2")])
+    def test_a_tile_names_the_cuts_it_stands_for(self, scene_change, cuts, tag):
+        label = FrameLabel(0.5, 5, 1, 12, scene_change, cuts=cuts)
+        assert label.cut_tag() == tag
+        image = label_frame(gray_frame(60, 200), label)
+        assert np.all(image[30, 0] == CUT_COLOUR) == (tag is not None)     # the border
 
     def test_legend_rejects_an_unknown_colouring(self):
         with pytest.raises(ValueError, match=r"Invalid colour_by \('hue'\). Supported values are relevance, tokens."):

@@ -81,7 +81,7 @@ class TestDeclaration:
                 if f.default_from is not None:                               # filled from an earlier field
                     assert names.index(f.default_from) < names.index(f.name)
         assert [t.group for t in TABLES] == ["", "answers", "gaps"] and GAPS.optional and not ANSWERS.optional
-        assert {f.name for f in ANSWERS.fields if f.added} == {"passes", "tokens_spent", "confidence"}
+        assert {f.name for f in ANSWERS.fields if f.added} == {"passes", "tokens_spent", "confidence", "no_answer"}
         assert FRAMES.field("relevance").dims == ("frame", "y", "x")
 
     def test_bad_declarations_are_refused(self):

@@ -95,11 +95,11 @@ class TestSchema:
                    "latency_s": "float32", "passes": "uint8", "tokens_spent": "int32", "confidence": "float32"}
         for name, dtype in answers.items():
             assert (group[f"answers/{name}"].dtype, group[f"answers/{name}"].shape) == (np.dtype(dtype), (0,))
-        for name in ("question", "text"):  # zarr v3 variable-length UTF-8
+        for name in ("question", "text", "no_answer"):  # zarr v3 variable-length UTF-8
             meta = json.loads((store.path / "streams/video7/answers" / name / "zarr.json").read_text())
             assert meta["data_type"] == "string" and group[f"answers/{name}"].shape == (0,)
         assert {s.name for s in FRAMES.fields} == set(want)
-        assert {s.name for s in ANSWERS.fields} == set(answers) | {"question", "text"}
+        assert {s.name for s in ANSWERS.fields} == set(answers) | {"question", "text", "no_answer"}
         dims = {"relevance": ["frame", "y", "x"], "tokens": ["frame", "y", "x"], "pts": ["frame"],
                 "answers/text": ["answer"], "gaps/reason": ["gap"]}
         for name, want_dims in dims.items():

@@ -154,6 +154,9 @@ async function ask(event) {
   }
 }
 
+// an answer as a person reads it: its text, or "no answer (why)" (pipeline/runtime/answer_words.py)
+const answerText = (a) => (a.no_answer ? `no answer (${a.no_answer})` : a.text);
+
 function showAnswers(answers, usage, notes) {
   const list = $("answers");
   list.replaceChildren();
@@ -161,7 +164,7 @@ function showAnswers(answers, usage, notes) {
     const li = document.createElement("li");
     li.innerHTML = `<span class="when"></span><span class="text"></span><span class="tok"></span>`;
     li.querySelector(".when").textContent = `${a.t_start.toFixed(1)}–${a.t_end.toFixed(1)} s`;
-    li.querySelector(".text").textContent = a.text;
+    li.querySelector(".text").textContent = answerText(a);
     li.querySelector(".tok").textContent = `${a.tokens_kept} / ${a.tokens_full} tokens`;
     li.addEventListener("click", () => seek(a.t_start));
     list.append(li);
@@ -264,7 +267,7 @@ function drawTimeline() {
   for (const a of h.answers) {
     const span = document.createElement("div");
     span.className = "window";
-    span.title = `${a.t_start.toFixed(1)}–${a.t_end.toFixed(1)} s: ${a.text}`;
+    span.title = `${a.t_start.toFixed(1)}–${a.t_end.toFixed(1)} s: ${answerText(a)}`;
     span.style.left = `${(100 * a.t_start / total).toFixed(3)}%`;
     span.style.width = `${(100 * Math.max(0, a.t_end - a.t_start) / total).toFixed(3)}%`;
     windows.append(span);
@@ -345,7 +348,7 @@ async function follow(stream) {
       const data = JSON.parse(event.data);
       if (event.event === "answer") {
         add("answer", `${data.t_start.toFixed(1)}–${data.t_end.toFixed(1)} s`,
-            `${data.text}  (${data.tokens_kept} / ${data.tokens_full} tokens, ${data.latency_s.toFixed(2)} s)`);
+            `${answerText(data)}  (${data.tokens_kept} / ${data.tokens_full} tokens, ${data.latency_s.toFixed(2)} s)`);
         setState("running");
       } else if (event.event === "gap") {
         add("gap", `${data.start_pts.toFixed(1)}–${data.end_pts.toFixed(1)} s`,

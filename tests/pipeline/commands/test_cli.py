@@ -184,6 +184,26 @@ def test_default_demo_answers_its_clips_questions_with_the_shipped_model(capsys,
             assert answer["correct"] and answer["answer"] == answer["expected"], answer
     assert validate_store(out) == [] and summary["scene_changes"][-1] > 0      # the clip's cut is found
     assert (tmp_path / "demo" / "demo_overlay.mp4").stat().st_size > 0 and (tmp_path / "demo" / "demo_contact.png").is_file()
+    # `make demo` a second time: the store starts afresh and the clip is answered again; --query
+    # adds the user's own question, answered and not scored
+    code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu", "--no-progress",
+                                "--query", "what color is the background?")
+    assert code == 0, err
+    again = json.loads(stdout.strip().splitlines()[0])
+    assert [a["answer"] for a in again["answers"][:6]] == [a["answer"] for a in summary["answers"]]
+    assert again["correct"].endswith("/6") and len(again["answers"]) == 7
+    mine = again["answers"][6]
+    assert mine["question"] == "what color is the background?" and mine["expected"] is None and mine["correct"] is None
+    assert "your question" in err
+    assert len(read_stream(out, "qa_sample")["answers"]["text"]) == 7
+
+
+def test_demo_help_names_the_defaults_the_demo_uses(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "out/demo.zarr" in text and "<video stem>" not in text
+    assert "(default: arrcoc-synth-qa when installed, else none)" in text
 
 
 class TestBoundedQueues:

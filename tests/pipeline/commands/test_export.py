@@ -62,7 +62,7 @@ class TestExport:
         assert rows[2] == {"kind": "answer", "stream": "b_clip", "t_start": 0.0, "t_end": 1.0,
                            "question": "what, \"exactly\", moves?", "text": "a red square,\nthen a pan",
                            "tokens_kept": 4, "tokens_full": 30, "latency_s": 0.1234, "passes": 1,
-                           "tokens_spent": 4, "confidence": None}            # none stored: null, not NaN
+                           "tokens_spent": 4, "confidence": None, "no_answer": ""}   # none stored: null, not NaN
         assert rows[4]["text"] == "ünïcode" and rows[4]["confidence"] == 0.75
 
     def test_csv_round_trips_through_a_csv_reader(self, capsys, store):
@@ -112,3 +112,22 @@ class TestBadInput:
         assert len(lines) == 1 and re.search(message, lines[0]), (case, err)
         assert out == "" and "Traceback" not in err
         assert not (tmp_path / "no").exists()
+
+
+def test_times_are_exported_to_the_millisecond(capsys, tmp_path):
+    """A live stream's times come from arrival clocks: exported to the millisecond, not as
+    0.004954099655151367 (the store keeps the exact values)."""
+    path = tmp_path / "live.zarr"
+    writer = ZarrStore.open(path, config={}).stream("cam", source="rtsp://cam", query="q", fps=25.0, width=48,
+                                                    height=32, grid=GRID, vlm="tiny-random")
+    pts = np.array([0.004954099655151367, 0.0441239, 2.0004954099655])
+    writer.append(pts=pts, frame_index=np.arange(3), relevance=np.full((3, *GRID), 0.5, np.float32),
+                  tokens=np.ones((3, *GRID), np.int32), scene_change=np.ones(3, bool), motion=np.zeros(3, np.float32))
+    writer.add_answers([_answer(0.004954099655151367, 2.0004954099655, "a")])
+    writer.close(complete=True)
+    code, out, err = run(capsys, "export", str(path), "--format", "jsonl")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["pts"] for r in rows if r["kind"] == "scene_change"] == [0.005, 0.044, 2.0]
+    answer = next(r for r in rows if r["kind"] == "answer")
+    assert (answer["t_start"], answer["t_end"]) == (0.005, 2.0)

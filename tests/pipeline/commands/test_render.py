@@ -58,13 +58,20 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def expected_tile(decoded: list[np.ndarray], data: dict, row: int, colour_by: str = "tokens") -> np.ndarray:
+def expected_tile(decoded: list[np.ndarray], data: dict, row: int, colour_by: str = "tokens",
+                  cuts: tuple[int, ...] | None = None, since: int | None = None) -> np.ndarray:
+    """The tile of stored row `row`; cuts: the frames of the scene changes it stands for (default:
+    its own frame's, if it is one, or with `since` those of rows since..row)."""
+    if since is not None:
+        cuts = tuple(int(data["frame_index"][k]) for k in range(since, row + 1) if data["scene_change"][k])
     tokens = data["tokens"][row]
     relevance = data["relevance"][row].astype(np.float32) if colour_by == "relevance" else None
     tile = render_homunculus(decoded[int(data["frame_index"][row])], tokens, relevance,
                              token_scale=float(data["tokens"].max()))
+    own = bool(data["scene_change"][row])
+    cuts = ((int(data["frame_index"][row]),) if own else ()) if cuts is None else cuts
     label = FrameLabel(float(data["pts"][row]), int(data["frame_index"][row]), int(tokens.sum()), tokens.size,
-                       bool(data["scene_change"][row]))
+                       own, cuts=cuts, unchanged=int(tokens.sum()) == 0 and not own)
     return label_frame(tile, label)
 
 
@@ -93,9 +100,31 @@ class TestContactSheet:
                    "--tiles", "3")[0] == 0
         sheet = cv2.imread(str(out))[..., ::-1]
         data = read_stream(store, "clip")
-        for tile, row in enumerate([0, 2, 5]):    # rows 0, 2.5 -> 2, 5 of 6
+        # rows 0, 2.5 -> 2, 5 of 6; the cut at row 3 (frame 6) falls between tiles: the tile after it names it
+        for tile, (row, cuts) in enumerate([(0, (0,)), (2, ()), (5, (2 * CUT_ROW,))]):
             x = 4 + tile * (W + 4)
-            np.testing.assert_array_equal(sheet[4:4 + H, x:x + W], expected_tile(decoded, data, row))
+            np.testing.assert_array_equal(sheet[4:4 + H, x:x + W], expected_tile(decoded, data, row, cuts=cuts))
+
+    def test_a_frame_without_tokens_says_it_was_unchanged(self, capsys, tmp_path, video, decoded):
+        """0 of N tokens after a frame the VLM saw: nothing changed, the earlier tokens serve; the
+        label says so instead of a bare "0/12 tokens"."""
+        path = tmp_path / "s.zarr"
+        writer = ZarrStore.open(path, config={}).stream("clip", source=str(video), query="q", fps=5.0, width=W,
+                                                        height=H, grid=GRID, vlm="none")
+        tokens = np.zeros((2, *GRID), np.int32)
+        tokens[0] = 1
+        writer.append(pts=[0.0, 0.2], frame_index=[0, 2], relevance=np.full((2, *GRID), 0.5), tokens=tokens,
+                      scene_change=[True, False], motion=np.zeros(2))
+        writer.close(complete=True)
+        out = tmp_path / "sheet.png"
+        assert run(capsys, "render", path, "--stream", "clip", "--video", video, "--contact-sheet", out)[0] == 0
+        sheet = cv2.imread(str(out))[..., ::-1]
+        data = read_stream(path, "clip")
+        tile = render_homunculus(decoded[2], tokens[1], token_scale=1.0)
+        want = label_frame(tile, FrameLabel(0.2, 2, 0, 12, unchanged=True))
+        assert FrameLabel(0.2, 2, 0, 12, unchanged=True).lines()[-1] == "unchanged: reused"
+        np.testing.assert_array_equal(sheet[4:4 + H, 8 + W:8 + 2 * W], want)
+        assert data["tokens"][1].sum() == 0
 
 
 class TestOverlay:
@@ -129,7 +158,7 @@ def test_a_run_store_renders_its_sampled_frames(capsys, tmp_path, video, decoded
     assert data["frame_index"].tolist() == ROWS.tolist()
     result = render_store(store, "clip", video, sheet=tmp_path / "run.png", tiles=2, columns=2)
     sheet = cv2.imread(str(result.out))[..., ::-1]
-    np.testing.assert_array_equal(sheet[4:4 + H, 4 + W + 4:4 + 2 * W + 4], expected_tile(decoded, data, 5))
+    np.testing.assert_array_equal(sheet[4:4 + H, 4 + W + 4:4 + 2 * W + 4], expected_tile(decoded, data, 5, since=1))
 
 
 class TestBadInput:

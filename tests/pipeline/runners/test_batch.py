@@ -133,6 +133,63 @@ class TestWholeFlow:
         assert report["videos_complete"] == 3 and report["videos_incomplete"] == 0
         assert report["videos_damaged"] == 1 and report["answers_from_damaged_videos"] == 2
 
+    def test_a_rerun_with_other_settings_is_refused_until_overwrite(self, capsys, tmp_path):
+        """A resume skips only work done with the same settings: other settings (or --stock-tokens)
+        get one line naming what differs, --overwrite starts the store afresh, and settings of how
+        fast it runs (batch size, threads) still resume."""
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=1, seconds=0.6)
+        code, first, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0 and first["done"] == 2, err
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST,
+                             "--set", "model.attending.retention=0.5")
+        assert code == 2 and err.count("\n") == 1, err
+        assert "model.attending.retention: 0.25 -> 0.5" in err and "--overwrite" in err
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST, "--stock-tokens")
+        assert code == 2 and "batch.stock_tokens: False -> True" in err, err
+        code, again, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST,
+                                 "--set", "runtime.batch_size=4", "--set", "decode.threads=1")
+        assert code == 0 and again["skipped_complete"] == 2 and again["done"] == 0, err
+        code, fresh, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST,
+                                 "--set", "model.attending.retention=0.5", "--overwrite")
+        assert code == 0 and fresh["done"] == 2 and fresh["skipped_complete"] == 0, err
+        assert read_stream(out, "video7010")["attrs"]["config"]["model"]["attending"]["retention"] == 0.5
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST, "--overwrite", "--shard", "0/2")
+        assert code == 2 and "--overwrite with --shard" in err
+
+    def test_processes_start_afresh_once(self, capfd, tmp_path):
+        """--processes N --overwrite: the parent starts the store afresh once, the processes only
+        resume (each one deleting it would lose the others' answers)."""
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=4, questions=1, seconds=0.6)
+        assert main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), *FAST]) == 0
+        capfd.readouterr()
+        code = main(["batch", "--dataset", "msrvtt", "--root", str(root), "--out", str(out), "--processes", "2",
+                     "--overwrite", "--set", "model.attending.retention=0.5", *FAST])
+        stdout, err = capfd.readouterr()
+        assert code == 0, err
+        assert json.loads(stdout.strip().splitlines()[-1])["done"] == 4
+        for vid in ("video7010", "video7011", "video7012", "video7013"):
+            assert read_stream(out, vid)["attrs"]["config"]["model"]["attending"]["retention"] == 0.5
+
+    def test_eval_refuses_a_store_that_mixes_runs(self, capsys, tmp_path):
+        """A store whose streams were answered with different settings (one written before batch
+        checked them) is not one run: eval says so instead of scoring the mixture."""
+        import zarr
+
+        root, out = tmp_path / "ds", tmp_path / "out.zarr"
+        fixture(root, videos=2, questions=1, seconds=0.6)
+        code, _, err = batch(capsys, "--root", str(root), "--out", str(out), *FAST)
+        assert code == 0, err
+        group = zarr.open_group(str(out / "streams" / "video7011"), mode="r+")
+        config = dict(group.attrs["config"])
+        config["vlm"] = {**config["vlm"], "max_new_tokens": 7}
+        group.attrs["config"] = config
+        code = main(["eval", str(out), "--dataset", "msrvtt", "--root", str(root)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert "mixes runs" in err and "vlm.max_new_tokens: 2 -> 7" in err
+
     def test_stock_tokens_send_every_token(self, capsys, tmp_path):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=1)

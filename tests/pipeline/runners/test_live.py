@@ -220,10 +220,25 @@ class TestAnswers:
         assert {"stream", "t_start", "t_end", "question", "text", "tokens_kept", "tokens_full", "latency_s"} <= set(lines[0])
         assert all(line["stream"] == "cuts" and line["question"] == "what moves?" for line in lines)
         assert np.all(answers["t_end"] - answers["t_start"] <= 1.0 + 1e-6)
-        assert np.all(np.diff(answers["t_end"]) >= 0.9)          # one per --every
+        assert np.all(np.diff(answers["t_end"][:-1]) >= 0.9)     # one per --every, then the last partial one
+        assert answers["t_start"][-1] > answers["t_end"][-2]
         assert np.all((answers["latency_s"] > 0) & (answers["latency_s"] < 10))
         assert np.all(answers["tokens_kept"] <= answers["tokens_full"])
         assert data["attrs"]["complete"] is True and validate_store(tmp_path / "o.zarr") == []
+
+    def test_the_last_partial_window_is_answered(self, capsys, tmp_path, videos):
+        """`live FILE --realtime --every 1` on a 3 s file answers 0-1, 1-2 and the last, partial
+        window after 2 s (as `run --every 1` does), through the command a user types."""
+        code = main(["live", str(videos["cuts"]), "--realtime", "--query", "what moves?", "--vlm", "tiny-random",
+                     "--device", "cpu", "--every", "1", "--out", str(tmp_path / "o.zarr"),
+                     "--set", "vlm.max_new_tokens=2", *[f"--set=runtime.{k}={v}" for k, v in UNTRAINED.items()]])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        lines = [json.loads(line) for line in out.splitlines()]
+        data = read_stream(tmp_path / "o.zarr", "cuts")
+        assert [line["t_end"] for line in lines] == [round(t, 3) for t in data["answers"]["t_end"]]
+        assert len(lines) == 3 and lines[-1]["t_start"] > lines[-2]["t_end"] >= 1.9
+        assert lines[-1]["t_end"] == pytest.approx(2.96, abs=0.5)     # the file's last VLM frame, at 2 fps
 
     def test_the_vlm_in_its_own_process_answers_the_same_way(self, tmp_path, videos):
         """LiveOptions.vlm_process: the VLM is loaded in a spawned process from the config and

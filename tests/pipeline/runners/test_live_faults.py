@@ -96,11 +96,12 @@ class TestAnswerPeriod:
         assert not (tmp_path / "o.zarr").exists()
 
     def test_a_period_shorter_than_a_frame_names_the_source(self, capsys, tmp_path, clip):
-        code, _, err = live_cli(capsys, str(clip), "--realtime", "--query", "q", "--every", "0.01", "--vlm", "tiny-random",
-                                "--device", "cpu", "--out", str(tmp_path / "o.zarr"), *UNTRAINED)
+        code, _, err = live_cli(capsys, str(clip), "--realtime", "--query", "q", "--every", "0.01", "--vlm",
+                                "tiny-random", "--device", "cpu", "--out", str(tmp_path / "o.zarr"), *UNTRAINED)
         assert code == 2, err
         assert err.strip() == (f"error: {clip}: --every=0.01 s is out of range: an answer period is at least 0.04 s "
                                f"(one frame at 25 fps) and at most 86400 s (a day)")
+        assert not (tmp_path / "o.zarr").exists()
 
     def test_one_frame_periods_stop_at_the_duration(self, capsys, tmp_path, clip):
         """The shortest valid period (one frame) answers as often as the VLM can and stops at
@@ -145,20 +146,32 @@ class TestComplete:
         assert attrs.get("gap_count", 0) == 0 and attrs["outage_s"] == 0
 
     def test_a_stream_down_for_most_of_its_run_is_not_complete(self, tmp_path):
-        """The server goes away after ~1.5 s of a 5 s run: the gap is stored and `complete` is false
-        (it was true with a stream down 31 of its 40 s)."""
+        """The server goes away once the first frames are stored, in a 5 s run: the gap is stored and
+        `complete` is false (it was true with a stream down 31 of its 40 s)."""
         fast = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+        def close_after_frames(graph) -> None:
+            sink = graph.stages[-1]
+
+            def watch():
+                deadline = time.monotonic() + 30
+                while sink.frames_written == 0 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                server.close()
+            threading.Thread(target=watch, daemon=True).start()
         with http_ts_server(tmp_path) as server, warnings.catch_warnings():
             warnings.simplefilter("ignore", StreamInterruptedWarning)
-            threading.Timer(1.5, server.close).start()
-            result = run_live([server.url()], "q", tmp_path / "o.zarr", cfg(), live=fast,
+            result = run_live([server.url()], "q", tmp_path / "o.zarr", cfg(), live=fast, on_graph=close_after_frames,
                               options=LiveOptions(duration_s=5.0), status_out=io.StringIO())
         data = read_stream(tmp_path / "o.zarr", result.stream_ids[0])
         attrs = data["attrs"]
         assert validate_store(tmp_path / "o.zarr") == [] and len(data["pts"]) > 0
         assert not result.complete and attrs["complete"] is False
         assert attrs["stopped_by"] == "duration" and attrs["gap_count"] == 1
-        assert 2.5 <= attrs["outage_s"] <= 4.5, attrs["outage_s"]
+        gap = data["gaps"]
+        # the server closed at the first stored frames, the run lasted 5 s
+        assert attrs["outage_s"] == pytest.approx(gap["end_wall"][0] - gap["start_wall"][0], abs=0.01)
+        assert attrs["outage_s"] >= 2.5, attrs["outage_s"]
 
     def test_a_source_that_gave_up_says_so(self, tmp_path, capsys):
         """--max-reconnects through the CLI: the source gives up, exit 1 with one error line,

@@ -13,7 +13,9 @@ from serve_client import API_KEY
 
 CHROMIUM = next((p for p in (os.environ.get("CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser"))
                  if p), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="the web page's browser tests need Chromium, not found: "
+                                                          "apt-get install chromium (Debian; .ci/run does), or "
+                                                          "CHROMIUM=/path/to/chromium")
 
 
 @pytest.fixture(scope="module")

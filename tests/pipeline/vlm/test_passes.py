@@ -14,7 +14,7 @@ from conftest import make_frames, random_keep, record_prefills, request, rewrap,
 from pipeline.vlm import generation as generation_module
 from pipeline.vlm_config import TemperingConfig
 from pipeline.runtime.requests import AnswerRequest, WindowQuestions
-from pipeline.vlm.passes import blend_ranks, keep_best, narrow
+from pipeline.vlm.passes import PassEngine, blend_ranks, keep_best, narrow
 from pipeline.vlm.text_model import FastTextModel
 
 QUESTIONS = ("what colour is the car on the left?", "how many people are there?")
@@ -31,6 +31,14 @@ def window_case(vlm):
 
 def on(vlm, **config):
     return rewrap(vlm, pass2="attention", **config)
+
+
+def test_the_vlm_is_the_engine_passes_drive(vlm):
+    """Passes knows the engine only through PassEngine; the VLM has every member it names."""
+    members = set(PassEngine.__annotations__) | {n for n, v in vars(PassEngine).items()
+                                                 if callable(v) and not n.startswith("_")}
+    assert {"question_prefix", "prefill", "generate_from", "first_confidence", "decode"} <= members
+    assert [m for m in sorted(members) if not hasattr(vlm, m)] == []
 
 
 class TestAttentionInputs:

@@ -62,3 +62,34 @@ def test_bench_kept_context_rows_encode_more_cells(tmp_path):
     plain, ring = rows["arr-coc 25%, kept"], rows["arr-coc 25%, kept, context 1"]
     assert plain["kept_context"] == 0 and ring["kept_context"] == 1 and rows["stock"]["kept_context"] is None
     assert ring["tokens_kept"] == plain["tokens_kept"] and ring["vision_cells"] > plain["vision_cells"]
+
+
+def test_bench_qwen3_vl_through_transformers_forward(tmp_path):
+    """--arch tiny-qwen3_vl: a stock row and one per retention, every patch through the tower."""
+    bench = load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--arch", "tiny-qwen3_vl", "--new-tokens", "3", "--retention", "0.5", "0.25",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["setting"] for r in rows] == ["stock", "arr-coc 50%", "arr-coc 25%"]
+    full = rows[0]["tokens_full"]
+    assert full == rows[0]["tokens_kept"] == 2 * 3 * 3 and all(r["vision_cells"] == full for r in rows)
+    assert full > rows[1]["tokens_kept"] > rows[2]["tokens_kept"] >= 1
+    assert all(r["decode_tokens"] == 3 and r["ttft_ms"] > 0 and r["front_end_ms"] > 0 for r in rows)
+    assert all(r["ttft_x_stock"] == rows[0]["ttft_ms"] / r["ttft_ms"] for r in rows)
+
+
+def test_qwen3_vl_arch_configs_are_the_published_sizes():
+    """The benchmark's random-weight Qwen3-VL configs (no weights built: counted from the config)."""
+    from pipeline.vlm import qwen3_vl
+    from pipeline.vlm.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    big, small = (qwen3_vl.arch_config(a, tok) for a in ("qwen3-vl-8b", "qwen3-vl-2b"))
+    for cfg, text, vision, deepstack, tie in ((big, (36, 4096, 12288), (27, 1152, 4096), [8, 16, 24], False),
+                                              (small, (28, 2048, 6144), (24, 1024, 2048), [5, 11, 17], True)):
+        t, v = cfg.text_config, cfg.vision_config
+        assert (t.num_hidden_layers, t.hidden_size, t.intermediate_size) == text
+        assert (v.depth, v.hidden_size, v.out_hidden_size) == vision and v.deepstack_visual_indexes == deepstack
+        assert cfg.tie_word_embeddings is tie and t.num_key_value_heads == 8
+        assert t.rope_parameters["mrope_interleaved"] and t.rope_parameters["mrope_section"] == [24, 20, 20]

@@ -38,6 +38,16 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
                      --precision / --escalate: the calibration rule
 
     python benchmarks/bench_accuracy.py --root data/synthqa --make 200 --vlm arrcoc-synth-qa
+    python benchmarks/bench_accuracy.py --root data/qa_photo --renderer photo ...   # another renderer
+    python benchmarks/bench_accuracy.py --root data/qa_held_out --held-out ...      # the held-out renderer
+
+--renderer NAME writes ROOT's clips with that renderer of evaluation/renderers.py (every question
+family, the region ones included) and adds, per row, accuracy over the questions that name exactly
+one object and the rest (`names_one_object`), and on ARR-COC's rows the named object's share of the
+kept tokens against its share of the cells (`named_object_share`, benchmarks/named_objects.py).
+`--renderer in-distribution` is every training renderer (clip k from the (k mod n)-th): the
+in-distribution test split. --held-out is --renderer of the held-out renderer (its test split;
+tempering's --val-root split then comes from the training renderers).
     python benchmarks/bench_accuracy.py --quick                    # CPU smoke: tiny-random, 3 clips
 
 Accuracy is exact match (eval's normalisation), overall and per question family, with the mean
@@ -79,12 +89,23 @@ RETENTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
 ONE_OBJECT = ("where", "shape", "exists", "direction")
 
 
-def ensure_split(root: Path, count: int, split: str = "test") -> None:
+def ensure_split(root: Path, count: int, split: str = "test", renderer: str | None = None) -> None:
+    """Write `count` clips of `split` under root unless it has them: the original generator's, or
+    `renderer`'s (evaluation/renderers.py; comma-separated names share the clips; the held-out one
+    for evaluation, its test split only: a validation split for it comes from the training
+    renderers, which it must not tune on)."""
     if (root / f"{split}_qa.json").exists():
         return
-    from evaluation.synth_qa import write_split
-    print(f"generating {count} {split} clips under {root}", file=sys.stderr)
-    write_split(root, split, count, progress=sys.stderr.isatty())
+    print(f"generating {count} {split} clips ({renderer or 'original generator'}) under {root}", file=sys.stderr)
+    if renderer is None:
+        from evaluation.synth_qa import write_split
+        write_split(root, split, count, progress=sys.stderr.isatty())
+        return
+    from evaluation.renderers import HELD_OUT, training_renderers, write_renderer_split
+    held_out = renderer == HELD_OUT
+    renderers = training_renderers() if held_out and split != "test" else tuple(renderer.split(","))
+    write_renderer_split(root, split, count, renderers, evaluation=held_out and split == "test",  # type: ignore[arg-type]
+                         progress=sys.stderr.isatty())
 
 
 def tempering_overrides(ladder: tuple[float, ...], threshold: float | None = None, passes: int | None = None,
@@ -126,7 +147,7 @@ def row_config(base: PipelineConfig, policy: str, retention: float) -> PipelineC
 
 
 def run_row(policy: str, retention: float, plan, dataset, base: PipelineConfig, vlm, workdir: Path,
-            query_encoder, variant: str = "") -> dict[str, Any]:
+            query_encoder, variant: str = "", annotations=None) -> dict[str, Any]:
     cfg = row_config(base, policy, retention)
     label = f"{policy}+{variant}" if variant else policy
     store = workdir / f"{label}_{retention:g}_{dataset.split}.zarr"
@@ -156,7 +177,23 @@ def run_row(policy: str, retention: float, plan, dataset, base: PipelineConfig, 
             "kept_over_full": report["tokens"]["kept_over_full"],
             "spent_over_full": report["tokens"]["spent_over_full"],
             "mean_passes": round(statistics.fmean(_passes(store)), 4),
-            "wall_s": round(time.perf_counter() - start, 2), "videos": summary.videos, "_report": scored}
+            "wall_s": round(time.perf_counter() - start, 2), "videos": summary.videos, "_report": scored,
+            **_named(scored, store, label, annotations)}
+
+
+def _named(report, store: Path, label: str, annotations) -> dict[str, Any]:
+    """On a renderer split: accuracy over the questions naming one object and the rest, and on
+    ARR-COC's single-pass rows the named object's share of the kept tokens
+    (benchmarks/named_objects.py): there the store's tokens are the ones the VLM got (pass 2 and
+    tempering pick among or beyond them, and the store keeps pass 1's allocation)."""
+    if annotations is None:
+        return {}
+    from benchmarks.named_objects import breakdown, named_share
+    records, videos = annotations
+    out: dict[str, Any] = {"names_one_object": breakdown(report, records)}
+    if label in ("arrcoc", "arrcoc-noquery"):
+        out["named_object_share"] = named_share(store, records, videos)
+    return out
 
 
 def _passes(store: Path) -> list[float]:
@@ -276,7 +313,7 @@ def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encod
     from pipeline.runners.evaluate import calibrate_threshold
     from sources.msrvtt import load_msrvtt
 
-    ensure_split(args.val_root, args.val_make, "val")
+    ensure_split(args.val_root, args.val_make, "val", args.renderer)
     val = load_msrvtt(args.val_root, "val")
     cfg = run_config(args, *tempering_overrides(ladder, 0.0, rank=args.rank, fallback=args.fallback,
                                                 confidence=args.confidence, probe=args.probe))
@@ -292,20 +329,43 @@ def calibrate_on_val(args, ladder: tuple[float, ...], workdir: Path, query_encod
 
 def print_table(rows: list[dict]) -> None:
     families = sorted({f for r in rows for f in r["accuracy_by_family"]})
-    head = ["policy", "retention", "accuracy", "one_object", "tokens_kept", *families]
+    head = ["policy", "retention", "accuracy", "one_object", "names_one", "named_share", "tokens_kept", *families]
     print("  ".join(f"{h:>15}" for h in head))
     for r in rows:
+        names_one = (r.get("names_one_object") or {}).get("one_object", {}).get("accuracy")
+        share = (r.get("named_object_share") or {}).get("token_share")
         cells = [r["policy"], f"{r['retention']:g}", f"{r['accuracy']:.3f}",
                  "-" if r["one_object_accuracy"] is None else f"{r['one_object_accuracy']:.3f}",
+                 "-" if names_one is None else f"{names_one:.3f}", "-" if share is None else f"{share:.3f}",
                  "-" if r["mean_tokens_kept"] is None else f"{r['mean_tokens_kept']:.1f}",
                  *(f"{r['accuracy_by_family'].get(f, float('nan')):.3f}" for f in families)]
         print("  ".join(f"{c:>15}" for c in cells))
+
+
+def check_variant_settings(ap, args, variants: list[str], retentions: list[float]) -> None:
+    """Every variant row's config at each of its retentions is valid, checked before any row runs
+    (pass 2 at a retention above 1 / vlm.candidate_factor has fewer cells than candidates)."""
+    from arr_coc._validate import ConfigError
+    chosen = [float(r) for r in args.variant_retentions.split(",") if r] if args.variant_retentions else retentions
+    for variant in variants:
+        if variant in ("tempering", "finetuned"):
+            continue
+        for retention in chosen:
+            try:
+                row_config(run_config(args, *VARIANTS[variant]), "arrcoc", retention)
+            except ConfigError as e:
+                ap.error(f"variant {variant} at retention {retention:g}: {e} (choose --variant-retentions)")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, help="dataset root (test_qa.json + videos/); generated with --make")
     ap.add_argument("--make", type=int, default=200, help="test clips to generate when ROOT has none (default 200)")
+    ap.add_argument("--renderer", help="generate ROOT's clips with this renderer (evaluation/renderers.py; several "
+                                       "comma-separated, or in-distribution: every training renderer; default: "
+                                       "the original generator's seven families); adds the names-one-object "
+                                       "breakdown and the named object's share of ARR-COC's tokens")
+    ap.add_argument("--held-out", action="store_true", help="the held-out renderer's test split (--renderer HELD_OUT)")
     ap.add_argument("--vlm", default="arrcoc-synth-qa", help="VLM spec (default: arrcoc-synth-qa)")
     ap.add_argument("--limit", type=int, help="only the first N clips")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -358,6 +418,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.vlm, args.limit, args.make = "tiny-random", args.limit or 3, 3
+    from evaluation.renderers import HELD_OUT, RENDERERS, training_renderers
+    if args.held_out:
+        if args.renderer not in (None, HELD_OUT):
+            ap.error(f"--held-out is --renderer {HELD_OUT}; drop --renderer {args.renderer}")
+        args.renderer = HELD_OUT
+    if args.renderer == "in-distribution":
+        args.renderer = ",".join(training_renderers())
+    for name in (args.renderer or "").split(",") if args.renderer else ():
+        if name not in RENDERERS:
+            ap.error(f"unknown renderer {name!r}; choose from {', '.join(RENDERERS)} or in-distribution")
+        if name == HELD_OUT and args.renderer != HELD_OUT:
+            ap.error(f"{HELD_OUT} is the held-out renderer: evaluate it alone (--held-out)")
     if args.retentions is None:
         args.retentions = "1,0.25" if args.quick else ",".join(f"{r:g}" for r in RETENTIONS)
     policies = [p for p in args.policies.split(",") if p]
@@ -383,8 +455,9 @@ def main(argv=None) -> int:
         ap.error("--hold-share holds the --escalate share: give it")
     if args.ttft_window is not None and not args.ttft_window.is_file():
         ap.error(f"--ttft-window {args.ttft_window}: no such file")
+    check_variant_settings(ap, args, variants, retentions)
     workdir = Path(tempfile.mkdtemp(prefix="bench_accuracy_"))
-    plan, dataset, window = [], None, None
+    plan, dataset, window, annotations = [], None, None, None
     if args.ttft_window is not None:
         window = load_window(args.ttft_window)
     if not (args.ttft_only and window is not None):                      # the split: accuracy rows, or its window
@@ -392,8 +465,10 @@ def main(argv=None) -> int:
         from sources.msrvtt import load_msrvtt
 
         root = args.root or workdir / "data"
-        ensure_split(root, args.make)
+        ensure_split(root, args.make, "test", args.renderer)
         dataset = load_msrvtt(root, "test")
+        from benchmarks.named_objects import load_annotations
+        annotations = load_annotations(root, "test")
         plan = make_plan(dataset, limit=args.limit)
     base = run_config(args)
     if args.save_ttft_window is not None:
@@ -408,7 +483,7 @@ def main(argv=None) -> int:
         query_encoder = lambda question: table[question]  # noqa: E731
     rows: list[dict] = []
     result = {"benchmark": "bench_accuracy", "command": " ".join(["python", *sys.argv]), "device": str(device),
-              "device_name": device_name(device), "vlm": args.vlm, "clips": len(plan),
+              "device_name": device_name(device), "vlm": args.vlm, "clips": len(plan), "renderer": args.renderer,
               "questions": sum(len(w.questions) for w in plan), "one_object_families": list(ONE_OBJECT), "rows": rows}
     def add(row: dict) -> None:
         row.pop("_report", None)
@@ -422,7 +497,7 @@ def main(argv=None) -> int:
 
     for policy in policies if not args.ttft_only else ():
         for retention in ([1.0] if policy == "stock" else retentions):
-            add(run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder))
+            add(run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder, annotations=annotations))
     variant_vlms: dict[str, tuple[Any, list[float]]] = {}
     for variant in variants:
         overrides = list(VARIANTS[variant]) if variant != "finetuned" else [f"runtime.model_weights={args.arrcoc_weights}"]
@@ -441,7 +516,8 @@ def main(argv=None) -> int:
         if not args.ttft_only:
             variant_vlm = load_answerer(cfg, device)
             for retention in variant_retentions:
-                add(run_row("arrcoc", retention, plan, dataset, cfg, variant_vlm, workdir, query_encoder, variant))
+                add(run_row("arrcoc", retention, plan, dataset, cfg, variant_vlm, workdir, query_encoder, variant,
+                            annotations))
             del variant_vlm
         result.setdefault("variants", {})[variant] = overrides
         if args.ttft:

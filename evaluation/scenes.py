@@ -72,7 +72,7 @@ class SceneClip:
     motions: tuple[str, ...]            # motion kind per shot
 
 
-def _shape_mask(shape: str, side_y: int, side_x: int) -> np.ndarray:
+def shape_mask(shape: str, side_y: int, side_x: int) -> np.ndarray:
     """Boolean (side_y, side_x) mask of a shape filling its box."""
     y = (np.arange(side_y) + 0.5)[:, None] / side_y
     x = (np.arange(side_x) + 0.5)[None, :] / side_x
@@ -93,7 +93,7 @@ def paint(image: np.ndarray, obj: SceneObject, rgb: tuple[int, int, int] | np.nd
     """Draw obj into image (in place) in colour rgb."""
     y0, x0, y1, x1 = obj.box
     H, W = image.shape[:2]
-    mask = _shape_mask(obj.shape, y1 - y0, x1 - x0)
+    mask = shape_mask(obj.shape, y1 - y0, x1 - x0)
     cy0, cx0, cy1, cx1 = max(y0, 0), max(x0, 0), min(y1, H), min(x1, W)
     if cy1 <= cy0 or cx1 <= cx0:
         return

@@ -107,3 +107,48 @@ def test_ttft_window_runs_without_pyav_or_zarr(tmp_path):
                           "--ttft-only", "--ttft-window", str(tmp_path / "bad.npz")],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "not a window file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_renderer_split_adds_the_named_object_measures(tmp_path):
+    """--renderer writes that renderer's clips; every row splits accuracy by whether a question names
+    one object, ARR-COC's rows add the named object's share of the tokens; --held-out is the held-out
+    renderer's test split and takes no other renderer."""
+    out = tmp_path / "acc.json"
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--renderer", "photo", "--policies", "stock,arrcoc", "--retentions", "0.25",
+                           "--limit", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["renderer"] == "photo"
+    records = json.loads((tmp_path / "data" / "test_qa.json").read_text())
+    assert {r["renderer"] for r in records} == {"photo"}
+    for row in result["rows"]:
+        split = row["names_one_object"]
+        assert split["one_object"]["questions"] + split["other"]["questions"] == row["answered"]
+    arrcoc = next(r for r in result["rows"] if r["policy"] == "arrcoc")
+    assert 0 <= arrcoc["named_object_share"]["token_share"] <= 1 and arrcoc["named_object_share"]["questions"] > 0
+    assert "named_object_share" not in result["rows"][0]
+    bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "x"),
+                          "--held-out", "--renderer", "photo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--held-out is --renderer" in bad.stderr and not (tmp_path / "x").exists()
+    bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "x"),
+                          "--renderer", "photo,styled"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "evaluate it alone" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_in_distribution_split_draws_every_training_renderer(tmp_path):
+    from evaluation.renderers import training_renderers
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--make", "3", "--renderer", "in-distribution", "--policies", "stock", "--limit", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = json.loads((tmp_path / "data" / "test_qa.json").read_text())
+    assert {r["renderer"] for r in records} == set(training_renderers())
+
+
+def test_a_variant_setting_out_of_range_fails_before_any_row(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
+                           "--variants", "pass2", "--retentions", "1,0.1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "variant pass2 at retention 1" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "data").exists()

@@ -103,6 +103,22 @@ def token_colors(frames: np.ndarray, grid: tuple[int, int], temporal_patch: int 
     small = np.stack([cv2.resize(f, (gw * sub, gh * sub), interpolation=cv2.INTER_AREA) for f in frames])
     dist = np.linalg.norm(small[..., None, :].astype(np.float32) - PALETTE, axis=-1)   # (T, gh*sub, gw*sub, C)
     label = np.where(dist.min(-1) < COLOR_DISTANCE, dist.argmin(-1), len(PALETTE))
+    return _token_shares(label, grid, temporal_patch, sub)
+
+
+def label_colors(labels: np.ndarray, grid: tuple[int, int], temporal_patch: int = 2, sub: int = 4) -> np.ndarray:
+    """token_colors from a renderer's own labels (QAClip.labels: (T, H, W) uint8, a COLORS index where
+    an object shows its colour, 255 elsewhere) instead of pixel colours, which on backgrounds painted
+    in the answer colours would label background patches."""
+    gh, gw = grid
+    small = np.stack([cv2.resize(m, (gw * sub, gh * sub), interpolation=cv2.INTER_NEAREST) for m in labels])
+    return _token_shares(np.where(small == 255, len(PALETTE), small).astype(np.int64), grid, temporal_patch, sub)
+
+
+def _token_shares(label: np.ndarray, grid: tuple[int, int], temporal_patch: int, sub: int) -> np.ndarray:
+    """(T, gh*sub, gw*sub) class per sample (len(PALETTE): background) -> (ceil(T / tp), gh, gw) int8:
+    the colour covering COLOR_SHARE of each token's samples over its frame pair, else background."""
+    gh, gw = grid
     if pad := -len(label) % temporal_patch:
         label = np.concatenate([label, label[-1:].repeat(pad, 0)])
     onehot = np.eye(len(PALETTE) + 1, dtype=np.float32)[label]                           # (T, .., .., C + 1)
@@ -267,19 +283,21 @@ class ClipSample:
 
 class StepData:
     """Map-style dataset over training steps: item s is the list of ClipSamples of step s, all drawn
-    deterministically from (seed, s): clip seeds first_seed + s * clips_per_step + i."""
+    deterministically from (seed, s): clip seeds first_seed + s * clips_per_step + i; with world
+    ranks, rank r's item holds every world-th of them from i = r (the ranks together: the same clips)."""
 
     def __init__(self, make_clip: Callable, geometry: VLMGeometry, *, clips_per_step: int, views_per_question: int,
                  vlm_fps: float, drop: DropSpec, jpeg_prob: float, jpeg_quality: tuple[int, int],
                  resize_prob: float, aspect: tuple[float, float], area: tuple[float, float], seed: int,
                  first_seed: int, steps: int, curriculum_steps: int = 0,
-                 curriculum: DropSpec | None = None) -> None:
+                 curriculum: DropSpec | None = None, rank: int = 0, world: int = 1) -> None:
         self.make_clip, self.geometry = make_clip, geometry
         self.clips_per_step, self.views = clips_per_step, views_per_question
         self.vlm_fps, self.drop, self.jpeg_prob, self.jpeg_quality = vlm_fps, drop, jpeg_prob, jpeg_quality
         self.resize_prob, self.aspect, self.area = resize_prob, aspect, area
         self.seed, self.first_seed, self.steps = seed, first_seed, steps
         self.curriculum_steps, self.curriculum = curriculum_steps, curriculum
+        self.rank, self.world = rank, world   # under data parallelism: this rank's share of each step
 
     def __len__(self) -> int:
         return self.steps
@@ -287,24 +305,30 @@ class StepData:
     def __getitem__(self, step: int) -> list[ClipSample]:
         drop = self.curriculum if step < self.curriculum_steps else self.drop
         return [self.sample(self.first_seed + step * self.clips_per_step + i, drop)
-                for i in range(self.clips_per_step)]
+                for i in range(self.clips_per_step)[self.rank::self.world]]
 
     def sample(self, clip_seed: int, drop: DropSpec | None = None) -> ClipSample:
         clip = self.make_clip(clip_seed, split="train")
         rng = np.random.default_rng([self.seed, clip_seed])
-        frames = clip.frames[vlm_frame_indices(len(clip.frames), clip.fps, self.vlm_fps)]
+        shown = vlm_frame_indices(len(clip.frames), clip.fps, self.vlm_fps)
+        frames = clip.frames[shown]
+        labels = None if getattr(clip, "labels", None) is None else clip.labels[shown]
         if rng.random() < self.resize_prob:
             H, W = frames.shape[1:3]
             aspect = float(np.exp(rng.uniform(np.log(self.aspect[0]), np.log(self.aspect[1]))))   # W / H
             area = rng.uniform(*self.area) * H * W
             height = 2 * max(8, int(round(np.sqrt(area / aspect) / 2)))      # even sides, as a video has
             frames = resize(frames, height, 2 * max(8, int(round(height * aspect / 2))))
+            if labels is not None:
+                labels = np.stack([cv2.resize(m, frames.shape[2:0:-1], interpolation=cv2.INTER_NEAREST)
+                                   for m in labels])
         if rng.random() < self.jpeg_prob:
             frames = jpeg(frames, int(rng.integers(self.jpeg_quality[0], self.jpeg_quality[1] + 1)))
         grid = self.geometry.grid(*frames.shape[1:3])
         cells = cell_colors(frames, grid)
         qas = [qa for qa in clip.qas for _ in range(self.views)]
-        colors = token_colors(frames, grid, self.geometry.temporal_patch_size)
+        colors = token_colors(frames, grid, self.geometry.temporal_patch_size) if labels is None else \
+            label_colors(labels, grid, self.geometry.temporal_patch_size)
         shapes, motions = token_objects(colors, getattr(clip, "objects", ()))
         return ClipSample(frames=np.ascontiguousarray(frames), questions=[qa.question for qa in qas],
                           answers=[qa.answer for qa in qas], families=[qa.family for qa in qas],

@@ -205,11 +205,43 @@ class ValConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    # the renderers of evaluation/renderers.py training and validation draw from (clip seed s from
+    # renderers[s % n]); empty: the original generator's clips and seven families (the shipped model's)
+    renderers: tuple[str, ...] = ()
+    leave_out: str = ""               # leave-one-renderer-out: also keep this one out of training
+
+    def __post_init__(self) -> None:
+        from evaluation.renderers import HELD_OUT, RENDERERS
+        for r in (*self.renderers, *((self.leave_out,) if self.leave_out else ())):
+            check_choice("data.renderers", r, RENDERERS)
+        if HELD_OUT in self.renderers:
+            raise ConfigError(f"data.renderers names {HELD_OUT!r}, the held-out renderer: it is never trained "
+                              f"or tuned on (evaluate on it with bench_accuracy --held-out)")
+        if self.renderers and not self.training:
+            raise ConfigError(f"data.leave_out={self.leave_out} leaves no renderer of {list(self.renderers)}")
+
+    @property
+    def training(self) -> tuple[str, ...]:
+        return tuple(r for r in self.renderers if r != self.leave_out)
+
+
+@dataclass(frozen=True)
 class QAVLMConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drop: DropConfig = field(default_factory=DropConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     val: ValConfig = field(default_factory=ValConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def clip_source(cfg: QAVLMConfig) -> Callable:
+    """make_clip(seed, split=...) of training and validation: data.renderers' clips, or the original generator's."""
+    if cfg.data.renderers:
+        from evaluation.renderers import MultiRendererClips
+        return MultiRendererClips(cfg.data.training)
+    from evaluation.synth_qa import make_qa_clip
+    return make_qa_clip
 
 
 # ---- model, data ----
@@ -233,14 +265,15 @@ def geometry(cfg: QAVLMConfig) -> VLMGeometry:
     return VLMGeometry(min_pixels=min(VLMConfig.min_pixels, cfg.model.max_pixels), max_pixels=cfg.model.max_pixels)
 
 
-def step_data(cfg: QAVLMConfig, make_clip: Callable) -> StepData:
+def step_data(cfg: QAVLMConfig, make_clip: Callable, rank: int = 0, world: int = 1) -> StepData:
     d, t = cfg.drop, cfg.train
     return StepData(make_clip, geometry(cfg), clips_per_step=t.clips_per_step, views_per_question=t.views_per_question,
                     vlm_fps=cfg.model.fps, drop=DropSpec(d.keep_min, d.keep_max, d.p_all, d.policies),
                     jpeg_prob=t.jpeg_prob, jpeg_quality=t.jpeg_quality, resize_prob=t.resize_prob, aspect=t.aspect,
                     area=t.area, seed=t.seed, first_seed=t.first_seed, steps=t.steps,
                     curriculum_steps=d.curriculum_steps,
-                    curriculum=DropSpec(d.curriculum_keep[0], d.curriculum_keep[1], 0.0, ("salient",)))
+                    curriculum=DropSpec(d.curriculum_keep[0], d.curriculum_keep[1], 0.0, ("salient",)),
+                    rank=rank, world=world)
 
 
 def _identity(x: Any) -> Any:
@@ -292,14 +325,21 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     from pipeline.training.qa_forward import QAForward
     from pipeline.vlm.loading import resolve_device
 
+    from pipeline.training import distributed
+
     if make_clip is None:
-        from evaluation.synth_qa import make_qa_clip as make_clip
+        make_clip = clip_source(cfg)
     hf_logging.disable_progress_bar()       # save / load bars at every validation
     if cfg.train.init and not resume_found(out_dir, resume):
         init_root(cfg.train.init)                       # before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.train.device)
+    ranks, device = distributed.setup(resolve_device(cfg.train.device))
+    if cfg.train.clips_per_step % ranks.world:
+        raise ConfigError(f"train.clips_per_step={cfg.train.clips_per_step} must split evenly over "
+                          f"{ranks.world} processes")
+    if not ranks.main:
+        log = _quiet
     torch.manual_seed(cfg.train.seed)
     model, tokenizer, preprocessor = build(cfg, device)
     model.train()
@@ -336,10 +376,12 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
         opt.load_state_dict(state["optimizer"])
         start, history, train_s = state["step"], state["history"], state["train_s"]
         log(f"resumed at step {start} ({train_s:.0f} s trained)")
+    step_forward = distributed.wrap(torch.nn.ModuleList([model, aux_head]), forward, ranks, device)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params / 1e6:.2f}M parameters ({n_params * 2 / 2**20:.1f} MiB in bf16) on {_device_name(device)}")
-    seeds = list(range(cfg.val.first_seed, cfg.val.first_seed + cfg.val.clips))
-    val_clips = list(loader(ValData(make_clip, seeds, cfg.model.fps), range(cfg.val.clips), cfg.train.workers))
+    log(f"model: {n_params / 1e6:.2f}M parameters ({n_params * 2 / 2**20:.1f} MiB in bf16) on {_device_name(device)}"
+        + (f", {ranks.world} data-parallel processes" if ranks.distributed else ""))
+    seeds = list(range(cfg.val.first_seed, cfg.val.first_seed + cfg.val.clips)) if ranks.main else []
+    val_clips = list(loader(ValData(make_clip, seeds, cfg.model.fps), range(len(seeds)), cfg.train.workers))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     snapshot = out / "snapshot"
 
@@ -351,9 +393,9 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
 
     steps = t.stop_step or t.steps                    # where this run ends; lr_at spans t.steps
     began = time.perf_counter()
-    bar = tqdm(total=steps, initial=start, desc="qa_vlm", mininterval=10.0, file=sys.stdout)
+    bar = tqdm(total=steps, initial=start, desc="qa_vlm", mininterval=10.0, file=sys.stdout, disable=not ranks.main)
     done, stopped_early, waited = start, False, 0.0
-    data = loader(step_data(cfg, make_clip), range(start, steps), t.workers)
+    data = loader(step_data(cfg, make_clip, ranks.rank, ranks.world), range(start, steps), t.workers)
     for step in range(start, steps):
         tick = time.perf_counter()
         samples = next(data)
@@ -361,7 +403,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t)
         with autocast:
-            loss, stats = forward(samples)
+            loss, stats = step_forward(samples)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *aux_head.parameters()], t.grad_clip)
@@ -374,14 +416,18 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
                             kept=f"{stats['kept']:.2f}", lr=f"{lr_at(step, t):.1e}",
                             data_wait=f"{waited / (time.perf_counter() - began):.0%}", refresh=False)
         elapsed = train_s + time.perf_counter() - began
-        if done % cfg.val.every == 0 and done < steps and cfg.val.periodic_clips:
+        if ranks.main and done % cfg.val.every == 0 and done < steps and cfg.val.periodic_clips:
             acc = validate(export({}), val_clips[:cfg.val.periodic_clips], device)
             history.append({"step": done, "train_s": round(elapsed, 1), **acc})
             log(f"\nstep {done}: val {acc['keep_1']}")
-        if done % t.checkpoint_every == 0 or done == steps:
+        if ranks.main and (done % t.checkpoint_every == 0 or done == steps):
             _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
-        if t.time_limit_s and elapsed > t.time_limit_s and done < steps:
-            _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
+        over = bool(t.time_limit_s and elapsed > t.time_limit_s and done < steps)
+        if t.time_limit_s and ranks.distributed:            # every rank stops at the same step
+            over = distributed.any_rank(over, device)
+        if over:
+            if ranks.main:
+                _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
             log(f"\ntime limit reached at step {done}: checkpointed, continue with --resume")
             stopped_early = True
             break
@@ -394,11 +440,15 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
         log(f"{done - start} steps in {run_s:.0f} s: {(done - start) / run_s:.2f} steps/s, "
             f"{waited / run_s:.0%} of it waiting for data{memory}")
     train_s = train_s + run_s
+    in_sync = distributed.check_in_sync(model, ranks)            # every rank: a collective
+    distributed.teardown(ranks)
+    if not ranks.main:
+        return {"rank": ranks.rank, "steps": done, "fingerprints": in_sync}
     final = validate(export({}), val_clips, device, cfg.val.final_keep_ratios) if val_clips else {}
     summary = {"name": SHIPPED_NAME, "complete": not stopped_early and done >= steps, "steps": done,
                "train_s": round(train_s, 1), "device": _device_name(device), "parameters": n_params,
                "command": command, "config": config_dict, "val_clips": cfg.val.clips, "val": final,
-               "history": history}
+               "history": history, "processes": ranks.world, "rank_fingerprints": in_sync}
     export(summary)
     (out / "history.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"val after {done} steps ({train_s:.0f} s): {json.dumps(final)}")
@@ -412,6 +462,10 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
         shutil.copytree(snapshot, target)
         log(f"exported to {target}")
     return summary
+
+
+def _quiet(_: str) -> None:
+    """The log of ranks other than 0."""
 
 
 def resume_found(out_dir: str | Path, resume: bool) -> bool:

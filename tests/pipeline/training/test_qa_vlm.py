@@ -321,6 +321,7 @@ class TestConfig:
             for key in ("workers", "time_limit_s", "stop_step"):
                 yaml_cfg["train"].pop(key)
                 t.pop(key, None)
+            shipped["config"].setdefault("data", {"renderers": [], "leave_out": ""})   # added since: the default
             if yaml_cfg is stage2:   # stage 1's snapshot: then shipped under this name, now runs/qa_vlm's
                 assert (yaml_cfg["train"].pop("init"), t.pop("init")) == ("runs/qa_vlm/snapshot", "arrcoc-synth-qa")
             else:

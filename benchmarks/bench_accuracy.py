@@ -269,7 +269,7 @@ def ttft_rows(policies, retentions, window: tuple[np.ndarray, str], base: Pipeli
         video = torch.as_tensor(frames, device=device).permute(0, 3, 1, 2)      # (T, 3, H, W)
         query = torch.zeros(384, device=device)
 
-        def arrcoc_lod(q=query):
+        def arrcoc_lod(q=query, model=model, video=video):    # bound now: called in this iteration
             allocation, _, _ = model.realize(model.extract(video, None, grid), q)
             return allocation.lod.cpu().numpy(), allocation.relevance.float().cpu().numpy()
         with torch.inference_mode():
@@ -283,9 +283,10 @@ def ttft_rows(policies, retentions, window: tuple[np.ndarray, str], base: Pipeli
                     select_s, keep = 0.0, None
                 else:
                     merged = vlm.visual_tokens(frames).unflatten(1, grid) if policy in NEEDS_FEATURES else None
-                    select_s, keep = timed(lambda: baseline_keep(policy, frames, retention, grid=grid, merged=merged))
+                    select_s, keep = timed(lambda policy=policy, retention=retention, merged=merged: baseline_keep(
+                        policy, frames, retention, grid=grid, merged=merged))
                 request = AnswerRequest("ttft", frames, keep, question, 0.0, len(frames) / base.vlm.fps, scores=scores)
-                answer_s, _ = timed(lambda: answerer.answer([request]))
+                answer_s, _ = timed(lambda answerer=answerer, request=request: answerer.answer([request]))
                 rows.append({"policy": f"{policy}+{variant}" if variant else policy,
                              "retention": 1.0 if policy == "stock" else retention,
                              "select_ms": round(select_s * 1e3, 3), "vlm_first_token_ms": round(answer_s * 1e3, 3),

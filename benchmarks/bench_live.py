@@ -39,7 +39,7 @@ from benchmarks.common import fixed_query, host_topology, scratch_result  # noqa
 from benchmarks.loopback import TSServer, encode_clip  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
-from pipeline.core.live_stages import LiveOptions
+from pipeline.core.live_stages import LiveOptions  # noqa: E402
 from pipeline.runners.live import run_live  # noqa: E402
 from pipeline.core.live_status import snapshot  # noqa: E402
 from pipeline.vlm_config import VLMConfig  # noqa: E402

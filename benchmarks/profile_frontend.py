@@ -61,8 +61,8 @@ def main() -> None:
         with torch.inference_mode():
             texture = model.extract(frames, last, grid)
             _, state, _ = model.realize(texture, query, StreamState())
-            ex = gpu_ms(lambda: model.extract(frames, last, grid))
-            re = gpu_ms(lambda: model.realize(texture, query, state))
+            ex = gpu_ms(lambda frames=frames, last=last: model.extract(frames, last, grid))
+            re = gpu_ms(lambda texture=texture, state=state: model.realize(texture, query, state))
             graph_ms = float("nan")
             try:
                 side = torch.cuda.Stream()

@@ -1,6 +1,6 @@
 """ARR-COC streaming video understanding: the pipeline around the relevance model (arr_coc).
 
-    from pipeline import Pipeline
+    from pipeline import Pipeline as Pipeline
     Pipeline(vlm="tiny-random", device="cpu").answer("video.mp4", "What is moving?")
 
 The names below are imported on first use (PEP 562): `import pipeline`, and the command line's
@@ -22,12 +22,12 @@ _HOMES = {
 __all__ = list(_HOMES)
 
 if TYPE_CHECKING:
-    from .api import Answer, Pipeline, VideoAnswers
-    from .config import PipelineConfig
-    from .core.items import FrameAllocation
-    from .runners.batch import BatchSummary
-    from .runners.live import LiveResult
-    from .runners.run import AllocationStream, RunResult
+    from .api import Answer as Answer, Pipeline as Pipeline, VideoAnswers as VideoAnswers
+    from .config import PipelineConfig as PipelineConfig
+    from .core.items import FrameAllocation as FrameAllocation
+    from .runners.batch import BatchSummary as BatchSummary
+    from .runners.live import LiveResult as LiveResult
+    from .runners.run import AllocationStream as AllocationStream, RunResult as RunResult
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

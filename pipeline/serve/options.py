@@ -75,7 +75,7 @@ class ServeOptions:
         if self.max_storage_gb * 1024 < max(self.max_upload_mb, self.max_fetch_mb):
             raise ConfigError(f"--max-storage-gb={self.max_storage_gb:g} cannot hold one upload or fetch "
                               f"(--max-upload-mb {self.max_upload_mb:g}, --max-fetch-mb {self.max_fetch_mb:g})")
-        self.fetch_policy    # its own checks: --media-resolve addresses, --max-redirects
+        _ = self.fetch_policy    # built for its own checks: --media-resolve addresses, --max-redirects
         for d in self.allow_dirs:
             if not Path(d).is_dir():
                 raise ConfigError(f"--allow-dir {d}: not a directory")

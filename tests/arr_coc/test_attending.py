@@ -41,7 +41,8 @@ def check_allotment(out: Allotment, cfg: AttendingConfig, relevance: torch.Tenso
     lod_p = torch.nn.functional.pad(lod, (0, pad_w, 0, pad_h))
     tok_p = torch.nn.functional.pad(out.tokens.long(), (0, pad_w, 0, pad_h))
     rel_p = torch.nn.functional.pad(relevance, (0, pad_w, 0, pad_h), value=-1.0)
-    blocks = lambda x: x.unfold(1, 2, 2).unfold(2, 2, 2).reshape(B, -1, 4)
+    def blocks(x):
+        return x.unfold(1, 2, 2).unfold(2, 2, 2).reshape(B, -1, 4)
     b_lod, b_tok, b_rel = blocks(lod_p), blocks(tok_p), blocks(rel_p)
     pooled_block = (b_lod == 2).any(-1)
     assert not ((b_lod == 1).any(-1) & pooled_block).any(), "full cell inside a pooled block"

@@ -107,13 +107,13 @@ class TestCoupling:
     def test_max_pooling_is_the_best_single_token(self):
         k = make(token_pooling="max", context_dim=0)
         x, q = texture(), torch.randn(2, 3, DQ)
-        per_token = torch.stack([k(x, q[:, l]).coupling for l in range(3)])  # (L, B, gh, gw)
+        per_token = torch.stack([k(x, q[:, i]).coupling for i in range(3)])  # (L, B, gh, gw)
         assert torch.allclose(k(x, q).coupling, per_token.amax(0), atol=1e-6)
 
     def test_attention_pooling_lies_between_tokens(self):
         k = make(token_pooling="attention", context_dim=0)
         x, q = texture(), torch.randn(2, 3, DQ)
-        per_token = torch.stack([k(x, q[:, l]).coupling for l in range(3)])
+        per_token = torch.stack([k(x, q[:, i]).coupling for i in range(3)])
         c = k(x, q).coupling
         assert (c <= per_token.amax(0) + 1e-6).all() and (c >= per_token.amin(0) - 1e-6).all()
         assert not torch.allclose(c, per_token.amax(0))

@@ -84,7 +84,7 @@ class TestPackage:
             assert getattr(arr_coc, name) is not None
         assert arr_coc.ARRCOC is ARRCOC and "ARRCOC" in dir(arr_coc)
         with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-            arr_coc.Nope
+            _ = arr_coc.Nope
 
     def test_validation_helpers_do_not_import_torch(self):
         """Every config imports arr_coc._validate; the package must not make that pull in torch."""

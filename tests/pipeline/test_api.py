@@ -148,7 +148,7 @@ class TestAllocations:
         long = render_clip([Shot("moving_object", 300, speed=1.0)], height=96, width=128, seed=7)
         path = write_video(tmp_path / "long.mp4", long.frames, fps=25)
         pipe = Pipeline(device="cpu", overrides={"runtime.batch_size": 2, "runtime.queue_capacity": 1})
-        for frame in pipe.allocations(path, QUESTION, out=tmp_path / "dropped.zarr"):
+        for _frame in pipe.allocations(path, QUESTION, out=tmp_path / "dropped.zarr"):
             break                                             # the iterator is dropped here
         gc.collect()
         deadline = time.monotonic() + 30
@@ -287,7 +287,7 @@ class TestImports:
         for name in pipeline.__all__:
             assert getattr(pipeline, name) is not None
         with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-            pipeline.Nope
+            _ = pipeline.Nope
 
 
 class TestConsoleScript:

@@ -87,7 +87,7 @@ def test_device_color_hands_over_yuv_planes_that_convert_to_the_rgb_frames(clip_
         planes, indices = [], []
         for batch in src.batches():
             with pytest.raises(ValueError, match="YUV planes"):
-                batch.rgb
+                _ = batch.rgb
             planes.append(yuv_to_rgb(torch.from_numpy(batch.pixels.copy()), batch.yuv).numpy())
             indices += batch.indices
             src.release(batch)

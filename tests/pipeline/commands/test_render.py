@@ -83,7 +83,7 @@ class TestContactSheet:
         code, stdout, err = run(capsys, "render", store, "--stream", "clip", "--video", video, "--contact-sheet", out,
                                 "--tiles", "6", "--columns", "3", "--color", colour_by)
         assert code == 0, err
-        assert f'"frames": 6' in stdout
+        assert '"frames": 6' in stdout
         sheet = cv2.imread(str(out))[..., ::-1]
         data = read_stream(store, "clip")
         gap = 4

@@ -215,7 +215,7 @@ class TestWholeFlow:
             return keep
         cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu", "decode.fps=4"])
         run_batch(make_plan(load_msrvtt(root, "test")), out, cfg, keep_policy=one_cell, progress=False, in_flight=1)
-        assert len(seen) == 2 and all(f[0] == l[0] and f[3] == 3 for f, l in seen)
+        assert len(seen) == 2 and all(f[0] == last[0] and f[3] == 3 for f, last in seen)
         for video in ("video7010", "video7011"):
             a = read_stream(out, video)["answers"]
             frames = seen[0][0][0]

@@ -144,8 +144,8 @@ class MediaHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def media(videos):
+@pytest.fixture(scope="module", name="media")   # named apart from the tests' `media` parameter
+def media_fixture(videos):
     """A media server of the test videos (MediaHandler) on a loopback port, for one test module."""
     server = media_server(videos.allowed)
     yield server

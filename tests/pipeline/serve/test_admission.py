@@ -15,7 +15,7 @@ import pytest
 from pipeline.serve.admission import Admission, Deadline
 from pipeline.serve.errors import ApiError
 from serve_client import chat_body, sse
-from serve_process import ServeProcess, media, request  # noqa: F401 - media: a fixture
+from serve_process import ServeProcess, media_fixture, request  # noqa: F401 - media_fixture: the `media` fixture
 
 TIMEOUT_S = 6.0
 OTHER_KEY = "other-key"

@@ -13,7 +13,7 @@ import pytest
 from pipeline.serve.fetch_policy import FetchPolicy, blocked_address
 from pipeline.serve.errors import ApiError
 from serve_client import chat_body
-from serve_process import Recorder, ServeProcess, media, request  # noqa: F401 - media: a fixture
+from serve_process import Recorder, ServeProcess, media_fixture, request  # noqa: F401 - media_fixture: the `media` fixture
 
 FLAGS = ("--allow-media-host", "media.allowed", "--allow-media-host", "*.cdn.test",
          "--media-resolve", "media.allowed=127.0.0.1", "--media-resolve", "other.allowed=127.0.0.1",

@@ -142,7 +142,8 @@ class TestDecoderReuse:
 
     def test_memory_budget_drops_least_recently_used(self, vlm):
         v = rewrap(vlm)
-        gen = lambda n: v.generate([random_prefix(vlm, 50, seed=b) for b in range(n)], max_new_tokens=3)
+        def gen(n):
+            return v.generate([random_prefix(vlm, 50, seed=b) for b in range(n)], max_new_tokens=3)
         gen(1)
         one = v.pool._decoders[(1, CACHE_BUCKET)]
         cache = one.cache.keys + one.cache.values

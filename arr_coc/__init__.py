@@ -27,10 +27,18 @@ __all__ = list(_HOMES)
 if TYPE_CHECKING:
     from ._validate import ConfigError as ConfigError
     from .attending import AttendingConfig as AttendingConfig, TokenAllocator as TokenAllocator
-    from .balancing import AdaptiveTensionBalancer as AdaptiveTensionBalancer, BalancingConfig as BalancingConfig, TensionBalancer as TensionBalancer
+    from .balancing import (
+        AdaptiveTensionBalancer as AdaptiveTensionBalancer,
+        BalancingConfig as BalancingConfig,
+        TensionBalancer as TensionBalancer,
+    )
     from .knowing import Knowing as Knowing, KnowingConfig as KnowingConfig
     from .model import ARRCOC as ARRCOC, Allocation as Allocation, ARRCOCConfig as ARRCOCConfig
-    from .realizing import RealizingConfig as RealizingConfig, StreamState as StreamState, TemporalRelevanceRealizer as TemporalRelevanceRealizer
+    from .realizing import (
+        RealizingConfig as RealizingConfig,
+        StreamState as StreamState,
+        TemporalRelevanceRealizer as TemporalRelevanceRealizer,
+    )
     from .texture import CHANNELS as CHANNELS, TextureConfig as TextureConfig, TextureExtractor as TextureExtractor
 
 

@@ -71,7 +71,8 @@ class Spread(nn.Module):
         k = self.kernel.to(x.dtype)
         pad = k.shape[-1] // 2
         total = F.conv2d(x4, k, padding=pad)  # (B, 1, gh, gw)
-        count = F.conv2d(torch.ones_like(x4[:1]), k, padding=pad).clamp_min(1.0)  # (1, 1, gh, gw) border cells have fewer
+        # (1, 1, gh, gw) border cells have fewer
+        count = F.conv2d(torch.ones_like(x4[:1]), k, padding=pad).clamp_min(1.0)
         return x * (1.0 - (total / count).squeeze(1))  # (B, gh, gw)
 
 

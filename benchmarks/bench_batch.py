@@ -148,7 +148,8 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
     return {"path": path, "workers": workers, "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
             "steady_videos_per_s": round(vps, 4), "steady_questions_per_s": round(qps, 4),
-            "tokens_kept_per_video": row["tokens_kept_per_video"], "tokens_full_per_video": row["tokens_full_per_video"],
+            "tokens_kept_per_video": row["tokens_kept_per_video"],
+            "tokens_full_per_video": row["tokens_full_per_video"],
             "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"],
             "seconds_per_video": row["seconds_per_video"], "stage_busy_per_video_s": row["stage_busy_per_video_s"],
             "videos_per_vlm_call": row["videos_per_vlm_call"],
@@ -197,7 +198,8 @@ def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: in
     from pipeline.vlm.server import VLMServer
 
     start = time.perf_counter()
-    server = VLMServer(functools.partial(_server_vlm, cfg, factory), max_batch=cfg.vlm.max_batch) if shared_vlm else None
+    server = VLMServer(functools.partial(_server_vlm, cfg, factory),
+                       max_batch=cfg.vlm.max_batch) if shared_vlm else None
     try:
         with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
             futures = [pool.submit(_shard, plan[i::processes], out.with_name(f"{out.stem}_p{i}.zarr"), cfg, stock,
@@ -209,7 +211,8 @@ def local_processes(plan, out: Path, cfg, *, stock: bool, factory, in_flight: in
             sizes, answer_s, queued_s = (counters.get(k, []) for k in ("batch_sizes", "answer_s", "queued_s"))
             server_stats.update({
                 "batches": len(sizes), "videos_per_batch": round(float(np.mean(sizes)), 2) if sizes else 0.0,
-                "batch_size_counts": dict(sorted((int(k), int(v)) for k, v in zip(*np.unique(sizes, return_counts=True)))),
+                "batch_size_counts": dict(sorted((int(k), int(v)) for k, v in zip(*np.unique(sizes,
+                                                                                             return_counts=True)))),
                 # the VLM process's time: its calls (busy_s over the run's wall time says how loaded it was)
                 "call_ms_p50": round(1e3 * float(np.median(answer_s)), 1) if answer_s else None,
                 "busy_s": round(float(np.sum(answer_s)), 2),
@@ -359,7 +362,9 @@ def main() -> None:
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "unique_clips": args.unique_clips or args.videos,
               "questions_per_video": args.questions, "seconds": args.seconds,
-              "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos, "shared_vlm": args.shared_vlm, "mps": args.mps, "overrides": args.overrides, "videos_per_task": args.videos_per_task, "runs": rows,
+              "size": args.size, "retention": args.retention, "warmup_videos": args.warmup_videos,
+              "shared_vlm": args.shared_vlm, "mps": args.mps, "overrides": args.overrides,
+              "videos_per_task": args.videos_per_task, "runs": rows,
               "summary": summarize(rows, counts, args.processes), "command": " ".join(["python3"] + sys.argv),
               "host": host_topology()}
     print(json.dumps(result["summary"], indent=1))

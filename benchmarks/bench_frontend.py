@@ -226,7 +226,8 @@ def run(args: argparse.Namespace) -> dict:
                 ms = statistics.median(times)
                 fps = batch / ms * 1e3
                 target, met = judge((h, w), batch, ms / batch, fps, device) if not upload else (None, None)
-                rows.append(Row(size=f"{h}x{w}", grid=grid, batch=batch, device=device.type, upload=upload, graphs=graphs,
+                rows.append(Row(size=f"{h}x{w}", grid=grid, batch=batch, device=device.type, upload=upload,
+                                graphs=graphs,
                                 compiled=args.compile, repeats=args.repeats, ms_per_batch=round(ms, 4),
                                 ms_per_batch_min=round(min(times), 4), ms_per_frame=round(ms / batch, 4),
                                 frames_per_s=round(fps, 2), target=target, target_met=met))
@@ -248,7 +249,8 @@ def run(args: argparse.Namespace) -> dict:
         "frames": "generated pan + moving square, uint8 (B, H, W, 3) permuted to (B, 3, H, W); "
                   "on the device unless upload=true (pinned host memory, copied inside the step)",
         "grid_rule": "VLMGeometry(max_pixels=H*W).grid(H, W)",
-        "targets": {"cuda_batched_fps_448": TARGET_BATCHED_FPS_448, "cuda_ms_per_frame_batch1": TARGET_LATENCY_MS_BATCH1},
+        "targets": {"cuda_batched_fps_448": TARGET_BATCHED_FPS_448,
+                    "cuda_ms_per_frame_batch1": TARGET_LATENCY_MS_BATCH1},
         "compile_fallbacks": fallbacks,  # stage -> why it ran eager under --compile
         "rows": [asdict(r) for r in rows],
     }
@@ -273,12 +275,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default=None, help="comma-separated N or HxW (default 448,1024; --quick: 112,224)")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64; --quick: 1,4)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per row (default 50 on CUDA, 5 on CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10 on CUDA, 1 on CPU, 5 on CPU with --compile)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default 10 on CUDA, 1 on CPU, 5 on CPU with --compile)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run for CI")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's stages (off by default)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="on CUDA, skip the CUDA-graph rows (the pipeline's default steady state)")
-    p.add_argument("--out", default=None, help="JSON path (default: $TMPDIR/arrcoc-bench/bench_frontend_<device>.json; name benchmarks/results/... to commit a result)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: $TMPDIR/arrcoc-bench/bench_frontend_<device>.json; name benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     args.sizes = [parse_size(s) for s in (args.sizes or ("112,224" if args.quick else "448,1024")).split(",")]

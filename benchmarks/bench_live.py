@@ -197,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="CPU smoke test: 320x180@15, tiny VLM, short runs")
-    p.add_argument("--streams", default=None, help="comma-separated stream counts (default 1,4,16; quick 1,2; none: soak only)")
+    p.add_argument("--streams", default=None,
+                   help="comma-separated stream counts (default 1,4,16; quick 1,2; none: soak only)")
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per count (default 30; quick 6)")
     p.add_argument("--warmup", type=float, default=None, help="seconds before measuring (default 10; quick 3)")
     p.add_argument("--soak", type=float, default=None, help="soak seconds, 0 to skip (default 600; quick 20)")
     p.add_argument("--every", type=float, default=2.0)
     p.add_argument("--new-tokens", type=int, default=None, help="answer length in tokens (default 16; quick 4)")
-    p.add_argument("--batch-size", type=int, default=16, help="frames per batch through the GPU stages (runtime default)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="frames per batch through the GPU stages (runtime default)")
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live default)")
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. vlm.encode=kept (repeatable; as on the CLI)")
-    p.add_argument("--out", default=None, help="results JSON (default: $TMPDIR/arrcoc-bench/bench_live_<device>.json; name benchmarks/results/... to commit a result)")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default: $TMPDIR/arrcoc-bench/bench_live_<device>.json; name benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
     command = " ".join(["python3 benchmarks/bench_live.py", *(sys.argv[1:] if argv is None else argv)])
     quick = args.quick
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         if args.vlm_process:
             vlm.close()
-    result = {"command": command, "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+    result = {"command": command,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
               "vlm_process": args.vlm_process, "stagger": args.stagger, "decode_threads": args.decode_threads,

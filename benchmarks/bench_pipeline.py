@@ -151,7 +151,8 @@ def raw_decode_planes(path: Path) -> tuple[int, float]:
         return frames, time.perf_counter() - t0
 
 
-def bench(path: Path, name: str, size: tuple[int, int], decoder: str, device: torch.device, repeats: int, workdir: Path) -> Row:
+def bench(path: Path, name: str, size: tuple[int, int], decoder: str, device: torch.device, repeats: int,
+          workdir: Path) -> Row:
     cfg = pipeline_config(device.type, decoder)
     out = workdir / f"out_{name}_{decoder}.zarr"
     # warm-up: decoder libraries, allocator, kernels for this frame size; not timed
@@ -178,7 +179,8 @@ def bench(path: Path, name: str, size: tuple[int, int], decoder: str, device: to
                frames=frames, decode_fps=round(decode_fps, 2), pipeline_fps=round(pipeline_fps, 2),
                ratio=round(ratio, 3),
                decode_no_rgb_fps=None if planes_fps is None else round(planes_fps, 2),
-               ratio_no_rgb=None if planes_fps is None else round(pipeline_fps / planes_fps, 3), setup_s=round(outer - median_run.wall_s, 3),
+               ratio_no_rgb=None if planes_fps is None else round(pipeline_fps / planes_fps, 3),
+               setup_s=round(outer - median_run.wall_s, 3),
                target_met=(ratio >= TARGET_RATIO) if device.type == "cuda" else None,
                decode_s=[round(s, 4) for _, s in decodes], pipeline_wall_s=[round(r.wall_s, 4) for r, _ in runs],
                stages=median_run.metrics)
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed runs of each (median; default 3 on CUDA, 1 on CPU)")
     p.add_argument("--workdir", default=None, help="where test videos are cached (default: a temp dir, removed after)")
     p.add_argument("--quick", action="store_true", help="240p, 48 frames: a smoke run for CI")
-    p.add_argument("--out", default=None, help="JSON path (default: $TMPDIR/arrcoc-bench/bench_pipeline_<device>.json; name benchmarks/results/... to commit a result)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: $TMPDIR/arrcoc-bench/bench_pipeline_<device>.json; name benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
 
     device = resolve_device(args.device)

@@ -145,7 +145,8 @@ def relevance_map(vlm, frames: np.ndarray, reps: int = 3) -> tuple[torch.Tensor,
         with torch.no_grad():
             eager_s, (allocation, _) = timed(lambda: model(video, query, grid=grid), vlm.device, reps)
         arrcoc_s = graphed_frontend_s(model, video, query, grid, reps) if vlm.device.type == "cuda" else eager_s
-        return (allocation.relevance.float(), "arr_coc.ARRCOC (untrained weights) realized relevance, top-k per frame pair",
+        return (allocation.relevance.float(),
+                "arr_coc.ARRCOC (untrained weights) realized relevance, top-k per frame pair",
                 arrcoc_s * 1e3, eager_s * 1e3)
     except Exception as e:  # arr_coc missing or failing: still benchmark the VLM side
         note = f"top-k of a deterministic relevance map (arr_coc unavailable: {type(e).__name__}: {e})"
@@ -259,7 +260,8 @@ def build_vlm(name: str, device: torch.device, dtype: torch.dtype, cfg: VLMConfi
     # full-size architectures: English-word merges, so the prompt's text tokens cost what they do with Qwen's vocabulary
     tokenizer = build_tokenizer("bytes" if name.startswith("tiny-") else "english")
     if name in QWEN3_ARCHS:
-        model_cfg = qwen3_vl.tiny_config(tokenizer) if name.startswith("tiny-") else qwen3_vl.arch_config(name, tokenizer)
+        model_cfg = qwen3_vl.tiny_config(tokenizer) if name.startswith("tiny-") else qwen3_vl.arch_config(name,
+                                                                                                          tokenizer)
         vlm = _wrap(build_model(model_cfg, device=device, dtype=dtype), tokenizer, model_cfg.model_type, name,
                     cfg, {}, "random weights (benchmark)")
         vlm.eos_ids = set()          # a fixed count of decoded tokens, as below
@@ -443,7 +445,8 @@ def print_table(rows: list[dict]) -> None:
     cols = [("arch", "{}"), ("setting", "{}"), ("tokens_kept", "{}"), ("tokens_full", "{}"), ("vision_cells", "{}"),
             ("preprocess_ms", "{:.1f}"), ("vision_ms", "{:.1f}"), ("selection_ms", "{:.1f}"),
             ("front_end_ms", "{:.1f}"), ("prefill_len", "{}"), ("prefill_graph", "{}"),
-            ("prefill_ms", "{:.1f}"), ("prefill_x_stock", "{:.2f}"), ("prefill_x_hf_stock", "{:.2f}"), ("ttft_ms", "{:.1f}"),
+            ("prefill_ms", "{:.1f}"), ("prefill_x_stock", "{:.2f}"), ("prefill_x_hf_stock", "{:.2f}"), ("ttft_ms",
+                                                                                                        "{:.1f}"),
             ("ttft_x_stock", "{:.2f}"),
             ("decode_tok_s", "{:.1f}"), ("peak_mem_gib", "{:.2f}"), ("arrcoc_ms", "{:.1f}"),
             ("arrcoc_share_of_vlm", "{:.2%}")]

@@ -129,7 +129,8 @@ def main() -> None:
                     p.kill()
                     p.wait()
             beside.append({"other_contexts": n, "videos": args.beside_videos, "call_ms": round(ms, 1)})
-            print(f"ARR-COC call of {args.beside_videos} videos beside {n} busy CUDA processes: {ms:.1f} ms", flush=True)
+            print(f"ARR-COC call of {args.beside_videos} videos beside {n} busy CUDA processes: {ms:.1f} ms",
+                  flush=True)
     result = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "clip": {"frames": shape[0], "height": shape[1], "width": shape[2], "questions": questions},

@@ -115,7 +115,8 @@ def main() -> None:
     bp.QUERY = torch.nn.functional.normalize(torch.randn(384, generator=torch.Generator().manual_seed(0)), dim=0)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="profile_decode_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(PipelineConfig, None, ["runtime.device=cuda", "runtime.vlm=none", f"decode.decoder={args.decoder}",
+    cfg = load_config(PipelineConfig, None, ["runtime.device=cuda", "runtime.vlm=none",
+                                             f"decode.decoder={args.decoder}",
                                              f"runtime.batch_size={args.batch_size}"])
     paths = {name: bp.test_video(workdir, name, *bp.SIZES[name], args.frames) for name in sizes}
     where = torch.cuda.get_device_name() if cuda else "no CUDA: stage and pipeline skipped"

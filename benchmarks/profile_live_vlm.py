@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batches:
             rows.append(timed_phases(vlm, reqs[:b], 1 if args.tiny else args.reps))
             print(json.dumps(rows[-1]), flush=True)
-    result = {"command": " ".join(["python3 benchmarks/profile_live_vlm.py", *(sys.argv[1:] if argv is None else argv)]),
+    result = {"command": " ".join(["python3 benchmarks/profile_live_vlm.py",
+                                   *(sys.argv[1:] if argv is None else argv)]),
               "card": device_name(device), "torch": torch.__version__, "window": [T, H, W], "encode": args.encode,
               "retention": args.retention, "new_tokens": args.new_tokens, "rows": rows}
     print(f"{'batch':>5} {'prepare ms':>10} {'generate ms':>11} {'answer ms':>9} {'tokens':>6}")

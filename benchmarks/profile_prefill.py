@@ -25,7 +25,8 @@ from benchmarks.bench_vlm import build_vlm, sync, timed
 from pipeline.vlm_config import VLMConfig
 
 KINDS = [("gemm", r"gemm|gemv|cutlass|sm90_xmma|ampere_|nvjet|cublas"), ("attention", r"flash|fmha|attention|softmax"),
-         ("norm", r"rsqrt|norm|mean|pow"), ("rotary", r"cat|neg|slice|index"), ("elementwise", r"elementwise|vectorized|silu|mul|add|copy")]
+         ("norm", r"rsqrt|norm|mean|pow"), ("rotary", r"cat|neg|slice|index"), ("elementwise",
+                                                                                r"elementwise|vectorized|silu|mul|add|copy")]
 
 
 def kind(name: str) -> str:

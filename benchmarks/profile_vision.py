@@ -41,7 +41,8 @@ def measure(arch, mode, frames, device, dtype, reps, top) -> dict:
     pixels, grid = vlm.encoder.preprocess([frames])
     fn = functools.partial(vlm.encoder.vision, pixels, grid)
     ms = timed(fn, device, reps)[0] * 1e3
-    vlm.encoder._vision_graphs = None                                                # the same kernels, launched eagerly
+    # the same kernels, launched eagerly
+    vlm.encoder._vision_graphs = None
     eager_ms = timed(fn, device, reps)[0] * 1e3
     by_kind, kernels = profile(fn, device)
     total = sum(by_kind.values())
@@ -49,7 +50,8 @@ def measure(arch, mode, frames, device, dtype, reps, top) -> dict:
           f"patches): {ms:.2f} ms as run, {eager_ms:.2f} ms eager (medians of {reps}); kernels {total:.2f} ms, "
           f"{sum(k[1] for k in kernels)} launches")
     print_profile(by_kind, kernels, top)
-    return dict(arch=arch, blocks=mode, frames=int(frames.shape[0]), size=[int(H), int(W)], patches=int(pixels.shape[0]),
+    return dict(arch=arch, blocks=mode, frames=int(frames.shape[0]), size=[int(H), int(W)],
+                patches=int(pixels.shape[0]),
                 ms=ms, eager_ms=eager_ms, kernel_ms=total, kernel_ms_by_kind=by_kind,
                 launches=sum(k[1] for k in kernels))
 

@@ -238,7 +238,8 @@ def _shot(rng: np.random.Generator, target: tuple[str, str, str], H: int, W: int
         moved = []
         for i, obj in enumerate(objects):
             y0, x0, y1, x1 = obj.box
-            for axis, (lo_edge, hi_edge, limit) in enumerate(((y0, y1, H), (x0, x1, canvas_w if motion == "pan" else W))):
+            for axis, (lo_edge, hi_edge, limit) in enumerate(((y0, y1, H), (x0, x1,
+                                                                            canvas_w if motion == "pan" else W))):
                 p = pos[i, axis] + velocity[i, axis]
                 if lo_edge + p < 0 or hi_edge + p > limit:
                     velocity[i, axis] *= -1

@@ -255,7 +255,8 @@ def load_msrvtt_captions(root: str | Path, split: str = "test", *, with_path: bo
     if path is None:
         raise SourceError(f"no MSR-VTT caption annotations in {root}: expected one of {', '.join(names)}")
     data = load_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("videos"), list) or not isinstance(data.get("sentences"), list):
+    if not isinstance(data, dict) or not isinstance(data.get("videos"), list) or not isinstance(data.get("sentences"),
+                                                                                                list):
         raise SourceError(f"{path} must be an object with 'videos' and 'sentences' lists (videodatainfo format)")
     videos = _records(path, data["videos"], ("video_id",))
     sentences = _records(path, data["sentences"], ("video_id", "caption"))

@@ -178,22 +178,26 @@ def _add_render(sub: Any) -> None:
     p.add_argument("--color", choices=COLOUR_BY, default="tokens",
                    help="what the colours show: tokens per kept cell, or the relevance of every cell "
                         "(default: %(default)s)")
-    p.add_argument("--tiles", type=int, default=8, metavar="N", help="contact sheet: frames on it (default: %(default)s)")
-    p.add_argument("--columns", type=int, default=4, metavar="N", help="contact sheet: tiles per row (default: %(default)s)")
+    p.add_argument("--tiles", type=int, default=8, metavar="N",
+                   help="contact sheet: frames on it (default: %(default)s)")
+    p.add_argument("--columns", type=int, default=4, metavar="N",
+                   help="contact sheet: tiles per row (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
     p.set_defaults(func=_lazy("render", "cmd_render"))
 
 
 def _add_live(sub: Any) -> None:
     """Register `live` on the CLI's subparsers (common: the shared options of run/demo/batch)."""
-    p = sub.add_parser("live", help="answer a question continuously over live video (camera, RTSP/HTTP, --realtime file)")
+    p = sub.add_parser("live",
+                       help="answer a question continuously over live video (camera, RTSP/HTTP, --realtime file)")
     p.add_argument("sources", nargs="+", metavar="SOURCE",
                    help="camera index (0), device (/dev/video0), rtsp(s):// or http(s):// URL, or a file with "
                         "--realtime; several share one GPU and one batched VLM")
     p.add_argument("--query", required=True, help="the question to answer / attend to")
     _common(p)
     p.set_defaults(every=2.0)
-    p.add_argument("--on-scene-change", action="store_true", help="answer at each scene change instead of every --every s")
+    p.add_argument("--on-scene-change", action="store_true",
+                   help="answer at each scene change instead of every --every s")
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this long (default: until Ctrl-C)")
     p.add_argument("--realtime", action="store_true", help="allow files, played at their real frame rate")
     p.add_argument("--max-reconnects", type=int, metavar="N",

@@ -77,7 +77,8 @@ class FrontendGraphs:
         last batch) then run eagerly, until they come CAPTURE_ON_SIGHTING times."""
         query, query_mask = self._query(query, query_mask)
         key = (batch, height, width, tuple(query.shape), query_mask is None)
-        self.capture_new = key not in self._prepared  # these shapes, now (an earlier prepare() may have closed capturing)
+        # these shapes, now (an earlier prepare() may have closed capturing)
+        self.capture_new = key not in self._prepared
         if not self.capture_new:
             return
         device = query.device

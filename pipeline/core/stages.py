@@ -59,7 +59,8 @@ class DecodeStage(Stage):
                  stop: threading.Event | None = None, device: torch.device | None = None) -> None:
         self.source, self.batch_size, self.pin, self.status = source, batch_size, pin, status
         self._stop = stop
-        self.device = device if isinstance(source, ProcessSource) and device is not None and device.type == "cuda" else None
+        self.device = device if isinstance(source,
+                                           ProcessSource) and device is not None and device.type == "cuda" else None
         if self.device is None and getattr(source, "yuv", None) is not None:
             raise ValueError("a ProcessSource handing over YUV planes needs a CUDA device to convert them")
         self.stream = frontend_stream(self.device) if self.device is not None else None
@@ -87,7 +88,8 @@ class DecodeStage(Stage):
             rgb = pixels.numpy()
             np.copyto(rgb, decoded.rgb)
             self.source.release(decoded)
-            frames = [Frame(sid, index, pts, rgb[k]) for k, (index, pts) in enumerate(zip(decoded.indices, decoded.pts))]
+            frames = [Frame(sid, index, pts, rgb[k]) for k, (index, pts) in enumerate(zip(decoded.indices,
+                                                                                          decoded.pts))]
             yield FrameBatch(sid, frames, pixels)
 
     def _to_device(self) -> Iterator[FrameBatch]:

@@ -170,7 +170,8 @@ def answer_windows(vlm: Any, jobs: list[WindowQuestions], keep_policy: KeepPolic
     """Several videos' questions in one VLM.answer_windows call, each ARR-COC keep map first replaced
     by keep_policy's where there is one (policies take numpy frames; stock jobs keep None)."""
     if keep_policy is not None:
-        jobs = [job if job.keep is None else dataclasses.replace(job, keep=keep_policy(np.asarray(job.frames), job.keep))
+        jobs = [job if job.keep is None else dataclasses.replace(job, keep=keep_policy(np.asarray(job.frames),
+                                                                                       job.keep))
                 for job in jobs]
     return vlm.answer_windows(jobs)
 
@@ -205,7 +206,8 @@ class VideoAnswerer:
     passes keep no state in the module; the VLM is used under a lock).
     """
 
-    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False, keep_policy: KeepPolicy | None = None,
+    def __init__(self, cfg: PipelineConfig, out: str | Path, *, stock: bool = False,
+                 keep_policy: KeepPolicy | None = None,
                  vlm_factory: Callable[[torch.device], Any] | None = None,
                  query_encoder: QueryEncoder | None = None, vlm_server: ServerAddress | None = None) -> None:
         if cfg.runtime.vlm == "none":
@@ -483,7 +485,8 @@ def run_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, st
             report_outcome(outcome)
     finally:
         answerer.close()
-    return BatchSummary(store_location(out), len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start,
+    return BatchSummary(store_location(out), len(plan), sum(len(w.questions) for w in plan),
+                        time.perf_counter() - start,
                         outcomes, vlm_calls=answerer.vlm_calls())
 
 

@@ -145,7 +145,8 @@ def calibrate_threshold(report: EvalReport, precision: float | None = None,
     accepted = [p.correct for p in scored if p.confidence >= threshold]
     return {"threshold": round(threshold, 6), "answers": len(scored), "precision_target": precision,
             "escalate_target": escalate,
-            "accepted": len(accepted), "accepted_accuracy": round(sum(accepted) / len(accepted), 6) if accepted else None,
+            "accepted": len(accepted), "accepted_accuracy": round(sum(accepted) / len(accepted),
+                                                                  6) if accepted else None,
             "asked_again": len(scored) - len(accepted),
             "accuracy": round(sum(p.correct for p in scored) / len(scored), 6)}
 

@@ -52,7 +52,8 @@ def render_store(store: str | os.PathLike, stream_id: str, video: str | os.PathL
     count = len(data["pts"])
     if count == 0:
         raise SinkError(f"stream {stream_id!r} of {store} has no frames to render")
-    rows = np.arange(count) if overlay is not None else np.unique(np.linspace(0, count - 1, min(tiles, count)).round().astype(int))
+    rows = np.arange(count) if overlay is not None else np.unique(np.linspace(0, count - 1, min(tiles,
+                                                                                                count)).round().astype(int))
     zero_is_unchanged = _zero_means_unchanged(data["attrs"].get("config") or {})
     # a tile stands for the frames since the previous one: it names every cut among them
     starts = np.concatenate([[0], rows[:-1] + 1])

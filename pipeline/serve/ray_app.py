@@ -167,7 +167,8 @@ def start(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas:
     # the replicas do not share this process' working directory
     local = "://" not in options.store
     options = replace(options, store=str(Path(options.store).resolve()) if local else options.store,
-                      uploads=options.upload_dir.resolve(), allow_dirs=tuple(Path(d).resolve() for d in options.allow_dirs))
+                      uploads=options.upload_dir.resolve(),
+                      allow_dirs=tuple(Path(d).resolve() for d in options.allow_dirs))
     connect(address)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0 and cfg.runtime.device != "cpu"
     serve.start(http_options={"host": options.host, "port": options.port})

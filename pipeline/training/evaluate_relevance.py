@@ -248,7 +248,8 @@ def summary(result: dict) -> dict:
     rows = {}
     for m, r in result["methods"].items():
         rows[m] = {"token_share": round(r["allocation"]["token_share"], 3),
-                   "iou_top20": None if r["allocation"]["iou_top20"] is None else round(r["allocation"]["iou_top20"], 3),
+                   "iou_top20": None if r["allocation"]["iou_top20"] is None else round(r["allocation"]["iou_top20"],
+                                                                                        3),
                    "hard_token_share": round(r["allocation_hard"]["token_share"], 3),
                    "distinctiveness": round(r["query"]["distinctiveness"], 3),
                    "own_object_accuracy": round(r["query"]["own_object_accuracy"], 3),

@@ -170,7 +170,8 @@ def scene_examples(model: ARRCOC, scenes, embed: QueryEmbedder, grid, device, ev
 
 
 def take(texture: Texture, index: torch.Tensor) -> Texture:
-    return Texture(*(getattr(texture, f)[index] for f in ("data", "flow", "motion", "residual", "cell_rgb", "has_prev")))
+    return Texture(*(getattr(texture, f)[index] for f in ("data", "flow", "motion", "residual", "cell_rgb",
+                                                          "has_prev")))
 
 
 # ---------------------------------------------------------------- forward passes
@@ -334,7 +335,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     if "hard" in names:
         hard_scenes = make_scenes(d.seed + 1, d.hard_scenes, size, kinds=("tiny_periphery", "low_contrast", "normal"))
         hard = scene_examples(model, hard_scenes, embed, grid, device)
-    clips = [clip_data(model, c, embed, grid, device) for c in make_clips(d.seed + 2, d.clips, size, shots=d.clip_shots)] \
+    clips = [clip_data(model, c, embed, grid, device) for c in make_clips(d.seed + 2, d.clips, size,
+                                                                          shots=d.clip_shots)] \
         if "temporal" in names else []
     vlm_scenes = make_scenes(d.seed + 4, d.scenes, size) if "vlm" in names else []
     qa_clips = []

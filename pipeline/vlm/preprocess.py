@@ -34,7 +34,8 @@ class VideoPreprocessor:
             raise ValueError(f"Invalid resample ({self.resample}). Supported values are "
                              f"{', '.join(f'{k} ({v})' for k, v in RESAMPLE_MODES.items())}.")
 
-    def __call__(self, frames: np.ndarray | torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, frames: np.ndarray | torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
         """frames (T, H, W, 3) uint8 RGB -> pixel_values (T'*gh_p*gw_p, 3*tp*p*p) float32, grid_thw (3,) int64
         where T' = ceil(T / tp) and (gh_p, gw_p) is the patch grid (twice the merged-token grid)."""
         video = to_device(frames, torch.device(device))

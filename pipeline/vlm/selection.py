@@ -85,7 +85,8 @@ def allocation_keys(keep: torch.Tensor, scores: torch.Tensor, rungs: tuple[float
     kept = keep.reshape(keep.shape[0], -1) != 0                              # (T, N)
     s = scores.float().reshape(kept.shape)
     order = s.masked_fill(~kept, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1],
+                                                                   device=order.device).expand_as(order))
     top_k = kept.sum(1, keepdim=True).float()                                # (T, 1)
     level = torch.zeros_like(s)
     for rung in rungs[:-1]:

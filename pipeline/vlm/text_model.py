@@ -47,7 +47,8 @@ def concat_weights(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor
         biases = [m.bias for m in linears]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features) for m, b in zip(linears, biases)])
+            bias = torch.cat([b if b is not None else weight.new_zeros(m.out_features) for m, b in zip(linears,
+                                                                                                       biases)])
     for m, start in zip(linears, _starts(linears)):
         end = start + m.out_features
         m.weight = nn.Parameter(weight[start:end], requires_grad=False)

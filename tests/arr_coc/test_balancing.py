@@ -129,8 +129,10 @@ class TestOpponentProcessing:
                 b.policy[-1].bias.copy_(torch.tensor([0.0, 0.0, 30.0, 5.0, 5.0, 5.0]))
                 b.mix_logits.copy_(torch.tensor([-30.0, -30.0, 30.0]))
             out[mode] = b(s, q)
-        w_soft = torch.stack([out["softmax"].tensions[f"weight_{n}"] for n in ("information", "salience", "coupling")], 1)
-        w_sig = torch.stack([out["sigmoid"].tensions[f"weight_{n}"] for n in ("information", "salience", "coupling")], 1)
+        w_soft = torch.stack([out["softmax"].tensions[f"weight_{n}"] for n in ("information", "salience",
+                                                                               "coupling")], 1)
+        w_sig = torch.stack([out["sigmoid"].tensions[f"weight_{n}"] for n in ("information", "salience", "coupling")],
+                            1)
         assert torch.allclose(w_soft, torch.full((2, 3), 1 / 3))  # competing: they share one unit
         assert torch.allclose(w_sig, torch.full((2, 3), torch.sigmoid(torch.tensor(5.0)).item()))  # gates
         # softmax: a convex mix, information alone gives 1/3; sigmoid: noisy-OR, one strong score suffices

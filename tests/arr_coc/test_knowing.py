@@ -47,7 +47,8 @@ class TestScores:
     def test_shapes_and_ranges(self, pooling, hidden_dim):
         k = make(token_pooling=pooling, hidden_dim=hidden_dim)
         x = texture() * 5
-        for q, mask in [(torch.randn(2, DQ), None), (torch.randn(2, 4, DQ), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]).bool())]:
+        for q, mask in [(torch.randn(2, DQ), None), (torch.randn(2, 4, DQ), torch.tensor([[1, 1, 0, 0], [1, 1, 1,
+                                                                                                         1]]).bool())]:
             s = k(x, q, mask)
             for name, m in maps(s).items():
                 assert m.shape == (2, 7, 9), name

@@ -201,7 +201,8 @@ class TestAnswer:
 
         asked = []
         pipe = Pipeline(device="cpu", overrides={"runtime.batch_size": 4},
-                        query_encoder=lambda q: asked.append(q) or torch.nn.functional.normalize(torch.ones(384), dim=0))
+                        query_encoder=lambda q: asked.append(q) or torch.nn.functional.normalize(torch.ones(384),
+                                                                                                 dim=0))
         pipe.run(video, "where is the square?", out=tmp_path / "q.zarr")
         assert asked == ["where is the square?"]
         bad = Pipeline(device="cpu", query_encoder=lambda q: torch.ones(3))

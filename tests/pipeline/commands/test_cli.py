@@ -258,9 +258,11 @@ class TestBadInput:
         ("bad decoder", ["run", "{clip}", "--query", "q", "--decoder", "ffplay"], "invalid choice: 'ffplay'"),
         ("value out of range", ["run", "{clip}", "--query", "q", "--set", "model.attending.retention=2"],
          "retention=2"),
-        ("unknown config key", ["run", "{clip}", "--query", "q", "--set", "model.nope=1"], "unknown config key model.nope"),
+        ("unknown config key", ["run", "{clip}", "--query", "q", "--set", "model.nope=1"],
+         "unknown config key model.nope"),
         ("bad set syntax", ["run", "{clip}", "--query", "q", "--set", "runtime.batch_size"], "key=value"),
-        ("wrong type", ["run", "{clip}", "--query", "q", "--set", "runtime.batch_size=many"], "runtime.batch_size must be an integer"),
+        ("wrong type", ["run", "{clip}", "--query", "q", "--set", "runtime.batch_size=many"],
+         "runtime.batch_size must be an integer"),
         ("missing config", ["run", "{clip}", "--query", "q", "--config", "{missing}.yaml"], "config file not found"),
         ("unwritable out", ["run", "{clip}", "--query", "q", "--out", "{clip}/x.zarr"], "x.zarr"),
     ])

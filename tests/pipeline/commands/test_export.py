@@ -17,7 +17,8 @@ GRID = (2, 3)
 
 
 def _stream(store: ZarrStore, sid: str, cuts: list[int], answers: list[dict], frames: int = 6) -> None:
-    writer = store.stream(sid, source=f"{sid}.mp4", query="q", fps=2.0, width=48, height=32, grid=GRID, vlm="tiny-random")
+    writer = store.stream(sid, source=f"{sid}.mp4", query="q", fps=2.0, width=48, height=32, grid=GRID,
+                          vlm="tiny-random")
     scene_change = np.zeros(frames, bool)
     scene_change[cuts] = True
     writer.append(pts=np.arange(frames) / 2.0, frame_index=np.arange(frames) * 3,
@@ -80,7 +81,8 @@ class TestExport:
 
     def test_out_file(self, capsys, store, tmp_path):
         out = tmp_path / "rows.jsonl"
-        code, stdout, _ = run(capsys, "export", str(store), "--stream", "a_clip", "--format", "jsonl", "--out", str(out))
+        code, stdout, _ = run(capsys, "export", str(store), "--stream", "a_clip", "--format", "jsonl", "--out",
+                              str(out))
         assert code == 0 and stdout == ""
         assert [json.loads(line)["kind"] for line in out.read_text(encoding="utf-8").splitlines()] == ["scene_change"]
 
@@ -98,7 +100,8 @@ class TestBadInput:
         ("unknown stream", ["export", "{store}", "--stream", "c_clip", "--format", "csv"],
          "stream 'c_clip' not found in .*s.zarr; streams: a_clip, b_clip"),
         ("bad stream id", ["export", "{store}", "--stream", "../x", "--format", "csv"], "../x"),
-        ("bad format", ["export", "{store}", "--format", "xml"], r"invalid choice: 'xml' \(choose from 'jsonl', 'csv'\)"),
+        ("bad format", ["export", "{store}", "--format", "xml"],
+         r"invalid choice: 'xml' \(choose from 'jsonl', 'csv'\)"),
         ("no format", ["export", "{store}"], "the following arguments are required: --format"),
         ("unwritable out", ["export", "{store}", "--format", "csv", "--out", "{tmp}/no/dir/rows.csv"],
          "cannot write the export .*rows.csv"),

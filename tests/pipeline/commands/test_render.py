@@ -196,4 +196,5 @@ class TestBadInput:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and re.search(message, lines[0]), (case, err)
         assert "Traceback" not in err
-        assert not any(p.suffix in (".mp4", ".png", ".jpg", ".gif") and p.stem in ("o", "s") for p in tmp_path.iterdir())
+        assert not any(p.suffix in (".mp4", ".png", ".jpg", ".gif") and p.stem in ("o",
+                                                                                   "s") for p in tmp_path.iterdir())

@@ -115,7 +115,8 @@ def still_batch(pts: list[float], cuts: list[bool] | None = None, gap: Gap | Non
     rgb = np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8)
     frames = [Frame("s", round(t * 4), t, rgb, arrival_s=t) for t in pts]
     cuts = cuts or [False] * len(frames)
-    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8), relevance=torch.rand(len(frames), 2, 2),
+    allocation = SimpleNamespace(lod=torch.ones(len(frames), 2, 2, dtype=torch.int8),
+                                 relevance=torch.rand(len(frames), 2, 2),
                                  scene_change=torch.tensor(cuts))
     return AllocationBatch(LiveBatch("s", frames, torch.zeros(len(frames), 56, 56, 3, dtype=torch.uint8), gap=gap),
                            allocation, None)

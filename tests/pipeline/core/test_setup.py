@@ -36,7 +36,8 @@ def test_the_query_is_minilm_whatever_the_vlm():
 @pytest.mark.skipif(not DEFAULT_WEIGHTS.is_file(), reason="the shipped checkpoint is not built yet")
 @pytest.mark.parametrize("overrides", [(), ("runtime.vlm=tiny-random",),
                                        ("runtime.vlm=Qwen/Qwen2.5-VL-7B-Instruct", "vlm.pass2=attention"),
-                                       ("runtime.vlm=tiny-random", "vlm.pass2=attention", "vlm.tempering.ladder=[0.05,0.1]",
+                                       ("runtime.vlm=tiny-random", "vlm.pass2=attention",
+                                        "vlm.tempering.ladder=[0.05,0.1]",
                                         "vlm.tempering.rank=attention"),
                                        ("runtime.vlm=tiny-random", "vlm.tempering.ladder=[0.05,0.1]")])
 def test_the_shipped_checkpoint_loads_every_tensor_under_any_vlm(overrides):

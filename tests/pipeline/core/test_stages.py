@@ -57,7 +57,8 @@ def run_stage(stage: VLMStage, batches: list[AllocationBatch]) -> list[AnswerIte
 class TestVLMWindows:
     def test_windows_follow_a_fixed_grid(self):
         vlm = RecordingVLM()
-        answers = run_stage(VLMStage(vlm, "q", every_s=1.0), [allocations(list(range(i, i + 5))) for i in range(0, 25, 5)])
+        answers = run_stage(VLMStage(vlm, "q", every_s=1.0), [allocations(list(range(i, i + 5))) for i in range(0, 25,
+                                                                                                                5)])
         assert [(a.t_start, a.t_end) for a in answers] == [(0.0, 1.0), (1.0, 2.0), (2.0, 2.4)]
         assert [vlm.frames(k) for k in range(3)] == [list(range(0, 10)), list(range(10, 20)), list(range(20, 25))]
 

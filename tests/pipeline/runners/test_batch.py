@@ -62,7 +62,8 @@ class TestWholeFlow:
         assert list(busy) == ["decode", "texture", "realize", "vlm", "sink"]
         assert all(v > 0 for v in busy.values()) and max(busy.values()) <= summary["seconds_per_video"]
         assert summary["vlm_calls"] >= 1
-        assert summary["videos_per_vlm_call"] * summary["vlm_calls"] == pytest.approx(3, abs=0.005 * summary["vlm_calls"])
+        assert summary["videos_per_vlm_call"] * summary["vlm_calls"] == pytest.approx(3,
+                                                                                      abs=0.005 * summary["vlm_calls"])
         assert validate_store(out) == []
         answers = stored_answers(out)
         assert sorted(answers) == ["video7010", "video7011", "video7012"]
@@ -247,7 +248,8 @@ class TestWholeFlow:
         all finish, and between them every question is answered once."""
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=4, questions=2, seconds=0.6)
-        procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+        procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root",
+                                   str(root),
                                    "--out", str(out), "--shard", f"{i}/2", *FAST],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i in range(2)]
@@ -274,7 +276,8 @@ class TestWholeFlow:
         assert summary["questions_per_s"] == pytest.approx(8 / summary["wall_s"], rel=1e-3)
         # each process's own VLM: its calls summed, videos per call over both
         assert summary["vlm_calls"] == sum(s["vlm_calls"] for s in summary["shards"]) >= 2
-        assert summary["videos_per_vlm_call"] * summary["vlm_calls"] == pytest.approx(4, abs=0.005 * summary["vlm_calls"])
+        assert summary["videos_per_vlm_call"] * summary["vlm_calls"] == pytest.approx(4,
+                                                                                      abs=0.005 * summary["vlm_calls"])
         answers = stored_answers(out)
         assert sorted(answers) == ["video7010", "video7011", "video7012", "video7013"]
         assert all(len(a) == 2 for a in answers.values())
@@ -381,7 +384,8 @@ class TestWholeFlow:
         non-zero naming the shard, and the store stays valid with what was finished."""
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=8, questions=1, seconds=2.0)
-        parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+        parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root",
+                                   str(root),
                                    "--out", str(out), "--processes", "2", "--shared-vlm", *FAST], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -433,7 +437,8 @@ class TestWholeFlow:
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=8, questions=1, seconds=2.0)
         servers = set(Path(tempfile.gettempdir()).glob("arrcoc-vlm-*"))    # a shared VLM's socket directory
-        parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root", str(root),
+        parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root",
+                                   str(root),
                                    "--out", str(out), "--processes", "2", *shared, *FAST], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + 120
@@ -619,16 +624,19 @@ class TestBadInputs:
         (["--split", "dev"], "unknown split 'dev'; allowed: train, val, test"),
         (["--shard", "2/2"], "--shard must be i/n with integers 0 <= i < n, got '2/2'"),
         (["--processes", "0"], "--processes must be >= 1, got 0"),
-        (["--processes", "2", "--shard", "0/2"], "--processes shards the split itself (--shard i/N each); drop --shard"),
+        (["--processes", "2", "--shard", "0/2"],
+         "--processes shards the split itself (--shard i/N each); drop --shard"),
         (["--processes", "2", "--ray", "local"],
          "--processes runs the local path side by side; Ray spreads work with --workers"),
         (["--shared-vlm"], "--shared-vlm shares one VLM between the processes of --processes N (N >= 2)"),
         (["--mps"], "--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon"),
-        (["--processes", "1", "--mps"], "--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon"),
+        (["--processes", "1", "--mps"],
+         "--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon"),
         (["--processes", "2", "--mps"],
          "--mps shares one CUDA GPU between processes; runtime.device is cpu (use --device cuda, or drop --mps)"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
-        (["--videos-per-task", "4"], "--videos-per-task is for --ray runs (actor calls); the local path streams its videos"),
+        (["--videos-per-task", "4"],
+         "--videos-per-task is for --ray runs (actor calls); the local path streams its videos"),
     ])
     def test_bad_options(self, capsys, tmp_path, args, message):
         root = tmp_path / "ds"
@@ -759,7 +767,8 @@ class TestQueriesAndPasses:
                             query_encoder=encoder, in_flight=1)
         assert summary.count("done") == 2 and sorted(asked) == sorted(q.question for q in written)
 
-        with pytest.raises(ValueError, match=r"query_encoder\(question\) must be a \(384,\) float tensor .* got \(16,\)"):
+        with pytest.raises(ValueError,
+                           match=r"query_encoder\(question\) must be a \(384,\) float tensor .* got \(16,\)"):
             run_batch(make_plan(load_msrvtt(root, "test")), tmp_path / "p.zarr", cfg, progress=False,
                       query_encoder=lambda q: torch.zeros(16), in_flight=1)
 

@@ -197,7 +197,8 @@ class TestStartUp:
         """LiveOptions.switch_interval_ms sets the interpreter's thread switch interval for the run
         only (the VLM thread then waits less for the GIL after each CUDA sync), restored after."""
         before, seen = sys.getswitchinterval(), []
-        run_live([str(videos["cuts"])], "q", tmp_path / "o.zarr", cfg(), live=LiveConfig(realtime=True, buffer_frames=8),
+        run_live([str(videos["cuts"])], "q", tmp_path / "o.zarr", cfg(), live=LiveConfig(realtime=True,
+                                                                                         buffer_frames=8),
                  options=LiveOptions(switch_interval_ms=0.5), status_out=io.StringIO(),
                  on_graph=lambda graph: when(lambda: graph.stages[-1].counters["cuts"].frames_out > 0,
                                              lambda: seen.append(sys.getswitchinterval())))
@@ -217,7 +218,8 @@ class TestAnswers:
         data = read_stream(tmp_path / "o.zarr", "cuts")
         answers = data["answers"]
         assert len(lines) == len(answers["text"]) == len(result.answers) >= 2
-        assert {"stream", "t_start", "t_end", "question", "text", "tokens_kept", "tokens_full", "latency_s"} <= set(lines[0])
+        assert {"stream", "t_start", "t_end", "question", "text", "tokens_kept", "tokens_full",
+                "latency_s"} <= set(lines[0])
         assert all(line["stream"] == "cuts" and line["question"] == "what moves?" for line in lines)
         assert np.all(answers["t_end"] - answers["t_start"] <= 1.0 + 1e-6)
         assert np.all(np.diff(answers["t_end"][:-1]) >= 0.9)     # one per --every, then the last partial one
@@ -373,7 +375,8 @@ class TestCLI:
         previous = signal.getsignal(signal.SIGTERM)
         try:
             code, out, err = self.run(capsys, str(videos["cuts"]), "--realtime", "--query", "q", "--out", str(store),
-                                      "--device", "cpu", "--set", "output.chunk_frames=4", "--set", "runtime.batch_size=4",
+                                      "--device", "cpu", "--set", "output.chunk_frames=4", "--set",
+                                      "runtime.batch_size=4",
                                       *[f"--set=runtime.{k}={v}" for k, v in UNTRAINED.items()])
         finally:
             signal.signal(signal.SIGTERM, previous)

@@ -104,5 +104,6 @@ def test_auto_checks_the_ray_address_variable(monkeypatch):
     port = free_port()                                      # nothing listens there
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    with pytest.raises(ConfigError, match=rf"at --ray auto \(127\.0\.0\.1:{port}, from RAY_ADDRESS\): Connection refused"):
+    with pytest.raises(ConfigError,
+                       match=rf"at --ray auto \(127\.0\.0\.1:{port}, from RAY_ADDRESS\): Connection refused"):
         connect("auto")

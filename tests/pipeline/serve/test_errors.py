@@ -38,7 +38,8 @@ class TestBadRequests:
     @pytest.mark.parametrize("content, words", [
         ([{"type": "video_url", "video_url": {"url": "file-000000000000000000000000"}}], ("no question",)),
         ([{"type": "text", "text": "what moves?"}], ("no video",)),
-        ([{"type": "image_url", "image_url": {"url": "http://x/a.png"}}, {"type": "text", "text": "q"}], ("image_url",)),
+        ([{"type": "image_url", "image_url": {"url": "http://x/a.png"}}, {"type": "text", "text": "q"}], ("image_url",
+                                                                                                          )),
     ])
     def test_missing_parts(self, server, content, words):
         body = {"model": "tiny-random", "messages": [{"role": "user", "content": content}]}

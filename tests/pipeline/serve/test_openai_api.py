@@ -155,7 +155,8 @@ class TestChat:
 
 class TestLiveStreams:
     def test_a_realtime_file_streams_answers_then_ends(self, server, videos):
-        status, stream = call(server, "POST", "/v1/streams", {"source": videos.small.as_uri(), "question": "what moves?",
+        status, stream = call(server, "POST", "/v1/streams", {"source": videos.small.as_uri(),
+                                                              "question": "what moves?",
                                                               "every": 1.0})
         assert status == 201 and stream["status"] == "running" and stream["id"].startswith("live-")
         events = list(sse(server, stream["events"]))

@@ -12,7 +12,8 @@ from pipeline.configio import load_config
 from pipeline.training.train import QueryEmbedder, TrainConfig, train
 from arr_coc.checkpoint import DEFAULT_WEIGHTS, load_weights
 
-TINY = ["data.scenes=12", "data.hard_scenes=4", "data.clips=1", "data.clip_shots=2", "data.size=112", "data.val_scenes=4"]
+TINY = ["data.scenes=12", "data.hard_scenes=4", "data.clips=1", "data.clip_shots=2", "data.size=112",
+        "data.val_scenes=4"]
 
 
 def tiny_cfg(tmp_path, stages: str, *extra: str) -> TrainConfig:
@@ -164,7 +165,8 @@ class TestReproducibility:
 def test_train_writes_only_under_out_dir(tmp_path, capsys):
     from pipeline.commands.cli import main
     shipped = DEFAULT_WEIGHTS.read_bytes()
-    rc = main(["train", "--config", "configs/train_default.yaml", "--no-progress", *sum((["--set", s] for s in TINY), []),
+    rc = main(["train", "--config", "configs/train_default.yaml", "--no-progress", *sum((["--set", s] for s in TINY),
+                                                                                        []),
                "--set", f"out_dir={tmp_path / 'run'}", "--set", "stages=[{name: grounding, epochs: 1, batch_size: 16}]",
                "--export", str(tmp_path / "copy.safetensors")])
     assert rc == 0
@@ -174,7 +176,8 @@ def test_train_writes_only_under_out_dir(tmp_path, capsys):
 
 def test_train_cli_writes_weights(tmp_path, capsys):
     from pipeline.commands.cli import main
-    rc = main(["train", "--config", "configs/train_default.yaml", "--no-progress", *sum((["--set", s] for s in TINY), []),
+    rc = main(["train", "--config", "configs/train_default.yaml", "--no-progress", *sum((["--set", s] for s in TINY),
+                                                                                        []),
                "--set", f"out_dir={tmp_path}", "--set", "stages=[{name: grounding, epochs: 1, batch_size: 16}]"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

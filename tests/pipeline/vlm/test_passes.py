@@ -59,7 +59,8 @@ class TestAttentionInputs:
         for index in range(len(vlm.lm.layers)):
             q, k = tm.attention_inputs(embeds, None, positions, index)
             k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-            weights = (q @ k.transpose(-1, -2) * tm.layers[index].scaling).masked_fill(~causal, float("-inf")).softmax(-1)
+            weights = (q @ k.transpose(-1, -2) * tm.layers[index].scaling).masked_fill(~causal,
+                                                                                       float("-inf")).softmax(-1)
             torch.testing.assert_close(weights, maps[index], atol=1e-5, rtol=1e-5)
 
     def test_bad_layer_index(self, vlm):

@@ -72,7 +72,8 @@ class TestTokenRelevance:
 
 class TestRequestValidation:
     @pytest.mark.parametrize("scores, match", [
-        (np.zeros((3, 2, 2), np.float32), r"AnswerRequest.scores must be the keep map's shape \(2, 2, 2\), got \(3, 2, 2\)"),
+        (np.zeros((3, 2, 2), np.float32),
+         r"AnswerRequest.scores must be the keep map's shape \(2, 2, 2\), got \(3, 2, 2\)"),
         (np.zeros((2, 2, 2), np.int64), r"AnswerRequest.scores must be floats, got int64"),
         (np.full((2, 2, 2), np.nan, np.float32), r"AnswerRequest.scores must be finite"),
         (torch.full((2, 2, 2), float("inf")), r"AnswerRequest.scores must be finite"),

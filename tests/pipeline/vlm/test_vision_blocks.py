@@ -37,7 +37,8 @@ def tower_outputs(vlm, frames):
     with torch.no_grad():
         pixels, grid = vlm.encoder.preprocess([frames])
         batched = vlm.encoder.vision(pixels, grid)[0]                               # the pipeline's batched attention
-        plain = vlm.encoder._visual(pixels, grid_thw=grid.to(vlm.device))            # HF's tower forward, blocks patched or not
+        # HF's tower forward, blocks patched or not
+        plain = vlm.encoder._visual(pixels, grid_thw=grid.to(vlm.device))
     return batched, getattr(plain, "pooler_output", plain)
 
 

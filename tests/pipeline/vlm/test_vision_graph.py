@@ -18,7 +18,8 @@ def tower(vlm, pixels, grid, **inputs):
     """Merged tokens of the eager tower (batched attention, as VLM._vision runs it)."""
     t, h, w = grid
     with batched_attention(h * w):
-        out = vlm.encoder._visual(pixels, grid_thw=None if inputs else torch.tensor([grid], device=vlm.device), **inputs)
+        out = vlm.encoder._visual(pixels, grid_thw=None if inputs else torch.tensor([grid], device=vlm.device),
+                                  **inputs)
     return out.pooler_output
 
 

@@ -23,7 +23,8 @@ def test_bench_tiny_smoke(tmp_path, capsys):
     assert [r["setting"] for r in rows] == ["stock, HF forward", "stock", "arr-coc 50%", "arr-coc 50%, kept",
                                             "arr-coc 25%", "arr-coc 25%, kept", "arr-coc 10%", "arr-coc 10%, kept"]
     assert [r["encode"] for r in rows] == ["all"] * 2 + ["all", "kept"] * 3
-    assert rows[0]["tokens_kept"] == rows[1]["tokens_kept"] == rows[0]["tokens_full"] == 2 * 4 * 4  # 4 frames of 112x112
+    # 4 frames of 112x112
+    assert rows[0]["tokens_kept"] == rows[1]["tokens_kept"] == rows[0]["tokens_full"] == 2 * 4 * 4
     kept = [r["tokens_kept"] for r in rows[1::2]]
     assert kept[0] > kept[1] >= kept[2] >= kept[3] >= 1
     assert [r["tokens_kept"] for r in rows[2::2]] == [r["tokens_kept"] for r in rows[3::2]]   # same tokens either way

@@ -63,7 +63,8 @@ class Allocation:
         T, gh, gw = self.relevance.shape
         for name in ("tokens", "lod", "soft"):
             if tuple(getattr(self, name).shape) != (T, gh, gw):
-                raise ValueError(f"Allocation.{name} has shape {tuple(getattr(self, name).shape)}, expected {(T, gh, gw)}")
+                raise ValueError(f"Allocation.{name} has shape {tuple(getattr(self, name).shape)}, expected "
+                                 f"{(T, gh, gw)}")
         for name in ("scene_change", "motion"):
             if tuple(getattr(self, name).shape) != (T,):
                 raise ValueError(f"Allocation.{name} has shape {tuple(getattr(self, name).shape)}, expected {(T,)}")

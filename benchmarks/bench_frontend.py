@@ -245,7 +245,8 @@ def run(args: argparse.Namespace) -> dict:
         # other jobs on the machine skew CPU numbers; this says how busy it was when the run ended
         "load_avg_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
         "timing": ("CUDA events around each step, synchronized after it" if device.type == "cuda"
-                   else "time.perf_counter around each step") + f"; {args.warmup} warm-up steps, median of {args.repeats}",
+                   else "time.perf_counter around each step") + f"; {args.warmup} warm-up steps, median of "
+                                                                f"{args.repeats}",
         "frames": "generated pan + moving square, uint8 (B, H, W, 3) permuted to (B, 3, H, W); "
                   "on the device unless upload=true (pinned host memory, copied inside the step)",
         "grid_rule": "VLMGeometry(max_pixels=H*W).grid(H, W)",
@@ -265,7 +266,8 @@ def print_row(r: Row, name: str) -> None:
         print(HEADER)
         print_row.printed = True
     met = "-" if r.target is None else ("n/a (GPU target)" if r.target_met is None else ("yes" if r.target_met else "NO"))
-    print(f"{r.size:>10} {r.grid[0]:>2}x{r.grid[1]:<3} {r.batch:>5} {r.device:>6} {str(r.upload).lower():>6} {str(r.graphs).lower():>6} "
+    print(f"{r.size:>10} {r.grid[0]:>2}x{r.grid[1]:<3} {r.batch:>5} {r.device:>6} {str(r.upload).lower():>6} "
+          f"{str(r.graphs).lower():>6} "
           f"{r.frames_per_s:>10.1f} {r.ms_per_frame:>9.3f} {r.ms_per_batch:>9.3f}  {met}", flush=True)
 
 
@@ -282,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="on CUDA, skip the CUDA-graph rows (the pipeline's default steady state)")
     p.add_argument("--out", default=None,
-                   help="JSON path (default: $TMPDIR/arrcoc-bench/bench_frontend_<device>.json; name benchmarks/results/... to commit a result)")
+                   help="JSON path (default: $TMPDIR/arrcoc-bench/bench_frontend_<device>.json; name "
+                        "benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     args.sizes = [parse_size(s) for s in (args.sizes or ("112,224" if args.quick else "448,1024")).split(",")]

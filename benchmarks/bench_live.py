@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="frames per batch through the GPU stages (runtime default)")
     p.add_argument("--buffer", type=int, default=16, help="newest frames kept per source (live default)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
-                   help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live default)")
+                   help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live "
+                        "default)")
     p.add_argument("--decode-threads", type=int, default=LiveConfig.decode_threads,
                    help="LiveConfig.decode_threads: FFmpeg threads per stream (default %(default)s; 0: FFmpeg's choice)")
     p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=LiveOptions.stagger,
@@ -218,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. vlm.encode=kept (repeatable; as on the CLI)")
     p.add_argument("--out", default=None,
-                   help="results JSON (default: $TMPDIR/arrcoc-bench/bench_live_<device>.json; name benchmarks/results/... to commit a result)")
+                   help="results JSON (default: $TMPDIR/arrcoc-bench/bench_live_<device>.json; name "
+                        "benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
     command = " ".join(["python3 benchmarks/bench_live.py", *(sys.argv[1:] if argv is None else argv)])
     quick = args.quick
@@ -275,13 +277,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], soak_row: dict | None) -> None:
-    print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} {'p95 ms':>7}"
+    print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} "
+          f"{'p95 ms':>7}"
           f" {'batch':>5} {'submit p95':>10} {'queued p95':>10} {'call p95':>8} {'frame p95':>9}")
     for r in rows:
-        print(f"{r['streams']:>7} {r['fps_processed_per_stream_mean']:>10.1f} {r['fps_processed_per_stream_min']:>6.1f} "
+        print(f"{r['streams']:>7} {r['fps_processed_per_stream_mean']:>10.1f} "
+              f"{r['fps_processed_per_stream_min']:>6.1f} "
               f"{r['fps_in_per_stream_mean']:>6.1f} {100 * r['drop_share']:>6.1f} {r['answers']:>7} "
-              f"{r['answer_latency_p50_ms']:>7.0f} {r['answer_latency_p95_ms']:>7.0f} {r['batch_size_mean'] or 0:>5.1f} "
-              f"{r['submit_delay_p95_ms'] or 0:>10.0f} {r['queued_p95_ms'] or 0:>10.0f} {r['vlm_call_p95_ms'] or 0:>8.0f} "
+              f"{r['answer_latency_p50_ms']:>7.0f} {r['answer_latency_p95_ms']:>7.0f} "
+              f"{r['batch_size_mean'] or 0:>5.1f} "
+              f"{r['submit_delay_p95_ms'] or 0:>10.0f} {r['queued_p95_ms'] or 0:>10.0f} "
+              f"{r['vlm_call_p95_ms'] or 0:>8.0f} "
               f"{r['frame_latency_p95_ms'] or 0:>9.0f}")
     if soak_row:
         print(f"soak {soak_row['seconds']:.0f} s: RSS {soak_row['rss_mb_ref']:.0f} -> {soak_row['rss_mb_end']:.0f} MB "

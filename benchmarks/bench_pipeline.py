@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workdir", default=None, help="where test videos are cached (default: a temp dir, removed after)")
     p.add_argument("--quick", action="store_true", help="240p, 48 frames: a smoke run for CI")
     p.add_argument("--out", default=None,
-                   help="JSON path (default: $TMPDIR/arrcoc-bench/bench_pipeline_<device>.json; name benchmarks/results/... to commit a result)")
+                   help="JSON path (default: $TMPDIR/arrcoc-bench/bench_pipeline_<device>.json; name "
+                        "benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
 
     device = resolve_device(args.device)

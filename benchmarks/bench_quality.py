@@ -33,7 +33,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--quick", action="store_true", help="small benchmark; prints, writes only with --out")
     p.add_argument("--out",
-                   help="result JSON (default: $TMPDIR/arrcoc-bench/bench_quality_<device>.json; name benchmarks/results/... to commit a result)")
+                   help="result JSON (default: $TMPDIR/arrcoc-bench/bench_quality_<device>.json; name "
+                        "benchmarks/results/... to commit a result)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda was asked for, but no CUDA GPU is available", file=sys.stderr)

@@ -54,7 +54,8 @@ def main() -> None:
     size = args.size
     grid = VLMGeometry(max_pixels=size * size).grid(size, size)
     print(f"# {torch.cuda.get_device_name(device)}  torch {torch.__version__}  {size}x{size} grid {grid}")
-    print(f"{'batch':>5} {'extract host/gpu ms':>20} {'realize host/gpu ms':>20} {'graph replay ms':>16} {'graph fps':>10}")
+    print(f"{'batch':>5} {'extract host/gpu ms':>20} {'realize host/gpu ms':>20} {'graph replay ms':>16} "
+          f"{'graph fps':>10}")
     for b in (int(x) for x in args.batches.split(",")):
         frames = torch.randint(0, 255, (b, 3, size, size), dtype=torch.uint8, device=device)
         last = torch.randint(0, 255, (3, size, size), dtype=torch.uint8, device=device)

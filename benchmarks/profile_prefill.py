@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         ms = timed(fn, device, args.reps)[0] * 1e3
         by_kind, kernels = profile(fn, device)
         total = sum(by_kind.values())
-        print(f"\n== {arch} L={L}{' graph' if pool is not None else ''}{' hf-lm' if args.hf_lm else ''}: {ms:.2f} ms wall (median of {args.reps}); kernels {total:.2f} ms, "
+        print(f"\n== {arch} L={L}{' graph' if pool is not None else ''}{' hf-lm' if args.hf_lm else ''}: {ms:.2f} ms "
+              f"wall (median of {args.reps}); kernels {total:.2f} ms, "
               f"{sum(k[1] for k in kernels)} launches")
         print_profile(by_kind, kernels, args.top)
     return 0

@@ -119,7 +119,8 @@ def _records(path: Path, data: Any, required: Iterable[str]) -> list[dict]:
             raise SourceError(f"{path}: record {i} is a {type(rec).__name__}, expected an object")
         missing = [k for k in required if k not in rec]
         if missing:
-            raise SourceError(f"{path}: record {i} lacks {', '.join(missing)} (has {', '.join(sorted(rec)) or 'nothing'})")
+            raise SourceError(f"{path}: record {i} lacks {', '.join(missing)} (has "
+                              f"{', '.join(sorted(rec)) or 'nothing'})")
     return data
 
 

@@ -139,7 +139,8 @@ class VideoSource:
         """Refuse frames above max_pixels before decoding any (sizes from the stream header)."""
         if self.max_pixels is not None and width * height > self.max_pixels:
             raise SourceError(f"{self.path}: frames of {width}x{height} ({width * height / 1e6:.1f} megapixels) are "
-                              f"above the limit of {self.max_pixels / 1e6:.1f} megapixels (max_pixels={self.max_pixels})")
+                              f"above the limit of {self.max_pixels / 1e6:.1f} megapixels "
+                              f"(max_pixels={self.max_pixels})")
 
     def _frames(self) -> Iterator[Frame]:
         raise NotImplementedError

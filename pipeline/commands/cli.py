@@ -242,7 +242,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--max-fetch-mb", type=float, default=512.0, metavar="MB",
                    help="largest http(s):// video fetched for a request (default: %(default)g)")
     p.add_argument("--live-window", type=float, default=4.0, metavar="SECONDS",
-                   help="an rtsp:// video in a chat request is answered over this much live video (default: %(default)g)")
+                   help="an rtsp:// video in a chat request is answered over this much live video (default: "
+                        "%(default)g)")
     p.add_argument("--max-concurrent", type=int, default=8, metavar="N",
                    help="requests doing work at once; more get 429 with Retry-After (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=8, metavar="N",

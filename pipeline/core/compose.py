@@ -89,7 +89,8 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
     capacity = min(2, cfg.runtime.queue_capacity)
     grid = next(iter(grids.values()))
     if any(g != grid for g in grids.values()):   # one texture stage holds one grid
-        raise ConfigError(f"live sources of different sizes give different allocation grids {sorted(set(grids.values()))}; "
+        raise ConfigError("live sources of different sizes give different allocation grids "
+                          f"{sorted(set(grids.values()))}; "
                           f"run them as separate `live` commands")
     capture = CaptureStage(sources, cfg.runtime.batch_size, pin=device.type == "cuda", stop=stop)
     graphs = frontend_graphs(model, grid, query, cfg, device)  # one graph per batch size, all streams

@@ -40,7 +40,8 @@ def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: s
     allocation, _, _ = model.realize(texture, query)
     keep = pair_soft(allocation.soft, vlm.geometry.temporal_patch_size)    # (T', gh, gw)
     if tuple(keep.shape) != tuple(merged.shape[:3]):
-        raise ValueError(f"soft keep {tuple(keep.shape)} does not match the VLM's merged tokens {tuple(merged.shape[:3])}")
+        raise ValueError(f"soft keep {tuple(keep.shape)} does not match the VLM's merged tokens "
+                         f"{tuple(merged.shape[:3])}")
     visual = (merged.float() * keep.unsqueeze(-1)).flatten(0, 2)           # (N, D)
     Tp, gh, gw = merged.shape[:3]
     n_full = Tp * gh * gw

@@ -58,7 +58,8 @@ def fake_mps(tmp_path, monkeypatch):
         bin_dir, record = tmp_path / "fake-bin", tmp_path / "fake-record"
         bin_dir.mkdir()
         record.mkdir()
-        on_start = ('echo "[fake] cannot open the GPU: operation not permitted" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"'
+        on_start = ('echo "[fake] cannot open the GPU: operation not permitted" >> '
+                    '"$CUDA_MPS_LOG_DIRECTORY/control.log"'
                     "; exit 1") if fails else ":"
         script = bin_dir / mps.BINARY
         script.write_text(FAKE_MPS.format(record=record, on_start=on_start, quits="yes" if quits else "no",

@@ -415,8 +415,10 @@ def test_help_and_configuration_do_not_import_transformers():
     """The CLI's parser and every config (pipeline.vlm_config included) load without the model code:
     transformers alone took ~2.4 s of `python -m pipeline --help`'s 5 s on the CI box."""
     code = ("import sys; from pipeline.commands.cli import build_parser; from pipeline.config import PipelineConfig; "
-            "build_parser(); PipelineConfig(); import pipeline.vlm; from pipeline.vlm_config import VLMConfig; VLMConfig(); "
-            "print(sorted(m for m in ('transformers', 'pipeline.vlm.model', 'pipeline.vlm.loading') if m in sys.modules))")
+            "build_parser(); PipelineConfig(); import pipeline.vlm; from pipeline.vlm_config import VLMConfig; "
+            "VLMConfig(); "
+            "print(sorted(m for m in ('transformers', 'pipeline.vlm.model', 'pipeline.vlm.loading') if m in "
+            "sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -502,7 +502,8 @@ def main(argv=None) -> int:
             add(run_row(policy, retention, plan, dataset, base, vlm, workdir, query_encoder, annotations=annotations))
     variant_vlms: dict[str, tuple[Any, list[float]]] = {}
     for variant in variants:
-        overrides = list(VARIANTS[variant]) if variant != "finetuned" else [f"runtime.model_weights={args.arrcoc_weights}"]
+        overrides = (list(VARIANTS[variant]) if variant != "finetuned"
+                     else [f"runtime.model_weights={args.arrcoc_weights}"])
         variant_retentions = [float(r) for r in args.variant_retentions.split(",") if r] \
             if args.variant_retentions else retentions
         if variant == "tempering":

@@ -257,7 +257,8 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-HEADER = f"{'size':>10} {'grid':>6} {'batch':>5} {'device':>6} {'upload':>6} {'graphs':>6} {'frames/s':>10} {'ms/frame':>9} {'ms/batch':>9}  target met?"
+HEADER = (f"{'size':>10} {'grid':>6} {'batch':>5} {'device':>6} {'upload':>6} {'graphs':>6} {'frames/s':>10} "
+          f"{'ms/frame':>9} {'ms/batch':>9}  target met?")
 
 
 def print_row(r: Row, name: str) -> None:
@@ -265,7 +266,8 @@ def print_row(r: Row, name: str) -> None:
         print(f"# {name}, torch {torch.__version__}")
         print(HEADER)
         print_row.printed = True
-    met = "-" if r.target is None else ("n/a (GPU target)" if r.target_met is None else ("yes" if r.target_met else "NO"))
+    met = "-" if r.target is None else ("n/a (GPU target)" if r.target_met is None
+                                        else ("yes" if r.target_met else "NO"))
     print(f"{r.size:>10} {r.grid[0]:>2}x{r.grid[1]:<3} {r.batch:>5} {r.device:>6} {str(r.upload).lower():>6} "
           f"{str(r.graphs).lower():>6} "
           f"{r.frames_per_s:>10.1f} {r.ms_per_frame:>9.3f} {r.ms_per_batch:>9.3f}  {met}", flush=True)

@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live "
                         "default)")
     p.add_argument("--decode-threads", type=int, default=LiveConfig.decode_threads,
-                   help="LiveConfig.decode_threads: FFmpeg threads per stream (default %(default)s; 0: FFmpeg's choice)")
+                   help="LiveConfig.decode_threads: FFmpeg threads per stream "
+                        "(default %(default)s; 0: FFmpeg's choice)")
     p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=LiveOptions.stagger,
                    help="spread the streams' answer times over the period (LiveOptions.stagger; default on)")
     p.add_argument("--vlm-process", action="store_true",

@@ -46,7 +46,8 @@ def main() -> int:
         "benchmark": "bench_quality",
         "command": "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:]),
         "device": args.device,
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
+        "device_name": (torch.cuda.get_device_name() if args.device == "cuda"
+                        else platform.processor() or platform.machine()),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "notes": {

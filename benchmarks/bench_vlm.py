@@ -6,7 +6,8 @@ weights, nothing is downloaded) and a 32-frame 448x448 window, reports per setti
   decode tokens/s and peak GPU memory; and ARR-COC's own front end (texture arrays + relevance
   realization over the window, replayed as CUDA graphs as in a stream's steady state on CUDA, and
   eager) in ms and as a share of the VLM's time for the window
-  (vision tower + prefill + decoded tokens; the issue's target: under 2%). Keep maps come from arr_coc.ARRCOC (untrained weights) when it
+  (vision tower + prefill + decoded tokens; the issue's target: under 2%). Keep maps come from
+  arr_coc.ARRCOC (untrained weights) when it
   imports and runs (its realized relevance, top-k per frame pair so the retention is exact at
   the token level), else from a deterministic relevance map; the JSON says which. Decoding runs
   from a static KV cache with each step replayed as a CUDA graph (--eager-decode: the same
@@ -31,7 +32,8 @@ numpy array, which the preprocessor copies into page-locked memory before upload
     python benchmarks/bench_vlm.py --eager-decode  # GPU, decode steps (and prefill) without CUDA graphs
     python benchmarks/bench_vlm.py --eager-prefill # GPU, graph-replayed decode steps, eager prefill
     python benchmarks/bench_vlm.py --graph-prefill-max-tokens 4608  # GPU, every setting's prefill a graph
-    python benchmarks/bench_vlm.py --hf-lm         # GPU, the LM's layers through HF's forward instead of pipeline.vlm.text_model
+    python benchmarks/bench_vlm.py --hf-lm         # GPU, the LM's layers through HF's forward
+                                                   #   instead of pipeline.vlm.text_model
     python benchmarks/bench_vlm.py --encode kept   # GPU, the ARR-COC rows with vlm.encode: kept only
     python benchmarks/bench_vlm.py --arch qwen3-vl-8b qwen3-vl-2b   # GPU, Qwen3-VL through transformers' forward
 

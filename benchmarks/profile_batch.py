@@ -6,7 +6,8 @@
 Runs the same generated MSRVTT-QA fixture as bench_batch (Qwen2-VL-2B architecture, random bf16
 weights on CUDA; tiny-random with --quick) once per setting given by --settings, and prints per
 setting the mean seconds per video of: opening the video, capturing the front end's CUDA graphs,
-the whole graph run, and inside it the VLM's vision tower, prefixes (the window's selection + M-RoPE, then each question's), and
+the whole graph run, and inside it the VLM's vision tower, prefixes (the window's selection +
+M-RoPE, then each question's), and
 generation; plus the graph's per-stage busy shares. The first video of each setting (model
 build, first captures) is left out of the means.
 

@@ -40,7 +40,8 @@ def kind(name: str) -> str:
 def profile(fn, device) -> tuple[dict, list]:
     fn()
     sync(device)
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
         fn()
         sync(device)

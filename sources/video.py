@@ -651,7 +651,8 @@ class _DecordMemory:
 
 def _decord_numpy(batch: object) -> np.ndarray:
     """A decord uint8 NDArray as a writable numpy array over the same memory. asnumpy() copies it
-    into fresh memory (page faults included: a large share of get_batch's own time), and every reader copies the frames on anyway (into a
+    into fresh memory (page faults included: a large share of get_batch's own time), and every
+    reader copies the frames on anyway (into a
     batch, a shared slot). Not np.from_dlpack: numpy marks DLPack imports read-only, and frames
     from asnumpy() were writable."""
     tensor = batch.handle.contents  # DLTensor: data, ctx, ndim, dtype, shape, strides, byte_offset

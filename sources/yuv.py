@@ -1,7 +1,8 @@
 """Planar YUV 4:2:0 frames as FFmpeg decodes them, converted to RGB on the device.
 
 Why: converting to RGB with swscale costs the decoder's host thread a large share of its time
-at 720p and up (docs/performance.md), and RGB is twice the bytes of YUV 4:2:0 to copy between processes and over PCIe. So the decode worker
+at 720p and up (docs/performance.md), and RGB is twice the bytes of YUV 4:2:0 to copy between
+processes and over PCIe. So the decode worker
 copies the three planes as they are and the GPU converts them (a few elementwise kernels).
 
 `yuv_to_rgb` reproduces swscale's default conversion of PyAV's `reformat(frame, format="rgb24")`

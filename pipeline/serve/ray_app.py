@@ -85,7 +85,8 @@ class RemoteVLM:
     def __init__(self, handle: Any, max_in_flight: int = 64) -> None:
         self.handle = handle
         info = handle.info.remote().result()
-        self.name, self.geometry, self.config, self.warning = info["name"], info["geometry"], info["config"], info["warning"]
+        self.name, self.geometry = info["name"], info["geometry"]
+        self.config, self.warning = info["config"], info["warning"]
         self.context = info["context_length"]
         self.card = info["card"]
         self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")

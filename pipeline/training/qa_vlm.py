@@ -349,7 +349,8 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     # the token-colour head: training only, never exported
     t = cfg.train
     if t.aux_region_weight and t.aux_region_layer > cfg.model.layers:
-        raise ConfigError(f"train.aux_region_layer={t.aux_region_layer} must be at most model.layers={cfg.model.layers}")
+        raise ConfigError(f"train.aux_region_layer={t.aux_region_layer} "
+                          f"must be at most model.layers={cfg.model.layers}")
     if t.aux_ground_weight and t.aux_ground_layer >= cfg.model.layers:
         raise ConfigError(f"train.aux_ground_layer={t.aux_ground_layer} must be below model.layers={cfg.model.layers}")
     if t.init and not resume_found(out_dir, resume):

@@ -10,7 +10,8 @@ The seeds' curriculum (Parts 29, 44, 45), on generated scenes with exact ground 
   vlm        with a VLM loaded: the VLM's answer loss, VLM frozen (pipeline/training/train_vlm.py)
 Training is soft (the allocator's differentiable budget), inference hard (seed Part 44).
 Queries are embedded by all-MiniLM-L6-v2, as the pipeline embeds them whatever VLM answers (a
-loaded VLM serves the answer loss only). Texture extraction has no parameters, so every frame's texture is computed once.
+loaded VLM serves the answer loss only). Texture extraction has no parameters, so every frame's
+texture is computed once.
 Checkpoints are safetensors (model + optimizer state + position), written every epoch; `--resume`
 continues from the last one and reproduces the uninterrupted run.
 """

@@ -16,7 +16,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 def test_shipped_configs_load(path):
     from pipeline.training.qa_vlm import QAVLMConfig  # configs/qa_vlm.yaml: python -m pipeline.training.qa_vlm
     from pipeline.training.train import TrainConfig  # configs/train_*.yaml configure `python -m pipeline train`
-    kind = TrainConfig if path.name.startswith("train_") else QAVLMConfig if path.name.startswith("qa_vlm") else PipelineConfig
+    kind = (TrainConfig if path.name.startswith("train_")
+            else QAVLMConfig if path.name.startswith("qa_vlm") else PipelineConfig)
     assert isinstance(load_config(kind, path), kind)
 
 

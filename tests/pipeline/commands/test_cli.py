@@ -183,7 +183,8 @@ def test_default_demo_answers_its_clips_questions_with_the_shipped_model(capsys,
         if "color" in question.lower():
             assert answer["correct"] and answer["answer"] == answer["expected"], answer
     assert validate_store(out) == [] and summary["scene_changes"][-1] > 0      # the clip's cut is found
-    assert (tmp_path / "demo" / "demo_overlay.mp4").stat().st_size > 0 and (tmp_path / "demo" / "demo_contact.png").is_file()
+    assert ((tmp_path / "demo" / "demo_overlay.mp4").stat().st_size > 0
+            and (tmp_path / "demo" / "demo_contact.png").is_file())
     # `make demo` a second time: the store starts afresh and the clip is answered again; --query
     # adds the user's own question, answered and not scored
     code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu", "--no-progress",

@@ -48,7 +48,8 @@ def test_ray_path_matches_local_path(tmp_path, local_ray):
     assert validate_store(tmp_path / "ray.zarr") == []
     # the actors' per-stage busy times come back with their rows
     stages = ["decode", "texture", "realize", "vlm", "sink"]
-    assert list(distributed.to_dict()["stage_busy_per_video_s"]) == list(local.to_dict()["stage_busy_per_video_s"]) == stages
+    assert (list(distributed.to_dict()["stage_busy_per_video_s"])
+            == list(local.to_dict()["stage_busy_per_video_s"]) == stages)
     ids = ZarrStore.open(tmp_path / "local.zarr", mode="r").stream_ids()
     assert ids == ZarrStore.open(tmp_path / "ray.zarr", mode="r").stream_ids() == ["video7010", "video7011"]
     for sid in ids:

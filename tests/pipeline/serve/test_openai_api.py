@@ -163,7 +163,8 @@ class TestLiveStreams:
         kinds = [e[0] for e in events]
         assert kinds[-1] == "end" and events[-1][1]["reason"] == "source_ended"
         answers = [d for k, d, _ in events if k == "answer"]
-        assert len(answers) >= 1 and all(d["stream"] == stream["id"] and d["question"] == "what moves?" for d in answers)
+        assert len(answers) >= 1 and all(d["stream"] == stream["id"] and d["question"] == "what moves?"
+                                         for d in answers)
         assert all(0 < d["tokens_kept"] <= d["tokens_full"] and d["t_end"] > d["t_start"] for d in answers)
         assert [int(n) for _, _, n in events] == list(range(1, len(events) + 1))
         # a follower that reconnects with Last-Event-ID gets only what it missed

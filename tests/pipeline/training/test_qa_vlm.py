@@ -330,7 +330,8 @@ class TestConfig:
                 t.setdefault("init", "")
             assert yaml_cfg == shipped["config"], name
         assert stage2["train"]["aux_ground_weight"] > 0
-        assert json.loads((root / "config.json").read_text())["arrcoc_pass2_layers"] == stage2["train"]["aux_ground_layer"]
+        saved = json.loads((root / "config.json").read_text())
+        assert saved["arrcoc_pass2_layers"] == stage2["train"]["aux_ground_layer"]
 
     @pytest.mark.parametrize("override,message", [
         ("train.lr=0", "train.lr=0.0 is out of range; allowed: (0.0, 1.0]"),

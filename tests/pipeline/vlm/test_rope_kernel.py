@@ -37,8 +37,8 @@ def test_a_kernel_that_cannot_build_falls_back_once(monkeypatch):
     def broken(*args, **kwargs):
         calls.append(1)
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
-    monkeypatch.setattr(rope_kernel, "triton", rope_kernel.triton or type("T", (),
-                                                                          {"next_power_of_2": staticmethod(lambda n: n)}))
+    fake_triton = type("T", (), {"next_power_of_2": staticmethod(lambda n: n)})
+    monkeypatch.setattr(rope_kernel, "triton", rope_kernel.triton or fake_triton)
     monkeypatch.setattr(rope_kernel, "_failed", None)
     monkeypatch.setattr(rope_kernel, "_launch", broken)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))

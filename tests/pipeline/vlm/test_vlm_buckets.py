@@ -314,7 +314,8 @@ class TestSharedWindowPrefix:
         grid = next(iter(v.prefixes._layouts))
         for t in range(1, MAX_LAYOUTS + 1):                          # as many other grids as are kept
             v.prefixes._layout(t, 1, 3)
-        assert len(calls) == 1 + MAX_LAYOUTS and len(v.prefixes._layouts) == MAX_LAYOUTS and grid not in v.prefixes._layouts
+        assert (len(calls) == 1 + MAX_LAYOUTS and len(v.prefixes._layouts) == MAX_LAYOUTS
+                and grid not in v.prefixes._layouts)
         v.answer_questions(frames, keep, QUESTIONS[:1])              # dropped as least recently used
         assert len(calls) == 2 + MAX_LAYOUTS
 

@@ -20,7 +20,8 @@ HOST_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select"
 
 
 def dynamic_reference(vlm, prefixes, max_new, temperature=0.0, top_p=1.0, seed=0):
-    """The loop the static cache replaced: HF's own forward with a DynamicCache, a 2-D mask grown by one column per step."""
+    """The loop the static cache replaced: HF's own forward with a DynamicCache, a 2-D mask grown
+    by one column per step."""
     embeds, positions, pads = vlm.pool._left_pad(prefixes)
     B, L = embeds.shape[:2]
     mask = (torch.arange(L) >= torch.tensor(pads)[:, None]).long()         # (B, L)

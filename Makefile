@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: setup demo demo-figure test bench-frontend clean
+.PHONY: setup demo demo-figure lint test bench-frontend clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ demo: setup
 # the README's picture: the demo's contact sheet, regenerated only by asking for it
 demo-figure: demo
 	cp out/demo_contact.png docs/demo_contact.png
+
+lint: setup
+	$(BIN)/ruff check .
 
 test: setup
 	$(BIN)/python -m pytest -q

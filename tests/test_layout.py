@@ -172,3 +172,8 @@ def test_no_runtime_module_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for pkg in ("arr_coc", "pipeline", "sources", "sinks")
             for p in (ROOT / pkg).rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+def test_readme_stays_for_users():
+    """README.md is for users (issue 35): at most 400 lines; figures and history live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 400

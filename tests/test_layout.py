@@ -165,3 +165,15 @@ def test_test_modules_have_unique_basenames():
     for path in (ROOT / "tests").rglob("test_*.py"):
         seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def test_no_runtime_module_over_600_lines():
+    """A module a newcomer can read in one sitting: the runtime packages keep each file under 600 lines."""
+    long = {str(p.relative_to(ROOT)): n for pkg in ("arr_coc", "pipeline", "sources", "sinks")
+            for p in (ROOT / pkg).rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
+
+
+def test_readme_stays_for_users():
+    """README.md is for users (issue 35): at most 400 lines; figures and history live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 400

@@ -91,8 +91,6 @@ def _side_by_side(args: Any) -> int:
     data = load_msrvtt(args.root, args.split, task=args.task, videos_dir=args.videos)
     plan = make_plan(data, limit=args.limit)
     out = args.out if args.out is not None else default_out(args.dataset, args.split)
-    # the settings check (or the fresh start) once, here: the processes only resume
-    VideoAnswerer.create_store(cfg, out, stock=args.stock_tokens, overwrite=args.overwrite)
     started = time.monotonic()
     # the packages beside this one (sources, sinks, arr_coc) importable from any directory, installed or not
     root = str(Path(__file__).resolve().parents[2])
@@ -107,6 +105,9 @@ def _side_by_side(args: Any) -> int:
             if args.shared_vlm:
                 server = _start_vlm_server(cfg)
                 env.update(server.address.to_env())
+            # the settings check (or the fresh start) once, here, after the shared VLM loaded (a VLM
+            # that cannot load leaves no store behind): the processes only resume
+            VideoAnswerer.create_store(cfg, out, stock=args.stock_tokens, overwrite=args.overwrite)
             for i in range(n):
                 argv = _child_argv(args.argv, i, n, str(out), None if server is None else server.address.path)
                 procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))

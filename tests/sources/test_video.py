@@ -18,7 +18,7 @@ import pytest
 
 from sources import DECODERS, Frame, SourceError, VideoInfo, VideoTruncatedWarning, open_video, probe
 from sources.synthetic import Shot, render_clip, write_video
-from sources.video import _rotation
+from sources.video_probe import _rotation
 
 FPS = 30
 N_FRAMES = 60

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,8 +96,10 @@ def test_live(tmp_path, snapshot, video):
     assert all(0 < line["tokens_kept"] <= line["tokens_full"] for line in lines)
 
 
-def test_serve_lists_the_architecture_and_answers(tmp_path, video):
-    sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
+def test_serve_lists_the_architecture_and_answers(tmp_path, video, monkeypatch):
+    # only for this test: left on sys.path, serve's conftest would shadow this folder's in the
+    # processes later tests spawn (they import their test module, which imports `conftest`)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "serve"))
     from serve_client import API_KEY, call, chat_body
 
     from pipeline.serve.app import create_app

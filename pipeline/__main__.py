@@ -1,7 +1,10 @@
 import signal
 import sys
 
-from .commands.cli import main
+try:
+    from .commands.cli import main
+except KeyboardInterrupt:          # Ctrl-C before the command began: nothing was written
+    sys.exit(130)
 
 code = main()
 # the command is over and its store closed: a late Ctrl-C / SIGTERM must not change how it exits

@@ -388,16 +388,19 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..core.graph import INTERRUPTS
-
-    INTERRUPTS.reset()
-    signal.signal(signal.SIGTERM, functools.partial(_raise_interrupt, INTERRUPTS))  # SIGTERM ends cleanly, like Ctrl-C
-    warnings.formatwarning = _one_line_warning
-    _quiet_ffmpeg()
-    _quiet_progress_bars()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
-    _configure_logging(verbose)
+    # everything inside the try: a Ctrl-C that lands while the set-up imports PyAV (a batch shard
+    # stopped as it starts) is an interrupt like any other, not a traceback
     try:
+        from ..core.graph import INTERRUPTS
+
+        INTERRUPTS.reset()
+        # SIGTERM ends cleanly, like Ctrl-C
+        signal.signal(signal.SIGTERM, functools.partial(_raise_interrupt, INTERRUPTS))
+        warnings.formatwarning = _one_line_warning
+        _quiet_ffmpeg()
+        _quiet_progress_bars()
+        _configure_logging(verbose)
         args = build_parser(_prog()).parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)   # batch --processes starts itself again
         return args.func(args)

@@ -468,3 +468,16 @@ def test_live_decode_threads_reach_the_live_config(monkeypatch):
         assert seen[-1] == want
     with pytest.raises(ConfigError, match="live.decode_threads=-1 is out of range"):
         cmd_live(build_parser().parse_args(["live", "0", "--query", "q", "--decode-threads", "-1"]))
+
+
+def test_ctrl_c_during_start_up_is_an_interrupt_not_a_traceback(monkeypatch, capsys):
+    """A batch shard stopped while it starts gets Ctrl-C as its CLI set-up imports PyAV: that is
+    exit 130 and one line, like an interrupt anywhere else (it was a traceback)."""
+    import pipeline.commands.cli as cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_quiet_ffmpeg", interrupted)
+    assert main(["run", "missing.mp4", "--query", "q"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().startswith("interrupted")

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: setup demo demo-figure lint test bench-frontend clean
+.PHONY: setup demo demo-figure lint test test-parallel bench-frontend clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ lint: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the same tests, one worker per core (pytest-xdist); CI keeps to `make test`
+test-parallel: setup
+	$(BIN)/python -m pytest -q -n auto
 
 bench-frontend: setup
 	$(BIN)/python benchmarks/bench_frontend.py

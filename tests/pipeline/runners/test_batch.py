@@ -442,7 +442,8 @@ class TestWholeFlow:
                                    "--out", str(out), "--processes", "2", *shared, *FAST], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + 120
-        while not (out / "zarr.json").exists() and time.monotonic() < deadline:   # the shards are running
+        # the shards are running: a stream group is theirs (the parent makes the store itself, first)
+        while not any((out / "streams").glob("*/zarr.json")) and time.monotonic() < deadline:
             time.sleep(0.2)
         parent.send_signal(signal.SIGINT)                                    # the parent alone, not its group
         _, err = parent.communicate(timeout=120)

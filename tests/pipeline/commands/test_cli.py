@@ -385,14 +385,17 @@ class TestInterruptions:
         assert data["attrs"]["complete"] is False and 16 <= len(data["pts"]) < 600
 
 
-    @pytest.mark.slow   # 30 processes: about 5 s of CPU each, run a few at a time
     def test_two_sigterms_back_to_back_exit_130_every_time(self, tmp_path, videos):
-        """Two SIGTERMs at once, 30 times over: exit 130, a valid incomplete store and nothing else
-        every time. About 1 run in 30 used to abort ("terminate called without an active exception",
-        exit 134, the decode worker's shared memory leaked): a signal handled just outside the
-        wait's `try` left Graph.run with the stages running (tests/pipeline/core/test_graph.py:
-        TestInterrupts has the instruction-by-instruction test)."""
+        """Two SIGTERMs at once, in a few real runs: exit 130, a valid incomplete store and nothing
+        else every time. About 1 run in 30 used to abort ("terminate called without an active
+        exception", exit 134, the decode worker's shared memory leaked): a signal handled just
+        outside the wait's `try` left Graph.run with the stages running. That race is pinned down
+        deterministically by tests/pipeline/core/test_graph.py (TestInterrupts: a signal at each
+        bytecode of the wait in turn, through the CLI's handler); these runs check the whole path
+        of a real process (the handler installed, the decode worker, the store, the message)."""
         from concurrent.futures import ThreadPoolExecutor
+
+        runs = 2
 
         def trial(k: int) -> tuple[int, str]:
             out = tmp_path / f"twice{k}.zarr"
@@ -405,11 +408,11 @@ class TestInterruptions:
                 return -1, f"run {k}: the store is not a valid incomplete one"
             return proc.returncode, err
 
-        with ThreadPoolExecutor(max(2, min(4, (os.cpu_count() or 2) // 2))) as pool:
-            results = list(pool.map(trial, range(30)))
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(trial, range(runs)))
         failed = [(code, err) for code, err in results if code != 130 or err.strip().splitlines()[-1:] != [
             "interrupted: the store was closed and stays valid (complete=false)"]]
-        assert not failed, f"{len(failed)} of 30 runs: {failed[0]}"
+        assert not failed, f"{len(failed)} of {runs} runs: {failed[0]}"
 
 
 def test_help_and_configuration_do_not_import_transformers():

@@ -1,8 +1,11 @@
 """Shared by the pipeline tests: a fake NVIDIA MPS control binary for the tests of `--mps`
-(pipeline/core/mps.py), on CPU; VLMs that generate nothing (silent_vlms)."""
+(pipeline/core/mps.py), on CPU; VLMs that generate nothing (silent_vlms); a temporary directory of a
+test's own (own_tempdir)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +71,18 @@ def fake_mps(tmp_path, monkeypatch):
         monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
         return FakeMPS(record)
     return make
+
+
+@pytest.fixture
+def own_tempdir(monkeypatch):
+    """A short, empty directory of this test's own as tempfile's directory and TMPDIR (so also its
+    subprocesses'): what the test finds there afterwards (a shared VLM's socket directory, MPS pipes
+    left behind) is its own doing, whatever other tests run alongside (`pytest -n`)."""
+    path = tempfile.mkdtemp(prefix="t", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", path)
+    monkeypatch.setenv("TMPDIR", path)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -96,28 +96,26 @@ def test_the_default_daemon_is_reused_over_a_stale_variable(fake_mps, tmp_path, 
     assert fake.commands() == []
 
 
-def test_no_binary_is_one_clear_line(tmp_path, monkeypatch):
+def test_no_binary_is_one_clear_line(tmp_path, monkeypatch, own_tempdir):
     monkeypatch.delenv(mps.PIPE_ENV, raising=False)
     monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", str(tmp_path / "none"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    before = set(Path(tempfile.gettempdir()).glob("arrcoc-mps-*"))
     with pytest.raises(ConfigError, match="--mps needs NVIDIA's nvidia-cuda-mps-control on PATH "
                                           r"\(it ships with the driver\)") as e:
         with mps.mps_daemon():
             pytest.fail("no daemon to run under")
     assert "\n" not in str(e.value)
-    assert set(Path(tempfile.gettempdir()).glob("arrcoc-mps-*")) == before
+    assert list(own_tempdir.glob("arrcoc-mps-*")) == []             # no pipe directory left behind
 
 
-def test_a_daemon_that_fails_to_start_names_its_log_line(fake_mps):
+def test_a_daemon_that_fails_to_start_names_its_log_line(fake_mps, own_tempdir):
     fake = fake_mps(fails=True)
-    before = set(Path(tempfile.gettempdir()).glob("arrcoc-mps-*"))
     with pytest.raises(ConfigError) as e:
         with mps.mps_daemon():
             pytest.fail("no daemon to run under")
     assert str(e.value) == ("--mps: nvidia-cuda-mps-control -d exited with code 1: control.log: "
                             "[fake] cannot open the GPU: operation not permitted")
-    assert set(Path(tempfile.gettempdir()).glob("arrcoc-mps-*")) == before
+    assert list(own_tempdir.glob("arrcoc-mps-*")) == []             # no pipe directory left behind
     assert fake.commands() == ["quit"]                                # told to quit all the same
 
 

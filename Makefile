@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: setup demo demo-figure lint test test-parallel bench-frontend clean
+.PHONY: setup demo demo-figure lint test test-serial bench-frontend clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,12 +31,13 @@ demo-figure: demo
 lint: setup
 	$(BIN)/ruff check .
 
+# one worker per core (pytest-xdist); CI runs this
 test: setup
-	$(BIN)/python -m pytest -q
-
-# the same tests, one worker per core (pytest-xdist); CI keeps to `make test`
-test-parallel: setup
 	$(BIN)/python -m pytest -q -n auto
+
+# the same tests in one process, one after another (to rule out a clash between tests run side by side)
+test-serial: setup
+	$(BIN)/python -m pytest -q
 
 bench-frontend: setup
 	$(BIN)/python benchmarks/bench_frontend.py

@@ -143,6 +143,12 @@ class TestBadRequests:
 
 
 def test_the_server_still_answers_after_all_that(server, videos):
+    # one of each refusal here too, so that the test holds alone or on any worker (pytest -n)
+    assert call(server, "GET", "/v1/models", key="wrong-key")[0] == 401
+    assert call(server, "POST", "/v1/chat/completions", chat_body(videos.outside.joinpath("secret.mp4").as_uri()))[0] \
+        == 403
+    raw, kind = multipart("big.mp4", os.urandom(600 * 1024))
+    assert call(server, "POST", "/v1/files", raw=raw, headers={"Content-Type": kind})[0] == 413
     reply = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
         model="tiny-random", messages=chat_body(videos.small.as_uri())["messages"])
     assert reply.choices[0].finish_reason == "stop" and reply.usage.tokens_kept > 0

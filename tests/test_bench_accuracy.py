@@ -1,19 +1,43 @@
 """The accuracy benchmark end to end on CPU (tiny-random: its answers are meaningless, the plumbing is
 not): every policy's row comes from batch + eval, the ARR-COC row is what `batch` + `eval` print, and
-the token counts follow the retention."""
+the token counts follow the retention. The script runs in this process (its start-up, as a script
+and without PyAV or zarr, in test_ttft_window_runs_without_pyav_or_zarr)."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import bench_accuracy  # noqa: E402
+from pipeline.commands.cli import main as cli  # noqa: E402
 
 
-def test_quick_run_writes_rows_matching_batch_and_eval(tmp_path):
+@pytest.fixture
+def bench(capsys, monkeypatch):
+    """bench(*args): `python benchmarks/bench_accuracy.py ARGS` run in this process from the repository
+    root, as a CompletedProcess (returncode, stderr)."""
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = bench_accuracy.main(list(args))
+        except SystemExit as e:                         # argparse's errors (2), or a message (1), as a script's
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+    return run
+
+
+def test_quick_run_writes_rows_matching_batch_and_eval(tmp_path, bench):
     out = tmp_path / "acc.json"
-    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
-                           "--policies", "stock,evs,arrcoc", "--retentions", "0.25", "--limit", "2", "--ttft",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = bench("--quick", "--root", str(tmp_path / "data"), "--policies", "stock,evs,arrcoc", "--retentions", "0.25",
+                 "--limit", "2", "--ttft", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {(r["policy"], r["retention"]): r for r in result["rows"]}
@@ -23,33 +47,27 @@ def test_quick_run_writes_rows_matching_batch_and_eval(tmp_path):
     assert {r["policy"] for r in result["ttft"]} == {"stock", "evs", "arrcoc"}
 
     # the CLI's batch + eval at the same retention give the ARR-COC row's numbers
-    store = tmp_path / "cli.zarr"
-    cli = [sys.executable, "-m", "pipeline"]
-    batch = subprocess.run([*cli, "batch", "--dataset", "msrvtt", "--root", str(tmp_path / "data"), "--limit", "2",
-                            "--vlm", "tiny-random", "--device", "cpu", "--set", "decode.fps=2",
-                            "--set", "model.attending.retention=0.25", "--out", str(store), "--no-progress"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert batch.returncode == 0, batch.stderr[-2000:]
-    report = tmp_path / "eval.json"
-    ev = subprocess.run([*cli, "eval", str(store), "--dataset", "msrvtt", "--root", str(tmp_path / "data"),
-                         "--report", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert ev.returncode == 0, ev.stderr[-2000:]
+    store, report = tmp_path / "cli.zarr", tmp_path / "eval.json"
+    assert cli(["batch", "--dataset", "msrvtt", "--root", str(tmp_path / "data"), "--limit", "2",
+                "--vlm", "tiny-random", "--device", "cpu", "--set", "decode.fps=2",
+                "--set", "model.attending.retention=0.25", "--out", str(store), "--no-progress"]) == 0
+    assert cli(["eval", str(store), "--dataset", "msrvtt", "--root", str(tmp_path / "data"),
+                "--report", str(report)]) == 0
     scored = json.loads(report.read_text())
     assert scored["accuracy"] == rows["arrcoc", 0.25]["accuracy"]
     assert scored["tokens"]["mean_kept_per_video"] == rows["arrcoc", 0.25]["mean_tokens_kept"]
 
 
-def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
+def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path, bench):
     """The variant rows run through their own VLM settings: pass 2 and kept encoding at each retention,
     tempering once, with a threshold calibrated on the val split and every pass's tokens counted."""
     out = tmp_path / "acc.json"
-    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
-                           "--policies", "arrcoc", "--retentions", "0.25", "--limit", "1",
-                           "--variants", "pass2,kept,tempering", "--ladder", "0.05,0.25",
-                           "--val-root", str(tmp_path / "val"), "--val-make", "2", "--ttft", "--out", str(out),
-                           "--escalate", "0.3", "--hold-share",
-                           "--arrcoc-weights", "arr_coc/weights/synth-qa.safetensors"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = bench("--quick", "--root", str(tmp_path / "data"),
+                 "--policies", "arrcoc", "--retentions", "0.25", "--limit", "1",
+                 "--variants", "pass2,kept,tempering", "--ladder", "0.05,0.25",
+                 "--val-root", str(tmp_path / "val"), "--val-make", "2", "--ttft", "--out", str(out),
+                 "--escalate", "0.3", "--hold-share",
+                 "--arrcoc-weights", "arr_coc/weights/synth-qa.safetensors")
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {(r["policy"], r["retention"]): r for r in result["rows"]}
@@ -71,21 +89,19 @@ def test_variants_pass2_kept_and_tempering_calibrated_on_val(tmp_path):
                                                      "arrcoc+finetuned"}
 
 
-def test_hold_share_needs_escalate(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
-                           "--variants", "tempering", "--threshold", "0.5", "--hold-share"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_hold_share_needs_escalate(tmp_path, bench):
+    done = bench("--quick", "--root", str(tmp_path / "data"),
+                 "--variants", "tempering", "--threshold", "0.5", "--hold-share")
     assert done.returncode == 2 and "--hold-share holds the --escalate share" in done.stderr
     assert not (tmp_path / "data").exists()
 
 
-def test_ttft_window_runs_without_pyav_or_zarr(tmp_path):
+def test_ttft_window_runs_without_pyav_or_zarr(tmp_path, bench):
     """--save-ttft-window writes the window --ttft times; --ttft-only --ttft-window times it with
     neither PyAV nor zarr importable (a GPU machine carrying the shipped model but no wheels)."""
     window = tmp_path / "w.npz"
-    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
-                           "--policies", "stock", "--limit", "1", "--ttft-only", "--save-ttft-window", str(window)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = bench("--quick", "--root", str(tmp_path / "data"),
+                 "--policies", "stock", "--limit", "1", "--ttft-only", "--save-ttft-window", str(window))
     assert done.returncode == 0, done.stderr[-2000:]
     blocked = ("import runpy, sys\n"
                "class Block:\n"
@@ -103,20 +119,19 @@ def test_ttft_window_runs_without_pyav_or_zarr(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert {r["policy"] for r in json.loads(out.read_text())["ttft"]} == {"stock", "arrcoc"}
     (tmp_path / "bad.npz").write_bytes(b"not a window")
-    bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--vlm", "tiny-random", "--device", "cpu",
-                          "--ttft-only", "--ttft-window", str(tmp_path / "bad.npz")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    bad = bench("--vlm", "tiny-random", "--device", "cpu",
+                "--ttft-only", "--ttft-window", str(tmp_path / "bad.npz"))
     assert bad.returncode != 0 and "not a window file" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_renderer_split_adds_the_named_object_measures(tmp_path):
+def test_renderer_split_adds_the_named_object_measures(tmp_path, bench):
     """--renderer writes that renderer's clips; every row splits accuracy by whether a question names
     one object, ARR-COC's rows add the named object's share of the tokens; --held-out is the held-out
     renderer's test split and takes no other renderer."""
     out = tmp_path / "acc.json"
-    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
-                           "--renderer", "photo", "--policies", "stock,arrcoc", "--retentions", "0.25",
-                           "--limit", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = bench("--quick", "--root", str(tmp_path / "data"),
+                 "--renderer", "photo", "--policies", "stock,arrcoc", "--retentions", "0.25",
+                 "--limit", "2", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["renderer"] == "photo"
@@ -128,27 +143,25 @@ def test_renderer_split_adds_the_named_object_measures(tmp_path):
     arrcoc = next(r for r in result["rows"] if r["policy"] == "arrcoc")
     assert 0 <= arrcoc["named_object_share"]["token_share"] <= 1 and arrcoc["named_object_share"]["questions"] > 0
     assert "named_object_share" not in result["rows"][0]
-    bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "x"),
-                          "--held-out", "--renderer", "photo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = bench("--quick", "--root", str(tmp_path / "x"),
+                "--held-out", "--renderer", "photo")
     assert bad.returncode == 2 and "--held-out is --renderer" in bad.stderr and not (tmp_path / "x").exists()
-    bad = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "x"),
-                          "--renderer", "photo,styled"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = bench("--quick", "--root", str(tmp_path / "x"),
+                "--renderer", "photo,styled")
     assert bad.returncode == 2 and "evaluate it alone" in bad.stderr and not (tmp_path / "x").exists()
 
 
-def test_in_distribution_split_draws_every_training_renderer(tmp_path):
+def test_in_distribution_split_draws_every_training_renderer(tmp_path, bench):
     from evaluation.renderers import training_renderers
-    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
-                           "--make", "3", "--renderer", "in-distribution", "--policies", "stock", "--limit", "3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = bench("--quick", "--root", str(tmp_path / "data"),
+                 "--make", "3", "--renderer", "in-distribution", "--policies", "stock", "--limit", "3")
     assert done.returncode == 0, done.stderr[-2000:]
     records = json.loads((tmp_path / "data" / "test_qa.json").read_text())
     assert {r["renderer"] for r in records} == set(training_renderers())
 
 
-def test_a_variant_setting_out_of_range_fails_before_any_row(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/bench_accuracy.py", "--quick", "--root", str(tmp_path / "data"),
-                           "--variants", "pass2", "--retentions", "1,0.1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_a_variant_setting_out_of_range_fails_before_any_row(tmp_path, bench):
+    done = bench("--quick", "--root", str(tmp_path / "data"),
+                 "--variants", "pass2", "--retentions", "1,0.1")
     assert done.returncode == 2 and "variant pass2 at retention 1" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "data").exists()

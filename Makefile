@@ -33,7 +33,7 @@ lint: setup
 
 # one worker per core (pytest-xdist); CI runs this
 test: setup
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 # the same tests in one process, one after another (to rule out a clash between tests run side by side)
 test-serial: setup

@@ -2,7 +2,6 @@
 its answers are meaningless, the plumbing is not), and the matching of recorded features to eval's
 answers."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import fit_probe  # noqa: E402
 from benchmarks.fit_probe import match  # noqa: E402
 from pipeline.vlm.probe import FEATURES, Probe  # noqa: E402
 
@@ -40,10 +40,9 @@ def test_fits_a_probe_file_tempering_loads(tmp_path):
     from evaluation.synth_qa import write_split
     write_split(tmp_path / "calib", "val", 2, first_seed=1_900_000)
     out = tmp_path / "probe.json"
-    done = subprocess.run([sys.executable, "benchmarks/fit_probe.py", "--root", str(tmp_path / "calib"),
-                           "--vlm", "tiny-random", "--device", "cpu", "--ladder", "0.1,0.25", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # in this process: the script's start-up is its imports, which test_bench_common covers
+    assert fit_probe.main(["--root", str(tmp_path / "calib"), "--vlm", "tiny-random", "--device", "cpu",
+                           "--ladder", "0.1,0.25", "--out", str(out)]) == 0
     probe = Probe.load(out)
     questions = len(json.loads((tmp_path / "calib" / "val_qa.json").read_text()))
     assert probe.fitted_on["answers"] == questions and probe.fitted_on["ladder"] == [0.1, 0.25]

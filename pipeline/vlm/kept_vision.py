@@ -42,7 +42,7 @@ from torch import nn
 
 from arr_coc.lod import pad_to_pairs
 from pipeline.runtime.cuda import read_back, to_device, upload
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.kept_graph import KeptGraphs, TowerCall
 from pipeline.vlm.preprocess import VideoPreprocessor
@@ -164,6 +164,7 @@ class KeptEncoder:
         self.graphs, self.whole_windows, self.context = graphs, whole_windows, context
         self.geometry = preprocessor.geometry
         self.window = hf.vision_window_cells(visual)
+        self.per_patch_sizes = qwen3_vl.has_deepstack(visual)
         self.device = next(visual.parameters()).device
         self.counters = {"cells_encoded": 0, "cells_reused": 0}
         if graphs is not None:                     # captures so far (a live run should stop adding them)
@@ -319,13 +320,18 @@ class KeptEncoder:
             positions.append(patch_positions(job.encoded, gh, gw, m))        # (n m^2, 2)
             grids.append([Tp, gh * m, gw * m])
         pixels, positions = torch.cat(rows), torch.cat(positions)
+        frame_sizes = None                      # Qwen3-VL's learned positions are resampled to each frame
+        if self.per_patch_sizes:
+            counts = [job.encoded.numel() * m * m for job in jobs if job.encoded.numel()]
+            frame_sizes = torch.tensor([g[1:] for g in grids], device=self.device).repeat_interleave(
+                torch.tensor(counts, device=self.device), 0, output_size=sum(counts))  # (n m^2, 2), no host read
         merged = None
         if self.graphs is not None and self.graphs.enabled:                  # replayed at a padded shape
             merged = self.graphs(TowerCall(pixels, positions, plan.cu, plan.longest, plan.window_index,
-                                           plan.cu_window))
+                                           plan.cu_window, frame_sizes))
             self.counters["graphs_captured"] = self.graphs.captured
         if merged is None:
             with batched_attention(None):         # blocks of unequal length: one host read per boundary tensor
                 merged = hf.vision_forward_on(self.visual, pixels, torch.tensor(grids, device=self.device),
-                                              positions, plan.cu, plan.window_index, plan.cu_window)
+                                              positions, plan.cu, plan.window_index, plan.cu_window, frame_sizes)
         return list(merged.split(sizes))                                     # (n, D) each

@@ -85,7 +85,9 @@ class VLM:
                  if config.encode == "kept" and config.reuse_cells else None)
         kept_graphs = (KeptGraphs(visual, self.dtype, self.pool.graph_pool)  # needs the patched attention
                        if graphed and version_warning is None else None)
-        self.kept_encoder = KeptEncoder(visual, preprocessor, self.dtype, self.lm.embed_tokens.embedding_dim,
+        # Qwen3-VL: each token's DeepStack features ride along as more channels (hf.tower_tokens)
+        token_width = self.lm.embed_tokens.embedding_dim * (1 + self.pool.deepstack)
+        self.kept_encoder = KeptEncoder(visual, preprocessor, self.dtype, token_width,
                                         cache, kept_graphs, whole_windows=config.kept_windows == "whole",
                                         context=config.kept_context)
         self.encoder = VisionEncoder(visual, preprocessor, self.kept_encoder, config=config, dtype=self.dtype,
@@ -158,7 +160,8 @@ class VLM:
         return self.prefixes.text_embeddings(question)
 
     def visual_tokens(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
-        return self.encoder.visual_tokens(frames)
+        """(T', gh gw, D) the merged tokens (without Qwen3-VL's DeepStack features)."""
+        return self.encoder.visual_tokens(frames)[..., :self.lm.embed_tokens.embedding_dim]
 
     def encode_cells(self, frames: np.ndarray | torch.Tensor, cells: np.ndarray | torch.Tensor | None) -> KeptFeatures:
         return self.encoder.encode_cells(frames, cells)

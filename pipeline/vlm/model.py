@@ -1,9 +1,11 @@
-"""The VLM stage: pruned visual tokens in, answers out (Qwen2-VL / Qwen2.5-VL through HF transformers).
+"""The VLM stage: pruned visual tokens in, answers out (Qwen2-VL, Qwen2.5-VL, dense Qwen3-VL).
 
 Per request: preprocess on the device -> vision tower on every patch (vlm.encode: all) or on the kept
 cells' patches only (kept) -> merged tokens (T', gh, gw, D) -> keep/pool per the allocation -> LM
 prefix whose visual part holds only the kept tokens, each at the M-RoPE position the full (unpruned)
-sequence gives it -> our own KV-cached decoding loop, batched over requests with left padding. With
+sequence gives it (Qwen3-VL: with a timestamp per frame group, and each token's DeepStack features,
+which ride with it as extra channels from the tower on and are added after the LM's first layers)
+-> our own KV-cached decoding loop, batched over requests with left padding. With
 vlm.pass2 on, the keep map holds pass 1's candidates and pipeline/vlm/passes.py keeps the final
 tokens among them (and answers again with more while unsure: vlm.tempering).
 

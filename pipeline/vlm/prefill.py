@@ -107,7 +107,10 @@ class DecoderPool:
         return self._hf_lm_step(embeds, attention_mask, positions, cache, deepstack)
 
     def _hf_lm_step(self, embeds, attention_mask, positions, cache, deepstack=None):
-        """lm_step through HF's own text model forward (which takes any mask form it knows)."""
+        """lm_step through HF's own text model forward (which takes any mask form it knows; Qwen3-VL's
+        takes no per-layer-type mapping, and a 4-D mask as given)."""
+        if self.deepstack and isinstance(attention_mask, dict):
+            attention_mask = attention_mask["full_attention"]
         out = self.lm(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                        use_cache=cache is not None, **{self._cache_kw: cache},
                        **qwen3_vl.deepstack_lm_kwargs(deepstack))

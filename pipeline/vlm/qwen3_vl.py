@@ -10,10 +10,12 @@ Qwen3-VL differs from Qwen2-VL / Qwen2.5-VL where kept tokens are concerned:
     text model's rotary embedding from the (3, B, L) positions it is given;
   - a textual timestamp before each frame group (pipeline/vlm/frame_groups.py).
 
-Everything here is called by pipeline/vlm/hf_forward.py (the answering facade): configs and model
-classes, the vision tower's merged tokens and DeepStack features, the model's own get_rope_index,
-and one forward of the text model with DeepStack arguments. tests/pipeline/vlm/test_hf_boundary.py
-lets this file, with pipeline/vlm/hf.py, name those internals.
+Everything here is called by pipeline/vlm/hf_forward.py (Qwen3-VL-MoE's answering facade): configs
+and model classes, the vision tower's merged tokens and DeepStack features, the model's own
+get_rope_index, and one forward of the text model with DeepStack arguments; and by the fast engine
+(dense Qwen3-VL) through its hooks at the end: the tower over kept patches (tower_on), the whole
+tower's precomputed inputs for a replayed graph, DeepStack arguments for transformers' text model.
+tests/pipeline/vlm/test_hf_boundary.py lets this file, with pipeline/vlm/hf.py, name those internals.
 """
 from __future__ import annotations
 

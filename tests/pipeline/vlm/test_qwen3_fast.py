@@ -145,9 +145,10 @@ def kept_features(vlm: VLM, frames, keep, encode: str) -> tuple[torch.Tensor, li
 class TestAgainstTransformers:
     @pytest.mark.parametrize("encode", ENCODES)
     @pytest.mark.parametrize("shape", [(4, 64, 96), (5, 96, 64)])          # 5 frames: the last group padded
-    def test_every_token_equals_transformers_forward(self, vlm, encode, shape):
+    @pytest.mark.parametrize("fast_lm", [True, False])                     # False: transformers' text model
+    def test_every_token_equals_transformers_forward(self, vlm, encode, shape, fast_lm):
         frames = make_frames(*shape, seed=1)
-        got = engine_logits(with_config(vlm, encode=encode), [request(frames)])[0]
+        got = engine_logits(with_config(vlm, encode=encode, fast_lm=fast_lm), [request(frames)])[0]
         torch.testing.assert_close(got, hf_full_logits(vlm, frames), rtol=1e-4, atol=1e-4)
 
     @pytest.mark.parametrize("encode", ENCODES)

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_topology, scratch_result  # noqa: E402
 from pipeline.runtime.cuda import window_frames  # noqa: E402
-from pipeline.vlm import qwen3_vl  # noqa: E402
+from pipeline.vlm import hf, qwen3_vl  # noqa: E402
 from pipeline.vlm.builtin import ARCHS, arch_config, build_model, build_tokenizer, tiny_config  # noqa: E402
 from pipeline.vlm_config import VLMConfig  # noqa: E402
 from pipeline.vlm.loading import _wrap  # noqa: E402
@@ -70,6 +70,18 @@ from pipeline.runtime.requests import AnswerRequest  # noqa: E402
 QUESTION = "What is the person on the left doing with the red object?"
 HF_STOCK = "stock, HF forward"         # every token, the LM through transformers' own forward (fast_lm off)
 HF_FORWARD = "stock, transformers forward"   # Qwen3-VL: every token through transformers' whole forward
+
+
+@contextlib.contextmanager
+def stock_attention(vlm):
+    """While inside: the LM's attention is transformers' own sdpa again (the engine registers its
+    packed-GQA variant on the LM's config), so the transformers-forward row runs stock code only."""
+    impl = hf.attention_implementation(vlm.lm.config)
+    hf.set_attention_implementation(vlm.lm.config, "sdpa")
+    try:
+        yield
+    finally:
+        hf.set_attention_implementation(vlm.lm.config, impl)
 
 
 def transformers_forward(vlm):
@@ -410,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                      arrcoc_share_of_vlm=None if keep is None else arrcoc_ms / vlm_ms)
             arch_rows.append(r)
         if arch in QWEN3_ARCHS:       # the stock model through transformers' own Qwen3-VL forward
-            r = dict(bench_hf_forward(transformers_forward(vlm), window, None, new_tokens, reps), setting=HF_FORWARD,
+            with stock_attention(vlm):
+                forward = bench_hf_forward(transformers_forward(vlm), window, None, new_tokens, reps)
+            r = dict(forward, setting=HF_FORWARD,
                      arch=arch, keep_source=None, build_s=build_s, kept_windows=None, snap_windows=0,
                      kept_context=None, arrcoc_ms=None, arrcoc_eager_ms=None, arrcoc_share_of_vlm=None)
             arch_rows.insert(0, r)

@@ -111,6 +111,12 @@ class DecoderPool:
         takes no per-layer-type mapping, and a 4-D mask as given)."""
         if self.deepstack and isinstance(attention_mask, dict):
             attention_mask = attention_mask["full_attention"]
+            if attention_mask is None:        # causal, made here: its own would ask the cache for offsets
+                L = embeds.shape[1]
+                K = L if cache is None else cache.visible
+                keys = torch.arange(K, device=self.device)
+                allowed = keys[None, :] <= torch.arange(K - L, K, device=self.device)[:, None]  # (L, K)
+                attention_mask = self.attention_masks(allowed.expand(embeds.shape[0], 1, L, K))["full_attention"]
         out = self.lm(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                        use_cache=cache is not None, **{self._cache_kw: cache},
                        **qwen3_vl.deepstack_lm_kwargs(deepstack))
@@ -194,7 +200,10 @@ class DecoderPool:
         over when it may be replayed (_prefill_shape's rules), None when it runs eagerly."""
         cfg = self.config
         rows = self._rows(batch)
-        if (not cfg.cuda_graphs or length > cfg.graph_prefill_max_tokens
+        # transformers' Qwen3-VL text model adds DeepStack through a boolean-mask gather (a host
+        # read, which a capture cannot take): through it, prefills run eagerly
+        hf_deepstack = self._fast_lm is None and self.deepstack > 0
+        if (not cfg.cuda_graphs or hf_deepstack or length > cfg.graph_prefill_max_tokens
                 or (rows > batch and rows * row_length > self.row_padded_prefill_tokens)):
             return None
         return rows

@@ -173,12 +173,13 @@ class TestAgainstTransformers:
 
 
 class TestDecoding:
-    def test_cached_decode_equals_step_by_step(self, vlm):
+    @pytest.mark.parametrize("fast_lm", [True, False])
+    def test_cached_decode_equals_step_by_step(self, vlm, fast_lm):
         """Batched (left padded, two lengths) static-cache decoding: every step's logits equal
         transformers' uncached forward over the prompt and the tokens generated so far."""
         frames = [make_frames(4, 64, 96, seed=5), make_frames(6, 64, 96, seed=6)]
         keeps = [keep_fraction(vlm, frames[0], 0.3, seed=7), keep_fraction(vlm, frames[1], 0.2, seed=8, drop_pair=1)]
-        engine = with_config(vlm, encode="all")
+        engine = with_config(vlm, encode="all", fast_lm=fast_lm)
         out = engine.generate(engine.prepare([request(f, k) for f, k in zip(frames, keeps)]), max_new_tokens=5,
                               temperature=0.0, return_logits=True)
         for b, (f, k) in enumerate(zip(frames, keeps)):
@@ -292,6 +293,12 @@ def test_on_cuda_graphed_generation_equals_eager(cuda_qwen3):
         for a, b in zip(got.step_logits, want.step_logits):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
     assert graphed.counters["prefill_graphs"] >= 1 and graphed.counters["decode_graphs"] >= 1
+    hf_lm = rewrap(graphed, fast_lm=False)       # transformers' text model: eager prefill, graphed steps
+    got = hf_lm.generate(hf_lm.prepare(reqs), max_new_tokens=6, return_logits=True)
+    want = eager.generate(eager.prepare(reqs), max_new_tokens=6, return_logits=True)
+    assert torch.equal(got.tokens, want.tokens) and hf_lm.counters["prefill_graphs"] == 0
+    for a, b in zip(got.step_logits, want.step_logits):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.cuda

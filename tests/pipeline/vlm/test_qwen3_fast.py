@@ -15,6 +15,7 @@ import torch
 from conftest import make_frames, request, rewrap
 
 from pipeline.vlm.hf_forward import HFForwardVLM
+from pipeline.vlm.kept_graph import KeptGraphs
 from pipeline.vlm.loading import build_tiny_vlm
 from pipeline.vlm.model import VLM
 from pipeline.vlm.passes import narrow
@@ -170,6 +171,20 @@ class TestAgainstTransformers:
         tokens = vlm.encode_cells(frames, None).tokens
         merged, deepstack = hf_tower(vlm, frames)
         torch.testing.assert_close(tokens, torch.cat([merged, *deepstack], -1), rtol=1e-4, atol=1e-4)
+
+
+    def test_padded_kept_graph_forward_equals_the_ragged_tower(self, vlm):
+        """The kept tower at a graph's padded shape (run eagerly here: capture_graphs=False), its
+        padding rows at grid size 1, gives the ragged tower's tokens and DeepStack features."""
+        padded = with_config(vlm, encode="kept")
+        padded.kept_encoder.graphs = KeptGraphs(padded.encoder._visual, padded.dtype, None, capture_graphs=False)
+        frames = make_frames(6, 96, 128, seed=17)
+        for seed in (18, 19):
+            keep = keep_fraction(vlm, frames, 0.3, seed=seed)
+            want, got = vlm.encode_cells(frames, keep), padded.encode_cells(frames, keep)
+            assert torch.equal(got.index, want.index)
+            torch.testing.assert_close(got.tokens, want.tokens, rtol=1e-4, atol=1e-4)
+        assert padded.kept_encoder.graphs.captured >= 1
 
 
 class TestDecoding:

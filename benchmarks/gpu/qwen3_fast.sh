@@ -22,7 +22,7 @@ status=0
 timeout 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/pipeline/vlm/test_qwen3_fast.py \
     > "$OUT/pytest_qwen3_cuda.log" 2>&1 || status=1
 tail -5 "$OUT/pytest_qwen3_cuda.log"
-timeout 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/pipeline/vlm --deselect tests/pipeline/vlm/test_qwen3_fast.py \
+timeout 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/pipeline/vlm --deselect tests/pipeline/vlm/test_qwen3_fast.py --continue-on-collection-errors \
     > "$OUT/pytest_vlm_cuda.log" 2>&1 || status=1
 tail -5 "$OUT/pytest_vlm_cuda.log"
 

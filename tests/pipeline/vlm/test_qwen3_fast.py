@@ -83,12 +83,13 @@ def hf_tower(vlm: VLM, frames) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 @torch.no_grad()
 def hf_kept_logits(vlm: VLM, frames, cells: torch.Tensor, merged: torch.Tensor, deepstack: list[torch.Tensor],
-                   drop_empty: bool = False, continuation=()) -> torch.Tensor:
+                   drop_empty: bool = False, continuation=(), attention_at: int | None = None) -> torch.Tensor:
     """transformers' forward given kept tokens: the unpruned prompt less every video token not in
     `cells` (raster indices; drop_empty: less every frame group without one, timestamp and
     markers), each slot at the full prompt's position, `merged` (K, D) and `deepstack` (K, D) per
     layer handed in as the tower's outputs for those cells; continuation: ids after the prompt ->
-    (1 + len(continuation), V) logits from the prompt's last slot on."""
+    (1 + len(continuation), V) logits from the prompt's last slot on; attention_at: instead, LM layer
+    attention_at's attention weights (H, L, L), from transformers' eager attention."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
     Tp, gh, gw = grid_of(vlm, frames)
@@ -112,6 +113,15 @@ def hf_kept_logits(vlm: VLM, frames, cells: torch.Tensor, merged: torch.Tensor, 
     pos = torch.cat([pos, after.expand(3, -1)], 1)
     encoded = BaseModelOutputWithDeepstackFeatures(pooler_output=(merged,),
                                                    deepstack_features=[(d,) for d in deepstack])
+    if attention_at is not None:
+        config, impl = vlm.lm.config, vlm.lm.config._attn_implementation
+        config._attn_implementation = "eager"
+        try:
+            out = vlm.model(input_ids=kept_ids[None], position_ids=pos[:, None], mm_encoder_outputs={"video": encoded},
+                            output_attentions=True)
+        finally:
+            config._attn_implementation = impl
+        return out.attentions[attention_at][0].float()
     out = vlm.model(input_ids=kept_ids[None], position_ids=pos[:, None], mm_encoder_outputs={"video": encoded})
     return out.logits[0, -1 - len(continuation):].float()
 
@@ -269,6 +279,20 @@ class TestPasses:
         assert torch.equal(got.positions, want.positions) and torch.equal(got.visual, want.visual)
         torch.testing.assert_close(got.embeds, want.embeds)
         torch.testing.assert_close(got.deepstack, want.deepstack)
+
+    @pytest.mark.parametrize("layer", [0, 2])        # 0: no DeepStack level yet; 2: levels 0 and 1
+    def test_pass2_reads_the_questions_attention_at_layer_k(self, vlm, layer):
+        """Pass 2's scores are the attention the question pays each kept token at LM layer K, as
+        transformers' eager attention gives it (with the DeepStack features of the layers before K)."""
+        engine = with_config(vlm, encode="all", pass2="attention", pass2_layers=layer)
+        frames = make_frames(6, 64, 96, seed=21)
+        keep = keep_fraction(vlm, frames, 0.5, seed=22, drop_pair=1)
+        window = engine.prepare([request(frames, keep)])[0].window
+        got = engine.passes.scores([window], [QUESTION])[0]                 # (K,)
+        merged, deepstack = kept_features(engine, frames, keep, "all")
+        weights = hf_kept_logits(vlm, frames, cells_of(keep, vlm.device), merged, deepstack, attention_at=layer)
+        want = weights[:, window.embeds.shape[0]:].mean((0, 1))[window.visual_slots()]   # the question's rows
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
     def test_pass2_and_tempering_answer(self, vlm):
         tempering = TemperingConfig(ladder=(0.5, 1.0), threshold=1.0, rank="attention")   # never sure: both rungs

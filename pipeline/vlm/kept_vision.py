@@ -19,6 +19,10 @@ cells an allocation keeps, instead of over every patch with the tokens picked af
   dropped after the merger. With `vlm.kept_windows: cells` only the kept cells are encoded (about
   2.4x fewer for the 7B at 10%: 416 against 1008 cells of 32 frames at 448x448); each windowed
   block then attends among the kept cells of each window, so the deviation starts at the first block.
+- Qwen3-VL attends within a frame group like Qwen2-VL; its tower adds learned position embeddings
+  resampled to each frame's grid, so each encoded patch gets its own frame's grid size too, and its
+  tokens come with the DeepStack features of the encoded patches' own hidden states
+  (qwen3_vl.tower_on): a kept token's features never mix in a cell that was not encoded.
 - LOD-2 cells (pooled 2x2 blocks) are encoded like full ones; the pooled token is the mean of their
   merged tokens (selection.select_tokens).
 - Live reuse: with a stream key, cells unchanged since that stream last encoded them are not encoded

@@ -115,7 +115,7 @@ class PrefixBuilder:
         self.model, self.lm, self.tokenizer = model, lm, tokenizer
         self.family, self.config, self.geometry, self.device = family, config, geometry, device
         self.video_token_id = model.config.video_token_id
-        self._layouts: OrderedDict[tuple[int, ...], Layout] = OrderedDict()
+        self._layouts: OrderedDict[tuple, Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
         # Qwen3-VL: a timestamp per frame group, no system turn, DeepStack features per visual token
         self.timestamps = family in qwen3_vl.FAMILIES
@@ -270,7 +270,7 @@ class PrefixBuilder:
 
     def _layout(self, Tp: int, gh: int, gw: int, T: int | None = None) -> Layout:
         """The layout of a visual grid (Qwen3-VL: of T frames, whose count sets the timestamps)."""
-        key = (Tp, gh, gw) if T is None else (Tp, gh, gw, T)
+        key = (Tp, gh, gw) if T is None else (Tp, gh, gw, T, self.config.fps)   # Qwen3: fps sets the stamps
         layout = self._layouts.pop(key, None)
         if layout is None:
             if len(self._layouts) >= MAX_LAYOUTS:

@@ -39,6 +39,7 @@ from arr_coc._validate import ConfigError, check_choice, check_range
 from arr_coc.model import ARRCOC, ARRCOCConfig
 from arr_coc.attending import AttendingConfig
 
+from .query_table import check_queries
 from .selection import Advantage, policy_loss, sample_selection
 
 QAItem = tuple[np.ndarray, list[tuple[str, str]]]    # frames the VLM sees (T, H, W, 3), [(question, answer)]
@@ -109,6 +110,7 @@ class OutcomeConfig:
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("cpu", "cuda", "auto"))
+        check_queries(self.queries)
         if self.model.attending.pooled_share:
             raise ConfigError("model.attending.pooled_share must be 0 for outcome training: it samples full "
                               "tokens only")

@@ -62,6 +62,13 @@ def build(out: str | Path, device: str = "cpu", batch: int = 256) -> Path:
     return out
 
 
+def check_queries(spec: str) -> None:
+    """A config's `queries`: "minilm" or the path of an existing table (checked before any work)."""
+    if spec != "minilm" and not Path(spec).is_file():
+        raise ConfigError(f"queries={spec!r}: no such file; use minilm or build a table with "
+                          f"python -m pipeline.training.query_table --out {spec}")
+
+
 class QueryTable:
     """text -> (1, D) vector from a file `build` wrote; a text outside it is a ConfigError."""
 

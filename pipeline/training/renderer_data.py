@@ -86,11 +86,11 @@ def union_coverage(items: list[StillItem], size: tuple[int, int], grid: tuple[in
     """(E, gh, gw) share of each cell covered by any object the item's question names."""
     from evaluation.metrics import box_coverage
 
-    owner = torch.tensor([e for e, it in enumerate(items) for _ in it.boxes], device=device)
-    boxes = torch.tensor([b for it in items for b in it.boxes], device=device)
-    cover = box_coverage(boxes, size, grid)                                      # (sum boxes, gh, gw)
-    out = torch.zeros(len(items), *grid, device=device)
-    return out.index_reduce_(0, owner, cover, "amax", include_self=True)         # (E, gh, gw)
+    M = max(len(it.boxes) for it in items)
+    boxes = torch.tensor([list(it.boxes) + [(0, 0, 0, 0)] * (M - len(it.boxes)) for it in items],
+                         device=device)                                          # (E, M, 4), empty boxes pad
+    cover = box_coverage(boxes.view(-1, 4), size, grid)                          # (E * M, gh, gw)
+    return cover.view(len(items), M, *grid).amax(1)                              # (E, gh, gw)
 
 
 @dataclass(frozen=True)

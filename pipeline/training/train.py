@@ -117,6 +117,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("cpu", "cuda", "auto"))
         check_range("time_limit_s", self.time_limit_s, 0.0, None)
+        from .query_table import check_queries
+        check_queries(self.queries)
         if not self.stages:
             raise ConfigError("stages must list at least one stage")
         for s in self.stages:

@@ -304,34 +304,49 @@ class TestTrainingInputsAreThePipelines:
 
 
 class TestConfig:
-    def test_yamls_are_the_shipped_snapshots_two_stage_recipe(self):
-        """configs/qa_vlm.yaml (stage 1, from scratch) and configs/qa_vlm_ground.yaml (stage 2, on from
-        stage 1's snapshot with the grounding loss) train what pipeline/vlm/weights/arrcoc-synth-qa was
-        trained with, to its last step: the snapshot keeps both stages' summaries. Workers do not
-        change the data; stage 2 ran under a time limit that stopped it where stop_step now does."""
+    def test_yamls_are_the_shipped_snapshots_three_stage_recipe(self):
+        """configs/qa_vlm.yaml (stage 1, from scratch), configs/qa_vlm_ground.yaml (stage 2, on from
+        stage 1's snapshot with the grounding loss) and configs/qa_vlm_multi.yaml with the `--set`s of
+        its recorded command (stage 3: the training renderers, on from stage 2, data-parallel) train
+        what pipeline/vlm/weights/arrcoc-synth-qa was trained with, to its last step: the snapshot
+        keeps every stage's summary. Workers do not change the data; stages 2 and 3 ran under a time
+        limit that stopped them (stage 2 where stop_step now does)."""
+        import shlex
+
         from pipeline.vlm.loading import SHIPPED
         root = SHIPPED["arrcoc-synth-qa"]
+        stage3_summary = json.loads((root / "training_summary.json").read_text())
+        argv = shlex.split(stage3_summary["command"])
+        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        assert argv[argv.index("--config") + 1] == "configs/qa_vlm_multi.yaml" and stage3_summary["processes"] == 2
         stage1 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml"))
         stage2 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm_ground.yaml"))
-        for yaml_cfg, name in ((stage1, "training_summary_stage1.json"), (stage2, "training_summary.json")):
+        stage3 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm_multi.yaml", sets))
+        for yaml_cfg, name in ((stage1, "training_summary_stage1.json"), (stage2, "training_summary_stage2.json"),
+                               (stage3, "training_summary.json")):
             shipped = json.loads((root / name).read_text())
             t = shipped["config"]["train"]
-            last = yaml_cfg["train"]["stop_step"] or yaml_cfg["train"]["steps"]
-            assert shipped["steps"] == last and (shipped["complete"] or 0 < t["time_limit_s"] <= shipped["train_s"])
+            if yaml_cfg is stage3:   # stopped by its time limit (any rank's clock), before the schedule's end
+                assert not shipped["complete"] and shipped["steps"] < yaml_cfg["train"]["steps"]
+                assert abs(shipped["train_s"] - t["time_limit_s"]) < 5
+            else:
+                last = yaml_cfg["train"]["stop_step"] or yaml_cfg["train"]["steps"]
+                assert shipped["steps"] == last and (shipped["complete"] or 0 < t["time_limit_s"] <= shipped["train_s"])
             for key in ("workers", "time_limit_s", "stop_step"):
                 yaml_cfg["train"].pop(key)
                 t.pop(key, None)
             shipped["config"].setdefault("data", {"renderers": [], "leave_out": ""})   # added since: the default
             if yaml_cfg is stage2:   # stage 1's snapshot: then shipped under this name, now runs/qa_vlm's
                 assert (yaml_cfg["train"].pop("init"), t.pop("init")) == ("runs/qa_vlm/snapshot", "arrcoc-synth-qa")
-            else:
+            elif yaml_cfg is stage1:
                 t.setdefault("aux_ground_weight", 0.0)                       # fields added after stage 1 ran
                 t.setdefault("aux_ground_layer", 4)
                 t.setdefault("init", "")
             assert yaml_cfg == shipped["config"], name
-        assert stage2["train"]["aux_ground_weight"] > 0
+        assert stage3["data"]["renderers"] == ["shapes", "photo", "busy"]
+        assert stage2["train"]["aux_ground_weight"] > 0 and stage3["train"]["aux_ground_weight"] > 0
         saved = json.loads((root / "config.json").read_text())
-        assert saved["arrcoc_pass2_layers"] == stage2["train"]["aux_ground_layer"]
+        assert saved["arrcoc_pass2_layers"] == stage3["train"]["aux_ground_layer"]
 
     @pytest.mark.parametrize("override,message", [
         ("train.lr=0", "train.lr=0.0 is out of range; allowed: (0.0, 1.0]"),

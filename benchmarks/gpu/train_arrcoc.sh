@@ -4,8 +4,11 @@
 #   2. answer loss    python -m pipeline train --config configs/train_renderers_vlm_qa.yaml (soft keep, frozen VLM)
 #   3. outcome        python -m pipeline.training.outcome --config configs/train_outcome.yaml (hard selection,
 #                     exact-match reward, GRPO)
+#   4. compare        python -m pipeline.training.outcome --compare ...: exact-match accuracy on val clips of the
+#                     training renderers, ARR-COC's hard selection at 10% with the shipped and each new weights
 # each time-bounded, each starting from the previous one's weights, each exporting its weights and log to
-# $OUT (6 files, a few hundred KiB each): arrcoc_{relevance,vlm_qa,outcome}.safetensors, *.log. Load one with
+# $OUT (8 files, a few hundred KiB each): arrcoc_{relevance,vlm_qa,outcome}.safetensors, compare.json, *.log.
+# Load one with
 #   --set runtime.model_weights=PATH   (e.g. benchmarks/bench_accuracy.py ... --set runtime.model_weights=PATH)
 #
 # The device needs no MiniLM and no scikit-image: every question's query vector comes from a table and the
@@ -14,7 +17,7 @@
 #   benchmarks/gpu/train_arrcoc.sh --prepare
 # On the GPU machine (carry runs/arrcoc_carry):
 #   benchmarks/gpu/train_arrcoc.sh [--vlm arrcoc-synth-qa|SNAPSHOT_DIR] [--out DIR]
-#                                  [--relevance-s 90] [--vlm-qa-s 110] [--outcome-s 140] [--device cuda]
+#                                  [--relevance-s 90] [--vlm-qa-s 100] [--outcome-s 130] [--device cuda]
 # --vlm names the frozen answer model of stages 2 and 3 (default: the shipped arrcoc-synth-qa; a directory:
 # a retrained snapshot). Stage limits count from each stage's start, data drawing included; each stage
 # also needs ~10-20 s to start (imports, CUDA, loading). --smoke runs every stage for a few steps on tiny
@@ -28,8 +31,9 @@ OUT_DIR=${OUT:-runs/arrcoc_gpu}
 VLM=arrcoc-synth-qa
 DEVICE=cuda
 REL_S=90
-VQA_S=110
-OUT_S=140
+VQA_S=100
+OUT_S=130
+VAL_CLIPS=96
 WORKERS=12
 PREPARE=0
 SMOKE=0
@@ -89,6 +93,7 @@ if [ "$SMOKE" = 1 ]; then
   VQA_SMOKE=(--set data.qa_clips=2 --set data.val_scenes=2 --set "stages=[{name: vlm_qa, epochs: 1, batch_size: 2}]")
   OUT_SMOKE=(--set data.clips=2 --set data.val_clips=1 --set train.steps=2 --set train.clips_per_step=1
              --set train.samples=2 --set train.log_every=1)
+  VAL_CLIPS=2
 fi
 
 stage() {   # name, then the command; its stderr (progress) goes to the terminal and to $OUT_DIR/name.log
@@ -113,4 +118,11 @@ stage outcome "$PY" -m pipeline.training.outcome --config configs/train_outcome.
   --set init="$OUT_DIR/arrcoc_vlm_qa.safetensors" --set train.time_limit_s="$OUT_S" \
   --set out_dir="$WORK/outcome" "${OUT_SMOKE[@]}" --export "$OUT_DIR/arrcoc_outcome.safetensors"
 
+W=$OUT_DIR/arrcoc
+stage compare "$PY" -m pipeline.training.outcome --config configs/train_outcome.yaml \
+  --set device="$DEVICE" --set vlm="$VLM" --set queries="$TABLE" --set data.workers="$WORKERS" \
+  --set data.val_clips="$VAL_CLIPS" --set out_dir="$WORK/compare" \
+  --compare "default,synth-qa,${W}_relevance.safetensors,${W}_vlm_qa.safetensors,${W}_outcome.safetensors" \
+  > "$OUT_DIR/compare.json"
+cat "$OUT_DIR/compare.json"
 ls -la "$OUT_DIR" >&2

@@ -352,6 +352,42 @@ def train(cfg: OutcomeConfig, *, resume: bool = False, export: str | Path | None
     return {"weights": final, "history": history}
 
 
+def compare(cfg: OutcomeConfig, specs: list[str], *, log=print) -> dict:
+    """Exact-match accuracy on cfg's val clips of each ARR-COC weights spec's deterministic hard
+    selection at model.attending.retention, and of every token (the VLM alone): one table for the
+    shipped and the trained weights."""
+    from dataclasses import replace
+
+    from arr_coc.checkpoint import load_pretrained
+    from pipeline.vlm_config import VLMConfig
+    from ..runtime.cuda import resolve_device
+    from ..vlm.loading import load_vlm
+    from .train import QueryEmbedder
+
+    device = resolve_device(cfg.device)
+    _, items = render_items(replace(cfg, data=replace(cfg.data, clips=1)), VLMConfig().fps)
+    if not items:
+        raise ConfigError("data.val_clips is 0: nothing to compare on")
+    answerer = VLMAnswerer(load_vlm(cfg.vlm, device=device, dtype="float32"))
+    embed = QueryEmbedder(device, cfg.queries)
+    models = []
+    for spec in specs:
+        model = ARRCOC(cfg.model, query_dim=embed("a").shape[-1])
+        load_pretrained(model, spec, "--compare")
+        models.append(model.to(device).eval())
+    # texture extraction has no parameters: one preparation serves every model
+    clips = [prepare(models[0], it, embed, answerer.geometry.grid(*it[0].shape[1:3]), device) for it in items]
+    chunks = _chunks(clips, cfg.train.clips_per_step)
+    every = float(np.mean([hard_accuracy(models[0], c, answerer, every_token=True) for c in chunks]))
+    table = {"val_clips": len(clips), "questions": sum(len(c.questions) for c in clips),
+             "retention": cfg.model.attending.retention, "vlm": cfg.vlm, "every_token": round(every, 4),
+             "hard_selection": {}}
+    for spec, model in zip(specs, models):
+        table["hard_selection"][spec] = round(float(np.mean([hard_accuracy(model, c, answerer) for c in chunks])), 4)
+        log(f"{spec}: {table['hard_selection'][spec]}")
+    return table
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pipeline.training.outcome",
                                 description="outcome training: ARR-COC's hard selections rewarded by a frozen "
@@ -360,6 +396,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/last.safetensors when it exists")
     p.add_argument("--export", metavar="PATH", help="also write the final weights here (runtime.model_weights=PATH)")
+    p.add_argument("--compare", metavar="SPEC,SPEC", help="train nothing: print the val clips' exact-match accuracy "
+                                                         "of these ARR-COC weights (default, synth-qa, paths)")
     return p.parse_args(argv)
 
 
@@ -373,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         cfg = load_config(OutcomeConfig, args.config, args.set)
+        if args.compare:
+            specs = [s.strip() for s in args.compare.split(",") if s.strip()]
+            print(json.dumps(compare(cfg, specs, log=lambda s: print(s, file=sys.stderr, flush=True)), indent=1))
+            return 0
         result = train(cfg, resume=args.resume, export=args.export, log=lambda s: print(s, file=sys.stderr, flush=True))
     except (ConfigError, VLMLoadError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)

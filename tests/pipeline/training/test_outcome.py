@@ -286,3 +286,26 @@ def test_the_configs_load_and_train_on_renderers():
             load_config(TrainConfig, path, [f"data.renderers=[{HELD_OUT}]"])
     cfg = load_config(OutcomeConfig, "configs/train_outcome.yaml", [])
     assert json.loads(json.dumps(list(cfg.data.renderers))) == ["shapes", "photo", "busy"]
+
+
+def test_compare_scores_each_weights_spec_through_the_vlm(tmp_path, monkeypatch):
+    """--compare: the same weights twice give the same accuracy; every number is a share."""
+    import pipeline.core.query as query
+    from arr_coc.checkpoint import save_weights
+    from arr_coc.model import ARRCOC
+    from pipeline.training import query_table
+
+    class Fake:
+        def encode_many(self, texts):
+            return torch.nn.functional.normalize(torch.stack([_embed(t)[0] for t in texts]), dim=-1)
+    monkeypatch.setattr(query, "sentence_encoder", lambda device="cpu": Fake())
+    table = query_table.build(tmp_path / "table.safetensors")
+    torch.manual_seed(0)
+    model = ARRCOC(query_dim=16)
+    specs = [str(save_weights(model, tmp_path / f"w{i}.safetensors")) for i in range(2)]
+    cfg = load_config(OutcomeConfig, "configs/train_outcome.yaml",
+                      ["device=cpu", "vlm=tiny-random", f"queries={table}", "data.val_clips=2"])
+    out = outcome.compare(cfg, specs, log=lambda s: None)
+    scores = [out["hard_selection"][s] for s in specs]
+    assert out["val_clips"] == 2 and out["questions"] > 2
+    assert scores[0] == scores[1] and 0.0 <= scores[0] <= 1.0 and 0.0 <= out["every_token"] <= 1.0

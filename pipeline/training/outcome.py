@@ -245,7 +245,7 @@ def train(cfg: OutcomeConfig, *, resume: bool = False, export: str | Path | None
     from cfg. Writes only under cfg.out_dir, and a copy of the final weights to `export`."""
     from arr_coc.checkpoint import load_pretrained, load_weights, read_weights, save_weights
     from ..runtime.cuda import resolve_device
-    from .train import QueryEmbedder, _plain, optimizer_tensors, restore_optimizer
+    from .train import QueryEmbedder, finish, optimizer_tensors, restore_optimizer
 
     t = cfg.train
     torch.manual_seed(t.seed)
@@ -341,15 +341,7 @@ def train(cfg: OutcomeConfig, *, resume: bool = False, export: str | Path | None
     if step > start:
         validate(step)
     checkpoint(step)
-    meta = {"format": "arr-coc-weights/1", "query_dim": str(query_dim), "grid": json.dumps(list(grid)),
-            "query_encoder": "all-MiniLM-L6-v2", "train_config": json.dumps(_plain(cfg)),
-            "history": json.dumps(history)}
-    final = save_weights(model, out / "model.safetensors", meta)
-    if export is not None:
-        save_weights(model, export, meta)
-        log(f"exported {export}")
-    log(f"done in {time.perf_counter() - t0:.1f}s: {final}")
-    return {"weights": final, "history": history}
+    return finish(model, cfg, grid, history, out, export, log, t0)
 
 
 def compare(cfg: OutcomeConfig, specs: list[str], *, log=print) -> dict:

@@ -432,7 +432,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         if cfg.time_limit_s and time.perf_counter() - t0 > cfg.time_limit_s:
             log(f"time limit {cfg.time_limit_s:g}s reached in stage {stage.name}: stopping (--resume continues)")
             break
-    meta = {"format": "arr-coc-weights/1", "query_dim": str(query_dim), "grid": json.dumps(list(grid)),
+    return finish(model, cfg, grid, history, out, export, log, t0)
+
+
+def finish(model: ARRCOC, cfg, grid, history: list, out: Path, export, log, t0: float) -> dict:
+    """Write the trained weights as the pipeline loads them (out/model.safetensors, and a copy to
+    `export` when given) with the config and history; -> {"weights": path, "history": rows}."""
+    from arr_coc.checkpoint import save_weights
+
+    meta = {"format": "arr-coc-weights/1", "query_dim": str(model.query_dim), "grid": json.dumps(list(grid)),
             "query_encoder": "all-MiniLM-L6-v2",
             "train_config": json.dumps(_plain(cfg)), "history": json.dumps(history)}
     final = save_weights(model, out / "model.safetensors", meta)

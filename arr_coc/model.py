@@ -18,7 +18,7 @@ import torch.nn as nn
 from .attending import AttendingConfig, TokenAllocator
 from .balancing import BalancingConfig, make_balancer
 from .knowing import Knowing, KnowingConfig
-from .realizing import RealizingConfig, StreamState, TemporalRelevanceRealizer
+from .realizing import Realized, RealizingConfig, StreamState, TemporalRelevanceRealizer
 from .texture import CHANNELS, Texture, TextureConfig, TextureExtractor
 
 # The relevance cache is an output of realizing, so the knowing scorers (which run before it)
@@ -137,6 +137,27 @@ class ARRCOC(nn.Module):
         visual_tokens: (T, gh*gw, Dq) the VLM's own visual tokens, when it supplies them
         Returns the allocation, the stream's new state and the texture with its relevance cache.
         """
+        realized, tensions, state = self.realized(texture, query, state, query_mask=query_mask,
+                                                  visual_tokens=visual_tokens, vlm_frames=vlm_frames)
+        allotment = self.allocator(realized.relevance, realized.available)
+        allocation = Allocation(
+            relevance=realized.relevance,
+            tokens=allotment.tokens,
+            selected=allotment.selected,
+            lod=allotment.lod,
+            scene_change=realized.scene_change,
+            motion=texture.motion.flatten(1).mean(1),
+            tensions=tensions,
+            soft=allotment.soft,
+        )
+        return allocation, state, texture.with_channel("relevance_cache", realized.cache)
+
+    def realized(self, texture: Texture, query: torch.Tensor, state: StreamState | None = None, *,
+                 query_mask: torch.Tensor | None = None, visual_tokens: torch.Tensor | None = None,
+                 vlm_frames: torch.Tensor | None = None) -> tuple[Realized, dict[str, torch.Tensor], StreamState]:
+        """Knowing -> balancing -> temporal realizing, before the allocator: (realized relevance and
+        available cells, the balancer's tensions, the stream's new state). Arguments as realize's;
+        outcome training samples its own selections from this (pipeline/training/selection.py)."""
         state = state or StreamState()
         T = texture.data.shape[0]
         q = query.expand(T, *query.shape)                                 # (T, Dq) or (T, L, Dq)
@@ -146,18 +167,7 @@ class ARRCOC(nn.Module):
         pooled_q = q if q.ndim == 2 else _masked_mean(q, qm)               # (T, Dq)
         balanced = self.balancer(scores, pooled_q)
         realized, state = self.realizer(balanced.relevance, texture, state, vlm_frames)
-        allotment = self.allocator(realized.relevance, realized.available)
-        allocation = Allocation(
-            relevance=realized.relevance,
-            tokens=allotment.tokens,
-            selected=allotment.selected,
-            lod=allotment.lod,
-            scene_change=realized.scene_change,
-            motion=texture.motion.flatten(1).mean(1),
-            tensions=balanced.tensions,
-            soft=allotment.soft,
-        )
-        return allocation, state, texture.with_channel("relevance_cache", realized.cache)
+        return realized, balanced.tensions, state
 
     def forward(self, frames: torch.Tensor, query: torch.Tensor, state: StreamState | None = None, *,
                 grid: tuple[int, int], **realize_kwargs) -> tuple[Allocation, StreamState]:

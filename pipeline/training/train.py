@@ -69,9 +69,29 @@ class DataConfig:
     seed: int = 1                 # training data; benchmarks/bench_quality.py uses other seeds
     qa_clips: int = 64            # vlm_qa stage: generated video-QA clips (evaluation/synth_qa.py train split)
     qa_first_seed: int = 500_000  # their seeds (train split; arrcoc-synth-qa itself saw seeds below 48000)
+    # "scenes": still scenes and clips of evaluation/scenes.py, vlm_qa on the original QA generator;
+    # "renderers": every stage but hard on clips of the QA renderers (renderer_data.py): questions
+    # of every family, grounded on the objects they name, on photographs and busy backgrounds too
+    source: Literal["scenes", "renderers"] = "scenes"
+    renderers: tuple[str, ...] = ("shapes", "photo", "busy")   # training renderers (the held-out one is refused)
+    render_clips: int = 256       # renderer clips of the still stages (and the temporal stage's source)
+    render_first_seed: int = 400_000
+    frames_per_clip: int = 2      # still frames taken from each of them
+    workers: int = 0              # processes drawing renderer clips (0: here)
 
     def __post_init__(self) -> None:
         check_range("data.size", self.size, 56, 1024)
+        check_choice("data.source", self.source, ("scenes", "renderers"))
+        check_range("data.render_clips", self.render_clips, 1, 100_000)
+        check_range("data.render_first_seed", self.render_first_seed, 0, 1_000_000 - self.render_clips)
+        check_range("data.frames_per_clip", self.frames_per_clip, 1, 64)
+        check_range("data.workers", self.workers, 0, 256)
+        if self.source == "renderers":
+            from evaluation.renderers import MultiRendererClips
+            try:
+                MultiRendererClips(tuple(self.renderers))
+            except ValueError as e:
+                raise ConfigError(f"data.renderers={list(self.renderers)}: {e}") from None
         for name in ("scenes", "hard_scenes", "clips", "clip_shots"):
             check_range(f"data.{name}", getattr(self, name), 1, 100_000)
         check_range("data.val_scenes", self.val_scenes, 1, 100_000)
@@ -86,6 +106,8 @@ class TrainConfig:
     vlm: str = "none"             # a VLM spec for the vlm stages' answer loss ("none": no such stage)
     init: str = "none"            # start from these weights: "none", "default" (the shipped ones) or a path
     out_dir: str = "runs/train"   # everything training writes goes under here
+    queries: str = "minilm"       # question vectors: the MiniLM encoder, or a query table (training/query_table.py)
+    time_limit_s: float = 0.0     # stop after this long (checkpoint, export), 0: no limit
     model: ARRCOCConfig = field(default_factory=ARRCOCConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stages: tuple[StageConfig, ...] = (
@@ -94,6 +116,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("cpu", "cuda", "auto"))
+        check_range("time_limit_s", self.time_limit_s, 0.0, None)
+        from .query_table import check_queries
+        check_queries(self.queries)
         if not self.stages:
             raise ConfigError("stages must list at least one stage")
         for s in self.stages:
@@ -117,13 +142,17 @@ class Examples:
 
 
 class QueryEmbedder:
-    """Question -> (1, 384) MiniLM sentence vector (one query token) + mask, as the pipeline's queries."""
+    """Question -> (1, 384) MiniLM sentence vector (one query token) + mask, as the pipeline's queries;
+    table: "minilm" (the encoder) or the path of a query table holding the same vectors."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        from ..core.query import sentence_encoder
-
+    def __init__(self, device: torch.device | str = "cpu", table: str = "minilm") -> None:
         self.device, self.cache = torch.device(device), {}
-        self.encoder = sentence_encoder(str(self.device))
+        if table == "minilm":
+            from ..core.query import sentence_encoder
+            self.encoder = sentence_encoder(str(self.device))
+        else:
+            from .query_table import QueryTable
+            self.encoder = QueryTable(table, self.device)
 
     def __call__(self, text: str) -> torch.Tensor:
         if text not in self.cache:
@@ -168,6 +197,21 @@ def scene_examples(model: ARRCOC, scenes, embed: QueryEmbedder, grid, device, ev
     q, mask = embed.batch(texts)
     cov = box_coverage(torch.tensor(boxes, device=device), (H, W), grid)
     return Examples(texture, torch.tensor(rows, device=device), q, mask, cov)
+
+
+def renderer_examples(model: ARRCOC, scenes: list, frames_per_clip: int, seed: int, embed: QueryEmbedder,
+                      grid, device) -> Examples:
+    """One example per (frame, question naming objects visible in it) of rendered QA clips: the
+    question and the cells its objects cover (renderer_data.still_items)."""
+    from .renderer_data import still_items, union_coverage
+
+    frames, items = still_items(scenes, frames_per_clip, seed)
+    if not items:
+        raise ConfigError("the rendered clips have no question naming a visible object: draw more clips")
+    texture = still_textures(model, frames, grid, device)
+    q, mask = embed.batch([it.question for it in items])
+    cov = union_coverage(items, frames.shape[1:3], grid, device)
+    return Examples(texture, torch.tensor([it.frame for it in items], device=device), q, mask, cov)
 
 
 def take(texture: Texture, index: torch.Tensor) -> Texture:
@@ -306,19 +350,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     from arr_coc.checkpoint import load_weights, read_weights, save_weights
     from ..runtime.cuda import resolve_device
     from ..vlm.geometry import VLMGeometry
-    from evaluation.scenes import make_clips, make_scenes
 
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rendered = _render(cfg)         # in forked processes: before anything touches the GPU
     vlm = None
     if cfg.vlm != "none":
         from ..vlm import load_vlm
         vlm = load_vlm(cfg.vlm, device=device, dtype="float32")
         for p in vlm.model.parameters():
             p.requires_grad_(False)
-    embed = QueryEmbedder(device)
+    embed = QueryEmbedder(device, cfg.queries)
     query_dim = embed("a").shape[-1]
     model = ARRCOC(cfg.model, query_dim=query_dim)
     if cfg.init != "none":
@@ -328,26 +373,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     size = (cfg.data.size, cfg.data.size)
     grid = (vlm.geometry if vlm is not None else VLMGeometry(max_pixels=size[0] * size[1])).grid(*size)
 
-    t0 = time.perf_counter()
-    names = {s.name for s in cfg.stages}
-    d = cfg.data
-    still = scene_examples(model, make_scenes(d.seed, d.scenes, size), embed, grid, device)
-    hard = None
-    if "hard" in names:
-        hard_scenes = make_scenes(d.seed + 1, d.hard_scenes, size, kinds=("tiny_periphery", "low_contrast", "normal"))
-        hard = scene_examples(model, hard_scenes, embed, grid, device)
-    clips = [clip_data(model, c, embed, grid, device) for c in make_clips(d.seed + 2, d.clips, size,
-                                                                          shots=d.clip_shots)] \
-        if "temporal" in names else []
-    vlm_scenes = make_scenes(d.seed + 4, d.scenes, size) if "vlm" in names else []
-    qa_clips = []
-    if "vlm_qa" in names:
-        from .train_vlm import qa_clips as make_qa_clips
-        qa_clips = make_qa_clips(range(d.qa_first_seed, d.qa_first_seed + d.qa_clips), vlm.config.fps)
-    val_scenes = make_scenes(d.seed + 3, d.val_scenes, size)
-    val = scene_examples(model, val_scenes, embed, grid, device, every_object=False)
-    log(f"data: {len(still)} still examples, {0 if hard is None else len(hard)} hard, {len(clips)} clips, "
-        f"grid {grid}, query_dim {query_dim} ({time.perf_counter() - t0:.1f}s)")
+    still, hard, clips, vlm_scenes, qa_clips, val = _stage_data(cfg, model, vlm, embed, grid, device, rendered)
+    log(f"data ({cfg.data.source}): {len(still)} still examples, {0 if hard is None else len(hard)} hard, "
+        f"{len(clips)} clips, {len(qa_clips)} QA clips, grid {grid}, query_dim {query_dim} "
+        f"({time.perf_counter() - t0:.1f}s)")
 
     start_stage, start_epoch, history = 0, 0, []
     last = out / "last.safetensors"
@@ -375,6 +404,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             bar = tqdm(steps, desc=f"{stage.name} {epoch + 1}/{stage.epochs}", leave=False, file=sys.stderr,
                        disable=(not sys.stderr.isatty()) if progress is None else not progress)
             for kind, data, idx in bar:
+                if cfg.time_limit_s and time.perf_counter() - t0 > cfg.time_limit_s:
+                    break
                 if kind == "clip":
                     loss, tensions = clip_loss(model, data, stage.coherence_weight)
                 elif kind == "vlm":
@@ -396,7 +427,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             log(json.dumps(row))
             save_weights(model, last, {"stage": str(si), "epoch": str(epoch), "history": json.dumps(history)},
                          extra=optimizer_tensors(opt))
-    meta = {"format": "arr-coc-weights/1", "query_dim": str(query_dim), "grid": json.dumps(list(grid)),
+            if cfg.time_limit_s and time.perf_counter() - t0 > cfg.time_limit_s:
+                break
+        if cfg.time_limit_s and time.perf_counter() - t0 > cfg.time_limit_s:
+            log(f"time limit {cfg.time_limit_s:g}s reached in stage {stage.name}: stopping (--resume continues)")
+            break
+    return finish(model, cfg, grid, history, out, export, log, t0)
+
+
+def finish(model: ARRCOC, cfg, grid, history: list, out: Path, export, log, t0: float) -> dict:
+    """Write the trained weights as the pipeline loads them (out/model.safetensors, and a copy to
+    `export` when given) with the config and history; -> {"weights": path, "history": rows}."""
+    from arr_coc.checkpoint import save_weights
+
+    meta = {"format": "arr-coc-weights/1", "query_dim": str(model.query_dim), "grid": json.dumps(list(grid)),
             "query_encoder": "all-MiniLM-L6-v2",
             "train_config": json.dumps(_plain(cfg)), "history": json.dumps(history)}
     final = save_weights(model, out / "model.safetensors", meta)
@@ -407,13 +451,81 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     return {"weights": final, "history": history}
 
 
+def _render(cfg: TrainConfig) -> dict[str, list]:
+    """With data.source renderers: the QAScenes of the still stages ("train"), of vlm_qa ("qa") and
+    of validation ("val"), drawn in data.workers processes; {} with source scenes."""
+    d = cfg.data
+    if d.source != "renderers":
+        return {}
+    from evaluation.synth_qa import SPLIT_SEEDS
+    from .renderer_data import RendererScenes, render_scenes
+
+    source = RendererScenes(d.renderers)
+    names = {s.name for s in cfg.stages}
+    first_val = SPLIT_SEEDS["val"].start + d.render_first_seed
+    still = bool(names & {"grounding", "static", "temporal", "hard"})
+    return {"train": render_scenes(source, range(d.render_first_seed, d.render_first_seed + d.render_clips),
+                                   "train", d.workers) if still else [],
+            "qa": render_scenes(source, range(d.qa_first_seed, d.qa_first_seed + d.qa_clips), "train",
+                                d.workers) if "vlm_qa" in names else [],
+            "val": render_scenes(source, range(first_val, first_val + d.val_scenes), "val", d.workers)}
+
+
+def _stage_data(cfg: TrainConfig, model: ARRCOC, vlm, embed: QueryEmbedder, grid, device, rendered: dict):
+    """-> (still, hard, clips, vlm_scenes, qa_clips, val): the data of the stages cfg lists."""
+    from evaluation.scenes import make_clips, make_scenes
+
+    d = cfg.data
+    names = {s.name for s in cfg.stages}
+    size = (d.size, d.size)
+    hard, clips, vlm_scenes, qa_clips = None, [], [], []
+    if "hard" in names:
+        hard_scenes = make_scenes(d.seed + 1, d.hard_scenes, size, kinds=("tiny_periphery", "low_contrast", "normal"))
+        hard = scene_examples(model, hard_scenes, embed, grid, device)
+    if "vlm" in names:
+        vlm_scenes = make_scenes(d.seed + 4, d.scenes, size)
+    if d.source == "scenes":
+        still = scene_examples(model, make_scenes(d.seed, d.scenes, size), embed, grid, device)
+        if "temporal" in names:
+            clips = [clip_data(model, c, embed, grid, device) for c in make_clips(d.seed + 2, d.clips, size,
+                                                                                  shots=d.clip_shots)]
+        if "vlm_qa" in names:
+            from .train_vlm import qa_clips as make_qa_clips
+            qa_clips = make_qa_clips(range(d.qa_first_seed, d.qa_first_seed + d.qa_clips), vlm.config.fps)
+        val = scene_examples(model, make_scenes(d.seed + 3, d.val_scenes, size), embed, grid, device,
+                             every_object=False)
+        return still, hard, clips, vlm_scenes, qa_clips, val
+
+    from .renderer_data import qa_views, track_clips
+
+    scenes = rendered["train"]
+    still = renderer_examples(model, scenes, d.frames_per_clip, d.seed, embed, grid, device) if scenes else \
+        _empty_examples(model, grid, device)
+    if "temporal" in names:
+        clips = [clip_data(model, c, embed, grid, device) for c in track_clips(scenes, d.seed + 2)[:d.clips]]
+    if "vlm_qa" in names:
+        qa_clips = qa_views(rendered["qa"], vlm.config.fps)
+    val = renderer_examples(model, rendered["val"], 1, d.seed + 3, embed, grid, device)
+    return still, hard, clips, vlm_scenes, qa_clips, val
+
+
+def _empty_examples(model: ARRCOC, grid, device) -> Examples:
+    """No still examples (only the vlm stages run): a zero-row Examples of the right shapes."""
+    texture = still_textures(model, np.zeros((1, 56, 56, 3), np.uint8), grid, device)
+    q = torch.zeros(0, 1, model.query_dim, device=device)
+    return Examples(texture, torch.zeros(0, dtype=torch.long, device=device), q,
+                    torch.zeros(0, 1, dtype=torch.bool, device=device), torch.zeros(0, *grid, device=device))
+
+
 def _steps(stage: StageConfig, still: Examples, hard: Examples | None, clips: list[ClipData], vlm_scenes: list,
            seed: int, si: int, epoch: int):
     if stage.name == "temporal":
         return [("clip", clips[int(i)], None) for i in _order(len(clips), seed, si, epoch)]
     data = still
-    if stage.name == "hard":
+    if stage.name == "hard" and len(still):
         data = _concat(hard, still)
+    elif stage.name == "hard":
+        data = hard
     if stage.name in VLM_STAGES:
         order = _order(len(vlm_scenes), seed, si, epoch)
         return [(stage.name, vlm_scenes, order[i:i + stage.batch_size])

@@ -22,21 +22,26 @@ from arr_coc.lod import pair_soft
 from arr_coc.model import ARRCOC
 from evaluation.synth_qa import where_answer
 
+@torch.no_grad()
+def clip_inputs(vlm, model: ARRCOC, frames: np.ndarray):
+    """What every question of one video shares: ARR-COC's texture and the VLM's merged visual
+    tokens (T', gh, gw, D), neither trained."""
+    grid = vlm.geometry.grid(*frames.shape[1:3])
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(vlm.device)  # (T, 3, H, W)
+    return model.extract(x, None, grid), vlm.encoder.merged_tokens([frames])[0]
+
+
 def answer_loss(vlm, model: ARRCOC, frames: np.ndarray, question: str, answer: str,
-                query: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                query: torch.Tensor, inputs=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy of `answer` after the question, with ARR-COC's soft keep on the visual tokens.
 
     frames: uint8 (T, H, W, 3) of one video; query: the question as ARR-COC reads it, (384,) or
     (L, 384) MiniLM vectors (training.train.QueryEmbedder), whatever VLM computes the loss.
+    inputs: clip_inputs(vlm, model, frames) when several questions share the video.
     Returns (loss, the balancer's tensions). Gradients reach ARR-COC only.
     """
     device = vlm.device
-    T, H, W = frames.shape[:3]
-    grid = vlm.geometry.grid(H, W)
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(device)  # (T, 3, H, W)
-    with torch.no_grad():
-        texture = model.extract(x, None, grid)
-        merged = vlm.encoder.merged_tokens([frames])[0]                           # (T', gh, gw, D)
+    texture, merged = inputs if inputs is not None else clip_inputs(vlm, model, frames)   # merged (T', gh, gw, D)
     allocation, _, _ = model.realize(texture, query)
     keep = pair_soft(allocation.soft, vlm.geometry.temporal_patch_size)    # (T', gh, gw)
     if tuple(keep.shape) != tuple(merged.shape[:3]):
@@ -95,7 +100,8 @@ def qa_step_loss(model: ARRCOC, vlm, clips, idx, embed) -> tuple[torch.Tensor, d
     losses, tensions = [], {}
     for i in idx.tolist():
         frames, questions = clips[i]
+        inputs = clip_inputs(vlm, model, frames)
         for question, answer in questions:
-            loss, tensions = answer_loss(vlm, model, frames, question, answer, query=embed(question))
+            loss, tensions = answer_loss(vlm, model, frames, question, answer, query=embed(question), inputs=inputs)
             losses.append(loss)
     return torch.stack(losses).mean(), tensions

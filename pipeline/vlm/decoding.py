@@ -28,8 +28,9 @@ class DecoderHost(Protocol):
     counters: dict[str, int]        # "decode_graphs", "prefill_graphs" captured
 
     def lm_step(self, embeds: torch.Tensor, attention_mask: dict | None, positions: torch.Tensor,
-                cache) -> torch.Tensor:
-        """The LM's layers: (B, L, D) embeddings -> (B, L, D) final hidden states, writing `cache`."""
+                cache, deepstack: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM's layers: (B, L, D) embeddings -> (B, L, D) final hidden states, writing `cache`
+        (deepstack (n, B, L, D): Qwen3-VL's DeepStack features, added after the first n layers)."""
 
     def attention_masks(self, allowed: torch.Tensor | None) -> dict:
         """(B, 1, Q, K) bool, True = may attend -> the mask mapping lm_step takes."""
@@ -159,26 +160,31 @@ class StaticDecoder:
         a later prefill captures its graph again."""
         self.prefill_graphs.clear()
 
-    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int], pool=None) -> torch.Tensor:
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int], pool=None,
+                deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """embeds (B, L, D), positions (3, B, L), left pads per row -> (B, V) float32 logits of the
         token after the last one; fills slots [0, L) of cache rows [0, B). With a CUDA graph pool
         (then B is all the decoder's rows), a graph per L (captured the first time) replays it, and
-        the logits are its output buffer."""
+        the logits are its output buffer. deepstack (n, B, L, D): Qwen3-VL's DeepStack features."""
         vlm, (B, L) = self.vlm, embeds.shape[:2]
         if pool is None:
             # unpadded under sdpa: no mask, so its causal kernel
             pad = self._longs(pads) if any(pads) or vlm.attn_impl == "eager" else None
-            return self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
+            return self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad,
+                                        deepstack=deepstack)
         self._check_rows(B)
         slots = torch.arange(L, device=vlm.device)
         inputs = {"embeds": embeds, "positions": positions, "pad": self._longs(pads)}
-        graph = self._graph(L, lambda b: self.prefill_forward(b["embeds"], b["positions"], slots, b["pad"]),
+        if deepstack is not None:
+            inputs["deepstack"] = deepstack
+        graph = self._graph(L, lambda b: self.prefill_forward(b["embeds"], b["positions"], slots, b["pad"],
+                                                              deepstack=b.get("deepstack")),
                             inputs, pool)
         return graph(**inputs)
 
     def prefill_shared(self, windows: torch.Tensor, window_positions: torch.Tensor, window_of: list[int],
                        window_lens: list[int], suffix: torch.Tensor, suffix_positions: torch.Tensor,
-                       pads: list[int], pool=None) -> torch.Tensor:
+                       pads: list[int], pool=None, window_deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """Questions over K windows: each window once, then every row's own suffix after its window.
 
         windows (K, Lw, D), window_positions (3, K, Lw): the windows, window k real in its first
@@ -194,12 +200,15 @@ class StaticDecoder:
         lo = [window_lens[k] for k in window_of]
         hi = [Lw + p for p in pads]
         if pool is None:
-            self._prefill_windows(windows, window_positions, self._longs(window_of))
+            self._prefill_windows(windows, window_positions, self._longs(window_of), window_deepstack)
             return self.prefill_forward(suffix, suffix_positions, torch.arange(Lw, Lw + Lq, device=vlm.device),
                                         self._longs(hi), hole_lo=self._longs(lo), visible=Lw + Lq)
         self._check_rows(B)
         inputs = {"embeds": windows, "positions": window_positions, "window_of": self._longs(window_of)}
-        self._graph(("window", K, Lw), lambda b: self._prefill_windows(b["embeds"], b["positions"], b["window_of"]),
+        if window_deepstack is not None:                                     # (n, K, Lw, D) Qwen3-VL
+            inputs["deepstack"] = window_deepstack
+        self._graph(("window", K, Lw), lambda b: self._prefill_windows(b["embeds"], b["positions"], b["window_of"],
+                                                                       b.get("deepstack")),
                     inputs, pool)(**inputs)
         offsets = torch.arange(Lq, device=vlm.device)
         inputs = {"embeds": suffix, "positions": suffix_positions, "lo": self._longs(lo), "hi": self._longs(hi),
@@ -209,13 +218,14 @@ class StaticDecoder:
             inputs, pool)
         return graph(**inputs)
 
-    def _prefill_windows(self, embeds: torch.Tensor, positions: torch.Tensor, window_of: torch.Tensor) -> torch.Tensor:
+    def _prefill_windows(self, embeds: torch.Tensor, positions: torch.Tensor, window_of: torch.Tensor,
+                         deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """embeds (K, Lw, D) causal into slots [0, Lw) of rows [0, K), then row r gets a copy of
         row window_of[r]'s slots (window_of (R,) over all the decoder's rows)."""
         vlm, (K, L) = self.vlm, embeds.shape[:2]
         # eager attention takes no causal default: a mask with no padding
         pad = torch.zeros(K, dtype=torch.long, device=vlm.device) if vlm.attn_impl == "eager" else None
-        logits = self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad)
+        logits = self.prefill_forward(embeds, positions, torch.arange(L, device=vlm.device), pad, deepstack=deepstack)
         for t in self.cache.keys + self.cache.values:                        # (R, H_kv, Lmax, hd)
             t[:window_of.shape[0], :, :L] = t[:, :, :L].index_select(0, window_of)
         return logits
@@ -240,7 +250,7 @@ class StaticDecoder:
 
     def prefill_forward(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         pad: torch.Tensor | None, hole_lo: torch.Tensor | None = None,
-                        visible: int | None = None) -> torch.Tensor:
+                        visible: int | None = None, deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """The prefill itself, eager or under capture: embeds (B, L, D), positions (3, B, L) into the
         consecutive cache slots (L,), attending causally to slots [0, visible) (default L, for
         slots = arange(L)); pad (B,): each row's padding slots end there, starting from hole_lo (B,)
@@ -260,7 +270,7 @@ class StaticDecoder:
             # a padded query row would have nothing to attend to, and a fully masked softmax row is
             # NaN, which the attention weights 0 * NaN would carry into every real row
             allowed = (allowed | (keys == slots[:, None]))[:, None]
-        hidden = vlm.lm_step(embeds, vlm.attention_masks(allowed), positions, cache)  # (B, L, D)
+        hidden = vlm.lm_step(embeds, vlm.attention_masks(allowed), positions, cache, deepstack)  # (B, L, D)
         return vlm.model.lm_head(hidden[:, -1]).float()                     # (B, V)
 
     def start(self, next_position: torch.Tensor, holes: list[tuple[int, int]], prefix_len: int) -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from pipeline.runtime.requests import AnswerRequest
+from pipeline.vlm import hf
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.vision_attention import batched_attention
@@ -48,7 +49,7 @@ class VisionEncoder:
             same_size = len({(h, w) for _, h, w in grids}) == 1
             with batched_attention(grids[0][1] * grids[0][2] if same_size else None):  # one attention call per layer
                 out = self._visual(pixels, grid_thw=grid_thw.to(self.device))
-            merged = out.pooler_output if hasattr(out, "pooler_output") else out  # (sum T'gh gw, D)
+            merged = hf.tower_tokens(out)                                   # (sum T'gh gw, D)
         m = self.geometry.merge_size
         sizes = [t * h * w // m**2 for t, h, w in grids]
         return [x.view(t, h // m, w // m, -1) for x, (t, h, w) in zip(merged.split(sizes), grids)]

@@ -103,7 +103,11 @@ class Generator:
         embeds = torch.cat([prefix.embeds, cont])[None]                      # (1, L + N, D)
         pos_cont = prefix.next_position + torch.arange(continuation.numel(), device=self.device)
         positions = torch.cat([prefix.positions, pos_cont.expand(3, -1)], 1)[:, None]  # (3, 1, L + N)
-        hidden = self.pool.lm_step(embeds, None, positions, None)[0, prefix.embeds.shape[0] - 1:]
+        deepstack = None                                                     # (n, 1, L + N, D) Qwen3-VL
+        if prefix.deepstack is not None:
+            deepstack = embeds.new_zeros(prefix.deepstack.shape[0], *embeds.shape)
+            deepstack[:, 0, :prefix.deepstack.shape[1]] = prefix.deepstack
+        hidden = self.pool.lm_step(embeds, None, positions, None, deepstack)[0, prefix.embeds.shape[0] - 1:]
         return self.pool.model.lm_head(hidden).float()
 
     def decode(self, tokens: torch.Tensor, length: int) -> str:

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from pipeline.vlm import qwen3_vl
+
 # [low, high): CPU CI runs the newest release below `high`, the GPU machines 5.17
 TESTED_RANGE = ("5.17", "5.25")
 
@@ -151,18 +153,29 @@ def vision_window_cells(visual: nn.Module) -> int | None:
     return visual.window_size // visual.spatial_merge_size // visual.patch_size
 
 
+def tower_tokens(out: Any) -> torch.Tensor:
+    """The vision tower's output -> (N, D) merged tokens, Qwen3-VL's DeepStack features appended
+    as more channels, (N, D x (1 + deepstack layers)): selection picks and pools them together."""
+    merged = out.pooler_output if hasattr(out, "pooler_output") else out
+    deepstack = getattr(out, "deepstack_features", None)
+    return torch.cat([merged, *deepstack], -1) if deepstack else merged
+
+
 def vision_forward_on(visual: nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor, position_ids: torch.Tensor,
                       cu_seqlens: torch.Tensor, window_index: torch.Tensor | None = None,
-                      cu_window_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_window_seqlens: torch.Tensor | None = None, sizes: torch.Tensor | None = None) -> torch.Tensor:
     """HF's vision forward over any set of whole merge blocks (pixels (n, F), m^2 rows a block), its
     grid-derived inputs given instead of derived from grid_thw: position_ids (n, 2) (row, column)
     of each patch, cu_seqlens (S + 1,) int32 bounds of the full-attention blocks; Qwen2.5-VL:
     window_index (n / m^2,) the blocks in window order, cu_window_seqlens (W + 1,) int32 window
     bounds (in patches, window order) -> merged tokens (n / m^2, D) in the order of `pixels`.
-    Needs a forward that pops precomputed inputs (transformers.vision_utils: all of TESTED_RANGE)."""
+    Needs a forward that pops precomputed inputs (transformers.vision_utils: all of TESTED_RANGE).
+    Qwen3-VL (sizes: (n, 2) each patch's frame grid, for its learned position embeddings): its own
+    forward over the subset (qwen3_vl.tower_on), DeepStack features appended (tower_tokens)."""
+    if qwen3_vl.has_deepstack(visual):
+        return qwen3_vl.tower_on(visual, pixels, position_ids, sizes, cu_seqlens)
     inputs: dict[str, Any] = dict(position_ids=position_ids, cu_seqlens=cu_seqlens)
     if window_index is not None:
         inputs.update(window_index=window_index, cu_window_seqlens=cu_window_seqlens)
-    out = visual(pixels, grid_thw=grid_thw, **inputs)
-    return out.pooler_output if hasattr(out, "pooler_output") else out
+    return tower_tokens(visual(pixels, grid_thw=grid_thw, **inputs))
 

@@ -1,5 +1,6 @@
 """Answering through transformers' own forward: the VLM for families the fast engine does not
-cover yet (Qwen3-VL, dense and MoE; pipeline/vlm/qwen3_vl.py owns their internals).
+cover (Qwen3-VL-MoE; dense Qwen3-VL loads into the fast engine, and tests and bench_vlm use this one
+over it as the reference; pipeline/vlm/qwen3_vl.py owns their internals).
 
 The same answering interface as pipeline.vlm.model.VLM (answer, answer_windows, answer_questions,
 warm_up, prefix_length, geometry, config, warning), so run, live, batch, serve and the Python API

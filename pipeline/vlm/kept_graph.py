@@ -69,7 +69,8 @@ class TowerCall:
     """One kept tower call, packed (KeptEncoder._tower builds it): pixels (n, F) of whole merge
     blocks, positions (n, 2) their (row, column) in the patch grid, cu (S + 1,) int32 bounds of the
     full-attention blocks, longest the largest of those blocks; Qwen2.5-VL: window_index (n / m^2,),
-    cu_window (W + 1,) int32 window bounds (see hf.vision_forward_on)."""
+    cu_window (W + 1,) int32 window bounds; Qwen3-VL: sizes (n, 2) each patch's frame grid (see
+    hf.vision_forward_on)."""
 
     pixels: torch.Tensor
     positions: torch.Tensor
@@ -77,6 +78,7 @@ class TowerCall:
     longest: int
     window_index: torch.Tensor | None = None
     cu_window: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
 
     def key(self, merge_units: int) -> tuple[int, int, int, int]:
         cells = cell_bucket(self.pixels.shape[0] // merge_units)
@@ -100,6 +102,7 @@ class KeptGraph:
         self.positions = torch.zeros(n, 2, dtype=first.positions.dtype, device=device)
         self.cu = torch.zeros(blocks + 1, dtype=torch.int32, device=device)
         self.grid = torch.tensor([[1, 1, n]], device=device)             # unused: every grid input is given
+        self.sizes = None if first.sizes is None else torch.ones(n, 2, dtype=first.sizes.dtype, device=device)
         self.plans: dict = {(self.cu.data_ptr(), self.cu.numel(), n): ("varlen", longest)}
         self.window_index = self.cu_window = None
         if windows:
@@ -111,7 +114,7 @@ class KeptGraph:
         def forward() -> torch.Tensor:
             with batched_attention(None, self.plans):
                 return hf.vision_forward_on(visual, self.pixels, self.grid, self.positions, self.cu,
-                                            self.window_index, self.cu_window)
+                                            self.window_index, self.cu_window, self.sizes)
         self._forward = forward
         self._fill(first)
         self.graph = None
@@ -122,6 +125,8 @@ class KeptGraph:
         n, S = call.pixels.shape[0], call.cu.numel()
         self.pixels[:n].copy_(call.pixels)
         self.positions[:n].copy_(call.positions)
+        if self.sizes is not None:
+            self.sizes[:n].copy_(call.sizes)
         self.cu[:S].copy_(call.cu)
         self.cu[S:].fill_(n)                                             # empty blocks; padding rows in none
         if self.window_index is not None:

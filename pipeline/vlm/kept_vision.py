@@ -19,6 +19,10 @@ cells an allocation keeps, instead of over every patch with the tokens picked af
   dropped after the merger. With `vlm.kept_windows: cells` only the kept cells are encoded (about
   2.4x fewer for the 7B at 10%: 416 against 1008 cells of 32 frames at 448x448); each windowed
   block then attends among the kept cells of each window, so the deviation starts at the first block.
+- Qwen3-VL attends within a frame group like Qwen2-VL; its tower adds learned position embeddings
+  resampled to each frame's grid, so each encoded patch gets its own frame's grid size too, and its
+  tokens come with the DeepStack features of the encoded patches' own hidden states
+  (qwen3_vl.tower_on): a kept token's features never mix in a cell that was not encoded.
 - LOD-2 cells (pooled 2x2 blocks) are encoded like full ones; the pooled token is the mean of their
   merged tokens (selection.select_tokens).
 - Live reuse: with a stream key, cells unchanged since that stream last encoded them are not encoded
@@ -42,7 +46,7 @@ from torch import nn
 
 from arr_coc.lod import pad_to_pairs
 from pipeline.runtime.cuda import read_back, to_device, upload
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.kept_graph import KeptGraphs, TowerCall
 from pipeline.vlm.preprocess import VideoPreprocessor
@@ -164,6 +168,7 @@ class KeptEncoder:
         self.graphs, self.whole_windows, self.context = graphs, whole_windows, context
         self.geometry = preprocessor.geometry
         self.window = hf.vision_window_cells(visual)
+        self.per_patch_sizes = qwen3_vl.has_deepstack(visual)
         self.device = next(visual.parameters()).device
         self.counters = {"cells_encoded": 0, "cells_reused": 0}
         if graphs is not None:                     # captures so far (a live run should stop adding them)
@@ -319,13 +324,18 @@ class KeptEncoder:
             positions.append(patch_positions(job.encoded, gh, gw, m))        # (n m^2, 2)
             grids.append([Tp, gh * m, gw * m])
         pixels, positions = torch.cat(rows), torch.cat(positions)
+        frame_sizes = None                      # Qwen3-VL's learned positions are resampled to each frame
+        if self.per_patch_sizes:
+            counts = [job.encoded.numel() * m * m for job in jobs if job.encoded.numel()]
+            frame_sizes = torch.tensor([g[1:] for g in grids], device=self.device).repeat_interleave(
+                torch.tensor(counts, device=self.device), 0, output_size=sum(counts))  # (n m^2, 2), no host read
         merged = None
         if self.graphs is not None and self.graphs.enabled:                  # replayed at a padded shape
             merged = self.graphs(TowerCall(pixels, positions, plan.cu, plan.longest, plan.window_index,
-                                           plan.cu_window))
+                                           plan.cu_window, frame_sizes))
             self.counters["graphs_captured"] = self.graphs.captured
         if merged is None:
             with batched_attention(None):         # blocks of unequal length: one host read per boundary tensor
                 merged = hf.vision_forward_on(self.visual, pixels, torch.tensor(grids, device=self.device),
-                                              positions, plan.cu, plan.window_index, plan.cu_window)
+                                              positions, plan.cu, plan.window_index, plan.cu_window, frame_sizes)
         return list(merged.split(sizes))                                     # (n, D) each

@@ -178,7 +178,7 @@ def _check_family(spec: str, family) -> None:
 
 
 def _wrap(model, tokenizer, family, name, config: VLMConfig, processor_cfg: dict, warning) -> VLM:
-    """The answering VLM over a loaded model: the fast engine, or for Qwen3-VL transformers' own
+    """The answering VLM over a loaded model: the fast engine, or for Qwen3-VL-MoE transformers' own
     forward (pipeline.vlm.hf_forward), with its processor's normalisation where the snapshot names none."""
     if family in qwen3_vl.FAMILIES:
         processor_cfg = {**qwen3_vl.PROCESSOR_DEFAULTS, **processor_cfg}
@@ -194,7 +194,7 @@ def _wrap(model, tokenizer, family, name, config: VLMConfig, processor_cfg: dict
                                      tuple(processor_cfg.get("image_std", OPENAI_CLIP_STD)),
                                      float(processor_cfg.get("rescale_factor", 1 / 255)),
                                      int(processor_cfg.get("resample", 3)))
-    if family in qwen3_vl.FAMILIES:
+    if family in qwen3_vl.FALLBACK_FAMILIES:                      # Qwen3-VL-MoE: no fast engine for its experts
         from pipeline.vlm.hf_forward import HFForwardVLM
         return HFForwardVLM(model, tokenizer, family=family, name=name, config=config, preprocessor=preprocessor,
                             warning=warning)

@@ -1,9 +1,11 @@
-"""The VLM stage: pruned visual tokens in, answers out (Qwen2-VL / Qwen2.5-VL through HF transformers).
+"""The VLM stage: pruned visual tokens in, answers out (Qwen2-VL, Qwen2.5-VL, dense Qwen3-VL).
 
 Per request: preprocess on the device -> vision tower on every patch (vlm.encode: all) or on the kept
 cells' patches only (kept) -> merged tokens (T', gh, gw, D) -> keep/pool per the allocation -> LM
 prefix whose visual part holds only the kept tokens, each at the M-RoPE position the full (unpruned)
-sequence gives it -> our own KV-cached decoding loop, batched over requests with left padding. With
+sequence gives it (Qwen3-VL: with a timestamp per frame group, and each token's DeepStack features,
+which ride with it as extra channels from the tower on and are added after the LM's first layers)
+-> our own KV-cached decoding loop, batched over requests with left padding. With
 vlm.pass2 on, the keep map holds pass 1's candidates and pipeline/vlm/passes.py keeps the final
 tokens among them (and answers again with more while unsure: vlm.tempering).
 
@@ -85,7 +87,9 @@ class VLM:
                  if config.encode == "kept" and config.reuse_cells else None)
         kept_graphs = (KeptGraphs(visual, self.dtype, self.pool.graph_pool)  # needs the patched attention
                        if graphed and version_warning is None else None)
-        self.kept_encoder = KeptEncoder(visual, preprocessor, self.dtype, self.lm.embed_tokens.embedding_dim,
+        # Qwen3-VL: each token's DeepStack features ride along as more channels (hf.tower_tokens)
+        token_width = self.lm.embed_tokens.embedding_dim * (1 + self.pool.deepstack)
+        self.kept_encoder = KeptEncoder(visual, preprocessor, self.dtype, token_width,
                                         cache, kept_graphs, whole_windows=config.kept_windows == "whole",
                                         context=config.kept_context)
         self.encoder = VisionEncoder(visual, preprocessor, self.kept_encoder, config=config, dtype=self.dtype,
@@ -158,7 +162,8 @@ class VLM:
         return self.prefixes.text_embeddings(question)
 
     def visual_tokens(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:
-        return self.encoder.visual_tokens(frames)
+        """(T', gh gw, D) the merged tokens (without Qwen3-VL's DeepStack features)."""
+        return self.encoder.visual_tokens(frames)[..., :self.lm.embed_tokens.embedding_dim]
 
     def encode_cells(self, frames: np.ndarray | torch.Tensor, cells: np.ndarray | torch.Tensor | None) -> KeptFeatures:
         return self.encoder.encode_cells(frames, cells)

@@ -165,7 +165,7 @@ def blend_ranks(attention: torch.Tensor, relevance: torch.Tensor, weight: float)
 
 def token_pairs(window: WindowPrefix) -> torch.Tensor:
     """(K,) the frame pair of each of the window's visual tokens (its M-RoPE t)."""
-    return window.positions[0, window.embeds.shape[0] - window.tokens_kept:]
+    return window.positions[0, window.visual_slots()]
 
 
 def missing_scores(rank: str, what: str) -> ValueError:
@@ -176,15 +176,32 @@ def missing_scores(rank: str, what: str) -> ValueError:
 
 def narrow(window: WindowPrefix, keep: torch.Tensor) -> WindowPrefix:
     """The window with only the candidates `keep` (ascending positions among its visual tokens):
-    the text before the video and every position stay as they are (the full video's M-RoPE)."""
+    the text before the video and every position stay as they are (the full video's M-RoPE).
+    Qwen3-VL: the timestamps and markers stay, a candidate's DeepStack features go with it, and with
+    drop_empty a frame group left without a token loses its slots."""
     K = window.tokens_kept
     if keep.numel() == K:
         return window                                         # the same object: shared prefills stay shared
-    v0 = window.embeds.shape[0] - K
-    rows = torch.cat([torch.arange(v0, device=keep.device), v0 + keep])     # (v0 + n,)
-    return dataclasses.replace(window, embeds=window.embeds[rows], positions=window.positions[:, rows],
-                               tokens_kept=int(keep.numel()),
-                               scores=None if window.scores is None else window.scores[keep])
+    scores = None if window.scores is None else window.scores[keep]
+    if window.visual is None:                                 # [prompt, video]: the last K slots are visual
+        v0 = window.embeds.shape[0] - K
+        rows = torch.cat([torch.arange(v0, device=keep.device), v0 + keep])     # (v0 + n,)
+        return dataclasses.replace(window, embeds=window.embeds[rows], positions=window.positions[:, rows],
+                                   tokens_kept=int(keep.numel()), scores=scores)
+    slots = window.visual                                                    # (K,)
+    kept = torch.ones(window.embeds.shape[0], dtype=torch.bool, device=keep.device)  # (S,)
+    kept[slots] = False
+    kept[slots[keep]] = True
+    if window.drop_empty and window.groups is not None:
+        groups = window.groups                                               # (S,), -1 outside every group
+        seen = torch.zeros(window.embeds.shape[0] + 1, dtype=torch.bool, device=keep.device)
+        seen[groups[slots[keep]]] = True                                     # groups that keep a token
+        kept &= (groups < 0) | seen[groups.clamp(min=0)]
+    rows = kept.nonzero().squeeze(1)                                         # (S',)
+    return dataclasses.replace(
+        window, embeds=window.embeds[rows], positions=window.positions[:, rows], tokens_kept=int(keep.numel()),
+        scores=scores, visual=(kept.cumsum(0) - 1)[slots[keep]], groups=window.groups[rows],
+        deepstack=None if window.deepstack is None else window.deepstack[:, rows])
 
 
 class Passes:
@@ -225,26 +242,28 @@ class Passes:
         embeds = prefixes[0].embeds.new_zeros(B, L, prefixes[0].embeds.shape[1])  # (B, L, D)
         positions = torch.ones(3, B, L, dtype=torch.long, device=vlm.device)
         real = torch.zeros(B, L, dtype=torch.bool, device=vlm.device)
+        deepstack = None                                                     # (n, B, L, D) Qwen3-VL
+        if windows[0].deepstack is not None:
+            deepstack = embeds.new_zeros(windows[0].deepstack.shape[0], B, L, embeds.shape[2])
         for b, p in enumerate(prefixes):
             embeds[b, L - lengths[b]:] = p.embeds
             positions[:, b, L - lengths[b]:] = p.positions
             real[b, L - lengths[b]:] = True
+            if deepstack is not None:
+                deepstack[:, b, L - lengths[b]:L - lengths[b] + p.deepstack.shape[1]] = p.deepstack
         mask = None                                                          # one length: plain causal
         if min(lengths) < L:
             slots = torch.arange(L, device=vlm.device)
             # causal over real keys; a padding slot sees itself only (a row with no key is NaN)
             allowed = (slots[None, :] <= slots[:, None]) & (real[:, None, :] | (slots[None, :] == slots[:, None]))
             mask = vlm.attention_masks(allowed[:, None])["full_attention"]  # (B, 1, L, L)
-        q, k = tm.attention_inputs(embeds, mask, positions, self.layer)    # (B, H, L, hd), (B, H_kv, L, hd)
+        # (B, H, L, hd), (B, H_kv, L, hd); Qwen3-VL: layer K's input holds DeepStack levels 0..K-1
+        q, k = tm.attention_inputs(embeds, mask, positions, self.layer, deepstack)
         question = torch.zeros(B, L, dtype=torch.bool, device=vlm.device)
         for b, (w, n) in enumerate(zip(windows, lengths)):
-            question[b, L - n + w.embeds.shape[0] + 1:] = True              # the tokens after <|vision_end|>
+            question[b, L - n + w.embeds.shape[0] + w.text_skip:] = True   # the tokens after <|vision_end|>
         attention = question_attention(q, k, tm.layers[self.layer].scaling, question, keys=real)   # (B, L)
-        out = []
-        for b, (w, n) in enumerate(zip(windows, lengths)):
-            end = L - n + w.embeds.shape[0]
-            out.append(attention[b, end - w.tokens_kept:end])               # (K,)
-        return out
+        return [attention[b, L - n + w.visual_slots()] for b, (w, n) in enumerate(zip(windows, lengths))]  # (K,)
 
     @torch.no_grad()
     def answer(self, windows: list[WindowPrefix], questions: list[str], arrivals: list[float]) -> list[dict]:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 import torch
 
 from pipeline.runtime.cuda import to_device
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.decoding import PACKED_SDPA, StaticDecoder, register_packed_sdpa
 from pipeline.vlm.prefix import Prefix, WindowPrefix, shared_windows
 from pipeline.vlm.text_model import FastTextModel, unsupported
@@ -94,19 +94,32 @@ class DecoderPool:
         self.counters = {"decoders": 0, "evicted": 0, "decode_graphs": 0, "prefill_graphs": 0}
         self._graph_pool = None             # one CUDA memory pool for every captured graph (decode, prefill, vision)
         self._pad_embed: torch.Tensor | None = None
+        # Qwen3-VL: DeepStack features per visual slot, one per LM layer they are added after (0: none)
+        self.deepstack = qwen3_vl.deepstack_count(model)
 
-    def lm_step(self, embeds, attention_mask, positions, cache):
+    def lm_step(self, embeds, attention_mask, positions, cache, deepstack=None):
         """The LM's layers: embeds (B, L, D), _masks()'s mapping (None: causal), positions (3, B, L),
-        a cache with update() or None -> (B, L, D) final hidden states; through FastTextModel when on."""
+        a cache with update() or None, deepstack (n, B, L, D) Qwen3-VL's DeepStack features (zeros
+        but at visual slots) or None -> (B, L, D) final hidden states; through FastTextModel when on."""
         if self._fast_lm is not None:
             return self._fast_lm(embeds, None if attention_mask is None else attention_mask["full_attention"],
-                                 positions, cache)
-        return self._hf_lm_step(embeds, attention_mask, positions, cache)
+                                 positions, cache, deepstack)
+        return self._hf_lm_step(embeds, attention_mask, positions, cache, deepstack)
 
-    def _hf_lm_step(self, embeds, attention_mask, positions, cache):
-        """lm_step through HF's own text model forward (which takes any mask form it knows)."""
+    def _hf_lm_step(self, embeds, attention_mask, positions, cache, deepstack=None):
+        """lm_step through HF's own text model forward (which takes any mask form it knows; Qwen3-VL's
+        takes no per-layer-type mapping, and a 4-D mask as given)."""
+        if self.deepstack and isinstance(attention_mask, dict):
+            attention_mask = attention_mask["full_attention"]
+            if attention_mask is None:        # causal, made here: its own would ask the cache for offsets
+                L = embeds.shape[1]
+                K = L if cache is None else cache.visible
+                keys = torch.arange(K, device=self.device)
+                allowed = keys[None, :] <= torch.arange(K - L, K, device=self.device)[:, None]  # (L, K)
+                attention_mask = self.attention_masks(allowed.expand(embeds.shape[0], 1, L, K))["full_attention"]
         out = self.lm(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
-                       use_cache=cache is not None, **{self._cache_kw: cache})
+                       use_cache=cache is not None, **{self._cache_kw: cache},
+                       **qwen3_vl.deepstack_lm_kwargs(deepstack))
         return out.last_hidden_state                                         # (B, L, D)
 
     def _left_pad(self, prefixes: list[Prefix], length: int | None = None,
@@ -133,6 +146,17 @@ class DecoderPool:
             positions[:, b, L - n:] = p.positions
             pads.append(L - n)
         return embeds, positions, pads + [L] * (R - B)
+
+    def _left_pad_deepstack(self, prefixes: list[Prefix], pads: list[int], shape: torch.Size) -> torch.Tensor | None:
+        """Qwen3-VL: (n, R, L, D) the prefixes' DeepStack features at the slots _left_pad gave them
+        (pads), zeros elsewhere (embeds' shape (R, L, D)); None for a model without DeepStack."""
+        if not self.deepstack:
+            return None
+        deepstack = torch.zeros(self.deepstack, *shape, dtype=self.dtype, device=self.device)
+        for b, (p, pad) in enumerate(zip(prefixes, pads)):
+            if p.deepstack is not None:
+                deepstack[:, b, pad:pad + p.deepstack.shape[1]] = p.deepstack
+        return deepstack
 
     def _pad_embedding(self) -> torch.Tensor:
         """(D,) embedding of the pad token, made once (a tensor made from host values waits for the GPU)."""
@@ -176,7 +200,10 @@ class DecoderPool:
         over when it may be replayed (_prefill_shape's rules), None when it runs eagerly."""
         cfg = self.config
         rows = self._rows(batch)
-        if (not cfg.cuda_graphs or length > cfg.graph_prefill_max_tokens
+        # transformers' Qwen3-VL text model adds DeepStack through a boolean-mask gather (a host
+        # read, which a capture cannot take): through it, prefills run eagerly
+        hf_deepstack = self._fast_lm is None and self.deepstack > 0
+        if (not cfg.cuda_graphs or hf_deepstack or length > cfg.graph_prefill_max_tokens
                 or (rows > batch and rows * row_length > self.row_padded_prefill_tokens)):
             return None
         return rows
@@ -239,8 +266,10 @@ class DecoderPool:
             return self._prefill_shared(prefixes, max_new, *shared)
         L, rows, graphed = self._prefill_shape(max(p.embeds.shape[0] for p in prefixes), B)
         embeds, positions, pads = self._left_pad(prefixes, L, rows)         # (rows, L, D), (3, rows, L)
+        deepstack = self._left_pad_deepstack(prefixes, pads, embeds.shape)  # (n, rows, L, D) or None
         decoder = self._decoder(self._rows(B), self._cache_length(L, max_new), steps=max_new > 1)
-        logits = decoder.prefill(embeds, positions, pads, pool=self.graph_pool() if graphed else None)[:B]  # (B, V)
+        logits = decoder.prefill(embeds, positions, pads, pool=self.graph_pool() if graphed else None,
+                                 deepstack=deepstack)[:B]                     # (B, V)
         next_pos = to_device([p.next_position for p in prefixes], self.device, torch.long)  # (B,)
         decoder.start(next_pos, [(0, pad) for pad in pads], L)
         return decoder, logits
@@ -265,14 +294,18 @@ class DecoderPool:
         pad = self._pad_embedding()                                          # (D,)
         embeds = pad.expand(K, Lw, -1).clone()                               # (K, Lw, D), right padded
         positions = torch.ones(3, K, Lw, dtype=torch.long, device=self.device)
+        deepstack = embeds.new_zeros(self.deepstack, *embeds.shape) if self.deepstack else None  # (n, K, Lw, D)
         for k, (w, n) in enumerate(zip(windows, lens)):
             embeds[k, :n] = w.embeds
             positions[:, k, :n] = w.positions
+            if deepstack is not None and w.deepstack is not None:
+                deepstack[:, k, :n] = w.deepstack
         sfx, sfx_pos, pads = self._left_pad(suffixes, Lq, rows)             # (rows, Lq, D), (3, rows, Lq)
         decoder = self._decoder(self._rows(B), self._cache_length(Lw + Lq, max_new), steps=max_new > 1)
         # padding rows (all padding after the window) copy window 0
         logits = decoder.prefill_shared(embeds, positions, window_of + [0] * (rows - B), lens, sfx, sfx_pos, pads,
-                                        pool=self.graph_pool() if graphed else None)[:B]     # (B, V)
+                                        pool=self.graph_pool() if graphed else None,
+                                        window_deepstack=deepstack)[:B]        # (B, V)
         next_pos = to_device([p.next_position for p in prefixes], self.device, torch.long)  # (B,)
         decoder.start(next_pos, [(lens[k], Lw + p) for k, p in zip(window_of, pads)], Lw + Lq)
         return decoder, logits

@@ -15,7 +15,8 @@ import torch
 
 from arr_coc.lod import token_frames
 from pipeline.runtime.cuda import to_device
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
+from pipeline.vlm.frame_groups import VideoLayout, group_timestamps, kept_slots, stamp_ids, video_layout
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.selection import (allocation_keys, pair_lod, select_tokens, snap_to_windows, token_cells,
                                     token_relevance)
@@ -35,15 +36,24 @@ class Prefix:
     tokens_kept: int
     tokens_full: int
     window: WindowPrefix | None = None  # the window whose tokens lead embeds (question_prefix)
+    deepstack: torch.Tensor | None = None  # (n, S, D) Qwen3-VL: DeepStack features of the first S slots
 
 
 @dataclass
 class WindowPrefix:
-    """What every question about one window shares: the system prompt and the kept visual tokens,
-    embeds (S, D) and positions (3, S); text_start, the M-RoPE position of the first token after the
-    video; max_position, the largest position of the full (unpruned) prompt up to there; scores
-    (tokens_kept,) float32 pass 1's relevance of each kept visual token, in their order (None: none
-    given): a frame pair's token the higher of its two cells, a pooled token its block's best."""
+    """What every question about one window shares: the prompt up to the end of the video with only
+    the kept visual tokens, embeds (S, D) and positions (3, S); text_start, the M-RoPE position of
+    the first token after the video; max_position, the largest position of the full (unpruned)
+    prompt up to there; scores (tokens_kept,) float32 pass 1's relevance of each kept visual token,
+    in their order (None: none given): a frame pair's token the higher of its two cells, a pooled
+    token its block's best.
+
+    Qwen3-VL (None / defaults elsewhere): deepstack (n, S, D) the DeepStack features of each slot
+    (zeros but at the kept visual slots); visual (K,) the slots of the kept visual tokens (None: the
+    last K, Qwen2-VL's [system prompt, video]); groups (S,) each slot's frame group (-1: outside
+    every group), with drop_empty a group left without visual tokens loses its slots
+    (vlm.empty_frame_groups); text_skip, the slots of the text after the window that come before
+    the question (Qwen2-VL: its <|vision_end|>)."""
     embeds: torch.Tensor
     positions: torch.Tensor
     text_start: int
@@ -51,17 +61,32 @@ class WindowPrefix:
     tokens_kept: int
     tokens_full: int
     scores: torch.Tensor | None = None
+    deepstack: torch.Tensor | None = None
+    visual: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
+    drop_empty: bool = False
+    text_skip: int = 1
+
+    def visual_slots(self) -> torch.Tensor:
+        """(K,) the slots of the kept visual tokens, ascending (their order)."""
+        if self.visual is not None:
+            return self.visual
+        S = self.embeds.shape[0]
+        return torch.arange(S - self.tokens_kept, S, device=self.embeds.device)
 
 
 @dataclass(frozen=True)
 class Layout:
     """The prompt up to the end of the video for one visual grid, whatever the keep map: embeddings
     of the ids before the video (v0, D), M-RoPE positions of those ids and of every video token
-    (3, v0 + n_full), and where the text after the video starts (text_start; max_position as above)."""
+    (3, v0 + n_full), and where the text after the video starts (text_start; max_position as above).
+    Qwen3-VL: before holds the embeddings of every slot of the unpruned video prompt (timestamps,
+    markers, video pads) and video its layout (frame_groups.VideoLayout)."""
     before: torch.Tensor
     positions: torch.Tensor
     text_start: int
     max_position: int
+    video: VideoLayout | None = None
 
 
 def shared_windows(prefixes: list[Prefix]) -> tuple[list[WindowPrefix], list[int]] | None:
@@ -90,8 +115,11 @@ class PrefixBuilder:
         self.model, self.lm, self.tokenizer = model, lm, tokenizer
         self.family, self.config, self.geometry, self.device = family, config, geometry, device
         self.video_token_id = model.config.video_token_id
-        self._layouts: OrderedDict[tuple[int, int, int], Layout] = OrderedDict()
+        self._layouts: OrderedDict[tuple, Layout] = OrderedDict()
         self._before_ids: list[int] | None = None
+        # Qwen3-VL: a timestamp per frame group, no system turn, DeepStack features per visual token
+        self.timestamps = family in qwen3_vl.FAMILIES
+        self.deepstack = qwen3_vl.deepstack_count(model)
 
     @torch.no_grad()
     def text_embeddings(self, question: str) -> torch.Tensor:
@@ -99,11 +127,12 @@ class PrefixBuilder:
         return self.lm.embed_tokens(ids)                                   # (L, D)
 
     def prompt_ids(self, question: str, n_video_tokens: int) -> tuple[list[int], list[int]]:
-        """Qwen chat format around one video: ids before and after the video pad tokens."""
+        """Qwen chat format around one video: ids before and after the video pad tokens (Qwen3-VL:
+        before its frame groups, and after the template's closing <|vision_end|>)."""
         if self._before_ids is None:
-            before = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-            self._before_ids = self.tokenizer(before).input_ids
-        after = f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+            system = "" if self.timestamps else f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+            self._before_ids = self.tokenizer(f"{system}<|im_start|>user\n<|vision_start|>").input_ids
+        after = f"{'' if self.timestamps else '<|vision_end|>'}{question}<|im_end|>\n<|im_start|>assistant\n"
         return list(self._before_ids), self.tokenizer(after).input_ids
 
     def full_input_ids(self, question: str, n_video_tokens: int) -> torch.Tensor:
@@ -112,9 +141,10 @@ class PrefixBuilder:
 
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         """LM prefix length of `question` about a window of which `visual_tokens` tokens are kept
-        (what warm_up needs to know ahead of time)."""
+        (what warm_up needs to know ahead of time; Qwen3-VL: not counting the frame groups'
+        timestamps and markers, whose number is the window's)."""
         before, after = self.prompt_ids(question, visual_tokens)
-        return len(before) + visual_tokens + len(after)
+        return len(before) + visual_tokens + len(after) + int(self.timestamps)
 
     def rope_positions(self, input_ids: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """(L,) unpruned ids, grid (3,) -> (3, L) M-RoPE positions from the model's own get_rope_index."""
@@ -169,10 +199,15 @@ class PrefixBuilder:
         keep = None if keep is None else to_device(keep, self.device)       # (already there from prepare)
         lod = self.window_lod(frames, keep, (Tp, gh, gw))
         tokens, index = select_tokens(merged, lod, index)                    # (K, D), (K,)
-        layout = self._layout(Tp, gh, gw)
-        v0 = layout.before.shape[0]
-        embeds = torch.cat([layout.before, tokens.to(layout.before.dtype)])  # (v0 + K, D)
-        positions = torch.cat([layout.positions[:, :v0], layout.positions[:, v0 + index]], 1)  # (3, v0 + K)
+        if self.timestamps:
+            window = self._qwen3_window(frames.shape[0], (Tp, gh, gw), tokens, index)
+        else:
+            layout = self._layout(Tp, gh, gw)
+            v0 = layout.before.shape[0]
+            embeds = torch.cat([layout.before, tokens.to(layout.before.dtype)])  # (v0 + K, D)
+            positions = torch.cat([layout.positions[:, :v0], layout.positions[:, v0 + index]], 1)  # (3, v0 + K)
+            window = WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),
+                                  Tp * gh * gw)
         token_scores = None
         if scores is not None:
             expected = (frames.shape[0], gh, gw)
@@ -186,8 +221,31 @@ class PrefixBuilder:
                 scores = allocation_keys(keep, scores, tempering.rungs)      # each rung's own allocation
             if not (allocation and keep is None):                            # every token, no allocation: one pass
                 token_scores = token_relevance(scores, lod, index, self.geometry.temporal_patch_size)  # (K,)
-        return WindowPrefix(embeds, positions, layout.text_start, layout.max_position, int(index.numel()),
-                            Tp * gh * gw, token_scores)
+        window.scores = token_scores
+        return window
+
+    def _qwen3_window(self, T: int, grid: tuple[int, int, int], tokens: torch.Tensor,
+                      index: torch.Tensor) -> WindowPrefix:
+        """Qwen3-VL's window: the unpruned video prompt (timestamps, markers, every video token) with
+        the slots of dropped tokens taken out (and, vlm.empty_frame_groups=drop, those of groups left
+        empty), tokens (K, D x (1 + n)) the kept ones with their n DeepStack features appended, at
+        raster cells index (K,)."""
+        Tp, gh, gw = grid
+        layout = self._layout(Tp, gh, gw, T)
+        video = layout.video
+        D, n = layout.before.shape[1], self.deepstack
+        at = video.video_slots.to(self.device)[index]                       # (K,) slots of the kept tokens
+        embeds = layout.before.clone()                                       # (L, D)
+        embeds[at] = tokens[:, :D].to(embeds.dtype)
+        deepstack = embeds.new_zeros(n, *embeds.shape)                       # (n, L, D)
+        deepstack[:, at] = tokens[:, D:].view(-1, n, D).transpose(0, 1).to(embeds.dtype)
+        slots = kept_slots(video, index, gh * gw, self.config.empty_frame_groups)  # (L,) bool
+        visual = (slots.cumsum(0) - 1)[at]                                   # (K,) among the kept slots
+        rows = slots.nonzero().squeeze(1)                                    # (S,)
+        return WindowPrefix(embeds[rows], layout.positions[:, rows], layout.text_start, layout.max_position,
+                            int(index.numel()), Tp * gh * gw, deepstack=deepstack[:, rows], visual=visual,
+                            groups=video.group.to(self.device)[rows],
+                            drop_empty=self.config.empty_frame_groups == "drop", text_skip=0)
 
     @torch.no_grad()
     def question_prefix(self, window: WindowPrefix, question: str) -> Prefix:
@@ -206,16 +264,18 @@ class PrefixBuilder:
             positions = (window.text_start + torch.arange(n, device=self.device)).expand(3, n)
             next_position = max(window.max_position, window.text_start + n - 1) + 1  # the full prompt's max + 1
             prefixes.append(Prefix(torch.cat([window.embeds, text]), torch.cat([window.positions, positions], 1),
-                                   next_position, window.tokens_kept, window.tokens_full, window))
+                                   next_position, window.tokens_kept, window.tokens_full, window,
+                                   window.deepstack))
         return prefixes
 
-    def _layout(self, Tp: int, gh: int, gw: int) -> Layout:
-        key = (Tp, gh, gw)
+    def _layout(self, Tp: int, gh: int, gw: int, T: int | None = None) -> Layout:
+        """The layout of a visual grid (Qwen3-VL: of T frames, whose count sets the timestamps)."""
+        key = (Tp, gh, gw) if T is None else (Tp, gh, gw, T, self.config.fps)   # Qwen3: fps sets the stamps
         layout = self._layouts.pop(key, None)
         if layout is None:
             if len(self._layouts) >= MAX_LAYOUTS:
                 self._layouts.popitem(last=False)
-            layout = self._make_layout(Tp, gh, gw)
+            layout = self._make_layout(Tp, gh, gw) if T is None else self._qwen3_layout(T, gh, gw)
         self._layouts[key] = layout                                          # most recently used last
         return layout
 
@@ -237,3 +297,19 @@ class PrefixBuilder:
                                f"share a window's positions")
         return Layout(self.lm.embed_tokens(torch.tensor(before, device=self.device)), full_pos[:, :end],
                        text_start, int(full_pos[:, :end].max()))
+
+    def _qwen3_layout(self, T: int, gh: int, gw: int) -> Layout:
+        """Qwen3-VL's unpruned video prompt for T frames on a (gh, gw) grid: a timestamp per frame
+        group as transformers' processor writes it (pipeline/vlm/frame_groups.py; the times of the T
+        frames, the last index repeated to fill the last group), positions from the model's own
+        get_rope_index; the question follows the template's closing <|vision_end|> on one axis."""
+        tp, m = self.geometry.temporal_patch_size, self.geometry.merge_size
+        Tp = token_frames(T, tp)
+        stamps = stamp_ids(group_timestamps(range(T), self.config.fps, tp), lambda t: self.tokenizer(t).input_ids)
+        cfg = self.model.config
+        video = video_layout(self.prompt_ids("?", 0)[0], stamps, gh * gw, vision_start=cfg.vision_start_token_id,
+                             vision_end=cfg.vision_end_token_id, video_token=self.video_token_id)
+        ids = video.ids.to(self.device)
+        grid = torch.tensor([[Tp, gh * m, gw * m]], device=self.device)
+        positions = qwen3_vl.rope_index(self.model, ids[None], grid, self.video_token_id)[:, 0]  # (3, L)
+        return Layout(self.lm.embed_tokens(ids), positions, int(positions[0, -1]) + 1, int(positions.max()), video)

@@ -10,10 +10,12 @@ Qwen3-VL differs from Qwen2-VL / Qwen2.5-VL where kept tokens are concerned:
     text model's rotary embedding from the (3, B, L) positions it is given;
   - a textual timestamp before each frame group (pipeline/vlm/frame_groups.py).
 
-Everything here is called by pipeline/vlm/hf_forward.py (the answering facade): configs and model
-classes, the vision tower's merged tokens and DeepStack features, the model's own get_rope_index,
-and one forward of the text model with DeepStack arguments. tests/pipeline/vlm/test_hf_boundary.py
-lets this file, with pipeline/vlm/hf.py, name those internals.
+Everything here is called by pipeline/vlm/hf_forward.py (Qwen3-VL-MoE's answering facade): configs
+and model classes, the vision tower's merged tokens and DeepStack features, the model's own
+get_rope_index, and one forward of the text model with DeepStack arguments; and by the fast engine
+(dense Qwen3-VL) through its hooks at the end: the tower over kept patches (tower_on), the whole
+tower's precomputed inputs for a replayed graph, DeepStack arguments for transformers' text model.
+tests/pipeline/vlm/test_hf_boundary.py lets this file, with pipeline/vlm/hf.py, name those internals.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import torch
 from torch import nn
 
 FAMILIES: tuple[str, ...] = ("qwen3_vl", "qwen3_vl_moe")
+# run through transformers' own forward (pipeline/vlm/hf_forward.py): the fast engine covers dense Qwen3-VL only
+FALLBACK_FAMILIES: tuple[str, ...] = ("qwen3_vl_moe",)
 # Qwen3-VL's processors normalise with mean = std = 0.5 (IMAGENET_STANDARD), not CLIP's values
 PROCESSOR_DEFAULTS = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
                       "rescale_factor": 1 / 255}
@@ -167,3 +171,86 @@ def lm_head(model: nn.Module) -> nn.Module:
 
 def embed_tokens(model: nn.Module) -> nn.Module:
     return text_model(model).embed_tokens
+
+
+# ---- the fast engine's hooks (pipeline/vlm/model.py: dense Qwen3-VL) ----
+def has_deepstack(module: nn.Module) -> bool:
+    """Whether `module` (a model or its vision tower) is a Qwen3-VL with DeepStack mergers."""
+    visual = getattr(getattr(module, "model", None), "visual", module)
+    return hasattr(visual, "deepstack_merger_list") and len(visual.deepstack_merger_list) > 0
+
+
+def deepstack_count(model: nn.Module) -> int:
+    """How many DeepStack features each visual token carries (0: none, Qwen2-VL)."""
+    return len(vision_tower(model).deepstack_merger_list) if has_deepstack(model) else 0
+
+
+def position_interpolation(positions: torch.Tensor, sizes: torch.Tensor,
+                           side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's learned position grid (side x side) resampled bilinearly, corners aligned, to each
+    patch's frame: positions (n, 2) (row, column) in the patch grid, sizes (n, 2) that grid's (H, W)
+    -> (n, 4) indices into the flat table and (n, 4) float32 weights (as transformers' tower makes
+    them for the whole grid; here for any subset of patches)."""
+    def axis(index: torch.Tensor, size: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        src = index.float() * (side - 1) / (size - 1).clamp(min=1)
+        low = src.floor()
+        frac = src - low
+        taps = torch.stack([low, low + 1], 1).long().clamp(0, side - 1)    # (n, 2)
+        return taps, torch.stack([1 - frac, frac], 1)
+    rows, row_w = axis(positions[:, 0], sizes[:, 0])
+    cols, col_w = axis(positions[:, 1], sizes[:, 1])
+    index = (rows[:, :, None] * side + cols[:, None, :]).flatten(1)         # (n, 4)
+    return index, (row_w[:, :, None] * col_w[:, None, :]).flatten(1)
+
+
+def vision_rotary(visual: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's 2D rotary for patches at positions (n, 2) -> cos, sin (n, head_dim) float32:
+    rows' frequencies then columns', twice (transformers' layout)."""
+    inv_freq = visual.rotary_pos_emb.inv_freq.float()                        # (hd / 4,)
+    freqs = (positions[..., None].float() * inv_freq).flatten(1)            # (n, hd / 2)
+    emb = torch.cat([freqs, freqs], -1)                                      # (n, hd)
+    return emb.cos(), emb.sin()
+
+
+def tower_on(visual: nn.Module, pixels: torch.Tensor, positions: torch.Tensor, sizes: torch.Tensor,
+             cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's vision tower over any set of whole merge blocks: pixels (n, F), positions (n, 2)
+    (row, column) of each patch in its frame's patch grid, sizes (n, 2) that grid, cu_seqlens
+    (S + 1,) int32 bounds of the attention blocks (each frame group's encoded patches) ->
+    (n / m^2, D x (1 + deepstack layers)): each cell's merged token, then its DeepStack features
+    from its own patches' hidden states at the DeepStack blocks. The same modules and operations
+    as transformers' forward, which takes the whole grid only."""
+    hidden = visual.patch_embed(pixels)                                      # (n, C)
+    side = int(round(visual.pos_embed.num_embeddings ** 0.5))
+    index, weights = position_interpolation(positions, sizes, side)         # (n, 4) each
+    hidden = hidden + (visual.pos_embed(index) * weights[:, :, None]).sum(1).to(hidden.dtype)
+    rotary = vision_rotary(visual, positions)
+    layers = list(visual.deepstack_visual_indexes)
+    features = []
+    for i, block in enumerate(visual.blocks):
+        hidden = block(hidden, cu_seqlens=cu_seqlens, position_embeddings=rotary)
+        if i in layers:
+            features.append(visual.deepstack_merger_list[layers.index(i)](hidden))  # (n / m^2, D)
+    return torch.cat([visual.merger(hidden), *features], -1)
+
+
+def grid_interpolation(visual: nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The whole-grid tower's interpolation inputs precomputed (a replayed graph cannot make them:
+    transformers' own reads sizes back to the host), for a forward that takes them."""
+    from transformers import vision_utils as vu
+
+    index, weights = vu.get_vision_interpolation_indices_and_weights(
+        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.spatial_merge_size)
+    return {"interp_indices": index, "interp_weights": weights}
+
+
+def deepstack_lm_kwargs(deepstack: torch.Tensor | None) -> dict[str, Any]:
+    """deepstack (n, B, L, D) dense over the slots (zeros outside the visual ones) -> the keyword
+    arguments of transformers' text model that add it: every slot marked visual, feature i added
+    after layer i (adding zeros changes nothing)."""
+    if deepstack is None:
+        return {}
+    n, B, L, _ = deepstack.shape
+    mask = torch.ones(B, L, dtype=torch.bool, device=deepstack.device)
+    return {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.flatten(0, 1) for d in deepstack]}

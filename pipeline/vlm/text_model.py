@@ -118,6 +118,8 @@ class _Layer:
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.in_eps, self.post_eps = _eps(self.in_norm), _eps(self.post_norm)
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
+        # Qwen3: an RMSNorm over each head's dims of q and of k, before the rotary embedding
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,6 +127,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     kernel: HF rounds to x's dtype before the weight product, this once after it (the same in
     float32; at most a unit in the last place apart in bfloat16)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_deepstack(hidden: torch.Tensor, deepstack: torch.Tensor | None, layer: int) -> torch.Tensor:
+    """hidden (B, L, D) after LM layer `layer`, plus DeepStack feature `layer` of deepstack (n, B, L, D)
+    where there is one (layer < n). The features are zero outside the kept visual slots, where the
+    sum is exact, so adding everywhere equals transformers' add at the visual positions only, with
+    no mask or gather (a replayed graph takes the same shapes whatever is kept)."""
+    if deepstack is None or layer >= deepstack.shape[0]:
+        return hidden
+    return hidden + deepstack[layer].to(hidden.dtype)
 
 
 class FastTextModel:
@@ -176,16 +188,20 @@ class FastTextModel:
                 return out.view(B, L, n, hd)
         return self._rope(qkv[:, :, :n], cos, signed_sin)
 
-    def __call__(self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
+    def __call__(self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache,
+                 deepstack: torch.Tensor | None = None) -> torch.Tensor:
+        """deepstack (n, B, L, D) or None: Qwen3-VL's DeepStack features, feature i added to the
+        hidden states after layer i (zeros at every slot that is not a kept visual token)."""
         cos, sin = self.rotary(embeds, positions)
         mask = self._causal(embeds, mask, cache)
         hidden = embeds
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden = self._layer(layer, hidden, mask, cos, sin, cache)
+            hidden = add_deepstack(hidden, deepstack, i)
         return rms_norm(hidden, self.lm.norm.weight, self.final_eps)
 
     def attention_inputs(self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-                         index: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         index: int, deepstack: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [0, index) over embeds as __call__ runs them (no cache), then the query and key
         states layer `index` attends with, rotary applied: q (B, H, L, hd), k (B, H_kv, L, hd).
         Its attention scores are softmax(q k^T * layers[index].scaling) (pipeline/vlm/passes.py
@@ -195,8 +211,9 @@ class FastTextModel:
         cos, sin = self.rotary(embeds, positions)
         mask = self._causal(embeds, mask, None)
         hidden = embeds
-        for layer in self.layers[:index]:
+        for i, layer in enumerate(self.layers[:index]):
             hidden = self._layer(layer, hidden, mask, cos, sin, None)
+            hidden = add_deepstack(hidden, deepstack, i)               # layer index's input has index levels
         q, k, _ = self._qkv(self.layers[index], hidden, cos, sin)
         return q, k
 
@@ -224,6 +241,11 @@ class FastTextModel:
         B, L, _ = hidden.shape
         x = rms_norm(hidden, layer.in_norm.weight, layer.in_eps)
         qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(B, L, -1, layer.head_dim)
+        if layer.q_norm is not None:                                         # Qwen3: per-head q/k norms first
+            qkv = torch.cat([rms_norm(qkv[:, :, :layer.heads], layer.q_norm.weight, _eps(layer.q_norm)),
+                             rms_norm(qkv[:, :, layer.heads:layer.heads + layer.kv_heads], layer.k_norm.weight,
+                                      _eps(layer.k_norm)),
+                             qkv[:, :, layer.heads + layer.kv_heads:]], 2)   # (B, L, heads, hd)
         qk = self._rotate(qkv, layer.heads + layer.kv_heads, cos, sin)
         q = qk[:, :, :layer.heads].transpose(1, 2)                           # (B, H, L, hd)
         k = qk[:, :, layer.heads:].transpose(1, 2)                           # (B, H_kv, L, hd)

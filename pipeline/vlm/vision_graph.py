@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pipeline.runtime.cuda import capture
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.vision_attention import batched_attention
 
 T_BUCKET = 2          # temporal patches (frame pairs) a graph's length is a multiple of
@@ -54,6 +54,8 @@ def grid_inputs(visual: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any] | N
         cu = inputs["cu_window_seqlens"]
         if max_seqlen is not None:
             inputs["max_window_seqlen"] = int((cu[1:] - cu[:-1]).max())
+    if qwen3_vl.has_deepstack(visual):                               # Qwen3-VL: learned positions resampled
+        inputs.update(qwen3_vl.grid_interpolation(visual, grid_thw))
     # on the tower's device (HF makes the window order on the host): a graph cannot copy them in
     device = next(visual.parameters()).device
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -77,7 +79,7 @@ class VisionGraph:
         def forward() -> torch.Tensor:
             with batched_attention(self.block, self.plans):
                 out = visual(self.pixels, grid_thw=grid_thw, **self.inputs)
-            return out.pooler_output if hasattr(out, "pooler_output") else out
+            return hf.tower_tokens(out)
         self.graph, self.merged = capture(forward, torch.cuda.Stream(device), pool)
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:

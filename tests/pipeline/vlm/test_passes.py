@@ -195,8 +195,8 @@ class TestSelection:
         assert target not in keep_best(scores, round(K / 4)).tolist()
         inputs = v2.passes.text_model.attention_inputs
 
-        def favour(embeds, mask, positions, index):
-            q, k = inputs(embeds, mask, positions, index)
+        def favour(embeds, mask, positions, index, deepstack=None):
+            q, k = inputs(embeds, mask, positions, index, deepstack)
             H_kv, hd = k.shape[1], k.shape[3]
             toward = q[0, :, S + 1:].mean(1).view(H_kv, -1, hd).mean(1)       # (H_kv, hd) the question's queries
             k = k.clone()

@@ -1,5 +1,6 @@
-"""Every mode reaches Qwen3-VL (transformers' forward): `run`, `live`, `batch`, `serve` and the
-Python API, on a tiny random Qwen3-VL saved as a local snapshot and generated video."""
+"""Every mode reaches dense Qwen3-VL through the fast engine: `run` (with pass 2 and tempering too),
+`live`, `batch`, `serve` and the Python API, on a tiny random Qwen3-VL saved as a local snapshot and
+generated video."""
 from __future__ import annotations
 
 import io
@@ -47,19 +48,24 @@ def test_run_answers_from_a_local_snapshot(capsys, tmp_path, snapshot, video):
                  "--device", "cpu", "--set", "vlm.max_new_tokens=3"])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert FALLBACK in err
+    assert FALLBACK not in err                                              # dense: the fast engine
     assert validate_store(out) == []
     answers = read_stream(out, "clip")["answers"]
     assert len(answers["text"]) == 3                                        # 2.4 s of video, 1 s windows
     assert np.all((answers["tokens_kept"] > 0) & (answers["tokens_kept"] < answers["tokens_full"]))
 
 
-def test_pass2_is_refused_with_one_line(capsys, tmp_path, snapshot, video):
-    code = main(["run", str(video), "--query", "what moves?", "--out", str(tmp_path / "p2.zarr"), "--vlm", snapshot,
-                 "--device", "cpu", "--set", "vlm.pass2=attention"])
-    err = capsys.readouterr().err.strip()
-    assert code != 0 and "pass 2" in err and "Traceback" not in err
-    assert len(err.splitlines()) == 1, err
+def test_pass2_and_tempering_run(capsys, tmp_path, snapshot, video):
+    out = tmp_path / "p2.zarr"
+    code = main(["run", str(video), "--query", "what moves?", "--out", str(out), "--vlm", snapshot, "--every", "1",
+                 "--device", "cpu", "--set", "vlm.max_new_tokens=2", "--set", "vlm.pass2=attention",
+                 "--set", "vlm.tempering.ladder=[0.5,1.0]", "--set", "vlm.tempering.rank=attention",
+                 "--set", "vlm.tempering.threshold=1.0"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    answers = read_stream(out, "clip")["answers"]
+    assert len(answers["text"]) == 3 and np.all(answers["passes"] == 2)
+    assert np.all(answers["tokens_spent"] > answers["tokens_kept"])
 
 
 def test_python_api(snapshot, video):
@@ -115,7 +121,7 @@ def test_serve_lists_the_architecture_and_answers(tmp_path, video, monkeypatch):
         assert status == 200
         (entry,) = models["data"]
         assert entry["id"] == "tiny-random-qwen3_vl" and entry["architecture"] == "Qwen3VLForConditionalGeneration"
-        assert entry["family"] == "qwen3_vl" and entry["engine"] == "transformers forward"
+        assert entry["family"] == "qwen3_vl" and entry["engine"] == "fast engine"
         body = dict(chat_body(video.as_uri()), model="tiny-random-qwen3_vl")
         status, completion = call(server, "POST", "/v1/chat/completions", body)
         assert status == 200, completion

@@ -1,6 +1,7 @@
-"""Qwen3-VL through transformers' own forward (pipeline/vlm/hf_forward.py) with ARR-COC's kept
-tokens, against transformers on tiny random Qwen3-VL models built here (DeepStack from two vision
-blocks into the first two of three LM layers, interleaved M-RoPE, a tokenizer built in code)."""
+"""Qwen3-VL through transformers' own forward (pipeline/vlm/hf_forward.py: what runs Qwen3-VL-MoE)
+with ARR-COC's kept tokens, against transformers on tiny random Qwen3-VL models built here
+(DeepStack from two vision blocks into the first two of three LM layers, interleaved M-RoPE, a
+tokenizer built in code). Dense Qwen3-VL loads into the fast engine (test_qwen3_fast.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,14 +21,22 @@ from pipeline.vlm_config import TemperingConfig, VLMConfig
 from pipeline.vlm.frame_groups import group_timestamps, kept_slots, video_layout
 from pipeline.vlm.hf_forward import HFForwardVLM, model_card
 from pipeline.vlm.loading import build_tiny_vlm
+from pipeline.vlm.model import VLM
 
 QUESTION = "what moves?"
 TEMPLATE = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>{q}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def fallback(config: VLMConfig) -> HFForwardVLM:
+    """transformers' forward over the tiny dense model (which loads into the fast engine)."""
+    engine = build_tiny_vlm("qwen3_vl", config=VLMConfig(max_new_tokens=4))
+    return HFForwardVLM(engine.model, engine.tokenizer, family="qwen3_vl", name=engine.name, config=config,
+                        preprocessor=engine.preprocessor)
+
+
 @pytest.fixture(scope="module")
 def vlm() -> HFForwardVLM:
-    return build_tiny_vlm("qwen3_vl", config=VLMConfig(max_new_tokens=4))
+    return fallback(VLMConfig(max_new_tokens=4))
 
 
 @contextlib.contextmanager
@@ -353,18 +362,18 @@ class TestAnswering:
     def test_pass2_and_tempering_are_refused_with_one_line(self):
         for config in (VLMConfig(pass2="attention"), VLMConfig(tempering=TemperingConfig(ladder=(0.1, 0.3)))):
             with pytest.raises(ConfigError) as err:
-                build_tiny_vlm("qwen3_vl", config=config)
+                fallback(config)
             assert "transformers' own forward" in str(err.value) and "\n" not in str(err.value)
 
 
 class TestLoading:
     def test_tiny_random_says_what_runs_it(self):
         vlm = load_vlm("tiny-random-qwen3_vl", device="cpu", dtype="float32")
-        assert isinstance(vlm, HFForwardVLM)
-        assert "meaningless" in vlm.warning and "transformers' own forward" in vlm.warning
+        assert isinstance(vlm, VLM)                                          # dense: the fast engine
+        assert "meaningless" in vlm.warning and "transformers' own forward" not in vlm.warning
         assert "\n" not in vlm.warning
         assert model_card(vlm) == {"family": "qwen3_vl", "architecture": "Qwen3VLForConditionalGeneration",
-                                   "engine": "transformers forward"}
+                                   "engine": "fast engine"}
         assert vlm.geometry.patch_size == 16 and vlm.preprocessor.image_mean == (0.5, 0.5, 0.5)
 
     def test_an_untested_transformers_is_said_too(self, monkeypatch):
@@ -376,14 +385,15 @@ class TestLoading:
 
     def test_snapshot_round_trip(self, vlm, tmp_path):
         save_snapshot(vlm, tmp_path)
-        loaded = load_vlm(str(tmp_path), device="cpu", dtype="float32", config=VLMConfig(max_new_tokens=4))
-        assert isinstance(loaded, HFForwardVLM) and loaded.family == "qwen3_vl"
-        assert "Qwen3-VL runs through transformers' own forward" in loaded.warning
+        loaded = load_vlm(str(tmp_path), device="cpu", dtype="float32",
+                          config=VLMConfig(max_new_tokens=4, encode="all"))
+        assert isinstance(loaded, VLM) and loaded.family == "qwen3_vl" and loaded.warning is None
         assert loaded.preprocessor == vlm.preprocessor
         frames = make_frames(4, 64, 96, seed=20)
         keep = keep_fraction(vlm, frames, 0.3, seed=21)
-        a, b = (v.prompt_logits(v.prompt(v.window(frames, keep), QUESTION)) for v in (vlm, loaded))
-        torch.testing.assert_close(a, b)
+        want = vlm.prompt_logits(vlm.prompt(vlm.window(frames, keep), QUESTION))[-1]
+        _, got = loaded.prefill(loaded.prepare([request(frames, keep)]), 2)
+        torch.testing.assert_close(got[0], want, atol=1e-4, rtol=1e-4)
 
     def test_moe_snapshot_loads_through_the_same_fallback(self, vlm, tmp_path):
         """Qwen3-VL-MoE: detected from config.json, answered through the same forward."""

@@ -111,7 +111,7 @@ stage() {   # name, then the command; its stderr (progress) goes to the terminal
 
 stage relevance "$PY" -m pipeline train --config configs/train_renderers.yaml \
   --set device="$DEVICE" --set queries="$TABLE" --set data.workers="$WORKERS" --set time_limit_s="$REL_S" \
-  --set data.render_clips=1024 --set out_dir="$WORK/relevance" "${REL_SMOKE[@]}" "${REL_EXTRA[@]}" --export "$OUT_DIR/arrcoc_relevance.safetensors"
+  --set out_dir="$WORK/relevance" "${REL_SMOKE[@]}" "${REL_EXTRA[@]}" --export "$OUT_DIR/arrcoc_relevance.safetensors"
 
 stage vlm_qa "$PY" -m pipeline train --config configs/train_renderers_vlm_qa.yaml \
   --set device="$DEVICE" --set vlm="$VLM" --set queries="$TABLE" --set data.workers="$WORKERS" \

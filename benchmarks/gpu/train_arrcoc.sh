@@ -20,8 +20,9 @@
 #                                  [--relevance-s 90] [--vlm-qa-s 100] [--outcome-s 130] [--device cuda]
 # --vlm names the frozen answer model of stages 2 and 3 (default: the shipped arrcoc-synth-qa; a directory:
 # a retrained snapshot). Stage limits count from each stage's start, data drawing included; each stage
-# also needs ~10-20 s to start (imports, CUDA, loading). --smoke runs every stage for a few steps on tiny
-# data (the CPU check of this script).
+# also needs ~10-20 s to start (imports, CUDA, loading). --relevance-set / --vlm-qa-set / --outcome-set
+# KEY=VALUE (repeatable) pass a config override to that stage (e.g. --outcome-set train.temperature=0.2).
+# --smoke runs every stage for a few steps on tiny data (the CPU check of this script).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -37,6 +38,7 @@ VAL_CLIPS=96
 WORKERS=12
 PREPARE=0
 SMOKE=0
+REL_EXTRA=() VQA_EXTRA=() OUT_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --prepare) PREPARE=1 ;;
@@ -49,6 +51,9 @@ while [ $# -gt 0 ]; do
     --vlm-qa-s) VQA_S=$2; shift ;;
     --outcome-s) OUT_S=$2; shift ;;
     --workers) WORKERS=$2; shift ;;
+    --relevance-set) REL_EXTRA+=(--set "$2"); shift ;;
+    --vlm-qa-set) VQA_EXTRA+=(--set "$2"); shift ;;
+    --outcome-set) OUT_EXTRA+=(--set "$2"); shift ;;
     *) echo "error: unknown option $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
@@ -106,17 +111,17 @@ stage() {   # name, then the command; its stderr (progress) goes to the terminal
 
 stage relevance "$PY" -m pipeline train --config configs/train_renderers.yaml \
   --set device="$DEVICE" --set queries="$TABLE" --set data.workers="$WORKERS" --set time_limit_s="$REL_S" \
-  --set out_dir="$WORK/relevance" "${REL_SMOKE[@]}" --export "$OUT_DIR/arrcoc_relevance.safetensors"
+  --set out_dir="$WORK/relevance" "${REL_SMOKE[@]}" "${REL_EXTRA[@]}" --export "$OUT_DIR/arrcoc_relevance.safetensors"
 
 stage vlm_qa "$PY" -m pipeline train --config configs/train_renderers_vlm_qa.yaml \
   --set device="$DEVICE" --set vlm="$VLM" --set queries="$TABLE" --set data.workers="$WORKERS" \
   --set init="$OUT_DIR/arrcoc_relevance.safetensors" --set time_limit_s="$VQA_S" \
-  --set out_dir="$WORK/vlm_qa" "${VQA_SMOKE[@]}" --export "$OUT_DIR/arrcoc_vlm_qa.safetensors"
+  --set out_dir="$WORK/vlm_qa" "${VQA_SMOKE[@]}" "${VQA_EXTRA[@]}" --export "$OUT_DIR/arrcoc_vlm_qa.safetensors"
 
 stage outcome "$PY" -m pipeline.training.outcome --config configs/train_outcome.yaml \
   --set device="$DEVICE" --set vlm="$VLM" --set queries="$TABLE" --set data.workers="$WORKERS" \
   --set init="$OUT_DIR/arrcoc_vlm_qa.safetensors" --set train.time_limit_s="$OUT_S" \
-  --set out_dir="$WORK/outcome" "${OUT_SMOKE[@]}" --export "$OUT_DIR/arrcoc_outcome.safetensors"
+  --set out_dir="$WORK/outcome" "${OUT_SMOKE[@]}" "${OUT_EXTRA[@]}" --export "$OUT_DIR/arrcoc_outcome.safetensors"
 
 W=$OUT_DIR/arrcoc
 stage compare "$PY" -m pipeline.training.outcome --config configs/train_outcome.yaml \

@@ -182,11 +182,11 @@ def sample_step(model: ARRCOC, clips: list[Prepared], answerer, t: OutcomeTrain,
             keep, log_prob = sample_selection(realized.relevance.reshape(T, -1) / t.temperature, available,
                                               budget, t.samples, generator)      # (G, T, N), (G,)
             log_probs.append(log_prob)
-            keeps += list(keep.view(t.samples, T, gh, gw).to(torch.int8).cpu().numpy())
+            keeps.append(keep.view(t.samples, T, gh, gw).to(torch.int8))
             views_q += [question] * t.samples
             views_a += [answer] * t.samples
-        if views_q:
-            samples.append(clip_sample(c.frames, views_q, views_a, keeps))
+        if views_q:   # one copy to the host per clip
+            samples.append(clip_sample(c.frames, views_q, views_a, list(torch.cat(keeps).cpu().numpy())))
     if not log_probs:
         raise ValueError("no questions in this step's clips")
     rewards = answerer(samples).to(log_probs[0].device).float().view(len(log_probs), t.samples)   # (Q, G)

@@ -421,6 +421,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                 opt.step()
                 losses.append(float(loss.detach()))
                 bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if not losses:          # the time limit fell before this epoch's first step
+                break
             row = {"stage": stage.name, "epoch": epoch + 1, "loss": round(float(np.mean(losses)), 5),
                    "val_token_share": round(validate(model, val), 4), **learned_values(model, tensions)}
             history.append(row)

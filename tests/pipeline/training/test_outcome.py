@@ -309,3 +309,20 @@ def test_compare_scores_each_weights_spec_through_the_vlm(tmp_path, monkeypatch)
     scores = [out["hard_selection"][s] for s in specs]
     assert out["val_clips"] == 2 and out["questions"] > 2
     assert scores[0] == scores[1] and 0.0 <= scores[0] <= 1.0 and 0.0 <= out["every_token"] <= 1.0
+
+
+def test_the_reward_is_the_pipelines_own_greedy_answer():
+    """VLMAnswerer (teacher-forced, one forward) calls an answer right exactly when the pipeline's
+    VLM, given the same keep map, generates it."""
+    from pipeline.training.outcome import VLMAnswerer, clip_sample
+    from pipeline.vlm.loading import load_vlm
+
+    vlm = load_vlm("arrcoc-synth-qa", device="cpu", dtype="float32")
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (4, 224, 224, 3), dtype=np.uint8)
+    keep = (rng.random((4, *vlm.geometry.grid(224, 224))) < 0.3).astype(np.int8)
+    questions = ["What color is the circle at the top left?", "How many objects are there?", "Is there a red square?"]
+    texts = [r.text for r in vlm.answer_questions(frames, keep, questions)]
+    wrong = [next(w for w in ("purple", "five", "yes") if w != t) for t in texts]
+    right = VLMAnswerer(vlm)([clip_sample(frames, questions * 2, texts + wrong, [keep] * 6)])
+    assert right.tolist() == [True] * 3 + [False] * 3, texts

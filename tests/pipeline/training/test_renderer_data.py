@@ -101,3 +101,13 @@ def test_relevance_training_on_renderers_lowers_its_loss(table, tmp_path):
     history = train(cfg, log=lambda s: None)["history"]
     assert len(history) == 3
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_the_time_limit_stops_training_and_still_exports(table, tmp_path):
+    stages = "[{name: grounding, epochs: 50, lr: 0.01, batch_size: 4}, {name: static, epochs: 50, batch_size: 4}]"
+    cfg = load_config(TrainConfig, "configs/train_renderers.yaml",
+                      ["device=cpu", "init=none", f"queries={table}", f"out_dir={tmp_path}", "data.render_clips=4",
+                       "data.val_scenes=2", f"stages={stages}", "time_limit_s=0.5"])
+    result = train(cfg, log=lambda s: None, export=tmp_path / "export.safetensors")
+    assert len(result["history"]) <= 1 and (tmp_path / "export.safetensors").is_file()
+    assert all(np.isfinite(row["loss"]) for row in result["history"])

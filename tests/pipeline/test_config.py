@@ -15,8 +15,9 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_load(path):
     from pipeline.training.qa_vlm import QAVLMConfig  # configs/qa_vlm.yaml: python -m pipeline.training.qa_vlm
+    from pipeline.training.outcome import OutcomeConfig  # configs/train_outcome.yaml: its own command
     from pipeline.training.train import TrainConfig  # configs/train_*.yaml configure `python -m pipeline train`
-    kind = (TrainConfig if path.name.startswith("train_")
+    kind = (OutcomeConfig if path.name == "train_outcome.yaml" else TrainConfig if path.name.startswith("train_")
             else QAVLMConfig if path.name.startswith("qa_vlm") else PipelineConfig)
     assert isinstance(load_config(kind, path), kind)
 

@@ -104,10 +104,13 @@ def test_relevance_training_on_renderers_lowers_its_loss(table, tmp_path):
 
 
 def test_the_time_limit_stops_training_and_still_exports(table, tmp_path):
-    stages = "[{name: grounding, epochs: 50, lr: 0.01, batch_size: 4}, {name: static, epochs: 50, batch_size: 4}]"
+    # far more epochs than 0.5 s holds on any machine (one is ~0.1 s on 2 cores): the limit, not the
+    # schedule, ends the run, inside the first stage
+    stages = "[{name: grounding, epochs: 300, lr: 0.01, batch_size: 4}, {name: static, epochs: 50, batch_size: 4}]"
     cfg = load_config(TrainConfig, "configs/train_renderers.yaml",
                       ["device=cpu", "init=none", f"queries={table}", f"out_dir={tmp_path}", "data.render_clips=4",
                        "data.val_scenes=2", f"stages={stages}", "time_limit_s=0.5"])
     result = train(cfg, log=lambda s: None, export=tmp_path / "export.safetensors")
-    assert len(result["history"]) <= 1 and (tmp_path / "export.safetensors").is_file()
+    assert len(result["history"]) < 300 and (tmp_path / "export.safetensors").is_file()
+    assert all(row["stage"] == "grounding" for row in result["history"])
     assert all(np.isfinite(row["loss"]) for row in result["history"])

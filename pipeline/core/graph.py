@@ -264,15 +264,17 @@ class Interrupts:
             yield
             return
         ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        if ctrl_c:   # the Python API's Ctrl-C, queued like the CLI's signals while the wait runs
-            signal.signal(signal.SIGINT, _queue_signal)
+        # _waiting is set for as long as _queue_signal is installed (set before, cleared after), so
+        # a Ctrl-C at either edge is queued or raised, never dropped
         self._waiting = 1
         try:
+            if ctrl_c:   # the Python API's Ctrl-C, queued like the CLI's signals while the wait runs
+                signal.signal(signal.SIGINT, _queue_signal)
             yield
         finally:
-            self._waiting = 0
             if ctrl_c:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._waiting = 0
         if self.take():
             raise KeyboardInterrupt
 
@@ -281,7 +283,10 @@ INTERRUPTS = Interrupts()
 
 
 def _queue_signal(signum: int, frame: Any) -> None:
-    INTERRUPTS.absorb()
+    """Ctrl-C while a wait runs: queued for it; outside any wait (never, while waiting() installs
+    this handler only inside one) the default's KeyboardInterrupt rather than a lost signal."""
+    if not INTERRUPTS.absorb():
+        raise KeyboardInterrupt
 
 
 def wait_through_interrupts(jobs: Iterable[Future], on_interrupt: Callable[[int], None]) -> int:

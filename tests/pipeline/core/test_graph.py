@@ -267,6 +267,35 @@ class TestInterrupts:
         yield
         signal.signal(signal.SIGINT, previous)
 
+    def test_a_ctrl_c_at_the_edges_of_a_wait_is_never_dropped(self):
+        """While waiting() installs its queueing handler, the wait counts as running (a Ctrl-C is
+        queued, then raised at the wait's end); the handler outside a wait raises like the default.
+        Before, a signal between installing the handler and marking the wait (or between unmarking
+        and restoring) set `interrupted` and neither queued nor raised: the command ran on."""
+        from pipeline.core.graph import INTERRUPTS, _queue_signal
+
+        INTERRUPTS.reset()
+        seen = []
+        original = signal.signal
+
+        def spy(sig, handler):   # what the wait's state is at each handler swap
+            if sig == signal.SIGINT:
+                seen.append((handler, INTERRUPTS._waiting))
+            return original(sig, handler)
+
+        signal.signal = spy
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                with INTERRUPTS.waiting():
+                    _queue_signal(signal.SIGINT, None)       # queued while the wait runs
+        finally:
+            signal.signal = original
+        assert seen == [(_queue_signal, 1), (signal.default_int_handler, 1)]
+        INTERRUPTS.reset()
+        with pytest.raises(KeyboardInterrupt):
+            _queue_signal(signal.SIGINT, None)               # no wait: not dropped
+        INTERRUPTS.reset()
+
     def _interrupt_main(self, when: threading.Event, delay: float = 0.0) -> threading.Thread:
         main = threading.main_thread().ident
 

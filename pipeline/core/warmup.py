@@ -33,6 +33,7 @@ from ..runtime.cuda import LEDGER
 
 log = logging.getLogger("pipeline.warmup")
 LENGTH_STEP = 64          # prefill.PREFILL_BUCKET: a prefix length per bucket is enough
+TIMESTAMP_TOKENS = 8      # Qwen3-VL: the most tokens a frame pair's timestamp and markers add
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,17 @@ def prefix_lengths(vlm: Any, question: str, sizes: list[tuple[int, int]], window
     """The prefix lengths answers over windows of up to window_frames frames of these sizes may
     have, one per LENGTH_STEP bucket: windows of 1..all their frame pairs (a live stream's first,
     staggered window and a file's last are shorter), each pair keeping between one frame's and two
-    frames' share of the cells at each retention, one bucket more at the top (Qwen3-VL's
-    timestamps, not in VLM.prefix_length, add a few tokens per pair)."""
+    frames' share of the cells at each retention, up to TIMESTAMP_TOKENS a pair more at the top
+    (Qwen3-VL's timestamps, which VLM.prefix_length does not count)."""
     g = vlm.geometry
     pairs = token_frames(window_frames, g.temporal_patch_size)
     lengths = set()
     for (height, width), retention in itertools.product(sizes, retentions):
         gh, gw = g.grid(height, width)
         per_frame = max(1, retained_tokens(gh * gw, retention))         # the allocator's budget of a frame
-        lo, hi = per_frame, pairs * min(gh * gw, 2 * per_frame)
-        for kept in range(lo, hi + 2 * LENGTH_STEP, LENGTH_STEP):
-            lengths.add(vlm.prefix_length(question, min(kept, hi + LENGTH_STEP)))
+        top = pairs * (min(gh * gw, 2 * per_frame) + TIMESTAMP_TOKENS)
+        for kept in [*range(per_frame, top, LENGTH_STEP), top]:
+            lengths.add(vlm.prefix_length(question, kept))
     return sorted(lengths)
 
 

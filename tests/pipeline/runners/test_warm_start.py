@@ -62,3 +62,19 @@ class TestCoverageOnCPU:
         assert result.warm_up is None and result.answers
         shapes = late(since, "shape")
         assert any(s.startswith("prefill") for s in shapes) and any(s.startswith("kept") for s in shapes)
+
+
+@pytest.mark.cuda
+def test_a_20_second_live_run_captures_no_graph_after_its_first_frame(tmp_path):
+    """Three 20 s streams on CUDA with the tiny VLM: warm-up captures the front end's, the vision
+    tower's, the prefills' and the decoders' graphs; from the first frame on, none."""
+    pytest.importorskip("av")
+    clip = write_video(tmp_path / "long.mp4", render_clip([Shot("moving_object", 250, speed=2.0),
+                                                           Shot("fast_object", 250, speed=3.0)],
+                                                          height=240, width=320, seed=5).frames, fps=25)
+    since = LEDGER.mark("test")
+    result = live(clip, tmp_path, LiveOptions(every_s=1.0), device="cuda")
+    assert result.warm_up is not None and result.warm_up.graphs > 0
+    assert len(result.answers) >= 30                               # 3 streams x ~20 windows
+    assert late(since, "capture") == []
+    assert late(since, "shape") == []

@@ -84,9 +84,9 @@ def live_config(args) -> LiveConfig:
 
 
 def live_options(args) -> LiveOptions:
-    """Answers every --every s, no periodic metrics, the switch interval asked for."""
+    """Answers every --every s, no periodic metrics, the switch interval and warm-up asked for."""
     return LiveOptions(every_s=args.every, metrics_every_s=3600.0, switch_interval_ms=args.switch_interval_ms,
-                       stagger=args.stagger)
+                       stagger=args.stagger, warm_up=args.warm_up)
 
 
 def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict:
@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default %(default)s; 0: FFmpeg's choice)")
     p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=LiveOptions.stagger,
                    help="spread the streams' answer times over the period (LiveOptions.stagger; default on)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every graph before the first frame (LiveOptions.warm_up; default: on CUDA); "
+                        "--no-warm-up shows the cold start")
     p.add_argument("--vlm-process", action="store_true",
                    help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
-              "vlm_process": args.vlm_process, "stagger": args.stagger, "decode_threads": args.decode_threads,
+              "vlm_process": args.vlm_process, "stagger": args.stagger, "warm_up": args.warm_up,
+              "decode_threads": args.decode_threads,
               "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row, "host": host_topology(),
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
@@ -311,14 +315,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], soak_row: dict | None) -> None:
-    print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} "
-          f"{'p95 ms':>7}"
-          f" {'batch':>5} {'submit p95':>10} {'queued p95':>10} {'call p95':>8} {'frame p95':>9}")
     for r in rows:
         if r.get("cold_answers"):
             print(f"{r['streams']:>7} streams, first {r['cold_seconds']:g} s from the first frame: {r['cold_answers']} "
                   f"answers, p50 {r['cold_latency_p50_ms']:.0f} ms, p95 {r['cold_latency_p95_ms']:.0f} ms; "
                   f"{r['captures_after_first_frame']} graphs captured after the first frame")
+    print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} "
+          f"{'p95 ms':>7}"
+          f" {'batch':>5} {'submit p95':>10} {'queued p95':>10} {'call p95':>8} {'frame p95':>9}")
     for r in rows:
         print(f"{r['streams']:>7} {r['fps_processed_per_stream_mean']:>10.1f} "
               f"{r['fps_processed_per_stream_min']:>6.1f} "

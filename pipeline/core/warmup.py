@@ -47,12 +47,13 @@ class WarmUpReport:
 
 
 def prefix_lengths(vlm: Any, question: str, sizes: list[tuple[int, int]], window_frames: int,
-                   retentions: tuple[float, ...]) -> list[int]:
+                   retentions: tuple[float, ...], any_size: bool = False) -> list[int]:
     """The prefix lengths answers over windows of up to window_frames frames of these sizes may
     have, one per LENGTH_STEP bucket: windows of 1..all their frame pairs (a live stream's first,
     staggered window and a file's last are shorter), each pair keeping between one frame's and two
     frames' share of the cells at each retention, up to TIMESTAMP_TOKENS a pair more at the top
-    (Qwen3-VL's timestamps, which VLM.prefix_length does not count)."""
+    (Qwen3-VL's timestamps, which VLM.prefix_length does not count). any_size: from one token up
+    (the sizes bound the frames', smaller frames keep fewer)."""
     g = vlm.geometry
     pairs = token_frames(window_frames, g.temporal_patch_size)
     lengths = set()
@@ -60,9 +61,23 @@ def prefix_lengths(vlm: Any, question: str, sizes: list[tuple[int, int]], window
         gh, gw = g.grid(height, width)
         per_frame = max(1, retained_tokens(gh * gw, retention))         # the allocator's budget of a frame
         top = pairs * (min(gh * gw, 2 * per_frame) + TIMESTAMP_TOKENS)
-        for kept in [*range(per_frame, top, LENGTH_STEP), top]:
+        for kept in [*range(1 if any_size else per_frame, top, LENGTH_STEP), top]:
             lengths.add(vlm.prefix_length(question, kept))
     return sorted(lengths)
+
+
+def largest_frame(vlm: Any) -> tuple[int, int]:
+    """(height, width) of the largest frame the VLM takes whole (vlm.max_pixels, square): its grid
+    bounds every video's, so its shapes cover those of any size (kept_graph.warm_keys)."""
+    side = int(vlm.config.max_pixels ** 0.5)
+    return side, side
+
+
+def warm_up_any(vlm: Any, cfg: PipelineConfig, window_frames: int) -> WarmUpReport:
+    """warm_up for videos of sizes not known ahead (serve, batch): windows of up to window_frames
+    frames of any size the VLM takes, prefixes of every length bucket up to what the largest keeps,
+    an empty question (questions add their own tokens: a long one may still meet a new bucket)."""
+    return warm_up(vlm, "", [largest_frame(vlm)], cfg, window_frames, any_size=True)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -71,14 +86,14 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 def warm_up(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: PipelineConfig,
-            window_frames: int, max_batch: int | None = None) -> WarmUpReport:
+            window_frames: int, max_batch: int | None = None, any_size: bool = False) -> WarmUpReport:
     """Capture (on CUDA; elsewhere record) the graphs answers about windows of up to window_frames
     frames of these (height, width) sizes will replay, for batches of 1..max_batch (default
     vlm.max_batch) requests asking `question`. Logs and returns what it took."""
     started, t0 = time.perf_counter(), LEDGER.mark("warm-up")
     retentions = BudgetPlan.of(cfg.vlm).rungs or (cfg.model.attending.retention,)
     largest = vlm.config.max_batch if max_batch is None else max_batch
-    lengths = prefix_lengths(vlm, question, sizes, window_frames, retentions)
+    lengths = prefix_lengths(vlm, question, sizes, window_frames, retentions, any_size)
     vlm.warm_up(batch_sizes(largest), lengths, frame_sizes=sorted(set(sizes)), window_frames=window_frames)
     report = WarmUpReport(graphs=len(LEDGER.entries(t0, "capture")), shapes=len(LEDGER.entries(t0, "shape")),
                           seconds=time.perf_counter() - started)

@@ -48,7 +48,8 @@ class VisionEncoder:
                 features = self._visual.patch_embed.proj.weight[0].numel()
                 for key in warm_keys(pairs * gh * gw, pairs, gh * gw, units, windows):
                     kept.prepare(key, blank_call(key, features, self.dtype, self.device, units,
-                                                 (gh * g.merge_size, gw * g.merge_size), side is not None,
+                                                 (gh * g.merge_size, gw * g.merge_size),
+                                                 None if side is None else side * side * units,
                                                  self.kept_encoder.per_patch_sizes))
                 kept.free_captures = 0       # from now on a call replays the smallest captured graph that fits
             elif self.config.encode == "all" and self._vision_graphs is not None:

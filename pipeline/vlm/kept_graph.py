@@ -96,19 +96,24 @@ def warm_keys(max_cells: int, max_blocks: int, frame_cells: int, units: int,
 
 
 def blank_call(key: tuple[int, int, int, int], features: int, dtype: torch.dtype, device: torch.device,
-               units: int, frame_grid: tuple[int, int], windowed: bool, sizes: bool) -> TowerCall:
-    """A TowerCall of key's padded shape on blank pixels (a graph keeps no data): key's cells as
-    equal blocks, one window each (Qwen2.5-VL), every patch of a frame_grid (patches) frame."""
+               units: int, frame_grid: tuple[int, int], window_rows: int | None, sizes: bool) -> TowerCall:
+    """A TowerCall of key's padded shape on blank pixels (a graph keeps no data): key's blocks (and
+    windows, window_rows patches at most: Qwen2.5-VL) of equal length, never longer than the key's
+    longest (rows past them lie in none, as padding does), every patch of a frame_grid (patches) frame."""
     cells, blocks, longest, windows = key
     n = cells * units
-    cu = torch.linspace(0, n, blocks + 1, device=device).round().to(torch.int32)
+
+    def bounds(count: int, most: int) -> torch.Tensor:
+        step = min(most, -(-n // count))
+        return torch.arange(count + 1, device=device).mul(step).clamp(max=n).to(torch.int32)
     window_index = cu_window = None
-    if windowed:
+    if window_rows is not None:
         window_index = torch.arange(cells, device=device)
-        cu_window = torch.linspace(0, n, windows + 1, device=device).round().to(torch.int32)
+        cu_window = bounds(windows, window_rows)
     grid = torch.tensor(frame_grid, device=device).expand(n, 2) if sizes else None
     return TowerCall(torch.zeros(n, features, dtype=dtype, device=device),
-                     torch.zeros(n, 2, dtype=torch.long, device=device), cu, longest, window_index, cu_window, grid)
+                     torch.zeros(n, 2, dtype=torch.long, device=device), bounds(blocks, longest), longest,
+                     window_index, cu_window, grid)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.runtime.requests import AnswerRequest
 from arr_coc.lod import token_frames
+from pipeline.runtime.requests import AnswerRequest
 from pipeline.vlm import hf
 from pipeline.vlm.kept_graph import blank_call, warm_keys
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures

@@ -40,8 +40,8 @@ from pipeline.runtime.cuda import LEDGER, capture
 from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention, varlen_available
 
-MAX_GRAPHS = 16       # graphs kept per VLM (least recently used dropped first): live windows' kept
-                      # counts move between a few buckets
+MAX_GRAPHS = 24       # graphs kept per VLM (least recently used dropped first): live windows' kept
+                      # counts move between a few buckets; warm-up captures one per bucket up to a full batch
 MAX_PAD = 2           # a captured graph serves a call of up to this many times fewer cells ...
 FREE_CAPTURES = 8     # ... once this many graphs exist (before, every new shape gets its own)
 
@@ -76,7 +76,7 @@ def label(key: tuple[int, int, int, int]) -> str:
 
 
 def warm_keys(max_cells: int, max_blocks: int, frame_cells: int, units: int,
-              frame_windows: int | None, limit: int = 16) -> list[tuple[int, int, int, int]]:
+              frame_windows: int | None, limit: int = MAX_GRAPHS) -> list[tuple[int, int, int, int]]:
     """The padded shapes that serve every call of up to max_cells cells in at most max_blocks
     blocks (frame pairs) of at most frame_cells cells each (frame_windows: Qwen2.5-VL's windows per
     frame pair, None without windows): per cell bucket, its largest blocks, longest block and

@@ -11,6 +11,7 @@ import dataclasses
 import io
 
 import pytest
+import torch
 
 from pipeline.config import PipelineConfig, RuntimeConfig
 from pipeline.core.live_stages import LiveOptions
@@ -49,9 +50,19 @@ def live(clip, tmp_path, options: LiveOptions, sources: int = 3, device: str = "
 
 
 class TestCoverageOnCPU:
-    def test_warm_up_plans_every_shape_answers_ask_for(self, tmp_path, clip):
+    @pytest.mark.parametrize("family, settings", [("qwen2_vl", []), ("qwen2_5_vl", []), ("qwen3_vl", []),
+                                                  ("qwen2_vl", ["vlm.tempering.ladder=[0.1,0.3]"])])
+    def test_warm_up_plans_every_shape_answers_ask_for(self, tmp_path, clip, family, settings):
+        from pipeline.configio import load_config
+        from pipeline.vlm.loading import build_tiny_vlm
+
+        runtime = {"device": "cpu", "vlm": "tiny-random", "batch_size": 4, **UNTRAINED}
+        config = load_config(PipelineConfig, None, [f"runtime.{k}={v}" for k, v in runtime.items()] + settings)
         since = LEDGER.mark("test")
-        result = live(clip, tmp_path, LiveOptions(every_s=1.0, warm_up=True))
+        result = run_live([str(clip)] * 3, "what moves?", tmp_path / "o.zarr", config,
+                          live=LiveConfig(realtime=True, buffer_frames=32),
+                          options=LiveOptions(every_s=1.0, warm_up=True), answers_out=io.StringIO(),
+                          status_out=io.StringIO(), vlm=build_tiny_vlm(family, config=config.vlm))
         assert len(result.answers) >= 6                            # 3 streams, answers batched and not
         assert result.warm_up is not None and result.warm_up.shapes > 0 and result.warm_up.graphs == 0
         assert late(since, "shape") == []
@@ -65,6 +76,7 @@ class TestCoverageOnCPU:
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_20_second_live_run_captures_no_graph_after_its_first_frame(tmp_path):
     """Three 20 s streams on CUDA with the tiny VLM: warm-up captures the front end's, the vision
     tower's, the prefills' and the decoders' graphs; from the first frame on, none."""

@@ -75,7 +75,9 @@ def largest_frame(vlm: Any) -> tuple[int, int]:
 
 def warm_up_any(vlm: Any, cfg: PipelineConfig, window_frames: int) -> WarmUpReport:
     """warm_up for videos of sizes not known ahead (serve, batch): windows of up to window_frames
-    frames of any size the VLM takes, prefixes of every length bucket up to what the largest keeps,
+    frames of any size the VLM takes, prefixes of every length bucket up to what the largest keeps
+    but at most vlm.graph_prefill_max_tokens (longer prefills run eagerly; their decoders, each a
+    large KV cache, would crowd each other out of vlm.kv_cache_gib: they are made when first met),
     an empty question (questions add their own tokens: a long one may still meet a new bucket)."""
     return warm_up(vlm, "", [largest_frame(vlm)], cfg, window_frames, any_size=True)
 
@@ -94,6 +96,8 @@ def warm_up(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: Pipeline
     retentions = BudgetPlan.of(cfg.vlm).rungs or (cfg.model.attending.retention,)
     largest = vlm.config.max_batch if max_batch is None else max_batch
     lengths = prefix_lengths(vlm, question, sizes, window_frames, retentions, any_size)
+    if any_size:
+        lengths = [n for n in lengths if n <= vlm.config.graph_prefill_max_tokens] or lengths[:1]
     vlm.warm_up(batch_sizes(largest), lengths, frame_sizes=sorted(set(sizes)), window_frames=window_frames)
     report = WarmUpReport(graphs=len(LEDGER.entries(t0, "capture")), shapes=len(LEDGER.entries(t0, "shape")),
                           seconds=time.perf_counter() - started)

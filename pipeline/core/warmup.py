@@ -33,7 +33,7 @@ from ..runtime.cuda import LEDGER
 
 log = logging.getLogger("pipeline.warmup")
 LENGTH_STEP = 64          # prefill.PREFILL_BUCKET: a prefix length per bucket is enough
-TIMESTAMP_TOKENS = 8      # Qwen3-VL: the most tokens a frame pair's timestamp and markers add
+TIMESTAMP_TOKENS = 10     # Qwen3-VL: a frame group's "<12.5 seconds>" (digit by digit) and its two markers
 
 
 @dataclass(frozen=True)

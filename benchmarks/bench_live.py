@@ -12,7 +12,10 @@ every --every seconds per stream through one VLMBatcher; random weights stop at 
 is disabled and every answer decodes exactly --new-tokens tokens.
 
 Reported per stream count: processed fps per stream (frames written / s), input fps, drop share,
-answer latency p50/p95 (last frame arrival of the window -> answer ready), answers/s. Targets:
+answer latency p50/p95 (last frame arrival of the window -> answer ready), answers/s, in steady state
+(after --warmup s) and over the first --cold-seconds from the first frame taken (the cold start:
+warm-up should make both alike), with the CUDA graphs captured after the first frame (their labels,
+from runtime.cuda.LEDGER: a warm start has none) and what warm-up captured before it. Targets:
 16 streams at the full 30 fps through the front end, answer latency p95 <= 500 ms at 4 streams.
 The soak runs one stream for --soak seconds and compares process RSS and CUDA memory at the
 end with minute one (target: within 5%).
@@ -42,6 +45,7 @@ from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.live_stages import LiveOptions  # noqa: E402
 from pipeline.runners.live import run_live  # noqa: E402
 from pipeline.core.live_status import snapshot  # noqa: E402
+from pipeline.runtime.cuda import FIRST_FRAME, LEDGER  # noqa: E402
 from pipeline.vlm_config import VLMConfig  # noqa: E402
 from sources.live import LiveConfig, percentile  # noqa: E402
 
@@ -80,9 +84,9 @@ def live_config(args) -> LiveConfig:
 
 
 def live_options(args) -> LiveOptions:
-    """Answers every --every s, no periodic metrics, the switch interval asked for."""
+    """Answers every --every s, no periodic metrics, the switch interval and warm-up asked for."""
     return LiveOptions(every_s=args.every, metrics_every_s=3600.0, switch_interval_ms=args.switch_interval_ms,
-                       stagger=args.stagger)
+                       stagger=args.stagger, warm_up=args.warm_up)
 
 
 def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict:
@@ -108,10 +112,13 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         graphs.append(graph)
         threading.Thread(target=mark, daemon=True).start()
 
+    answered: list[tuple[float, float]] = []            # (time.monotonic() in the sink, latency_s)
     cfg = pipeline_config(vlm, args, device)
-    run_live(urls, "what is moving, and where?", out, cfg, live=live_config(args),
-             options=live_options(args), stop=stop, on_graph=on_graph,
-             vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query())
+    started = LEDGER.mark("bench_live run")
+    result = run_live(urls, "what is moving, and where?", out, cfg, live=live_config(args),
+                      options=live_options(args), stop=stop, on_graph=on_graph,
+                      vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query(),
+                      on_answer=lambda item: answered.append((time.monotonic(), item.latency_s)))
     span = marks["t1"] - marks["t0"]
     s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]
     per = {sid: {"fps_processed": (s1[sid]["frames_out"] - s0[sid]["frames_out"]) / span,
@@ -133,7 +140,31 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             # cumulative over the runs so far: decoders made, evicted, graphs captured
             "vlm_counters": dict(getattr(vlm, "counters", {})),
             # encode: kept: cells through the tower and reused from the streams' caches (cumulative)
-            "kept_counters": dict(vlm.kept_encoder.counters) if hasattr(vlm, "kept_encoder") else {}}
+            "kept_counters": dict(vlm.kept_encoder.counters) if hasattr(vlm, "kept_encoder") else {},
+            **cold_start(started, answered, args.cold_seconds, result.warm_up)}
+
+
+def cold_start(started: float, answered: list[tuple[float, float]], seconds: float, warm_up) -> dict:
+    """The first `seconds` from the first frame taken: answer latency p50/p95 of the answers ready
+    then, and the graphs captured after the first frame (LEDGER; a VLM in a process of its own
+    captures in that process, not counted here) and before it (warm-up and the front end's)."""
+    first = LEDGER.first_mark(FIRST_FRAME, started)
+    if first is None:
+        return {"cold_seconds": seconds, "cold_answers": 0}
+    cold = [lat for t, lat in answered if t < first + seconds]
+    late = LEDGER.entries(first, "capture")
+    def ms(q):
+        return round(percentile(cold, q) * 1e3, 1) if cold else None
+    return {"cold_seconds": seconds, "cold_answers": len(cold),
+            "cold_latency_p50_ms": ms(50), "cold_latency_p95_ms": ms(95),
+            "first_answer_s": round(answered[0][0] - first, 2) if answered else None,
+            "captures_before_first_frame": len([e for e in LEDGER.entries(started, "capture") if e.t < first]),
+            "warm_up": None if warm_up is None else {"graphs": warm_up.graphs, "shapes": warm_up.shapes,
+                                                     "seconds": round(warm_up.seconds, 2)},
+            "captures_after_first_frame": len(late),
+            "captures_after_first_frame_s": round(sum(e.seconds for e in late), 3),
+            "captures_after_first_frame_labels": [f"+{e.t - first:.1f}s {e.label}" for e in late[:64]],
+            "shapes_after_first_frame": [e.label for e in LEDGER.entries(first, "shape")][:64]}
 
 
 def latency_parts(batches: list, frame_latency: list[float]) -> dict:
@@ -202,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per count (default 30; quick 6)")
     p.add_argument("--warmup", type=float, default=None, help="seconds before measuring (default 10; quick 3)")
     p.add_argument("--soak", type=float, default=None, help="soak seconds, 0 to skip (default 600; quick 20)")
+    p.add_argument("--cold-seconds", type=float, default=10.0,
+                   help="the cold start: answer latency over this many seconds from the first frame (default 10)")
     p.add_argument("--every", type=float, default=2.0)
     p.add_argument("--new-tokens", type=int, default=None, help="answer length in tokens (default 16; quick 4)")
     p.add_argument("--batch-size", type=int, default=16,
@@ -215,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default %(default)s; 0: FFmpeg's choice)")
     p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=LiveOptions.stagger,
                    help="spread the streams' answer times over the period (LiveOptions.stagger; default on)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every graph before the first frame (LiveOptions.warm_up; default: on CUDA); "
+                        "--no-warm-up shows the cold start")
     p.add_argument("--vlm-process", action="store_true",
                    help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -265,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
-              "vlm_process": args.vlm_process, "stagger": args.stagger, "decode_threads": args.decode_threads,
+              "vlm_process": args.vlm_process, "stagger": args.stagger, "warm_up": args.warm_up,
+              "decode_threads": args.decode_threads,
               "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row, "host": host_topology(),
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
@@ -278,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], soak_row: dict | None) -> None:
+    for r in rows:
+        if r.get("cold_answers"):
+            print(f"{r['streams']:>7} streams, first {r['cold_seconds']:g} s from the first frame: {r['cold_answers']} "
+                  f"answers, p50 {r['cold_latency_p50_ms']:.0f} ms, p95 {r['cold_latency_p95_ms']:.0f} ms; "
+                  f"{r['captures_after_first_frame']} graphs captured after the first frame")
     print(f"{'streams':>7} {'fps/stream':>10} {'min':>6} {'in':>6} {'drop%':>6} {'answers':>7} {'p50 ms':>7} "
           f"{'p95 ms':>7}"
           f" {'batch':>5} {'submit p95':>10} {'queued p95':>10} {'call p95':>8} {'frame p95':>9}")

@@ -24,7 +24,7 @@ from arr_coc.model import ARRCOC, Allocation
 from arr_coc.realizing import STATE_TENSORS, StreamState
 from arr_coc.texture import Texture
 
-from ..runtime.cuda import capture
+from ..runtime.cuda import LEDGER, capture
 
 STATE_FIELDS = STATE_TENSORS
 # A shape no prepare() covered (a file's short last batch) runs eagerly the first time it comes and
@@ -38,9 +38,9 @@ class GraphedCall:
     """fn(buffers) captured once on `stream`; call(**inputs) copies inputs in and replays."""
 
     def __init__(self, fn: Callable[[dict[str, torch.Tensor]], Any], example: dict[str, torch.Tensor],
-                 stream: torch.cuda.Stream, warmup: int = 2) -> None:
+                 stream: torch.cuda.Stream, warmup: int = 2, label: str = "frontend") -> None:
         self.buffers = {k: v.clone() for k, v in example.items()}
-        self.graph, self.outputs = capture(lambda: fn(self.buffers), stream, warmup=warmup)
+        self.graph, self.outputs = capture(lambda: fn(self.buffers), stream, warmup=warmup, label=label)
 
     def __call__(self, **inputs: torch.Tensor) -> Any:
         """Replay on the current stream; the outputs are overwritten by the next call."""
@@ -115,13 +115,15 @@ class FrontendGraphs:
         """last_real False: a stream's first batch, with last = frames[0] (ARRCOC.extract)."""
         shape = tuple(frames.shape)
         graph = self.texture_graphs.get(shape)
-        if graph is None and not self._may_capture(("texture", shape)):
-            return None
+        if graph is None:
+            LEDGER.shape(f"texture frames={shape}")
+            if not self._may_capture(("texture", shape)):
+                return None
         flag = self._flag(last_real, frames.device)
         if graph is None:
             graph = self.texture_graphs[shape] = GraphedCall(
                 lambda b: self.model.extract(b["frames"], b["last"], self.grid, b["last_real"]),
-                {"frames": frames, "last": last, "last_real": flag}, stream)
+                {"frames": frames, "last": last, "last_real": flag}, stream, label=f"texture frames={shape}")
         out = graph(frames=frames, last=last, last_real=flag)
         # the realize stage reads this on its own stream while the next batch may replay here
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
@@ -133,8 +135,10 @@ class FrontendGraphs:
         query, query_mask = self._query(query, query_mask)
         shape = (tuple(texture.data.shape), tuple(query.shape), query_mask is None)
         graph = self.realize_graphs.get(shape)
-        if graph is None and not self._may_capture(("realize", shape)):
-            return None
+        if graph is None:
+            LEDGER.shape(f"realize texture={shape[0]} query={shape[1]}")
+            if not self._may_capture(("realize", shape)):
+                return None
         inputs = {"tex_" + n: getattr(texture, n) for n in TEXTURE_FIELDS}
         inputs.update({n: getattr(state, n) for n in STATE_FIELDS})
         inputs["vlm_frames"] = vlm_frames
@@ -142,7 +146,8 @@ class FrontendGraphs:
         if query_mask is not None:
             inputs["query_mask"] = query_mask
         if graph is None:
-            graph = self.realize_graphs[shape] = GraphedCall(self._realize_step, inputs, stream)
+            graph = self.realize_graphs[shape] = GraphedCall(self._realize_step, inputs, stream,
+                                                             label=f"realize texture={shape[0]} query={shape[1]}")
         allocation, new_state = graph(**inputs)
         # the next replay overwrites the outputs; the state must survive until the next batch
         return allocation, StreamState(**{n: getattr(new_state, n).clone() for n in STATE_FIELDS})

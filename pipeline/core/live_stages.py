@@ -11,7 +11,6 @@ records the gap.
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 import threading
 import time
@@ -22,18 +21,16 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from arr_coc._validate import ConfigError, check_range
-from arr_coc.attending import retained_tokens
-from arr_coc.lod import token_frames
 from sources.frame import Frame
 from sources.live import Gap, LiveSource
 
-from ..budget import BudgetPlan
 from ..config import PipelineConfig, validate_every
-from ..runtime.cuda import pins_frames, window_frames
+from ..runtime.cuda import FIRST_FRAME, LEDGER, pins_frames, window_frames
 from ..runtime.requests import AnswerRequest
 from .graph import Channel, Stage
 from .items import AllocationBatch, AnswerItem, FrameBatch, Outcome
 from .stages import RealizeStage, TextureStage, stack_frames
+from .warmup import WarmUpReport, warm_up
 
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame
@@ -60,6 +57,9 @@ class LiveOptions:
     # window ends at it), each still every `every_s` after that (LiveVLMStage._open). On by default:
     # it cuts the answer latency's p95 of many streams started together (docs/performance.md)
     stagger: bool = True
+    # capture every graph answering will replay before the first frame (core/warmup.py); None: where
+    # graphs are captured (CUDA, vlm.cuda_graphs); True off CUDA records the shapes (coverage tests)
+    warm_up: bool | None = None
 
     def __post_init__(self) -> None:
         validate_every(self.every_s, name="--every")
@@ -70,6 +70,8 @@ class LiveOptions:
                                   f"(leave it out to run until stopped)")
         check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
         check_range("window_frames", self.window_frames, 1, 4096)
+        if self.warm_up is not None and not isinstance(self.warm_up, bool):
+            raise ConfigError(f"warm_up must be true, false or null, got {self.warm_up!r}")
         for name in ("vlm_process", "stagger"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -150,7 +152,7 @@ class CaptureStage(Stage):
     def produce(self) -> Iterator[LiveBatch]:
         for source in self.sources:   # the graph takes frames from now on: files start playing
             source.begin()
-        turn = 0
+        turn, first = 0, True
         while not self.stop.is_set() and not all(s.finished for s in self.sources):
             if self.outlet is not None and self.outlet.depth >= self.outlet.capacity:
                 self.stop.wait(_POLL_S)   # downstream is busy: frames wait (and drop) in the capture buffers
@@ -159,6 +161,9 @@ class CaptureStage(Stage):
                 source = self.sources[(turn + k) % len(self.sources)]
                 frames, gap = source.take(self.batch_size, timeout_s=0.0)
                 if frames:
+                    if first:                        # warm-up is over: no graph should be captured from here
+                        LEDGER.mark(FIRST_FRAME)
+                        first = False
                     turn = (turn + k + 1) % len(self.sources)
                     yield LiveBatch(source.stream_id, frames, stack_frames(frames, self.pin), gap=gap)
                     break
@@ -210,27 +215,15 @@ class _Window:
 
 
 def warm_vlm(vlm: Any, question: str, sizes: list[tuple[int, int]], cfg: PipelineConfig,
-             options: LiveOptions) -> None:
-    """Capture the VLM's decoders and prefill graphs for the batches and prefix lengths live
-    answering will ask for, now, during setup: each capture takes a few hundred ms that would
-    otherwise land on an answer's latency (and, under CAPTURE_LOCK, stall the stages' page-locked
-    allocations). Prefix lengths are estimated from each source's window: `every_s` seconds at the
-    VLM's frame rate, frames paired by the temporal patch, each pair keeping between one frame's and
-    two frames' share of the cells at the retention in use (fraction mode; with tempering, at each
-    rung of its ladder; other shapes get captured when they first occur)."""
-    g = vlm.geometry
-    frames = max(1, min(options.window_frames, round(options.every_s * cfg.vlm.fps)))
-    pairs = token_frames(frames, g.temporal_patch_size)
-    retentions = BudgetPlan.of(cfg.vlm).rungs or (cfg.model.attending.retention,)
-    lengths = set()
-    for (height, width), retention in itertools.product(sizes, retentions):
-        gh, gw = g.grid(height, width)
-        per_frame = retained_tokens(gh * gw, retention)                  # the allocator's budget of a frame
-        lo, hi = pairs * max(1, per_frame), pairs * min(gh * gw, 2 * per_frame)
-        for kept in range(lo, hi + 64, 64):                 # the prefill pads lengths to multiples of 64
-            lengths.add(vlm.prefix_length(question, min(kept, hi)))
-    largest = vlm.config.max_batch                           # the batcher's batches are 1..largest
-    vlm.warm_up([1 << i for i in range(largest.bit_length())] + [largest], sorted(lengths))
+             options: LiveOptions) -> WarmUpReport:
+    """Capture every graph live answering will replay, now, during setup (core/warmup.py): each
+    capture takes a few hundred ms that would otherwise land on an answer's latency (and, under
+    CAPTURE_LOCK, stall the stages' page-locked allocations). A window holds `every_s` seconds at
+    the VLM's frame rate (one frame more: its ends may both fall on a frame), at most
+    window_frames; answering at scene changes, up to window_frames."""
+    frames = round(options.every_s * cfg.vlm.fps) + 1
+    frames = options.window_frames if options.on_scene_change else max(1, min(options.window_frames, frames))
+    return warm_up(vlm, question, sizes, cfg, frames)
 
 
 def next_due_after(due: float, pts: float, every_s: float) -> float:

@@ -26,6 +26,7 @@ from ..core.graph import Stage
 from ..core.items import AnswerItem
 from ..core.live_stages import LiveOptions, LiveVLMStage, RunEnding, StreamCounters, stream_ending, warm_vlm
 from ..core.stages import SinkStage
+from ..core.warmup import WarmUpReport
 from ..vlm.geometry import VLMGeometry
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class LiveResult:
     damaged: list[str] = field(default_factory=list)  # --realtime files that damage cut short
     metrics: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warm_up: WarmUpReport | None = None  # what warm-up captured before the first frame (None: none ran)
 
 
 def open_sources(specs: list[str], config: LiveConfig, stream_ids: list[str] | None = None) -> list[LiveSource]:
@@ -130,11 +132,12 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
                    for s in sources}
         query = query_embedding.to(device) if query_embedding is not None else encode_query(question, device)
         model = build_model(cfg, device, answering=vlm is not None) if model is None else model
-        vlm_stage = None
+        vlm_stage, warmed = None, None
         if vlm is not None:
             from ..vlm.batcher import VLMBatcher
-            if device.type == "cuda" and cfg.vlm.cuda_graphs:
-                warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
+            warm = options.warm_up
+            if warm if warm is not None else (device.type == "cuda" and cfg.vlm.cuda_graphs):
+                warmed = warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
             vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options, vlm_fps=cfg.vlm.fps)
         counters = {s.stream_id: StreamCounters() for s in sources}
         graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
@@ -182,7 +185,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
                       complete=all(outcome == "complete" for outcome, _ in endings.values()), damaged=damaged,
                       stopped=False, wall_s=time.perf_counter() - start, grid=next(iter(grids.values())),
                       streams=streams, answers=list(sink.answers), errors=errors,
-                      metrics=graph.report(), notes=[vlm.warning] if vlm is not None and vlm.warning else [])
+                      metrics=graph.report(), notes=[vlm.warning] if vlm is not None and vlm.warning else [],
+                      warm_up=warmed)
 
 
 def check_every(every_s: float, sources: list[LiveSource]) -> None:

@@ -1,14 +1,17 @@
 """CUDA helpers shared by the front end and the VLM: the device choice, host -> device copies that
-do not stall, reading several device tensors back at once, and graph capture. CPU-safe: on a
-machine without CUDA all but capture run.
+do not stall, reading several device tensors back at once, graph capture, and the ledger of graph
+shapes and captures (LEDGER). CPU-safe: on a machine without CUDA all but capture run.
 """
 from __future__ import annotations
 
+import collections
 import gc
 import threading
+import time
 import warnings
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +25,58 @@ from arr_coc._validate import ConfigError
 # the allocations short. So do (un)registering host memory and device-wide syncs (a sync waits on
 # the capturing stream, which invalidates its capture); the hot paths sync streams or events only.
 CAPTURE_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One event of the graph ledger. kind "shape": a graph cache was asked for a shape it holds no
+    graph for (recorded on every device, so a CPU run sees the shapes a GPU run would capture);
+    "capture": a CUDA graph was captured (seconds: how long, warm-up runs included); "mark": a
+    point in a run (the first frame taken)."""
+
+    t: float                       # time.monotonic()
+    kind: Literal["shape", "capture", "mark"]
+    label: str                     # what and which shape, e.g. "prefill rows=4 len=256 L=192"
+    seconds: float = 0.0
+
+
+class GraphLedger:
+    """Every graph shape asked for without a graph and every capture of this process, with the time:
+    what benchmarks and tests read to tell a warm start from a cold one (a "shape" or "capture"
+    after the first frame means warm-up missed a shape). Bounded (the newest `limit` entries) and
+    thread-safe; recording is one append under a lock."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._entries: collections.deque[LedgerEntry] = collections.deque(maxlen=limit)
+        self._lock = threading.Lock()
+
+    def record(self, kind: Literal["shape", "capture", "mark"], label: str, seconds: float = 0.0) -> float:
+        t = time.monotonic()
+        with self._lock:
+            self._entries.append(LedgerEntry(t, kind, label, seconds))
+        return t
+
+    def shape(self, label: str) -> None:
+        """A graph cache met a shape it has no graph for: on CUDA a capture follows; elsewhere the
+        shape runs eagerly, but counts all the same (coverage tests run on the CPU)."""
+        self.record("shape", label)
+
+    def mark(self, label: str) -> float:
+        return self.record("mark", label)
+
+    def entries(self, since: float | None = None, kind: str | None = None) -> list[LedgerEntry]:
+        """The entries (of `kind`) at or after time.monotonic() `since`, oldest first."""
+        with self._lock:
+            out = list(self._entries)
+        return [e for e in out if (since is None or e.t >= since) and (kind is None or e.kind == kind)]
+
+    def first_mark(self, label: str, since: float | None = None) -> float | None:
+        """The time of the first mark `label` at or after `since`, None if none."""
+        return next((e.t for e in self.entries(since, "mark") if e.label == label), None)
+
+
+LEDGER = GraphLedger()
+FIRST_FRAME = "first frame"      # the mark a live run records when its capture stage takes its first frame
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -129,14 +184,16 @@ def read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 
 def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,
-            warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+            warmup: int = 2, label: str = "graph") -> tuple[torch.cuda.CUDAGraph, Any]:
     """Run fn() `warmup` times on `stream` (kernels get chosen and workspaces allocated before
     capture), then capture it there -> (graph, fn's outputs: the buffers each replay overwrites).
     The stream first waits for the current stream's work, and the current stream for the capture.
     thread_local: other threads (the stages, the VLM) keep launching work on their own streams
     while this one captures; CAPTURE_LOCK: but none allocates page-locked memory meanwhile.
     Python's cyclic collector is off during the capture: run in this thread, it could free a
-    graph held in a reference cycle, and destroying a graph is not permitted while capturing."""
+    graph held in a reference cycle, and destroying a graph is not permitted while capturing.
+    label: what and which shape, for LEDGER (with the time the capture took)."""
+    started = time.perf_counter()
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
@@ -147,6 +204,7 @@ def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,
                                                             capture_error_mode="thread_local"):
             outputs = fn()
     current.wait_stream(stream)
+    LEDGER.record("capture", label, time.perf_counter() - started)
     return graph, outputs
 
 

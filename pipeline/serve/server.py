@@ -26,8 +26,12 @@ def build_engine(cfg: PipelineConfig, options: ServeOptions) -> Engine:
         raise ConfigError("serve answers questions: name a VLM with --vlm: arrcoc-synth-qa (shipped, offline; "
                           "generated scenes only), a Hugging Face id such as Qwen/Qwen2-VL-2B-Instruct, a local "
                           "snapshot, or tiny-random for smoke tests")
+    from ..core.warmup import warm_up_any
     from ..vlm.loading import load_answerer
-    vlm = load_answerer(cfg, runtime_device(cfg))
+    device = runtime_device(cfg)
+    vlm = load_answerer(cfg, device)
+    if device.type == "cuda" and cfg.vlm.cuda_graphs:   # the graphs answers replay, before the first request
+        warm_up_any(vlm, cfg, window_frames=round(options.live_window_s * cfg.vlm.fps) + 1)
     service = LocalVLM(vlm)
     try:
         return Engine(cfg, options, service)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from pipeline.runtime.cuda import capture, to_device
+from pipeline.runtime.cuda import LEDGER, capture, to_device
 from pipeline.vlm import hf
 
 
@@ -145,6 +145,34 @@ class StaticDecoder:
         # ("suffix", Lq)): they write this decoder's cache, so they live and die with it; least
         # recently used first
         self.prefill_graphs: OrderedDict[int | tuple, PrefillGraph] = OrderedDict()
+        # the prefill shapes (prefill_graphs' keys) asked for on every device, least recently used
+        # first, and whether decode steps were: what a GPU holds graphs for (see plan())
+        self.planned: OrderedDict[int | tuple, None] = OrderedDict()
+        self.stepped = False
+
+    def label(self, key: int | tuple | None = None) -> str:
+        """LEDGER's name of this decoder's decode-step graph (key None) or of a prefill graph."""
+        shape = f"rows={self.rows} len={self.length}"
+        if key is None:
+            return f"decode {shape}"
+        return f"prefill {shape} " + (f"L={key}" if isinstance(key, int) else " ".join(map(str, key)))
+
+    def plan(self, key: int | tuple | None = None) -> None:
+        """Note a graph shape asked for (a prefill key; None: decode steps), on every device, as
+        prefill_graphs keeps them: each one new (or dropped since) goes to LEDGER. A CPU run so sees
+        the graphs a GPU run would capture."""
+        if key is None:
+            if not self.stepped:
+                self.stepped = True
+                LEDGER.shape(self.label())
+            return
+        if key in self.planned:
+            self.planned.move_to_end(key)
+            return
+        if len(self.planned) >= MAX_PREFILL_GRAPHS:
+            self.planned.popitem(last=False)
+        self.planned[key] = None
+        LEDGER.shape(self.label(key))
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +187,7 @@ class StaticDecoder:
         (function reset)", stock tokens under a small budget). Still usable after:
         a later prefill captures its graph again."""
         self.prefill_graphs.clear()
+        self.planned.clear()
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, pads: list[int], pool=None,
                 deepstack: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,7 +273,7 @@ class StaticDecoder:
             if len(self.prefill_graphs) >= MAX_PREFILL_GRAPHS:
                 self.prefill_graphs.popitem(last=False)
             vlm.make_room(PrefillGraph.buffer_bytes(example, vlm.model.lm_head.out_features), keep=self)
-            graph = PrefillGraph(self, fn, example, pool)
+            graph = PrefillGraph(self, fn, example, pool, self.label(key))
         self.prefill_graphs[key] = graph                                     # most recently used last
         return graph
 
@@ -309,7 +338,8 @@ class StaticDecoder:
     def capture(self, pool) -> None:
         """Record one step as a CUDA graph (the buffers' values now do not matter: start() resets them)."""
         self.cache.at(self.slot, self.length)
-        self.graph, self.logits = capture(self._forward, torch.cuda.Stream(self.vlm.device), pool)
+        self.graph, self.logits = capture(self._forward, torch.cuda.Stream(self.vlm.device), pool,
+                                          label=self.label())
         self.vlm.counters["decode_graphs"] += 1
 
 
@@ -322,8 +352,9 @@ class PrefillGraph:
     again (all its graphs share one memory pool, so a later replay may reuse it).
     """
 
-    def __init__(self, decoder: StaticDecoder, fn, example: dict[str, torch.Tensor], pool) -> None:
-        self.decoder, self.fn, self.pool = decoder, fn, pool
+    def __init__(self, decoder: StaticDecoder, fn, example: dict[str, torch.Tensor], pool,
+                 label: str = "prefill") -> None:
+        self.decoder, self.fn, self.pool, self.label = decoder, fn, pool, label
         self.buffers = {k: torch.empty_like(v) for k, v in example.items()}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None                              # (B, V), the graph's output
@@ -340,7 +371,7 @@ class PrefillGraph:
             self.buffers[name].copy_(value, non_blocking=True)
         if self.graph is None:
             self.graph, self.logits = capture(lambda: self.fn(self.buffers),
-                                              torch.cuda.Stream(self.decoder.vlm.device), self.pool)
+                                              torch.cuda.Stream(self.decoder.vlm.device), self.pool, label=self.label)
             self.decoder.vlm.counters["prefill_graphs"] += 1
         self.graph.replay()
         return self.logits

@@ -5,12 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from arr_coc.lod import token_frames
 from pipeline.runtime.requests import AnswerRequest
 from pipeline.vlm import hf
+from pipeline.vlm.kept_graph import blank_call, warm_keys
 from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.vision_attention import batched_attention
-from pipeline.vlm.vision_graph import VisionGraphs
+from pipeline.vlm.vision_graph import T_BUCKET, VisionGraphs
 from pipeline.vlm_config import VLMConfig
 
 
@@ -26,6 +28,34 @@ class VisionEncoder:
     @property
     def geometry(self):
         return self.preprocessor.geometry
+
+    @torch.no_grad()
+    def warm_up(self, frame_sizes, window_frames: int, max_batch: int) -> None:
+        """Capture now the tower graphs that batches of up to max_batch windows of up to
+        window_frames frames of these (height, width) sizes will replay: encode kept, every
+        padded shape (kept_graph.warm_keys) up to all their cells, after which every call replays
+        the smallest captured graph that fits; encode all, each temporal bucket of the full-frame
+        tower. Graph caches that only plan (off CUDA) record the same shapes."""
+        g = self.geometry
+        pairs = max_batch * token_frames(window_frames, g.temporal_patch_size)  # frame pairs in a batch, at most
+        kept = self.kept_encoder.graphs
+        for height, width in frame_sizes:
+            gh, gw = g.grid(height, width)
+            if self.config.encode == "kept" and kept is not None and kept.enabled:
+                side = kept.window
+                windows = None if side is None else -(-gh // side) * -(-gw // side)
+                units = g.merge_size ** 2
+                features = self._visual.patch_embed.proj.weight[0].numel()
+                for key in warm_keys(pairs * gh * gw, pairs, gh * gw, units, windows):
+                    kept.prepare(key, blank_call(key, features, self.dtype, self.device, units,
+                                                 (gh * g.merge_size, gw * g.merge_size),
+                                                 None if side is None else side * side * units,
+                                                 self.kept_encoder.per_patch_sizes))
+                kept.free_captures = 0       # from now on a call replays the smallest captured graph that fits
+            elif self.config.encode == "all" and self._vision_graphs is not None:
+                frames_per_pair = g.temporal_patch_size
+                for t in range(T_BUCKET, pairs + T_BUCKET, T_BUCKET):
+                    self.merged_tokens([np.zeros((min(t, pairs) * frames_per_pair, height, width, 3), np.uint8)])
 
     @torch.no_grad()
     def visual_tokens(self, frames: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -343,7 +343,8 @@ class HFForwardVLM:
             results.append([self._answer(shared, q, started, cache) for q in w.questions])
         return results
 
-    def warm_up(self, batch_sizes, prefix_lengths, *, max_new_tokens: int | None = None) -> list[tuple[int, int]]:
+    def warm_up(self, batch_sizes, prefix_lengths, *, max_new_tokens: int | None = None,
+                frame_sizes=(), window_frames: int = 0) -> list[tuple[int, int]]:
         """Nothing to capture ahead of time: no static caches or graphs here."""
         return []
 

@@ -17,7 +17,14 @@ the tower is per row (norms, MLPs) or per merge block (the merger), and their to
 Qwen2.5-VL's window permutation maps them to themselves.
 
 Built with capture=False (CPU, tests), the same padded forward runs eagerly each call; attention
-then runs one SDPA per block (vision_attention.varlen_attention).
+then runs one SDPA per block (vision_attention.varlen_attention). Built with plan_only (off CUDA),
+no graph is made: the keys a GPU would capture are kept (each new one goes to LEDGER) and the caller
+runs the tower eagerly, so a CPU run tells which shapes warm-up must cover.
+
+Warm-up (`prepare`) captures the shapes a run can ask for before it starts: every cell bucket up to
+the largest call, each at the most blocks, the longest block and the most windows a call of that
+many cells can have (`warm_keys`); `free_captures` 0 then makes every later call replay the smallest
+of them that fits.
 """
 from __future__ import annotations
 
@@ -29,12 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.runtime.cuda import capture
+from pipeline.runtime.cuda import LEDGER, capture
 from pipeline.vlm import hf
 from pipeline.vlm.vision_attention import batched_attention, varlen_available
 
-MAX_GRAPHS = 16       # graphs kept per VLM (least recently used dropped first): live windows' kept
-                      # counts move between a few buckets
+MAX_GRAPHS = 24       # graphs kept per VLM (least recently used dropped first): live windows' kept
+                      # counts move between a few buckets; warm-up captures one per bucket up to a full batch
 MAX_PAD = 2           # a captured graph serves a call of up to this many times fewer cells ...
 FREE_CAPTURES = 8     # ... once this many graphs exist (before, every new shape gets its own)
 
@@ -62,6 +69,51 @@ def cell_bucket(cells: int) -> int:
 
 def pow2_at_least(n: int, least: int) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def label(key: tuple[int, int, int, int]) -> str:
+    return "kept cells={} blocks={} longest={} windows={}".format(*key)
+
+
+def warm_keys(max_cells: int, max_blocks: int, frame_cells: int, units: int,
+              frame_windows: int | None, limit: int = MAX_GRAPHS) -> list[tuple[int, int, int, int]]:
+    """The padded shapes that serve every call of up to max_cells cells in at most max_blocks
+    blocks (frame pairs) of at most frame_cells cells each (frame_windows: Qwen2.5-VL's windows per
+    frame pair, None without windows): per cell bucket, its largest blocks, longest block and
+    windows. More buckets than `limit`: every other one from the top (a call then pads up to 2x,
+    which MAX_PAD allows)."""
+    top = cell_bucket(max_cells)
+    buckets = [c for c in CELL_BUCKETS if c <= top]
+    if len(buckets) > limit:
+        buckets = buckets[::-1][::2][::-1]
+    keys = []
+    for cells in buckets:
+        blocks = pow2_at_least(min(cells, max_blocks), 2)
+        longest = pow2_at_least(min(cells, frame_cells) * units, 64)
+        windows = 0 if frame_windows is None else pow2_at_least(min(cells, max_blocks * frame_windows), 8)
+        keys.append((cells, blocks, longest, windows))
+    return keys
+
+
+def blank_call(key: tuple[int, int, int, int], features: int, dtype: torch.dtype, device: torch.device,
+               units: int, frame_grid: tuple[int, int], window_rows: int | None, sizes: bool) -> TowerCall:
+    """A TowerCall of key's padded shape on blank pixels (a graph keeps no data): key's blocks (and
+    windows, window_rows patches at most: Qwen2.5-VL) of equal length, never longer than the key's
+    longest (rows past them lie in none, as padding does), every patch of a frame_grid (patches) frame."""
+    cells, blocks, longest, windows = key
+    n = cells * units
+
+    def bounds(count: int, most: int) -> torch.Tensor:
+        step = min(most, -(-n // count))
+        return torch.arange(count + 1, device=device).mul(step).clamp(max=n).to(torch.int32)
+    window_index = cu_window = None
+    if window_rows is not None:
+        window_index = torch.arange(cells, device=device)
+        cu_window = bounds(windows, window_rows)
+    grid = torch.tensor(frame_grid, device=device).expand(n, 2) if sizes else None
+    return TowerCall(torch.zeros(n, features, dtype=dtype, device=device),
+                     torch.zeros(n, 2, dtype=torch.long, device=device), bounds(blocks, longest), longest,
+                     window_index, cu_window, grid)
 
 
 @dataclass(frozen=True)
@@ -119,7 +171,7 @@ class KeptGraph:
         self._fill(first)
         self.graph = None
         if capture_graph:
-            self.graph, self.merged = capture(forward, torch.cuda.Stream(device), pool)
+            self.graph, self.merged = capture(forward, torch.cuda.Stream(device), pool, label=label(key))
 
     def _fill(self, call: TowerCall) -> None:
         n, S = call.pixels.shape[0], call.cu.numel()
@@ -151,34 +203,37 @@ class KeptGraphs:
     """A VLM's kept-tower graphs by padded shape; `enabled` turns off for good where varlen
     attention is missing or a capture fails (the tower then runs eagerly, as before)."""
 
-    def __init__(self, visual: nn.Module, dtype: torch.dtype, pool_fn, capture_graphs: bool = True) -> None:
+    def __init__(self, visual: nn.Module, dtype: torch.dtype, pool_fn, capture_graphs: bool = True,
+                 plan_only: bool = False) -> None:
         self.visual, self.dtype, self.pool_fn, self.capture_graphs = visual, dtype, pool_fn, capture_graphs
+        self.plan_only = plan_only
         self.window = hf.vision_window_cells(visual)
-        self.graphs: OrderedDict[tuple[int, int, int, int], KeptGraph] = OrderedDict()
+        # None: a key planned only (plan_only)
+        self.graphs: OrderedDict[tuple[int, int, int, int], KeptGraph | None] = OrderedDict()
         device = next(visual.parameters()).device
         # flash attention: half precision on CUDA (the eager reference serves any dtype, on the CPU)
         self.enabled = (hf.vision_utils() is not None and
-                        (not capture_graphs or (varlen_available() and device.type == "cuda"
-                                                and dtype in (torch.float16, torch.bfloat16))))
+                        (plan_only or not capture_graphs or (varlen_available() and device.type == "cuda"
+                                                             and dtype in (torch.float16, torch.bfloat16))))
         self.captured = 0
         self.free_captures = FREE_CAPTURES
 
-    def _fitting(self, key: tuple[int, int, int, int]) -> tuple[tuple[int, int, int, int], KeptGraph | None]:
+    def _fitting(self, key: tuple[int, int, int, int]) -> tuple[tuple[int, int, int, int], bool, KeptGraph | None]:
         """The captured graph that runs a call of padded shape `key` (taken out of the LRU order): its
         own; else none while fewer than `free_captures` graphs exist (a shape that recurs gets its
         own, unpadded); else the smallest one at least as large in every dimension and of at most
         MAX_PAD times its cells; else none. Live windows' kept counts move with what changed in each
         stream, and a capture costs a few forward passes: past a few shapes, a larger graph serving
-        a smaller call bounds how many get captured."""
+        a smaller call bounds how many get captured. -> (key, found, graph)."""
         if key in self.graphs:
-            return key, self.graphs.pop(key)
+            return key, True, self.graphs.pop(key)
         if len(self.graphs) < self.free_captures:
-            return key, None
+            return key, False, None
         fits = [k for k in self.graphs if all(a >= b for a, b in zip(k, key)) and k[0] <= MAX_PAD * key[0]]
         if not fits:
-            return key, None
+            return key, False, None
         best = min(fits)                                                 # fewest cells first
-        return best, self.graphs.pop(best)
+        return best, True, self.graphs.pop(best)
 
     def __call__(self, call: TowerCall) -> torch.Tensor | None:
         """call's merged tokens (n / m^2, D), or None where no graph runs it (the caller runs the tower)."""
@@ -189,21 +244,44 @@ class KeptGraphs:
             key = call.key(units)
         except ValueError:
             return None
-        key, graph = self._fitting(key)
+        key, found, graph = self._fitting(key)
+        if self.plan_only:
+            if not found:
+                LEDGER.shape(label(key))
+            self._keep(key, None)
+            return None
         filled = False
         if graph is None:
-            try:
-                pool = self.pool_fn() if self.capture_graphs else None
-                graph = KeptGraph(self.visual, key, self.dtype, (self.window or 1) ** 2, pool, call,
-                                  self.capture_graphs)
-            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
-                self.enabled = False
-                warnings.warn(f"kept vision tower CUDA graph capture failed, it runs eagerly: {e}", RuntimeWarning,
-                              stacklevel=2)
+            LEDGER.shape(label(key))
+            graph = self._make(key, call)
+            if graph is None:
                 return None
             filled = True
-            self.captured += 1
-            if len(self.graphs) >= MAX_GRAPHS:
-                self.graphs.popitem(last=False)
-        self.graphs[key] = graph                                         # most recently used last
+        self._keep(key, graph)
         return graph(call, filled)
+
+    def prepare(self, key: tuple[int, int, int, int], call: TowerCall) -> None:
+        """Capture the graph of `key` now (warm-up; call: blank_call's), unless it exists."""
+        if not self.enabled or key in self.graphs:
+            return
+        LEDGER.shape(label(key))
+        graph = None if self.plan_only else self._make(key, call)
+        if graph is not None or self.plan_only:
+            self._keep(key, graph)
+
+    def _make(self, key: tuple[int, int, int, int], call: TowerCall) -> KeptGraph | None:
+        try:
+            pool = self.pool_fn() if self.capture_graphs else None
+            graph = KeptGraph(self.visual, key, self.dtype, (self.window or 1) ** 2, pool, call, self.capture_graphs)
+        except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
+            self.enabled = False
+            warnings.warn(f"kept vision tower CUDA graph capture failed, it runs eagerly: {e}", RuntimeWarning,
+                          stacklevel=2)
+            return None
+        self.captured += 1
+        return graph
+
+    def _keep(self, key: tuple[int, int, int, int], graph: KeptGraph | None) -> None:
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        self.graphs[key] = graph                                         # most recently used last

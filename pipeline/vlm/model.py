@@ -85,8 +85,10 @@ class VLM:
         cache = (FeatureCache(config.reuse_cells, config.reuse_threshold, preprocessor.image_std,
                               preprocessor.geometry.temporal_patch_size)
                  if config.encode == "kept" and config.reuse_cells else None)
-        kept_graphs = (KeptGraphs(visual, self.dtype, self.pool.graph_pool)  # needs the patched attention
-                       if graphed and version_warning is None else None)
+        # off CUDA (cuda_graphs on), the graph caches only plan: they tell which shapes a GPU captures
+        kept_graphs = (KeptGraphs(visual, self.dtype, self.pool.graph_pool,  # needs the patched attention
+                                  plan_only=not graphed)
+                       if config.cuda_graphs and version_warning is None else None)
         # Qwen3-VL: each token's DeepStack features ride along as more channels (hf.tower_tokens)
         token_width = self.lm.embed_tokens.embedding_dim * (1 + self.pool.deepstack)
         self.kept_encoder = KeptEncoder(visual, preprocessor, self.dtype, token_width,
@@ -94,8 +96,9 @@ class VLM:
                                         context=config.kept_context)
         self.encoder = VisionEncoder(visual, preprocessor, self.kept_encoder, config=config, dtype=self.dtype,
                                      device=self.device,
-                                     vision_graphs=VisionGraphs(visual, self.dtype, self.pool.graph_pool)
-                                     if graphed else None)
+                                     vision_graphs=VisionGraphs(visual, self.dtype, self.pool.graph_pool,
+                                                                capture_graphs=graphed)
+                                     if config.cuda_graphs else None)
         self.prefixes = PrefixBuilder(model, self.lm, tokenizer, family=family, config=config,
                                       geometry=preprocessor.geometry, device=self.device)
         # vlm.tempering.confidence=probe: the learned confidence every answer reports (and tempering reads)
@@ -174,8 +177,16 @@ class VLM:
     def prefill(self, prefixes: list[Prefix], max_new_tokens: int | None = None) -> tuple[StaticDecoder, torch.Tensor]:
         return self.pool.prefill(prefixes, max_new_tokens)
 
-    def warm_up(self, batch_sizes, prefix_lengths, *, max_new_tokens: int | None = None) -> list[tuple[int, int]]:
-        return self.pool.warm_up(batch_sizes, prefix_lengths, max_new_tokens=max_new_tokens)
+    def warm_up(self, batch_sizes, prefix_lengths, *, max_new_tokens: int | None = None,
+                frame_sizes=(), window_frames: int = 0) -> list[tuple[int, int]]:
+        """Capture ahead of time (during setup) the graphs answering will replay: the decoders and
+        prefill graphs of batches of these sizes and prefixes of these lengths (DecoderPool.warm_up),
+        and, given frame_sizes ((height, width) each) and window_frames (the most frames of a
+        window), the vision tower's (VisionEncoder.warm_up). -> DecoderPool.warm_up's keys."""
+        sizes = list(batch_sizes)
+        if frame_sizes and window_frames > 0 and sizes:
+            self.encoder.warm_up(list(frame_sizes), window_frames, max(sizes))
+        return self.pool.warm_up(sizes, prefix_lengths, max_new_tokens=max_new_tokens)
 
     def generate_from(self, decoder: StaticDecoder, logits: torch.Tensor, batch: int, **options) -> Generation:
         return self.generator.generate_from(decoder, logits, batch, **options)

@@ -228,8 +228,10 @@ class DecoderPool:
             decoder = StaticDecoder(self, rows, length)
             self.counters["decoders"] += 1
         self._decoders[key] = decoder                                        # most recently used last
-        if steps and decoder.graph is None and self.device.type == "cuda" and self.config.cuda_graphs:
-            decoder.capture(self.graph_pool())
+        if steps and self.config.cuda_graphs:
+            decoder.plan()                                                   # LEDGER, on every device
+            if decoder.graph is None and self.device.type == "cuda":
+                decoder.capture(self.graph_pool())
         return decoder
 
     def make_room(self, nbytes: int, keep: StaticDecoder | None = None) -> None:
@@ -264,10 +266,14 @@ class DecoderPool:
         B = len(prefixes)
         if shared:
             return self._prefill_shared(prefixes, max_new, *shared)
-        L, rows, graphed = self._prefill_shape(max(p.embeds.shape[0] for p in prefixes), B)
+        longest = max(p.embeds.shape[0] for p in prefixes)
+        L, rows, graphed = self._prefill_shape(longest, B)
         embeds, positions, pads = self._left_pad(prefixes, L, rows)         # (rows, L, D), (3, rows, L)
         deepstack = self._left_pad_deepstack(prefixes, pads, embeds.shape)  # (n, rows, L, D) or None
         decoder = self._decoder(self._rows(B), self._cache_length(L, max_new), steps=max_new > 1)
+        padded = _round_up(longest, PREFILL_BUCKET)
+        if self._replay_rows(padded, padded, B) is not None:
+            decoder.plan(L)                                                  # a replayed shape (on CUDA)
         logits = decoder.prefill(embeds, positions, pads, pool=self.graph_pool() if graphed else None,
                                  deepstack=deepstack)[:B]                     # (B, V)
         next_pos = to_device([p.next_position for p in prefixes], self.device, torch.long)  # (B,)
@@ -290,7 +296,8 @@ class DecoderPool:
         lens = [w.embeds.shape[0] for w in windows]
         suffixes = [Prefix(p.embeds[lens[k]:], p.positions[:, lens[k]:], p.next_position, 0, 0)
                     for p, k in zip(prefixes, window_of)]
-        Lw, Lq, rows, graphed = self._shared_shape(max(lens), max(s.embeds.shape[0] for s in suffixes), B)
+        longest = max(s.embeds.shape[0] for s in suffixes)
+        Lw, Lq, rows, graphed = self._shared_shape(max(lens), longest, B)
         pad = self._pad_embedding()                                          # (D,)
         embeds = pad.expand(K, Lw, -1).clone()                               # (K, Lw, D), right padded
         positions = torch.ones(3, K, Lw, dtype=torch.long, device=self.device)
@@ -302,6 +309,9 @@ class DecoderPool:
                 deepstack[:, k, :n] = w.deepstack
         sfx, sfx_pos, pads = self._left_pad(suffixes, Lq, rows)             # (rows, Lq, D), (3, rows, Lq)
         decoder = self._decoder(self._rows(B), self._cache_length(Lw + Lq, max_new), steps=max_new > 1)
+        if self._replay_rows(_round_up(max(lens), PREFILL_BUCKET), _round_up(longest, SUFFIX_BUCKET), B) is not None:
+            decoder.plan(("window", K, Lw))                                  # replayed shapes (on CUDA)
+            decoder.plan(("suffix", Lq))
         # padding rows (all padding after the window) copy window 0
         logits = decoder.prefill_shared(embeds, positions, window_of + [0] * (rows - B), lens, sfx, sfx_pos, pads,
                                         pool=self.graph_pool() if graphed else None,

@@ -18,7 +18,9 @@ What a graph needs, and how it gets it:
   to the tower, so a batch of them replays one graph too.
 
 Without `transformers.vision_utils` (transformers older than the precomputed inputs), or where a
-capture fails, the tower runs eagerly as before (`VisionGraphs.enabled` says which).
+capture fails, the tower runs eagerly as before (`VisionGraphs.enabled` says which). Built with
+capture_graphs=False (off CUDA), it only keeps the keys a GPU would capture graphs for (each new one
+goes to LEDGER) and the tower runs eagerly: a CPU run tells which shapes warm-up must cover.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.runtime.cuda import capture
+from pipeline.runtime.cuda import LEDGER, capture
 from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.vision_attention import batched_attention
 
@@ -80,7 +82,7 @@ class VisionGraph:
             with batched_attention(self.block, self.plans):
                 out = visual(self.pixels, grid_thw=grid_thw, **self.inputs)
             return hf.tower_tokens(out)
-        self.graph, self.merged = capture(forward, torch.cuda.Stream(device), pool)
+        self.graph, self.merged = capture(forward, torch.cuda.Stream(device), pool, label=label(grid))
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (n, F) of the first n rows -> their merged tokens (n / merge^2, D), a copy."""
@@ -94,9 +96,9 @@ class VisionGraphs:
     """A VLM's vision graphs, keyed by (T bucket, gh, gw); `enabled` turns off for good at the first
     capture that fails (the tower then runs eagerly)."""
 
-    def __init__(self, visual: nn.Module, dtype: torch.dtype, pool_fn) -> None:
-        self.visual, self.dtype, self.pool_fn = visual, dtype, pool_fn
-        self.graphs: OrderedDict[tuple[int, int, int], VisionGraph] = OrderedDict()
+    def __init__(self, visual: nn.Module, dtype: torch.dtype, pool_fn, capture_graphs: bool = True) -> None:
+        self.visual, self.dtype, self.pool_fn, self.capture_graphs = visual, dtype, pool_fn, capture_graphs
+        self.graphs: OrderedDict[tuple[int, int, int], VisionGraph | None] = OrderedDict()  # None: planned only
         self.enabled = _has_vision_utils()
         self.captured = 0
 
@@ -108,7 +110,13 @@ class VisionGraphs:
         T = sum(t for t, _, _ in grids)
         _, gh, gw = grids[0]
         key = (-(-T // T_BUCKET) * T_BUCKET, gh, gw)
+        known = key in self.graphs
         graph = self.graphs.pop(key, None)
+        if not known:
+            LEDGER.shape(label(key))
+        if not self.capture_graphs:
+            self._keep(key, None)
+            return None
         if graph is None:
             try:
                 graph = VisionGraph(self.visual, key, self.dtype, self.pool_fn())
@@ -118,10 +126,17 @@ class VisionGraphs:
                               stacklevel=2)
                 return None
             self.captured += 1
-            if len(self.graphs) >= MAX_GRAPHS:
-                self.graphs.popitem(last=False)
-        self.graphs[key] = graph                                          # most recently used last
+        self._keep(key, graph)
         return graph(pixels)
+
+    def _keep(self, key: tuple[int, int, int], graph: VisionGraph | None) -> None:
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        self.graphs[key] = graph                                          # most recently used last
+
+
+def label(key: tuple[int, int, int]) -> str:
+    return f"vision T={key[0]} grid={key[1]}x{key[2]}"
 
 
 def _has_vision_utils() -> bool:

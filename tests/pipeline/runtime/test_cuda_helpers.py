@@ -145,3 +145,44 @@ def test_blocking_waits_leave_the_cpu_free(order):
     assert spun["wall"] > 0.2 and slept["wall"] > 0.2, (spun, slept)
     assert spun["cpu"] > 0.5 * spun["wall"], spun
     assert slept["cpu"] < 0.2 * slept["wall"], slept
+
+
+class TestGraphLedger:
+    def test_entries_by_time_and_kind(self):
+        from pipeline.runtime.cuda import GraphLedger
+
+        ledger = GraphLedger()
+        ledger.shape("a")
+        t = ledger.mark("first frame")
+        ledger.record("capture", "b", 0.25)
+        ledger.shape("c")
+        assert [e.label for e in ledger.entries()] == ["a", "first frame", "b", "c"]
+        assert [e.label for e in ledger.entries(t, "shape")] == ["c"]
+        assert [(e.label, e.seconds) for e in ledger.entries(t, "capture")] == [("b", 0.25)]
+        assert ledger.first_mark("first frame") == t and ledger.first_mark("first frame", t + 1) is None
+
+    def test_bounded_and_in_order_under_threads(self):
+        import threading
+
+        from pipeline.runtime.cuda import GraphLedger
+
+        ledger = GraphLedger(limit=1000)
+        threads = [threading.Thread(target=lambda k=k: [ledger.shape(f"{k}-{i}") for i in range(500)])
+                   for k in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        entries = ledger.entries()
+        assert len(entries) == 1000 and all(a.t <= b.t for a, b in zip(entries, entries[1:]))
+
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    def test_capture_records_its_label_and_time(self):
+        from pipeline.runtime.cuda import LEDGER
+
+        x = torch.ones(4, device="cuda")
+        t = LEDGER.mark("test")
+        capture(lambda: x * 2, torch.cuda.Stream(), label="double x")
+        (entry,) = LEDGER.entries(t, "capture")
+        assert entry.label == "double x" and entry.seconds > 0

@@ -377,6 +377,28 @@ class TestPaddedGraphShapes:
         assert graphs.enabled and 1 <= graphs.captured < 4 and len(graphs.graphs) == graphs.captured
         assert padded.kept_encoder.counters["graphs_captured"] == graphs.captured
 
+    @pytest.mark.parametrize("family, vision", [("qwen2_vl", {}), ("qwen2_5_vl", {"fullatt_block_indexes": [1]})])
+    def test_after_warm_up_every_window_replays_a_warm_shape(self, family, vision):
+        """VisionEncoder.warm_up makes the graphs of every padded shape windows of these frames can
+        ask for (on blank pixels); afterwards windows of any kept share replay one of them (none is
+        added) and give the ragged tower's tokens."""
+        vlm = tiny(family, **vision)
+        ragged, padded = kept(vlm), self.padded(vlm)
+        frames = make_frames(6, 112, 168, seed=50)
+        padded.encoder.warm_up([(112, 168)], 6, 1)
+        graphs = padded.kept_encoder.graphs
+        warm = list(graphs.graphs)
+        assert warm and graphs.free_captures == 0
+        for key, graph in graphs.graphs.items():                            # blank pixels: finite tokens
+            assert graph._forward().isfinite().all(), key
+        for seed, T, p in [(51, 5, (0.95, 0.05, 0.0)), (52, 2, (0.6, 0.3, 0.1)), (53, 6, (0.0, 1.0, 0.0)),
+                           (54, 3, (0.3, 0.5, 0.2))]:
+            keep = random_keep(vlm, frames[:T], seed=seed, p=p)
+            want = ragged.encode_cells(frames[:T], keep)
+            got = padded.encode_cells(frames[:T], keep)
+            assert close(got.tokens, want.tokens)
+        assert sorted(graphs.graphs) == sorted(warm) and graphs.captured == len(warm)
+
     def test_several_videos_of_several_sizes_in_one_padded_call(self):
         vlm = tiny("qwen2_5_vl", fullatt_block_indexes=[0])
         ragged, padded = kept(vlm), self.padded(vlm)

@@ -225,3 +225,25 @@ def test_bench_batch_fixture_with_unique_clips_is_its_own_shape(tmp_path):
     assert fixture(args, tmp_path) == root                                   # same shape: reused
     with pytest.raises(SystemExit, match="another shape"):
         fixture(SimpleNamespace(**{**vars(args), "unique_clips": None}), tmp_path)
+
+
+def test_bench_batch_reports_questions_per_s_and_scaling_by_gpu_count():
+    from benchmarks.bench_batch import summarize
+
+    def row(n, steady, overlap):
+        return {"path": "ray", "workers": n, "tokens": "arrcoc", "steady_questions_per_s": steady,
+                "overlap_questions_per_s": overlap}
+    summary = summarize([row(1, 100.0, 90.0), row(2, 190.0, 180.0), row(4, 360.0, 324.0)], [1, 2, 4])
+    assert summary["ray_questions_per_s_by_gpus"] == {"arrcoc": {"1": 100.0, "2": 190.0, "4": 360.0}}
+    assert summary["ray_scaling_efficiency"] == {"arrcoc": {"1": 1.0, "2": 0.95, "4": 0.9}}
+    assert summary["ray_scaling_efficiency_overlap"] == {"arrcoc": {"1": 1.0, "2": 1.0, "4": 0.9}}
+
+
+def test_git_commit_names_the_checkout():
+    import re
+
+    from benchmarks.common import git_commit
+
+    if not (Path(__file__).resolve().parents[1] / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", git_commit() or "")

@@ -262,6 +262,9 @@ def _add_serve(sub: Any) -> None:
                                                     "(a running cluster) or a cluster address")
     p.add_argument("--replicas", default="1", metavar="MIN[:MAX]",
                    help="Ray Serve: autoscaling bounds of the VLM deployment's replicas (default: %(default)s)")
+    p.add_argument("--stream-groups", type=int, default=0, metavar="N",
+                   help="Ray Serve: run the live streams on N deployments of a GPU and a VLM each, a new stream "
+                        "on the least-loaded one (default: 0, in the ingress; docs/deployment.md)")
     _common(p)
     p.set_defaults(func=_lazy("serve", "cmd_serve"))
 

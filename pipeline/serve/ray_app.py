@@ -1,4 +1,5 @@
-"""The same app on Ray Serve (`python -m pipeline serve --ray local|auto|ADDRESS --replicas MIN:MAX`):
+"""The same app on Ray Serve (`python -m pipeline serve --ray local|auto|ADDRESS --replicas MIN:MAX
+[--stream-groups N]`):
 
     HTTP ──▶ Ingress (1 replica)                     ──▶ VLMDeployment (MIN..MAX replicas, autoscaled)
              the FastAPI app of app.py, the front ends    one loaded VLM each (a GPU each where the cluster
@@ -9,6 +10,10 @@ The ingress is the app of a single-process server with RemoteVLM in place of Loc
 leave each request's graph the same way, and Ray Serve's router and batcher take them from there.
 One ingress replica keeps live streams and uploads in one place; the store must be a path every
 VLM-less ingress restart can reach again (a local path on one machine, or an fsspec URL).
+
+With `--stream-groups N` the live streams leave the ingress: N StreamGroup deployments (a GPU
+each, their own VLM) run them, and the ingress places each new stream on the least-loaded group
+(ray_groups.py). The VLM deployment then answers the chat requests (files) only.
 """
 from __future__ import annotations
 
@@ -130,12 +135,17 @@ class RemoteVLM:
 class Ingress:
     """The HTTP app (app.create_app) over an Engine whose VLM is the VLM deployment."""
 
-    async def __init__(self, vlm: Any, cfg: PipelineConfig, options: ServeOptions) -> None:
+    async def __init__(self, vlm: Any, cfg: PipelineConfig, options: ServeOptions, groups: list[Any] = ()) -> None:
         from .engine import Engine
 
         # built off the replica's event loop: handle calls block there (.result()), as in request threads
         self.engine = await asyncio.get_running_loop().run_in_executor(
             None, lambda: Engine(cfg, options, RemoteVLM(vlm)))
+        if groups:                        # live streams run in the stream groups, placed from here
+            from .ray_groups import GroupedStreams
+
+            self.engine.streams = GroupedStreams(list(groups), self.engine.media, options)
+            self.engine.metrics.live_streams = self.engine.streams.running
 
     def __serve_build_asgi_app__(self) -> Any:
         from .app import create_app
@@ -143,8 +153,12 @@ class Ingress:
         return create_app(self.engine)
 
 
-def build_app(cfg: PipelineConfig, options: ServeOptions, replicas: tuple[int, int], gpus: float) -> Any:
-    """The bound application: autoscaled VLM replicas (a GPU each when `gpus`) behind one ingress."""
+def build_app(cfg: PipelineConfig, options: ServeOptions, replicas: tuple[int, int], gpus: float,
+              stream_groups: int = 0) -> Any:
+    """The bound application: autoscaled VLM replicas (a GPU each when `gpus`) behind one ingress,
+    and `stream_groups` StreamGroup deployments (a GPU each when `gpus`) for the live streams."""
+    from .ray_groups import StreamGroup
+
     low, high = replicas
     batch = cfg.vlm.max_batch
     vlm = VLMDeployment.options(
@@ -153,18 +167,28 @@ def build_app(cfg: PipelineConfig, options: ServeOptions, replicas: tuple[int, i
         autoscaling_config={"min_replicas": low, "initial_replicas": low, "max_replicas": high,
                             "target_ongoing_requests": batch},
     ).bind(cfg)
-    return Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 1}).bind(vlm, cfg, options)
+    groups = [StreamGroup.options(name=f"StreamGroup{i}", num_replicas=1,
+                                  ray_actor_options={"num_gpus": gpus, "num_cpus": 1}).bind(cfg, options)
+              for i in range(stream_groups)]
+    return Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 1}).bind(vlm, cfg, options, groups)
 
 
-def start(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int]) -> None:
+def start(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int],
+          stream_groups: int = 0) -> None:
     """Connect to Ray, start Serve's HTTP proxy on options.host:port and deploy the app (returns
     once every replica is up)."""
     import ray
+
+    from sinks import ZarrStore
+
+    from ..configio import to_dict
 
     from ..runners.ray_batch import connect
 
     if cfg.runtime.vlm == "none":
         raise ConfigError("serve answers questions: name a VLM with --vlm")
+    if stream_groups < 0:
+        raise ConfigError(f"--stream-groups must be >= 0, got {stream_groups}")
     # the replicas do not share this process' working directory
     local = "://" not in options.store
     options = replace(options, store=str(Path(options.store).resolve()) if local else options.store,
@@ -172,17 +196,23 @@ def start(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas:
                       allow_dirs=tuple(Path(d).resolve() for d in options.allow_dirs))
     connect(address)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0 and cfg.runtime.device != "cpu"
+    # the store made once, here: the ingress and the groups start at once and would race to create it
+    ZarrStore.open(options.store, config=to_dict(cfg))
     serve.start(http_options={"host": options.host, "port": options.port})
-    serve.run(build_app(cfg, options, replicas, 1.0 if has_gpus else 0.0), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(cfg, options, replicas, 1.0 if has_gpus else 0.0, stream_groups), name=APP_NAME,
+              route_prefix="/")
 
 
-def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int]) -> None:
+def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int],
+                 stream_groups: int = 0) -> None:
     """Deploy and keep serving until Ctrl-C / SIGTERM, then take the app down."""
-    start(cfg, options, address=address, replicas=replicas)
+    start(cfg, options, address=address, replicas=replicas, stream_groups=stream_groups)
     for signum in (signal.SIGINT, signal.SIGTERM):   # ray.init installed its own, which abort the process
         signal.signal(signum, _stop)
-    log.info("serving %s on Ray Serve at http://%s:%s/ (VLM replicas %s..%s; store %s)", cfg.runtime.vlm,
-             options.host, options.port, replicas[0], replicas[1], options.store)
+    log.info("serving %s on Ray Serve at http://%s:%s/ (VLM replicas %s..%s; %s; store %s)", cfg.runtime.vlm,
+             options.host, options.port, replicas[0], replicas[1],
+             f"live streams on {stream_groups} stream groups" if stream_groups else "live streams in the ingress",
+             options.store)
     try:
         while True:
             time.sleep(3600)

@@ -12,8 +12,8 @@ One ingress replica keeps live streams and uploads in one place; the store must 
 VLM-less ingress restart can reach again (a local path on one machine, or an fsspec URL).
 
 With `--stream-groups N` the live streams leave the ingress: N StreamGroup deployments (a GPU
-each, their own VLM) run them, and the ingress places each new stream on the least-loaded group
-(ray_groups.py). The VLM deployment then answers the chat requests (files) only.
+each, their own VLM) run them, the ingress places each new stream on the least-loaded group, and
+the groups' VLMs answer the chat requests too, in place of the VLM deployment (ray_groups.py).
 """
 from __future__ import annotations
 
@@ -85,43 +85,46 @@ class VLMDeployment:
 
 
 class RemoteVLM:
-    """LocalVLM's interface over a handle to the VLM deployment (used from the ingress' threads)."""
+    """LocalVLM's interface over handles to VLM replicas (used from the ingress' threads): the VLM
+    deployment's one handle (Ray Serve routes between its replicas), or the stream groups' (a
+    request goes to the group with the fewest of this ingress's requests waiting)."""
 
-    def __init__(self, handle: Any, max_in_flight: int = 64) -> None:
-        self.handle = handle
-        info = handle.info.remote().result()
+    def __init__(self, handles: Any, max_in_flight: int = 64) -> None:
+        self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
+        info = self.handles[0].info.remote().result()
         self.name, self.geometry = info["name"], info["geometry"]
         self.config, self.warning = info["config"], info["warning"]
         self.context = info["context_length"]
         self.card = info["card"]
         self._waiters = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vlm-remote")
-        self._pending = 0
+        self._waiting = [0] * len(self.handles)
         self._lock = threading.Lock()
 
     def submit(self, request: Any) -> Future:
         with self._lock:
-            self._pending += 1
-        response = self.handle.answer.remote(request)
+            target = min(range(len(self.handles)), key=lambda i: (self._waiting[i], i))
+            self._waiting[target] += 1
+        response = self.handles[target].answer.remote(request)
 
         def wait() -> Any:
             try:
                 return response.result()
             finally:
                 with self._lock:
-                    self._pending -= 1
+                    self._waiting[target] -= 1
         return self._waiters.submit(wait)
 
     def pending(self) -> int:
-        return self._pending
+        return sum(self._waiting)
 
     def batch_sizes(self) -> list[int]:
         return []          # batches form in the VLM replicas: Ray Serve's own metrics show them
 
     def count_tokens(self, text: str) -> int:
-        return self.handle.count_tokens.remote(text).result()
+        return self.handles[0].count_tokens.remote(text).result()
 
     def prefix_length(self, question: str, visual_tokens: int) -> int:
-        return self.handle.prefix_length.remote(question, visual_tokens).result()
+        return self.handles[0].prefix_length.remote(question, visual_tokens).result()
 
     def context_length(self) -> int | None:
         return self.context
@@ -140,7 +143,7 @@ class Ingress:
 
         # built off the replica's event loop: handle calls block there (.result()), as in request threads
         self.engine = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: Engine(cfg, options, RemoteVLM(vlm)))
+            None, lambda: Engine(cfg, options, RemoteVLM(list(groups) if groups else vlm)))
         if groups:                        # live streams run in the stream groups, placed from here
             from .ray_groups import GroupedStreams
 
@@ -155,10 +158,16 @@ class Ingress:
 
 def build_app(cfg: PipelineConfig, options: ServeOptions, replicas: tuple[int, int], gpus: float,
               stream_groups: int = 0) -> Any:
-    """The bound application: autoscaled VLM replicas (a GPU each when `gpus`) behind one ingress,
-    and `stream_groups` StreamGroup deployments (a GPU each when `gpus`) for the live streams."""
+    """The bound application: autoscaled VLM replicas (a GPU each when `gpus`) behind one ingress;
+    or, with `stream_groups`, that many StreamGroup deployments (a GPU each when `gpus`) that run
+    the live streams and answer every request."""
     from .ray_groups import StreamGroup
 
+    if stream_groups:
+        groups = [StreamGroup.options(name=f"StreamGroup{i}", num_replicas=1,
+                                      ray_actor_options={"num_gpus": gpus, "num_cpus": 1}).bind(cfg, options)
+                  for i in range(stream_groups)]
+        return Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 1}).bind(None, cfg, options, groups)
     low, high = replicas
     batch = cfg.vlm.max_batch
     vlm = VLMDeployment.options(
@@ -167,10 +176,7 @@ def build_app(cfg: PipelineConfig, options: ServeOptions, replicas: tuple[int, i
         autoscaling_config={"min_replicas": low, "initial_replicas": low, "max_replicas": high,
                             "target_ongoing_requests": batch},
     ).bind(cfg)
-    groups = [StreamGroup.options(name=f"StreamGroup{i}", num_replicas=1,
-                                  ray_actor_options={"num_gpus": gpus, "num_cpus": 1}).bind(cfg, options)
-              for i in range(stream_groups)]
-    return Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 1}).bind(vlm, cfg, options, groups)
+    return Ingress.options(num_replicas=1, ray_actor_options={"num_cpus": 1}).bind(vlm, cfg, options)
 
 
 def start(cfg: PipelineConfig, options: ServeOptions, *, address: str, replicas: tuple[int, int],
@@ -211,7 +217,8 @@ def serve_on_ray(cfg: PipelineConfig, options: ServeOptions, *, address: str, re
         signal.signal(signum, _stop)
     log.info("serving %s on Ray Serve at http://%s:%s/ (VLM replicas %s..%s; %s; store %s)", cfg.runtime.vlm,
              options.host, options.port, replicas[0], replicas[1],
-             f"live streams on {stream_groups} stream groups" if stream_groups else "live streams in the ingress",
+             f"{stream_groups} stream groups answer all (--replicas unused)" if stream_groups
+             else "live streams in the ingress",
              options.store)
     try:
         while True:

@@ -10,10 +10,13 @@ VLM of its own), so one group is what one GPU serves alone (bench_live), and N g
 times that while the ingress keeps up. The ingress keeps what each group last reported (every
 REPORT_S): listing a stream never waits on a group; a stream's status may lag by that much.
 Sources are resolved and checked once, in the ingress (--allow-dir, uploads, the fetch policy);
-a group opens what it is handed. Every group writes its streams into the one store.
+a group opens what it is handed. Every group writes its streams into the one store. The chat
+requests' answers go to the groups' VLMs as well (to the one with the fewest of this ingress's
+requests waiting), so N GPUs serve everything with no VLM deployment beside them.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import Any, AsyncIterator
@@ -52,6 +55,25 @@ class StreamGroup:
         self.model = build_model(cfg, device, answering=True)
         self.metrics = Metrics()
         self.streams = LiveStreams(self)
+
+    # the VLM deployment's interface (ray_app.RemoteVLM): with stream groups, the chat requests'
+    # answers go to the groups' VLMs too, batched with their live streams' answers
+    def info(self) -> dict[str, Any]:
+        from ..vlm.hf_forward import model_card
+        from .answering import context_length
+
+        v = self.service.vlm
+        return {"name": v.name, "geometry": v.geometry, "config": v.config, "warning": v.warning,
+                "context_length": context_length(v), "card": model_card(v)}
+
+    def count_tokens(self, text: str) -> int:
+        return self.service.count_tokens(text)
+
+    def prefix_length(self, question: str, visual_tokens: int) -> int:
+        return self.service.prefix_length(question, visual_tokens)
+
+    async def answer(self, request: Any) -> Any:
+        return await asyncio.wrap_future(self.service.submit(request))
 
     def start(self, source: Source, question: str, options: LiveOptions, owner: str, stream_id: str) -> dict:
         """The stream started (its to_dict), or {"refused": ...}: an ApiError's fields (a client's

@@ -22,6 +22,12 @@ vlm.max_batch=1`: one video per call).
     python3 benchmarks/bench_batch.py --device cuda --gpus 1 2 4       # choose the GPU counts
     python3 benchmarks/bench_batch.py --quick                          # CPU smoke test (tiny-random)
     python3 benchmarks/bench_batch.py --paths local --processes 4 --mps   # 4 processes under one MPS daemon
+    python3 benchmarks/bench_batch.py --paths ray --gpus 1 2 --per-gpu 6 --mps   # 6 actors on each GPU, MPS
+
+On Ray, each GPU count n runs n x --per-gpu actors (1/per-gpu of a GPU each, as `batch --ray
+--processes N`); the summary gives questions/s per GPU count and the scaling efficiency
+qps(n) / (n * qps(1)), from each actor's steady rate summed and from the window in which every
+actor is steady (`overlap`).
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arr_coc._validate import ConfigError  # noqa: E402
-from benchmarks.common import LoadSampler, fixed_query, host_topology, random_qwen2_vl_2b  # noqa: E402
+from benchmarks.common import LoadSampler, fixed_query, git_commit, host_topology, random_qwen2_vl_2b  # noqa: E402
 from pipeline.core.mps import mps_clients  # noqa: E402
 from pipeline.runners.batch import IN_FLIGHT, BatchSummary, config_vlm, make_plan, run_batch  # noqa: E402
 from pipeline.config import PipelineConfig  # noqa: E402
@@ -117,7 +123,10 @@ def steady_window(s: BatchSummary, workers: int, warmup: int = 1, *, overlap: bo
 
 
 def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch: Path, in_flight: int,
-            videos_per_task: int | None = None, warmup: int = 1, shared_vlm: bool = False, mps: bool = False) -> dict:
+            videos_per_task: int | None = None, warmup: int = 1, shared_vlm: bool = False, mps: bool = False,
+            per_gpu: int = 1) -> dict:
+    """One setting timed: `workers` processes on the local path, or `workers` GPUs (x per_gpu
+    actors) on Ray."""
     out = scratch / f"{path}_{workers}_{'stock' if stock else 'arrcoc'}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     made = []                                                                # the local path's VLM, for its counters
@@ -136,18 +145,27 @@ def one_run(plan, cfg, *, path: str, workers: int, stock: bool, factory, scratch
                           in_flight=in_flight, query_encoder=fixed_query)
         else:
             from pipeline.runners.ray_batch import run_ray_batch
-            s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers, progress=False,
-                              vlm_factory=factory, in_flight=in_flight, videos_per_task=videos_per_task,
-                              query_encoder=fixed_query)
+            # the actors start after Ray did: the daemon's variables go to them (`batch --ray local --mps`)
+            with mps_clients(mps and per_gpu > 1) as daemon:
+                mps_state = None if daemon is None else daemon.state
+                s = run_ray_batch(plan, out, cfg, address="local", stock=stock, workers=workers * per_gpu,
+                                  progress=False, vlm_factory=factory, in_flight=in_flight,
+                                  videos_per_task=videos_per_task, query_encoder=fixed_query, per_gpu=per_gpu,
+                                  actor_env=None if daemon is None else daemon.env)
     row = s.to_dict()
+    actors = workers * per_gpu if path == "ray" else workers
     side_by_side = path == "local" and workers > 1
     rates = overlap_rates if side_by_side else steady_rates
-    vps, qps = rates(s, workers, warmup)
-    window = steady_window(s, workers, warmup, overlap=side_by_side)
+    vps, qps = rates(s, actors, warmup)
+    _, overlap_qps = overlap_rates(s, actors, warmup)
+    window = steady_window(s, actors, warmup, overlap=side_by_side)
     shutil.rmtree(out, ignore_errors=True)
-    return {"path": path, "workers": workers, "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
+    return {"path": path, "workers": workers, "actors": actors, "per_gpu": per_gpu if path == "ray" else None,
+            "in_flight": in_flight, "tokens": "stock" if stock else "arrcoc",
             "videos_per_s": row["videos_per_s"], "questions_per_s": row["questions_per_s"],
             "steady_videos_per_s": round(vps, 4), "steady_questions_per_s": round(qps, 4),
+            # every worker steady at once (the local processes' headline; a check on Ray's summed rates)
+            "overlap_questions_per_s": round(overlap_qps, 4),
             "tokens_kept_per_video": row["tokens_kept_per_video"],
             "tokens_full_per_video": row["tokens_full_per_video"],
             "done": row["done"], "wall_s": row["wall_s"], "backend": row["backend"],
@@ -286,9 +304,11 @@ def main() -> None:
     ap.add_argument("--shared-vlm", action="store_true",
                     help="with --processes: one VLM process answers every process's videos (as `batch "
                          "--processes N --shared-vlm` does) instead of a VLM in each")
+    ap.add_argument("--per-gpu", type=int, default=1, metavar="N",
+                    help="Ray: N actors on each GPU, 1/N of it each (as `batch --ray --processes N`; default 1)")
     ap.add_argument("--mps", action="store_true",
-                    help="with --processes: run them as clients of an NVIDIA MPS daemon (as `batch --mps`: the "
-                         "one running, else one started for each run and stopped after it)")
+                    help="with --processes or --per-gpu N >= 2: run them as clients of an NVIDIA MPS daemon (as "
+                         "`batch --mps`: the one running, else one started for each run and stopped after it)")
     ap.add_argument("--warmup-videos", type=int, default=1, metavar="N",
                     help="steady rates count from each worker's N-th finished video on (default 1: the first "
                          "carries the model load; more leave out the first CUDA-graph captures too)")
@@ -308,8 +328,10 @@ def main() -> None:
         sys.exit(f"--unique-clips must be between 1 and --videos ({args.videos}), got {args.unique_clips}")
     if args.shared_vlm and args.processes < 2:
         sys.exit("--shared-vlm shares one VLM between --processes N >= 2")
-    if args.mps and (args.processes < 2 or args.device != "cuda" or args.quick):
-        sys.exit("--mps shares one CUDA GPU between --processes N >= 2 (--device cuda)")
+    if args.per_gpu < 1:
+        sys.exit(f"--per-gpu must be >= 1, got {args.per_gpu}")
+    if args.mps and (max(args.processes, args.per_gpu) < 2 or args.device != "cuda" or args.quick):
+        sys.exit("--mps shares one CUDA GPU between --processes N >= 2 or --per-gpu N >= 2 (--device cuda)")
     if args.warmup_videos < 1:
         sys.exit(f"--warmup-videos must be >= 1, got {args.warmup_videos}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -347,7 +369,7 @@ def main() -> None:
             for n in counts:
                 rows.append(one_run(plan, cfg, path="ray", workers=n, stock=stock, factory=factory, scratch=scratch,
                                     in_flight=args.in_flight, videos_per_task=args.videos_per_task,
-                                    warmup=args.warmup_videos))
+                                    warmup=args.warmup_videos, mps=args.mps, per_gpu=args.per_gpu))
                 print(json.dumps(rows[-1]), flush=True)
         if counts:
             ray.shutdown()
@@ -358,7 +380,9 @@ def main() -> None:
         sys.exit(str(e))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+    card = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
+    result = {"device": card, "card": card, "gpus_here": torch.cuda.device_count() if args.device == "cuda" else 0,
+              "commit": git_commit(), "per_gpu": args.per_gpu,
               "torch": torch.__version__, "vlm": "tiny-random" if args.quick else "qwen2-vl-2b (random bf16)",
               "videos": args.videos, "unique_clips": args.unique_clips or args.videos,
               "questions_per_video": args.questions, "seconds": args.seconds,
@@ -395,7 +419,8 @@ def fixture(args, scratch: Path) -> Path:
 def summarize(rows: list[dict], counts: list[int], processes: int = 1) -> dict:
     get = lambda path, n, tok: next((r for r in rows if (r["path"], r["workers"], r["tokens"]) == (path, n, tok)),  # noqa: E731
                                     None)
-    out = {"speedup_questions_per_s_arrcoc_over_stock": {}, "ray_scaling_efficiency": {}}
+    out = {"speedup_questions_per_s_arrcoc_over_stock": {}, "ray_scaling_efficiency": {},
+           "ray_questions_per_s_by_gpus": {}, "ray_scaling_efficiency_overlap": {}}
     for path, n in [("local", processes)] + [("ray", n) for n in counts]:
         s, a = get(path, n, "stock"), get(path, n, "arrcoc")
         if s is None or a is None:
@@ -409,9 +434,12 @@ def summarize(rows: list[dict], counts: list[int], processes: int = 1) -> dict:
     for tok in ("stock", "arrcoc") if counts else ():
         if get("ray", counts[0], tok) is None:
             continue
-        one = get("ray", counts[0], tok)["steady_questions_per_s"] / counts[0]
-        out["ray_scaling_efficiency"][tok] = {str(n): round(get("ray", n, tok)["steady_questions_per_s"] / (n * one), 3)
-                                              for n in counts}
+        done = [n for n in counts if get("ray", n, tok) is not None]
+        out["ray_questions_per_s_by_gpus"][tok] = {str(n): get("ray", n, tok)["steady_questions_per_s"] for n in done}
+        for key, rate in (("ray_scaling_efficiency", "steady_questions_per_s"),
+                          ("ray_scaling_efficiency_overlap", "overlap_questions_per_s")):
+            one = get("ray", counts[0], tok)[rate] / counts[0]
+            out[key][tok] = {str(n): round(get("ray", n, tok)[rate] / (n * one), 3) if one else None for n in done}
     return out
 
 

@@ -19,6 +19,15 @@ from runtime.cuda.LEDGER: a warm start has none) and what warm-up captured befor
 16 streams at the full 30 fps through the front end, answer latency p95 <= 500 ms at 4 streams.
 The soak runs one stream for --soak seconds and compares process RSS and CUDA memory at the
 end with minute one (target: within 5%).
+
+`--gpus N` measures live capacity over N GPUs: each stream count is spread over N copies of this
+benchmark, one per GPU (CUDA_VISIBLE_DEVICES=i; on the CPU, N processes), each stream on the
+least-loaded one (pipeline/serve/placement.py), as `serve --ray --stream-groups N` places them;
+their answers' latencies are pooled. `capacity` is the most streams whose p95 stays within
+--p95-target-ms at full frame rate: compare it between --gpus 1 and --gpus 2.
+
+    python3 benchmarks/bench_live.py --streams 16,20,24,28 --soak 0 --gpus 1
+    python3 benchmarks/bench_live.py --streams 32,40,48,56 --soak 0 --gpus 2
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import fixed_query, host_topology, scratch_result  # noqa: E402
+from benchmarks.common import fixed_query, git_commit, host_topology, scratch_result  # noqa: E402
 from benchmarks.loopback import TSServer, encode_clip  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
@@ -137,6 +146,8 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             "answer_latency_p50_ms": round(percentile(marks["lat"], 50) * 1e3, 1),
             "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1),
             **latency_parts(marks["batches"], marks["frame_lat"]),
+            # every answer's latency, for pooling over GPUs (--gpus N; only when asked: it is long)
+            **({"answer_latencies_ms": [round(v * 1e3, 1) for v in marks["lat"]]} if args.keep_latencies else {}),
             # cumulative over the runs so far: decoders made, evicted, graphs captured
             "vlm_counters": dict(getattr(vlm, "counters", {})),
             # encode: kept: cells through the tower and reused from the streams' caches (cumulative)
@@ -255,10 +266,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="the VLM in a process of its own (LiveOptions.vlm_process; pipeline/vlm/remote.py)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. vlm.encode=kept (repeatable; as on the CLI)")
+    p.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="spread each stream count over N GPUs, one process each, every stream on the "
+                        "least-loaded one (default 1: this process)")
+    p.add_argument("--p95-target-ms", type=float, default=1000.0,
+                   help="answer latency p95 that `capacity` holds to (default %(default)g)")
+    p.add_argument("--keep-latencies", action="store_true", help=argparse.SUPPRESS)   # set for --gpus' processes
     p.add_argument("--out", default=None,
                    help="results JSON (default: $TMPDIR/arrcoc-bench/bench_live_<device>.json; name "
                         "benchmarks/results/... to commit a result)")
     args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus must be >= 1, got {args.gpus}")
+    if args.gpus > 1:
+        return spread_over_gpus(args, list(sys.argv[1:] if argv is None else argv))
     command = " ".join(["python3 benchmarks/bench_live.py", *(sys.argv[1:] if argv is None else argv)])
     quick = args.quick
     w, h, fps = (320, 180, 15) if quick else (1280, 720, 30)
@@ -297,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         if args.vlm_process:
             vlm.close()
-    result = {"command": command,
+    result = {"command": command, "commit": git_commit(), "gpus": 1,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
@@ -305,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
               "decode_threads": args.decode_threads,
               "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row, "host": host_topology(),
+              "capacity": capacity(rows, args.p95_target_ms, fps),
               "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
     out = Path(args.out) if args.out else scratch_result(f"bench_live_{device.type}{'_quick' if quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -312,6 +334,105 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, soak_row)
     print(f"wrote {out}")
     return 0
+
+
+def capacity(rows: list[dict], p95_target_ms: float, fps: float, min_share: float = 0.95) -> dict:
+    """The most streams of `rows` answered at p95 <= p95_target_ms with every stream processed at
+    >= min_share of its frame rate (None if no count did)."""
+    held = [r["streams"] for r in rows if r["answer_latency_p95_ms"] <= p95_target_ms
+            and r["fps_processed_per_stream_min"] >= min_share * fps]
+    return {"streams": max(held) if held else None, "p95_target_ms": p95_target_ms, "min_fps": min_share * fps}
+
+
+def split_streams(total: int, gpus: int) -> list[int]:
+    """Streams per GPU when `total` streams start one after another, each on the least-loaded GPU."""
+    from pipeline.serve.placement import Placement
+
+    placement = Placement(gpus)
+    for i in range(total):
+        placement.place(f"s{i}")
+    return placement.counts()
+
+
+def _child_argv(argv: list[str], streams: int, out: Path) -> list[str]:
+    """This command line for one GPU's share: its stream count, no soak, its own JSON, raw latencies."""
+    drop = {"--gpus", "--streams", "--out", "--soak"}
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif a.split("=", 1)[0] not in drop:
+            rest.append(a)
+    return [sys.executable, str(Path(__file__).resolve()), *rest, "--streams", str(streams), "--soak", "0",
+            "--out", str(out), "--keep-latencies"]
+
+
+def spread_over_gpus(args, argv: list[str]) -> int:
+    """Each stream count over args.gpus processes at once (CUDA_VISIBLE_DEVICES=i each), rows pooled."""
+    import subprocess
+
+    if args.device.startswith("cuda") and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"bench_live: --gpus {args.gpus}, but {torch.cuda.device_count()} CUDA GPUs are visible")
+    fps = 15 if args.quick else 30
+    counts = [int(c) for c in (args.streams or ("2" if args.quick else "32")).split(",")]
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_live_gpus_{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in counts:
+        shares = split_streams(n, args.gpus)
+        procs = []
+        for g, k in enumerate(shares):
+            if k == 0:
+                continue
+            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(g)} if args.device.startswith("cuda") else {})}
+            procs.append((g, subprocess.Popen(_child_argv(argv, k, work / f"n{n}_gpu{g}.json"), env=env,
+                                              stdout=subprocess.DEVNULL)))
+        codes = [(g, p.wait()) for g, p in procs]
+        failed = [g for g, code in codes if code != 0]
+        if failed:
+            raise SystemExit(f"bench_live: the process of GPU {failed[0]} failed at {n} streams")
+        parts = [json.loads((work / f"n{n}_gpu{g}.json").read_text()) for g, _ in procs]
+        rows.append(pool_rows([part["rows"][0] for part in parts], shares))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_gpu"}), flush=True)
+    result = {"command": " ".join(["python3 benchmarks/bench_live.py", *argv]), "commit": git_commit(),
+              "gpus": args.gpus, "device": parts[0]["device"], "torch": torch.__version__,
+              "stream": parts[0]["stream"], "vlm": parts[0]["vlm"], "overrides": args.overrides,
+              "every_s": args.every, "rows": rows, "host": host_topology(),
+              "capacity": capacity(rows, args.p95_target_ms, fps)}
+    out = Path(args.out) if args.out else scratch_result(f"bench_live_{args.device}_gpus{args.gpus}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(rows, None)
+    print(f"capacity at p95 <= {args.p95_target_ms:g} ms over {args.gpus} GPUs: "
+          f"{result['capacity']['streams']} streams")
+    print(f"wrote {out}")
+    return 0
+
+
+def pool_rows(parts: list[dict], shares: list[int]) -> dict:
+    """One row of several GPUs' rows of the same moment: counts summed, latencies pooled, the
+    slowest stream's frame rate; `per_gpu` keeps each one's (without its raw latencies)."""
+    latencies = [v for part in parts for v in part["answer_latencies_ms"]]
+    frames_in = sum(part["fps_in_per_stream_mean"] * part["streams"] * part["seconds"] for part in parts)
+    dropped = sum(part["dropped"] for part in parts)
+    streams = sum(part["streams"] for part in parts)
+
+    def ms(q):
+        return round(percentile(latencies, q), 1) if latencies else None
+    return {"streams": streams, "streams_per_gpu": shares, "seconds": min(part["seconds"] for part in parts),
+            "fps_processed_per_stream_mean": round(sum(p["fps_processed_per_stream_mean"] * p["streams"]
+                                                       for p in parts) / streams, 2),
+            "fps_processed_per_stream_min": min(p["fps_processed_per_stream_min"] for p in parts),
+            "fps_in_per_stream_mean": round(sum(p["fps_in_per_stream_mean"] * p["streams"] for p in parts) / streams,
+                                            2),
+            "dropped": dropped, "drop_share": round(dropped / max(1.0, frames_in), 4),
+            "answers": sum(p["answers"] for p in parts),
+            "answer_latency_p50_ms": ms(50), "answer_latency_p95_ms": ms(95),
+            **{k: None for k in ("batch_size_mean", "submit_delay_p95_ms", "queued_p95_ms", "vlm_call_p95_ms",
+                                 "frame_latency_p95_ms")},
+            "per_gpu": [{k: v for k, v in p.items() if k != "answer_latencies_ms"} for p in parts]}
 
 
 def print_table(rows: list[dict], soak_row: dict | None) -> None:

@@ -43,6 +43,21 @@ def host_topology() -> dict[str, Any]:
     return info
 
 
+def git_commit() -> str | None:
+    """The checkout's short commit, "+dirty" when it has uncommitted changes; None outside git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) if head else None
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name for CUDA devices, else the CPU model."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()

@@ -250,14 +250,16 @@ class Pipeline:
               videos: str | os.PathLike | None = None, limit: int | None = None, shard: str | None = None,
               out: str | os.PathLike | None = None, ray: str | None = None, workers: int | None = None,
               in_flight: int | None = None, videos_per_task: int | None = None, stock_tokens: bool = False,
-              progress: bool | None = False, vlm_server: str | None = None, overwrite: bool = False) -> BatchSummary:
+              progress: bool | None = False, vlm_server: str | None = None, overwrite: bool = False,
+              per_gpu: int = 1, actor_env: dict[str, str] | None = None) -> BatchSummary:
         """Answer every question of a dataset split, as `python -m pipeline batch` does: resumable
         (complete videos are skipped; a store answered with other settings is refused, `overwrite`
         starts it afresh: runners/settings.py), locally or on Ray Data (ray: 'auto', 'local' or an address).
         shard: 'i/n', every n-th video from the i-th; out: default <dataset>_<split>.zarr;
         stock_tokens: send every visual token (the baseline); vlm_server: the socket of a shared
         VLM process to answer with instead of loading one (`batch --processes` starts it and sets
-        its key in the environment: pipeline/vlm/server.py)."""
+        its key in the environment: pipeline/vlm/server.py); per_gpu: Ray actors on each GPU (1/per_gpu
+        of it each), actor_env: variables they start with (an MPS daemon's: runners/ray_batch.py)."""
         from sources.msrvtt import load_msrvtt
 
         from .runners.batch import IN_FLIGHT, VideoAnswerer, default_out, make_plan, parse_shard, run_batch
@@ -279,7 +281,9 @@ class Pipeline:
             from .runners.ray_batch import run_ray_batch
             return run_ray_batch(plan, out, self._config, address=ray, stock=stock_tokens, workers=workers,
                                  progress=progress, in_flight=in_flight, videos_per_task=videos_per_task,
-                                 query_encoder=self._query_encoder)
+                                 query_encoder=self._query_encoder, per_gpu=per_gpu, actor_env=actor_env)
+        if per_gpu != 1 or actor_env:
+            raise ConfigError("per_gpu and actor_env place Ray actors: they need ray (batch --ray)")
         if videos_per_task is not None:
             raise ConfigError("--videos-per-task is for --ray runs (actor calls); the local path streams its videos")
         server = None

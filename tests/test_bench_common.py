@@ -225,3 +225,63 @@ def test_bench_batch_fixture_with_unique_clips_is_its_own_shape(tmp_path):
     assert fixture(args, tmp_path) == root                                   # same shape: reused
     with pytest.raises(SystemExit, match="another shape"):
         fixture(SimpleNamespace(**{**vars(args), "unique_clips": None}), tmp_path)
+
+
+def test_bench_batch_reports_questions_per_s_and_scaling_by_gpu_count():
+    from benchmarks.bench_batch import summarize
+
+    def row(n, steady, overlap):
+        return {"path": "ray", "workers": n, "tokens": "arrcoc", "steady_questions_per_s": steady,
+                "overlap_questions_per_s": overlap}
+    summary = summarize([row(1, 100.0, 90.0), row(2, 190.0, 180.0), row(4, 360.0, 324.0)], [1, 2, 4])
+    assert summary["ray_questions_per_s_by_gpus"] == {"arrcoc": {"1": 100.0, "2": 190.0, "4": 360.0}}
+    assert summary["ray_scaling_efficiency"] == {"arrcoc": {"1": 1.0, "2": 0.95, "4": 0.9}}
+    assert summary["ray_scaling_efficiency_overlap"] == {"arrcoc": {"1": 1.0, "2": 1.0, "4": 0.9}}
+
+
+def test_git_commit_names_the_checkout():
+    import re
+
+    from benchmarks.common import git_commit
+
+    if not (Path(__file__).resolve().parents[1] / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", git_commit() or "")
+
+
+def test_bench_live_spreads_streams_over_gpus_and_pools_their_rows():
+    from benchmarks.bench_live import capacity, pool_rows, split_streams
+
+    assert split_streams(5, 2) == [3, 2] and split_streams(32, 2) == [16, 16] and split_streams(1, 2) == [1, 0]
+
+    def part(streams, latencies, fps_min, dropped):
+        return {"streams": streams, "seconds": 20.0, "fps_processed_per_stream_mean": 30.0,
+                "fps_processed_per_stream_min": fps_min, "fps_in_per_stream_mean": 30.0, "dropped": dropped,
+                "answers": len(latencies), "answer_latencies_ms": latencies}
+    row = pool_rows([part(2, [100.0] * 19 + [900.0], 29.9, 0), part(2, [200.0] * 20, 28.0, 12)], [2, 2])
+    assert row["streams"] == 4 and row["answers"] == 40 and row["fps_processed_per_stream_min"] == 28.0
+    assert row["answer_latency_p50_ms"] == row["answer_latency_p95_ms"] == 200.0     # pooled: 38 of 40 <= 200
+    assert row["drop_share"] == round(12 / (4 * 30.0 * 20.0), 4)
+    assert all("answer_latencies_ms" not in p for p in row["per_gpu"])
+    rows = [{"streams": n, "answer_latency_p95_ms": p95, "fps_processed_per_stream_min": fps}
+            for n, p95, fps in ((16, 400.0, 30.0), (24, 900.0, 29.9), (28, 800.0, 25.0), (32, 3000.0, 29.0))]
+    assert capacity(rows, 1000.0, 30.0)["streams"] == 24            # 28 lost frames, 32 missed the p95
+    assert capacity(rows, 300.0, 30.0)["streams"] is None
+
+
+@pytest.mark.slow
+def test_bench_live_over_two_fake_gpus_answers_on_both(tmp_path):
+    """--gpus 2 on the CPU: two processes, one stream each; both answer and the rows pool."""
+    import json
+    import subprocess
+
+    out = tmp_path / "live.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks/bench_live.py"), "--quick",
+                    "--device", "cpu", "--gpus", "2", "--streams", "2", "--seconds", "3", "--warmup", "3",
+                    "--out", str(out)], check=True, timeout=600, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert result["gpus"] == 2 and row["streams"] == 2 and row["streams_per_gpu"] == [1, 1]
+    assert [p["streams"] for p in row["per_gpu"]] == [1, 1] and all(p["answers"] > 0 for p in row["per_gpu"])
+    assert row["answers"] == sum(p["answers"] for p in row["per_gpu"]) and row["answer_latency_p95_ms"] > 0

@@ -5,7 +5,8 @@ on one GPU, several processes keep it busier than one, whose host side caps its 
 (docs/performance.md). The parent checks the options, starts them, shows their progress from the
 store and prints one summary of all of them. With `--mps` they are clients of an NVIDIA MPS daemon
 (pipeline/core/mps.py), so that their kernels run on the GPU at once rather than in turns; the
-parent itself never initialises CUDA.
+parent itself never initialises CUDA. With `--ray`, `--processes N` puts N actors on every GPU of
+the cluster instead (runners/ray_batch.py); `--ray local --mps` makes them clients of one daemon here.
 """
 from __future__ import annotations
 
@@ -35,12 +36,17 @@ def cmd_batch(args: Any) -> int:
         raise ConfigError("--shared-vlm shares one VLM between the processes of --processes N (N >= 2)")
     if args.mps and (args.processes is None or args.processes < 2):
         raise ConfigError("--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon")
+    if args.mps and args.ray not in (None, "local"):
+        raise ConfigError("--mps starts a daemon on this machine only; on a Ray cluster start "
+                          "`nvidia-cuda-mps-control -d` on every GPU node instead (docs/deployment.md)")
+    if args.processes is not None and args.processes < 1:
+        raise ConfigError(f"--processes must be >= 1, got {args.processes}")
+    if args.ray is not None and args.shared_vlm:
+        raise ConfigError("--shared-vlm is for the local path's --processes; each Ray actor loads its own VLM")
+    if args.ray is not None:
+        return _on_ray(args)
     if args.processes is not None:
-        if args.processes < 1:
-            raise ConfigError(f"--processes must be >= 1, got {args.processes}")
         if args.processes > 1:
-            if args.ray is not None:
-                raise ConfigError("--processes runs the local path side by side; Ray spreads work with --workers")
             if args.shard is not None:
                 raise ConfigError("--processes shards the split itself (--shard i/N each); drop --shard")
             return _side_by_side(args)
@@ -53,6 +59,27 @@ def cmd_batch(args: Any) -> int:
     row = summary.to_dict()
     if pipe.config.runtime.vlm.startswith("tiny-random"):
         row["notes"] = ["tiny-random is a built-in random model for smoke tests: its answers are meaningless"]
+    print(json.dumps(row))
+    return EXIT_OK
+
+
+def _on_ray(args: Any) -> int:
+    """The batch on Ray Data: --processes N actors on every GPU (1/N of it each), with --mps as
+    clients of one MPS daemon on this machine (--ray local)."""
+    from ..core.mps import check_cuda, mps_clients
+
+    pipe = Pipeline(config=load_run_config(args))
+    if args.mps:
+        check_cuda(pipe.config.runtime.device)
+    with mps_clients(args.mps) as mps:
+        summary = pipe.batch(args.root, dataset=args.dataset, split=args.split, task=args.task, videos=args.videos,
+                             limit=args.limit, shard=args.shard, out=args.out, ray=args.ray, workers=args.workers,
+                             in_flight=args.in_flight, videos_per_task=args.videos_per_task,
+                             stock_tokens=args.stock_tokens, progress=args.progress, overwrite=args.overwrite,
+                             per_gpu=args.processes or 1, actor_env=None if mps is None else mps.env)
+    row = summary.to_dict()
+    if mps is not None:
+        row["mps"] = mps.state
     print(json.dumps(row))
     return EXIT_OK
 

@@ -116,14 +116,16 @@ def _add_batch(sub: Any) -> None:
                    help="send the VLM every visual token (the baseline ARR-COC is measured against)")
     p.add_argument("--processes", type=int, metavar="N",
                    help="run the local path as N processes side by side on one store (--shard i/N each): on "
-                        "one GPU several keep it busier than one (default: 1)")
+                        "one GPU several keep it busier than one (default: 1). With --ray: N actors on every GPU "
+                        "of the cluster, 1/N of it each")
     p.add_argument("--shared-vlm", action="store_true",
                    help="with --processes: one VLM process answers every process's videos, batched together, "
                         "instead of a VLM in each (one model in GPU memory; faster with stock tokens, slower "
                         "with ARR-COC's: docs/performance.md)")
     p.add_argument("--mps", action="store_true",
-                   help="with --processes on a CUDA GPU: run the processes as clients of an NVIDIA MPS daemon (the "
-                        "one running, else one started and stopped for the run; needs the driver's "
+                   help="with --processes on a CUDA GPU (and --ray local): run the processes as clients of an "
+                        "NVIDIA MPS daemon (the one running, else one started and stopped for the run; needs the "
+                        "driver's "
                         "nvidia-cuda-mps-control), so that their kernels share the GPU at once instead of taking "
                         "turns (docs/performance.md)")
     p.add_argument("--overwrite", action="store_true",
@@ -260,6 +262,9 @@ def _add_serve(sub: Any) -> None:
                                                     "(a running cluster) or a cluster address")
     p.add_argument("--replicas", default="1", metavar="MIN[:MAX]",
                    help="Ray Serve: autoscaling bounds of the VLM deployment's replicas (default: %(default)s)")
+    p.add_argument("--stream-groups", type=int, default=0, metavar="N",
+                   help="Ray Serve: run the live streams on N deployments of a GPU and a VLM each, a new stream "
+                        "on the least-loaded one (default: 0, in the ingress; docs/deployment.md)")
     _common(p)
     p.set_defaults(func=_lazy("serve", "cmd_serve"))
 

@@ -41,10 +41,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # many short clips at once: a decode process per request (spawn, shared memory) costs more
         # than it saves; each request's decoder is a thread of the server instead
         args.overrides = ["decode.process=false", *args.overrides]
+    if args.stream_groups and not args.ray:
+        raise ConfigError("--stream-groups places live streams on Ray Serve deployments: it needs --ray")
     cfg = load_run_config(args)
     if args.ray:
         from ..serve.ray_app import parse_replicas, serve_on_ray
-        serve_on_ray(cfg, options, address=args.ray, replicas=parse_replicas(args.replicas))
+        serve_on_ray(cfg, options, address=args.ray, replicas=parse_replicas(args.replicas),
+                     stream_groups=args.stream_groups)
     else:
         from ..serve.server import serve_forever
         serve_forever(cfg, options)

@@ -1,5 +1,13 @@
-"""The batch work on Ray Data: plan rows -> an actor pool (one GPU, or one CPU slot, and a loaded
-VLM + ARR-COC per actor) that decodes, allocates and answers each video -> per-video outcomes.
+"""The batch work on Ray Data: plan rows -> an actor pool (a GPU or a share of one, or one CPU slot,
+and a loaded VLM + ARR-COC per actor) that decodes, allocates and answers each video -> per-video
+outcomes.
+
+Every GPU Ray sees (on this machine or across a cluster) gets `per_gpu` actors, each asking for
+1/per_gpu of it: the one-GPU setting that answers the most (several processes per GPU, the local
+path's `--processes N`) repeated on every GPU. Several actors on one GPU take turns on it unless
+they are clients of an NVIDIA MPS daemon (core/mps.py): `actor_env` carries its variables to them
+(a daemon that runs with the default pipe directory on each node needs none: every CUDA process
+there joins it).
 
 Each actor is a `batch.VideoAnswerer`, the same object the local path uses, so both paths write
 identical stream groups; every actor writes its videos' groups straight into the shared store
@@ -93,18 +101,29 @@ def _check_reachable(address: str, given: str | None = None) -> None:
         raise ConfigError(f"cannot connect to the Ray cluster at --ray {where}: {reason}") from None
 
 
+def actor_count(gpus: int, use_gpu: bool, per_gpu: int, workers: int | None, tasks: int) -> int:
+    """Actors in the pool: `workers`, else per_gpu on every GPU (one on CPU); never more than the
+    plan's actor calls (an actor with no call to run would still load a model), never none."""
+    size = workers or (gpus * per_gpu if use_gpu else 1)
+    return max(1, min(size, tasks))
+
+
 def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *, address: str = "auto",
                   stock: bool = False, workers: int | None = None, progress: bool | None = None,
                   vlm_factory: Callable | None = None, in_flight: int = IN_FLIGHT,
-                  videos_per_task: int | None = None, query_encoder: Callable | None = None) -> BatchSummary:
-    """The plan on Ray Data: one actor per GPU (or `workers` CPU actors when cfg asks for cpu), each
-    call answering videos_per_task videos (default in_flight). query_encoder: question -> (384,)
-    instead of MiniLM, built into each actor (runners/batch.py: VideoAnswerer)."""
+                  videos_per_task: int | None = None, query_encoder: Callable | None = None,
+                  per_gpu: int = 1, actor_env: dict[str, str] | None = None) -> BatchSummary:
+    """The plan on Ray Data: per_gpu actors on every GPU of the cluster, each holding 1/per_gpu of
+    one (or `workers` actors in all; one CPU actor when cfg asks for cpu), each call answering
+    videos_per_task videos (default in_flight). actor_env: variables the actors start with (an MPS
+    daemon's). query_encoder: question -> (384,) instead of MiniLM, built into each actor
+    (runners/batch.py: VideoAnswerer)."""
     import ray
 
     out = store_location(out)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
+    check_count("--processes (actors per GPU)", per_gpu)
     check_in_flight(in_flight)
     per_task = in_flight if videos_per_task is None else videos_per_task
     check_count("--videos-per-task", per_task)
@@ -114,8 +133,10 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
     if cfg.runtime.device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda was asked for, but the Ray cluster has no GPUs")
     tasks = -(-len(plan) // per_task)
-    size = workers or (gpus if use_gpu else 1)
-    size = max(1, min(size, tasks))       # an actor with no task to run would still load a model
+    size = actor_count(gpus, use_gpu, per_gpu, workers, tasks)
+    # Ray counts GPU shares in units of 1e-4: 1/3 rounds down, so three actors still fit one GPU
+    share = int(1e4 / per_gpu) / 1e4 if use_gpu else 0
+    env = {"runtime_env": {"env_vars": dict(actor_env)}} if actor_env else {}
     # the driver creates the store once, so actors never race to create its root
     VideoAnswerer.create_store(cfg, out, stock=stock)
     start = time.perf_counter()
@@ -126,11 +147,12 @@ def run_ray_batch(plan: list[VideoWork], out: str | Path, cfg: PipelineConfig, *
                             fn_constructor_kwargs=dict(cfg=cfg, out=str(out), stock=stock, vlm_factory=vlm_factory,
                                                        in_flight=in_flight, query_encoder=query_encoder),
                             compute=ray.data.ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=MAX_IN_FLIGHT),
-                            num_gpus=1 if use_gpu else 0, num_cpus=1)
+                            num_gpus=share, num_cpus=1, **env)
         rows = (VideoOutcome(**{k: v.item() if hasattr(v, "item") else v for k, v in row.items()})
                 for row in ds.iter_rows())
         for outcome in _with_progress(rows, len(plan), progress):
             outcomes.append(outcome)
             report_outcome(outcome)
+    kind = ("GPU" if per_gpu == 1 else f"1/{per_gpu}-GPU") if use_gpu else "CPU"
     return BatchSummary(out, len(plan), sum(len(w.questions) for w in plan), time.perf_counter() - start, outcomes,
-                        backend=f"ray ({size} {'GPU' if use_gpu else 'CPU'} actor{'s' if size > 1 else ''})")
+                        backend=f"ray ({size} {kind} actor{'s' if size > 1 else ''})")

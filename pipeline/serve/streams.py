@@ -118,6 +118,40 @@ class LiveStream:
                 "homunculus": f"/v1/homunculus/{self.id}", "metrics": self.status_lines.latest}
 
 
+@dataclass(frozen=True)
+class Source:
+    """A live source as media.live_source resolved it: what run_live opens, whether it is a file
+    played in real time, what the store records, FFmpeg options (a pinned URL's)."""
+    spec: str
+    realtime: bool
+    shown: str
+    av_options: tuple[tuple[str, str], ...] = ()
+
+
+def new_stream_id() -> str:
+    return f"live-{uuid.uuid4().hex[:24]}"
+
+
+def live_options(every_s: float, on_scene_change: bool, duration_s: float | None) -> LiveOptions:
+    """A stream's answer settings, or 400 naming the bad one."""
+    try:
+        return LiveOptions(every_s=every_s, on_scene_change=on_scene_change, duration_s=duration_s)
+    except ValueError as e:
+        raise ApiError(400, str(e).replace("--", ""), param="every") from None
+
+
+def check_room(options: Any, streams: list[Any], owner: str) -> None:
+    """429 when --max-streams of `streams` are running, or --max-streams-per-key of `owner`'s."""
+    per_key = options.per_key[1]
+    running = [s for s in streams if s.status in ("starting", "running")]
+    mine = sum(s.owner == owner for s in running)
+    if len(running) >= options.max_streams or mine >= per_key:
+        which = (f"{options.max_streams} live streams are running (--max-streams)"
+                 if mine < per_key else f"this API key runs {mine} live streams (--max-streams-per-key)")
+        raise ApiError(429, f"{which}; stop one with DELETE /v1/streams/{{id}}", code="too_many_streams",
+                       headers={"Retry-After": "10"})
+
+
 class LiveStreams:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -146,23 +180,20 @@ class LiveStreams:
         """Open the source and start answering (blocks until it is open or has failed: call it off the
         event loop). 400 for a bad source, 429 when --max-streams are running (in all, or for this
         owner: --max-streams-per-key)."""
-        spec, realtime, shown, av_options = self.engine.media.live_source(source, owner)
-        try:
-            options = LiveOptions(every_s=every_s, on_scene_change=on_scene_change, duration_s=duration_s)
-        except ValueError as e:
-            raise ApiError(400, str(e).replace("--", ""), param="every") from None
-        per_key = self.engine.options.per_key[1]
-        with self._lock:
-            mine = sum(s.owner == owner and s.status in ("starting", "running") for s in self._streams.values())
-        if self.running() >= self.engine.options.max_streams or mine >= per_key:
-            which = (f"{self.engine.options.max_streams} live streams are running (--max-streams)"
-                     if mine < per_key else f"this API key runs {mine} live streams (--max-streams-per-key)")
-            raise ApiError(429, f"{which}; stop one with DELETE /v1/streams/{{id}}", code="too_many_streams",
-                           headers={"Retry-After": "10"})
-        stream = LiveStream(f"live-{uuid.uuid4().hex[:24]}", shown, question, every_s, on_scene_change,
-                            int(time.time()), EventLog(self.engine.options.stream_events), owner=owner)
-        live = LiveConfig(realtime=realtime, av_options=av_options)
-        stream.thread = threading.Thread(target=self._run, args=(stream, spec, live, options),
+        source = Source(*self.engine.media.live_source(source, owner))
+        options = live_options(every_s, on_scene_change, duration_s)
+        check_room(self.engine.options, self.list(), owner)
+        return self.launch(source, question, options, owner)
+
+    def launch(self, source: Source, question: str, options: LiveOptions, owner: str = "",
+               stream_id: str | None = None) -> LiveStream:
+        """Start answering a source already checked (start, or the ingress of a stream group:
+        ray_app.py, which names the stream); blocks until it is open or has failed (400)."""
+        stream = LiveStream(stream_id or new_stream_id(), source.shown, question, options.every_s,
+                            options.on_scene_change, int(time.time()), EventLog(self.engine.options.stream_events),
+                            owner=owner)
+        live = LiveConfig(realtime=source.realtime, av_options=source.av_options)
+        stream.thread = threading.Thread(target=self._run, args=(stream, source.spec, live, options),
                                          name=f"serve-{stream.id}", daemon=True)
         with self._lock:
             self._streams[stream.id] = stream
@@ -170,7 +201,7 @@ class LiveStreams:
         stream.thread.start()
         stream.started.wait(START_WAIT_S)
         if stream.status == "failed":
-            raise ApiError(400, f"cannot open live source {shown!r}: {stream.error}", param="source",
+            raise ApiError(400, f"cannot open live source {source.shown!r}: {stream.error}", param="source",
                            code="source_failed")
         return stream
 

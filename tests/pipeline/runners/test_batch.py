@@ -624,8 +624,13 @@ class TestBadInputs:
         (["--processes", "0"], "--processes must be >= 1, got 0"),
         (["--processes", "2", "--shard", "0/2"],
          "--processes shards the split itself (--shard i/N each); drop --shard"),
-        (["--processes", "2", "--ray", "local"],
-         "--processes runs the local path side by side; Ray spreads work with --workers"),
+        (["--processes", "2", "--ray", "auto", "--mps"],
+         "--mps starts a daemon on this machine only; on a Ray cluster start `nvidia-cuda-mps-control -d` on "
+         "every GPU node instead (docs/deployment.md)"),
+        (["--processes", "2", "--ray", "local", "--shared-vlm"],
+         "--shared-vlm is for the local path's --processes; each Ray actor loads its own VLM"),
+        (["--processes", "2", "--ray", "local", "--mps"],     # before Ray starts
+         "--mps shares one CUDA GPU between processes; runtime.device is cpu (use --device cuda, or drop --mps)"),
         (["--shared-vlm"], "--shared-vlm shares one VLM between the processes of --processes N (N >= 2)"),
         (["--mps"], "--mps runs the processes of --processes N (N >= 2) as clients of one MPS daemon"),
         (["--processes", "1", "--mps"],

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow  # a local Ray instance takes ~20 s to start and t
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # one logical GPU (none is real): actors that ask for a share of it run on the CPU
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -62,6 +63,54 @@ def test_ray_path_matches_local_path(tmp_path, local_ray):
     again = run_ray_batch(plan, tmp_path / "ray.zarr", cfg, address="local", workers=2, progress=False)
     assert again.backend == "ray (1 CPU actor)"           # three videos, four in flight: one call
     assert again.count("skipped") == 2 and again.count("done") == 0
+
+
+def test_actors_share_each_gpu_and_answer_as_the_local_path(tmp_path, local_ray):
+    """--processes 2 on Ray: two actors on the (one, logical) GPU, half of it each, started with
+    actor_env (an MPS daemon's variables); their stream groups equal the local path's."""
+    root = tmp_path / "ds"
+    write_fixture(root, videos=2, questions_per_video=2, seconds=0.6, height=64, width=96)
+    cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=auto", "vlm.max_new_tokens=3"])
+    plan = make_plan(load_msrvtt(root))
+    local = run_batch(plan, tmp_path / "local.zarr", cfg, progress=False)
+
+    def factory(device):                                     # runs in each actor
+        import os
+
+        import ray as ray_in_actor
+
+        from pipeline.vlm.loading import load_answerer
+        assert os.environ.get("ARRCOC_TEST_ENV") == "mps-pipe", "actor_env did not reach the actor"
+        assert len(ray_in_actor.get_gpu_ids()) == 1, "the actor holds no share of a GPU"
+        return load_answerer(cfg, device)
+    shared = run_ray_batch(plan, tmp_path / "ray.zarr", cfg, address="local", progress=False, videos_per_task=1,
+                           per_gpu=2, actor_env={"ARRCOC_TEST_ENV": "mps-pipe"}, vlm_factory=factory)
+    assert shared.backend == "ray (2 1/2-GPU actors)"
+    assert shared.count("done") == local.count("done") == 2
+    for sid in ("video7010", "video7011"):
+        a, b = read_stream(tmp_path / "local.zarr", sid), read_stream(tmp_path / "ray.zarr", sid)
+        np.testing.assert_array_equal(a["tokens"], b["tokens"], err_msg=sid)
+        assert a["answers"]["text"].tolist() == b["answers"]["text"].tolist(), sid
+
+
+@pytest.mark.parametrize("gpus, use_gpu, per_gpu, workers, tasks, actors", [
+    (2, True, 1, None, 100, 2),        # one per GPU
+    (2, True, 6, None, 100, 12),       # six on each of two GPUs
+    (4, True, 3, None, 5, 5),          # never more than the calls the plan makes
+    (2, True, 6, 3, 100, 3),           # --workers counts them all
+    (0, False, 6, None, 100, 1),       # on CPU: one
+    (2, True, 2, None, 0, 1),          # an empty plan: still one (the store is made)
+])
+def test_actor_count(gpus, use_gpu, per_gpu, workers, tasks, actors):
+    from pipeline.runners.ray_batch import actor_count
+
+    assert actor_count(gpus, use_gpu, per_gpu, workers, tasks) == actors
+
+
+def test_processes_per_gpu_must_be_positive(tmp_path):
+    cfg = load_config(PipelineConfig, None, ["runtime.vlm=tiny-random", "runtime.device=cpu"])
+    with pytest.raises(ConfigError, match=r"--processes \(actors per GPU\) must be >= 1, got 0"):
+        run_ray_batch([], tmp_path / "x.zarr", cfg, address="local", per_gpu=0)
 
 
 def test_videos_per_task_must_be_positive(tmp_path):

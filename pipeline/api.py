@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .runners.run import AllocationStream, RunResult
 
 Device = Literal["auto", "cuda", "cpu"]
-Decoder = Literal["pyav", "decord"]
+Decoder = Literal["pyav", "decord", "nvdec"]
 Dataset = Literal["msrvtt"]
 Task = Literal["qa", "caption"]
 Transport = Literal["tcp", "udp"]
@@ -96,7 +96,8 @@ class Pipeline:
     vlm:       HF id, local snapshot path, arrcoc-synth-qa, tiny-random (random weights: smoke
                tests) or none (allocation only); None: the config's (default none)
     device:    auto, cuda or cpu; None: the config's (default auto)
-    decoder:   pyav or decord; None: the config's (default pyav)
+    decoder:   pyav, decord or nvdec (the GPU's decoders; decode.fallback: pyav where they cannot
+               be used); None: the config's (default pyav)
     every:     one answer per window of this many seconds; None: the config's (default: one
                answer for the whole video)
     config:    a YAML file (configs/*.yaml) or a PipelineConfig; None: the defaults

@@ -224,7 +224,9 @@ class Pipeline:
         Pipeline's loaded VLM, if any, is not used). stagger (default on): the streams' answer times
         spread over the period (LiveOptions.stagger), so streams started together do not queue
         behind each other. decode_threads: FFmpeg's decoding threads per network stream
-        (LiveConfig.decode_threads, default 2; 0: FFmpeg's choice)."""
+        (LiveConfig.decode_threads, default 2; 0: FFmpeg's choice). With decoder nvdec, network
+        streams and realtime files decode on the GPU (decode.fallback as for files); cameras
+        (OpenCV) and decord's choice decode as before."""
         from sinks import store_location
         from sources.live import LiveConfig
 
@@ -236,9 +238,11 @@ class Pipeline:
         if not specs or not all(isinstance(s, str) for s in specs):
             raise ConfigError(f"sources must be a source string or a list of them, got {sources!r}")
         check_choice("transport", transport, get_args(Transport))
+        decode = self._config.decode
         live = LiveConfig(transport=transport, open_timeout_s=timeout, read_timeout_s=timeout,
                           max_reconnects=max_reconnects, buffer_frames=buffer, realtime=realtime,
-                          decode_threads=decode_threads)
+                          decode_threads=decode_threads, decoder="nvdec" if decode.decoder == "nvdec" else "pyav",
+                          fallback=decode.fallback)
         every = self._config.runtime.every_s
         options = LiveOptions(every_s=2.0 if every is None else every, on_scene_change=on_scene_change,
                               duration_s=duration, metrics_every_s=metrics_every, vlm_process=vlm_process,

@@ -5,6 +5,7 @@ own frames against PyAV's, for a file and a live source."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 import warnings
 
 import av
@@ -165,6 +166,88 @@ class TestSource:
         with pytest.raises(SourceError, match="no such file") as e:
             open_video(tmp_path / "missing.mp4", decoder="nvdec", fallback=True)
         assert not isinstance(e.value, NvdecUnavailable)
+
+
+class TestLive:
+    """Network streams (here: a file opened as one) and realtime files with live.decoder nvdec."""
+
+    def spec(self, clip):
+        from sources.live import SourceSpec
+        return SourceSpec("network", str(clip), "clip", "clip")
+
+    def test_network_frames_as_pyav_then_lost(self, clip, fake_nvdec):
+        from sources.live import LiveConfig
+        from sources.live_connections import CONNECTIONS, Lost, NvdecNetworkConnection
+
+        ref, _ = read(clip)
+        conn = CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec"), None)
+        assert isinstance(conn, NvdecNetworkConnection) and (conn.width, conn.height) == (96, 72)
+        got = []
+        with pytest.raises(Lost, match="server closed the connection"):
+            for item in conn.frames():
+                got.append(item)
+        conn.close()
+        assert len(got) == len(ref) and np.allclose([g[0] for g in got], [f.pts_s for f in ref])
+        diff = np.abs(np.stack([g[1].numpy() for g in got]).astype(int) - np.stack([f.rgb for f in ref]).astype(int))
+        assert diff.max() <= 2 and all(g[2] is not None for g in got)
+
+    def test_network_decoder_error_is_a_lost_stream(self, clip, fake_nvdec):
+        from sources.live import LiveConfig
+        from sources.live_connections import CONNECTIONS, Lost
+
+        fake_nvdec.fail_after = 3
+        conn = CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec"), None)
+        with pytest.raises(Lost, match="stream error: cuda_error_invalid_image|stream error: CUDA_ERROR"):
+            list(conn.frames())
+        conn.close()
+
+    def test_network_stall(self, clip, fake_nvdec, monkeypatch):
+        from sources.live import LiveConfig
+        from sources.live_connections import CONNECTIONS, Stalled
+
+        stop = threading.Event()
+
+        def stalled(self):   # a stream whose demuxer blocks: no frame, no error
+            stop.wait(5.0)
+            yield from ()
+
+        monkeypatch.setattr(PyAVNv12Session, "frames", stalled)
+        conn = CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec", read_timeout_s=0.2), None)
+        with pytest.raises(Stalled):
+            next(conn.frames())
+        stop.set()
+        conn.close()
+
+    def test_network_refusal_and_fallback(self, clip, monkeypatch):
+        from sources.live import LiveConfig
+        from sources.live_connections import CONNECTIONS, NetworkConnection
+
+        def missing(name):
+            raise NvdecUnavailable(name, "PyNvVideoCodec is not installed")
+
+        monkeypatch.setattr(nvdec, "check_available", missing)
+        with pytest.raises(NvdecUnavailable, match="clip: decoder=nvdec cannot be used: PyNvVideoCodec"):
+            CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec"), None)
+        with pytest.warns(NvdecFallbackWarning, match="clip: decoding with pyav: nvdec cannot be used"):
+            conn = CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec", fallback=True), None)
+        assert isinstance(conn, NetworkConnection)
+        conn.close()
+
+    def test_realtime_file_frames_are_tensors(self, clip, fake_nvdec):
+        from sources.live import LiveConfig, open_live
+
+        with open_live(str(clip), config=LiveConfig(realtime=True, decoder="nvdec", buffer_frames=100)) as live:
+            frames = []
+            while not live.finished:
+                frames += live.take(100, timeout_s=0.2)[0]
+        assert len(frames) == 45 and all(isinstance(f.rgb, torch.Tensor) for f in frames)
+
+    def test_bad_decoder_name(self):
+        from arr_coc._validate import ConfigError
+        from sources.live import LiveConfig
+
+        with pytest.raises(ConfigError, match="live.decoder"):
+            LiveConfig(decoder="decord")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a GPU")

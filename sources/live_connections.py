@@ -312,6 +312,7 @@ class NvdecNetworkConnection(Connection):
             self._session = nvdec.open_session(spec.target)
         except nvdec.NvdecError as e:
             raise OpenError(spec.name, f"NVDEC cannot open the stream ({e})", f"nvdec: {e}") from e
+        self._time_base = getattr(self._session, "time_base", None) or self._time_base   # its demuxer's pts unit
         self._queue: queue.Queue = queue.Queue(maxsize=self._QUEUE)
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read, name=f"nvdec-{spec.stream_id}", daemon=True)

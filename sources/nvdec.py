@@ -49,7 +49,10 @@ class NvdecError(Exception):
 
 
 class NvdecSession(Protocol):
-    """One NVDEC decoder session over one input (a file or a stream URL)."""
+    """One NVDEC decoder session over one input (a file or a stream URL). time_base: seconds per pts
+    unit as its demuxer reports them (None: the caller's own, e.g. PyAV's for the same stream)."""
+
+    time_base: float | None
 
     def frames(self) -> Iterator[tuple[int | None, torch.Tensor]]:
         """(pts in the stream's time base, or None; NV12 uint8 (H * 3 / 2, W) on the GPU) in
@@ -118,6 +121,8 @@ class _PyNvSession:
                                               usedevicememory=True, outputColorType=nvc.OutputColorType.NATIVE)
         except Exception as e:
             raise NvdecError(_first_line(e)) from e
+        num, den = (getattr(self._demuxer, name, lambda: 0)() for name in ("GetTimebaseNum", "GetTimebaseDen"))
+        self.time_base = num / den if num and den else None
 
     def frames(self) -> Iterator[tuple[int | None, torch.Tensor]]:
         import torch
@@ -137,10 +142,9 @@ class _PyNvSession:
         """The frames the decoder still holds once the demuxer ended (B-frame reordering keeps a few):
         an empty packet is the end of stream. Where the demuxer already sent one, none come back."""
         try:
-            empty = self._nvc.PacketData()
-        except Exception:  # a build without a constructible PacketData: the demuxer's end flushed
+            return list(self._decoder.Decode(self._nvc.PacketData()))
+        except Exception:  # no constructible PacketData, or a decoder already ended: the demuxer's end flushed
             return []
-        return list(self._decoder.Decode(empty))
 
     def close(self) -> None:
         self._decoder = self._demuxer = None

@@ -486,7 +486,7 @@ class _NvdecSource(VideoSource):
             self._check_size(first.width, first.height)
             info = _video_info(container, stream, first)
             self._time_base = float(stream.time_base)
-            self._start_pts = stream.start_time or 0
+            self._t0 = float((stream.start_time or 0) * stream.time_base)   # seconds: pts count from here
             self._ends_mid_packet = _ends_mid_packet(self.path, container)
         _check_start(self.path, self.start_s, info.duration_s)
         layout = nvdec.nv12_layout(str(self.path), info.codec, info.pixel_format, info.colorspace, info.color_range,
@@ -496,6 +496,7 @@ class _NvdecSource(VideoSource):
             self._session = nvdec.open_session(str(self.path))
         except NvdecError as e:
             raise NvdecUnavailable(str(self.path), f"PyNvVideoCodec cannot open it ({e})") from e
+        self._time_base = getattr(self._session, "time_base", None) or self._time_base   # its demuxer's pts unit
         self._decoded = self._decode()
         self._first = next(self._decoded, None)
         if self._first is None:
@@ -529,7 +530,7 @@ class _NvdecSource(VideoSource):
         index, last_pts = -1, None
         for pts, nv12 in frames:
             index += 1
-            t = index / self.source_fps if pts is None else (pts - self._start_pts) * self._time_base
+            t = index / self.source_fps if pts is None else pts * self._time_base - self._t0
             if t < start:
                 continue  # before start_s: decoded, counted, not kept
             last_pts = t

@@ -29,17 +29,22 @@ def clip(tmp_path_factory):
 
 class PyAVNv12Session:
     """NvdecSession's double: PyAV decodes, each frame repacked as NV12 (H * 3 / 2, W), as NVDEC
-    gives them. fail_after: raise NvdecError after this many frames (0: before the first)."""
+    gives them, with pts in microseconds (its own time base, not the container's).
+    fail_after: raise NvdecError after this many frames (0: before the first)."""
+
+    time_base = 1e-6
 
     def __init__(self, target: str, fail_after: int | None = None) -> None:
         self.target, self.fail_after, self.closed = target, fail_after, False
 
     def frames(self):
         with av.open(self.target) as container:
-            for k, frame in enumerate(container.decode(container.streams.video[0])):
+            stream = container.streams.video[0]
+            for k, frame in enumerate(container.decode(stream)):
                 if k == self.fail_after:
                     raise nvdec.NvdecError("CUDA_ERROR_INVALID_IMAGE")
-                yield frame.pts, torch.from_numpy(frame.reformat(format="nv12").to_ndarray())
+                yield round(frame.pts * stream.time_base * 10**6), torch.from_numpy(
+                    frame.reformat(format="nv12").to_ndarray())
 
     def close(self) -> None:
         self.closed = True

@@ -287,6 +287,10 @@ class Pipeline:
                                  query_encoder=self._query_encoder)
         if videos_per_task is not None:
             raise ConfigError("--videos-per-task is for --ray runs (actor calls); the local path streams its videos")
+        if self._config.decode.decoder == "nvdec" and not self._config.decode.fallback:
+            # no GPU or no PyNvVideoCodec here: one error now, not every video skipped as unreadable
+            from sources.nvdec import check_available
+            check_available("--decoder nvdec")
         server = None
         if vlm_server is not None:
             from .vlm.server import ServerAddress

@@ -278,6 +278,10 @@ class Pipeline:
         if overwrite and shard is not None:
             raise ConfigError("--overwrite with --shard would delete the other shards' answers: start the store "
                               "afresh once (without --shard), then run the shards")
+        if ray is None and self._config.decode.decoder == "nvdec" and not self._config.decode.fallback:
+            # no GPU or no PyNvVideoCodec here: one error now, not every video skipped as unreadable
+            from sources.nvdec import check_available
+            check_available("--decoder nvdec")
         # the settings check (or the fresh start) before any model loads
         VideoAnswerer.create_store(self._config, out, stock=stock_tokens, overwrite=overwrite)
         if ray is not None:
@@ -287,10 +291,6 @@ class Pipeline:
                                  query_encoder=self._query_encoder)
         if videos_per_task is not None:
             raise ConfigError("--videos-per-task is for --ray runs (actor calls); the local path streams its videos")
-        if self._config.decode.decoder == "nvdec" and not self._config.decode.fallback:
-            # no GPU or no PyNvVideoCodec here: one error now, not every video skipped as unreadable
-            from sources.nvdec import check_available
-            check_available("--decoder nvdec")
         server = None
         if vlm_server is not None:
             from .vlm.server import ServerAddress

@@ -294,3 +294,23 @@ class TestOnTheGPU:
         assert len(frames) == len(ref) and all(f.rgb.is_cuda for f in frames)
         diff = np.abs(np.stack([f.host_rgb() for f in frames]).astype(int) - np.stack([f.rgb for f in ref]).astype(int))
         assert diff.mean() < 1.0 and diff.max() <= 4, (diff.mean(), diff.max())
+
+    def test_network_connection_frames_equal_pyav(self, h264):
+        """The network path (PyAV's probe, the session in a reader thread), on a file for a stream."""
+        from sources.live import LiveConfig, SourceSpec
+        from sources.live_connections import CONNECTIONS, Lost, NvdecNetworkConnection
+
+        ref, _ = read(h264)
+        conn = CONNECTIONS["network"](SourceSpec("network", str(h264), "clip", "clip"), LiveConfig(decoder="nvdec"),
+                                      None)
+        assert isinstance(conn, NvdecNetworkConnection)
+        got = []
+        with pytest.raises(Lost):
+            for item in conn.frames():
+                got.append(item)
+        conn.close()
+        times, ref_times = np.array([g[0] for g in got]), np.array([f.pts_s for f in ref])
+        assert len(got) == len(ref) and np.allclose(times - times[0], ref_times - ref_times[0], atol=1e-3)
+        rgb = np.stack([g[1].cpu().numpy() for g in got]).astype(int)
+        diff = np.abs(rgb - np.stack([f.rgb for f in ref]).astype(int))
+        assert diff.mean() < 1.0 and diff.max() <= 4, (diff.mean(), diff.max())

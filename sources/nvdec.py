@@ -19,6 +19,7 @@ that a caller that allows it (decode.fallback) can say so and decode with PyAV.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from sources.errors import SourceError
@@ -70,6 +71,10 @@ def check_available(name: str) -> None:
 
     if not torch.cuda.is_available():
         raise NvdecUnavailable(name, "no CUDA GPU is available")
+    # its import logs a failure over several lines (troubleshooting steps) before raising: the
+    # first line of the exception is said instead, once
+    log = logging.getLogger("PyNvVideoCodec")
+    was_disabled, log.disabled = log.disabled, True
     try:
         import PyNvVideoCodec  # noqa: F401
     except ImportError as e:
@@ -77,6 +82,8 @@ def check_available(name: str) -> None:
             from e
     except Exception as e:  # its import checks the driver (libnvcuvid, NVENC version) and raises RuntimeError
         raise NvdecUnavailable(name, f"PyNvVideoCodec cannot load ({_first_line(e)})") from e
+    finally:
+        log.disabled = was_disabled
 
 
 def nv12_layout(name: str, codec: str, pixel_format: str | None, colorspace: int, color_range: int,

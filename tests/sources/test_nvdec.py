@@ -5,6 +5,7 @@ own frames against PyAV's, for a file and a live source."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 import threading
 import warnings
 
@@ -171,6 +172,28 @@ class TestSource:
         with pytest.raises(SourceError, match="no such file") as e:
             open_video(tmp_path / "missing.mp4", decoder="nvdec", fallback=True)
         assert not isinstance(e.value, NvdecUnavailable)
+
+
+class TestAvailability:
+    def test_missing_package(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setitem(sys.modules, "PyNvVideoCodec", None)    # import raises ImportError
+        with pytest.raises(NvdecUnavailable, match=r"x.mp4: decoder=nvdec cannot be used: PyNvVideoCodec is not "
+                                                   r"installed \(pip install 'arr-coc-video\[nvdec\]'\)"):
+            nvdec.check_available("x.mp4")
+
+    def test_a_driver_it_cannot_load_is_its_first_line(self, monkeypatch, tmp_path):
+        package = tmp_path / "PyNvVideoCodec"
+        package.mkdir()
+        (package / "__init__.py").write_text(
+            "raise RuntimeError('libnvidia-encode.so.1: cannot open shared object file\\n\\n=== STEPS ===')\n")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.delitem(sys.modules, "PyNvVideoCodec", raising=False)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        with pytest.raises(NvdecUnavailable) as e:
+            nvdec.check_available("x.mp4")
+        assert str(e.value) == ("x.mp4: decoder=nvdec cannot be used: PyNvVideoCodec cannot load "
+                                "(libnvidia-encode.so.1: cannot open shared object file)")
 
 
 class TestLive:

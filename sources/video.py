@@ -496,7 +496,8 @@ class _NvdecSource(VideoSource):
             self._session = nvdec.open_session(str(self.path))
         except NvdecError as e:
             raise NvdecUnavailable(str(self.path), f"PyNvVideoCodec cannot open it ({e})") from e
-        self._time_base = getattr(self._session, "time_base", None) or self._time_base   # its demuxer's pts unit
+        # PyNvVideoCodec's pts count in its demuxer's time base (the container's, read by its own FFmpeg)
+        self._time_base = getattr(self._session, "time_base", None) or self._time_base
         self._decoded = self._decode()
         self._first = next(self._decoded, None)
         if self._first is None:

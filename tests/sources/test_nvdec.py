@@ -33,7 +33,8 @@ class PyAVNv12Session:
     gives them, with pts in microseconds (its own time base, not the container's).
     fail_after: raise NvdecError after this many frames (0: before the first)."""
 
-    time_base = 1e-6
+    unit = 1e-6          # seconds per pts unit handed out
+    time_base = 1e-6     # what the session says its unit is (None: says nothing)
 
     def __init__(self, target: str, fail_after: int | None = None) -> None:
         self.target, self.fail_after, self.closed = target, fail_after, False
@@ -44,7 +45,7 @@ class PyAVNv12Session:
             for k, frame in enumerate(container.decode(stream)):
                 if k == self.fail_after:
                     raise nvdec.NvdecError("CUDA_ERROR_INVALID_IMAGE")
-                yield round(frame.pts * stream.time_base * 10**6), torch.from_numpy(
+                yield round(frame.pts * stream.time_base / self.unit), torch.from_numpy(
                     frame.reformat(format="nv12").to_ndarray())
 
     def close(self) -> None:

@@ -3,6 +3,8 @@
     python3 benchmarks/bench_pipeline.py --device cuda                   # 480p, 720p, 1080p; pyav, decord
     python3 benchmarks/bench_pipeline.py --device cpu --sizes 480p --decoders pyav
     python3 benchmarks/bench_pipeline.py --quick                         # CI smoke run (240p, 48 frames)
+    python3 benchmarks/bench_pipeline.py --device cuda --decoders pyav,nvdec --sizes 720p,1080p \
+        --videos 720p=v720.mp4,1080p=v1080.mp4                          # GPU decode vs CPU decode
 
 Test videos are generated (a smooth texture panning 2 px per frame with a square moving across
 it, H.264 via sources.synthetic.write_video) and cached in --workdir. For each size and decoder:
@@ -11,7 +13,11 @@ it, H.264 via sources.synthetic.write_video) and cached in --workdir. For each s
   pipeline     pipeline.runners.run.run_video(path, question, out, cfg) with runtime.vlm=none; its
                frames/s is RunResult.frames / RunResult.wall_s.
   no-RGB       (PyAV) decoding that stops at the decoder's YUV frames: what the pipeline's worker
-               does on a GPU run, where the conversion to RGB happens on the device.
+               does on a GPU run, where the conversion to RGB happens on the device; (nvdec) the
+               bare NVDEC session's NV12 frames, before the conversion to RGB.
+CPU time: resource.getrusage of this process and its waited-for children (the decode worker
+processes), user + system, over each timed run, per frame decoded: what a decoder costs the host
+(nvdec's is the point: its frames cost the GPU's decoders, not the CPU's cores).
 Both clocks start after the file is opened: run_video's wall_s covers only graph.run (decode ->
 texture -> realize -> sink, store close included); opening the video and the store, encoding the
 query and building the model come before it and are reported apart as setup_s. The sentence
@@ -27,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is n
 import argparse
 import os
 import platform
+import resource
+import subprocess
 import shlex
 import shutil
 import statistics
@@ -90,15 +98,24 @@ def test_video(workdir: Path, name: str, height: int, width: int, frames: int) -
     return path
 
 
-def raw_decode(path: Path, decoder: str) -> tuple[int, float]:
-    """(frames, seconds) to iterate the source and touch every frame, after the open."""
+def cpu_s() -> float:
+    """User + system CPU seconds of this process and its waited-for children so far."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def raw_decode(path: Path, decoder: str) -> tuple[int, float, float]:
+    """(frames, seconds, CPU seconds) to iterate the source and touch every frame, after the open.
+    A GPU-decoded frame is finished when the source hands it over (sources/nvdec.py): reading a byte
+    of it would add a device-to-host sync per frame that the pipeline never makes."""
     with open_video(path, decoder=decoder) as video:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s()
         frames, touched = 0, 0
         for frame in video:
-            touched += int(frame.rgb[-1, -1, 0])  # read the last byte: the frame is really there
+            if not frame.on_device:
+                touched += int(frame.rgb[-1, -1, 0])  # read the last byte: the frame is really there
             frames += 1
-        return frames, time.perf_counter() - t0
+        return frames, time.perf_counter() - t0, cpu_s() - c0
 
 
 def pipeline_config(device: str, decoder: str, max_frames: int | None = None) -> PipelineConfig:
@@ -111,11 +128,12 @@ def pipeline_config(device: str, decoder: str, max_frames: int | None = None) ->
 QUERY: torch.Tensor | None = None  # set in main(): the question's embedding, computed once
 
 
-def run_pipeline(path: Path, out: Path, cfg: PipelineConfig) -> tuple[Any, float]:
+def run_pipeline(path: Path, out: Path, cfg: PipelineConfig) -> tuple[Any, float, float]:
+    """(RunResult, seconds of the whole run_video, CPU seconds of it, decode workers included)."""
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     result = run_video(path, QUESTION, out, cfg, progress=False, query_embedding=QUERY)
-    return result, time.perf_counter() - t0
+    return result, time.perf_counter() - t0, cpu_s() - c0
 
 
 @dataclass
@@ -130,8 +148,10 @@ class Row:
     decode_fps: float           # median over repeats
     pipeline_fps: float         # median over repeats, RunResult.frames / RunResult.wall_s
     ratio: float                # pipeline_fps / decode_fps
-    decode_no_rgb_fps: float | None  # PyAV only: decoding without the conversion to RGB
+    decode_no_rgb_fps: float | None  # PyAV: decoding without the conversion to RGB; nvdec: NV12 frames
     ratio_no_rgb: float | None  # pipeline_fps / decode_no_rgb_fps
+    decode_cpu_ms_per_frame: float     # median over repeats: CPU time of the raw decode per frame
+    pipeline_cpu_ms_per_frame: float   # of the whole run_video (setup included), decode workers included
     setup_s: float              # run_video's time outside wall_s (open, store, query, model)
     target_met: bool | None     # ratio >= TARGET_RATIO; None off CUDA (the target is for the GPU)
     decode_s: list[float] = field(default_factory=list)
@@ -139,9 +159,22 @@ class Row:
     stages: list[dict[str, Any]] = field(default_factory=list)  # RunResult.metrics of the median run
 
 
-def raw_decode_planes(path: Path) -> tuple[int, float]:
-    """(frames, seconds) to decode with PyAV and touch each frame's planes, with no conversion
-    to RGB: the decoder's own bound, which the pipeline's YUV hand-over can approach."""
+def raw_decode_planes(path: Path, decoder: str) -> tuple[int, float]:
+    """(frames, seconds) to decode and touch each frame's planes, with no conversion to RGB: the
+    decoder's own bound, which the pipeline's YUV hand-over can approach. PyAV: its YUV frames;
+    nvdec: a bare NVDEC session's NV12 frames (on the GPU; synchronized once at the end)."""
+    if decoder == "nvdec":
+        from sources import nvdec
+
+        session = nvdec.open_session(str(path))
+        try:
+            t0, frames = time.perf_counter(), 0
+            for _ in session.frames():
+                frames += 1
+            torch.cuda.synchronize()
+            return frames, time.perf_counter() - t0
+        finally:
+            session.close()
     with open_video(path, decoder="pyav") as video:
         t0 = time.perf_counter()
         frames, touched = 0, 0
@@ -160,19 +193,19 @@ def bench(path: Path, name: str, size: tuple[int, int], decoder: str, device: to
     decodes, planes, runs = [], [], []
     for _ in range(repeats):  # interleaved so all see the same page cache and clocks
         decodes.append(raw_decode(path, decoder))
-        if decoder == "pyav":
-            planes.append(raw_decode_planes(path))
+        if decoder in ("pyav", "nvdec"):
+            planes.append(raw_decode_planes(path, decoder))
         runs.append(run_pipeline(path, out, cfg))
     shutil.rmtree(out, ignore_errors=True)
     frames = decodes[0][0]
-    for result, _ in runs:
+    for result, _, _ in runs:
         if result.frames != frames or not result.complete:
             raise SystemExit(f"{path.name} ({decoder}): the pipeline wrote {result.frames} frames "
                              f"(complete={result.complete}), raw decode gave {frames}")
-    decode_fps = statistics.median(n / s for n, s in decodes)
+    decode_fps = statistics.median(n / s for n, s, _ in decodes)
     planes_fps = statistics.median(n / s for n, s in planes) if planes else None
     by_fps = sorted(runs, key=lambda r: r[0].fps)
-    median_run, outer = by_fps[len(by_fps) // 2]
+    median_run, outer, _ = by_fps[len(by_fps) // 2]
     pipeline_fps = median_run.fps
     ratio = pipeline_fps / decode_fps
     return Row(size=name, height=size[0], width=size[1], grid=median_run.grid, decoder=decoder, device=device.type,
@@ -180,10 +213,12 @@ def bench(path: Path, name: str, size: tuple[int, int], decoder: str, device: to
                ratio=round(ratio, 3),
                decode_no_rgb_fps=None if planes_fps is None else round(planes_fps, 2),
                ratio_no_rgb=None if planes_fps is None else round(pipeline_fps / planes_fps, 3),
+               decode_cpu_ms_per_frame=round(1e3 * statistics.median(c / n for n, _, c in decodes), 3),
+               pipeline_cpu_ms_per_frame=round(1e3 * statistics.median(c / r.frames for r, _, c in runs), 3),
                setup_s=round(outer - median_run.wall_s, 3),
                target_met=(ratio >= TARGET_RATIO) if device.type == "cuda" else None,
-               decode_s=[round(s, 4) for _, s in decodes], pipeline_wall_s=[round(r.wall_s, 4) for r, _ in runs],
-               stages=median_run.metrics)
+               decode_s=[round(s, 4) for _, s, _ in decodes],
+               pipeline_wall_s=[round(r.wall_s, 4) for r, _, _ in runs], stages=median_run.metrics)
 
 
 def parse_size(text: str) -> tuple[str, tuple[int, int]]:
@@ -208,6 +243,33 @@ def versions() -> dict[str, str]:
         out["decord"] = decord.__version__
     except ImportError:
         pass
+    try:
+        from importlib.metadata import version
+        out["PyNvVideoCodec"] = version("PyNvVideoCodec")
+    except Exception:  # not installed (PackageNotFoundError)
+        pass
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def parse_videos(text: str | None, sizes: dict[str, tuple[int, int]]) -> dict[str, Path]:
+    """--videos SIZE=PATH,...: files to use for those sizes instead of generated ones."""
+    out: dict[str, Path] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, _, path = item.partition("=")
+        if name.strip() not in sizes or not path or not Path(path).is_file():
+            raise SystemExit(f"--videos: {item!r} must be SIZE=PATH with SIZE one of --sizes "
+                             f"({', '.join(sizes)}) and PATH an existing file")
+        out[name.strip()] = Path(path)
     return out
 
 
@@ -216,7 +278,8 @@ def print_row(r: Row) -> None:
     met = "n/a (GPU target)" if r.target_met is None else ("yes" if r.target_met else "NO")
     no_rgb = "-" if r.decode_no_rgb_fps is None else f"{r.decode_no_rgb_fps:.1f}"
     print(f"{r.size:>7} {r.grid[0]:>2}x{r.grid[1]:<3} {r.decoder:>7} {r.device:>6} {r.frames:>6} {r.decode_fps:>10.1f} "
-          f"{no_rgb:>10} {r.pipeline_fps:>12.1f} {r.ratio:>6.3f} {r.setup_s:>7.2f}  {met:<16} {busy}", flush=True)
+          f"{no_rgb:>10} {r.pipeline_fps:>12.1f} {r.ratio:>6.3f} {r.decode_cpu_ms_per_frame:>10.2f} "
+          f"{r.pipeline_cpu_ms_per_frame:>10.2f} {r.setup_s:>7.2f}  {met:<16} {busy}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed runs of each (median; default 3 on CUDA, 1 on CPU)")
     p.add_argument("--workdir", default=None, help="where test videos are cached (default: a temp dir, removed after)")
     p.add_argument("--quick", action="store_true", help="240p, 48 frames: a smoke run for CI")
+    p.add_argument("--videos", default=None, metavar="SIZE=PATH,...",
+                   help="use these files for those sizes (e.g. 720p=v720.mp4) instead of generated videos; "
+                        "--frames does not apply to them")
     p.add_argument("--out", default=None,
                    help="JSON path (default: $TMPDIR/arrcoc-bench/bench_pipeline_<device>.json; name "
                         "benchmarks/results/... to commit a result)")
@@ -239,6 +305,13 @@ def main(argv: list[str] | None = None) -> None:
     for d in decoders:
         if d not in DECODERS:
             raise SystemExit(f"--decoders: unknown decoder {d!r}; allowed: {', '.join(DECODERS)}")
+    if "nvdec" in decoders:
+        from sources.nvdec import NvdecUnavailable, check_available
+        try:
+            check_available("--decoders nvdec")
+        except NvdecUnavailable as e:
+            raise SystemExit(str(e)) from None
+    given = parse_videos(args.videos, dict(sizes))
     frames = args.frames or (48 if args.quick else 300)
     repeats = args.repeats or (3 if device.type == "cuda" else 1)
     if frames < 2 or repeats < 1:
@@ -255,11 +328,12 @@ def main(argv: list[str] | None = None) -> None:
     name = device_name(device)
     print(f"# {name}, CPU: {cpu_name()}, torch {torch.__version__}, {frames} frames per video, median of {repeats}")
     print(f"{'size':>7} {'grid':>6} {'decoder':>7} {'device':>6} {'frames':>6} {'decode fps':>10} {'no-RGB fps':>10} "
-          f"{'pipeline fps':>12} {'ratio':>6} {'setup_s':>7}  {'>= 0.9x?':<16} busy share per stage")
+          f"{'pipeline fps':>12} {'ratio':>6} {'dec cpu ms':>10} {'run cpu ms':>10} {'setup_s':>7}  {'>= 0.9x?':<16} "
+          f"busy share per stage")
     rows: list[Row] = []
     try:
         for size_name, (h, w) in sizes:
-            path = test_video(workdir, size_name, h, w, frames)
+            path = given.get(size_name) or test_video(workdir, size_name, h, w, frames)
             for decoder in decoders:
                 rows.append(bench(path, size_name, (h, w), decoder, device, repeats, workdir))
                 print_row(rows[-1])
@@ -270,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "bench_pipeline",
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "commit": git_commit(),
         "device": device.type,
         "device_name": name,
         "cpu_name": cpu_name(),
@@ -278,7 +353,10 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
         "versions": versions(),
         "config": "PipelineConfig() defaults + runtime.device, decode.decoder, runtime.vlm=none",
-        "video": f"generated H.264 (libx264 crf 18 veryfast, yuv420p, 25 fps), {frames} frames, pan + moving square",
+        "video": f"generated H.264 (libx264 crf 18 veryfast, yuv420p, 25 fps), {frames} frames, pan + moving square"
+                 + "".join(f"; {k}: {v.name}" for k, v in given.items()),
+        "cpu_time": "getrusage(RUSAGE_SELF) + getrusage(RUSAGE_CHILDREN), user + system, per frame: raw decode "
+                    "over its iteration; pipeline over the whole run_video (setup and decode workers included)",
         "timing": ("decode: perf_counter around iterating open_video (after the open); pipeline: RunResult.wall_s "
                    f"(graph.run only; setup_s is the rest of run_video); median of {repeats}, after one warm-up run"),
         "busy": "share of the run's wall time each stage spent in its own code (host time: "

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .runners.run import AllocationStream, RunResult
 
 Device = Literal["auto", "cuda", "cpu"]
-Decoder = Literal["pyav", "decord"]
+Decoder = Literal["pyav", "decord", "nvdec"]
 Dataset = Literal["msrvtt"]
 Task = Literal["qa", "caption"]
 Transport = Literal["tcp", "udp"]
@@ -96,7 +96,8 @@ class Pipeline:
     vlm:       HF id, local snapshot path, arrcoc-synth-qa, tiny-random (random weights: smoke
                tests) or none (allocation only); None: the config's (default none)
     device:    auto, cuda or cpu; None: the config's (default auto)
-    decoder:   pyav or decord; None: the config's (default pyav)
+    decoder:   pyav, decord or nvdec (the GPU's decoders; decode.fallback: pyav where they cannot
+               be used); None: the config's (default pyav)
     every:     one answer per window of this many seconds; None: the config's (default: one
                answer for the whole video)
     config:    a YAML file (configs/*.yaml) or a PipelineConfig; None: the defaults
@@ -223,7 +224,9 @@ class Pipeline:
         Pipeline's loaded VLM, if any, is not used). stagger (default on): the streams' answer times
         spread over the period (LiveOptions.stagger), so streams started together do not queue
         behind each other. decode_threads: FFmpeg's decoding threads per network stream
-        (LiveConfig.decode_threads, default 2; 0: FFmpeg's choice)."""
+        (LiveConfig.decode_threads, default 2; 0: FFmpeg's choice). With decoder nvdec, network
+        streams and realtime files decode on the GPU (decode.fallback as for files); cameras
+        (OpenCV) and decord's choice decode as before."""
         from sinks import store_location
         from sources.live import LiveConfig
 
@@ -235,9 +238,11 @@ class Pipeline:
         if not specs or not all(isinstance(s, str) for s in specs):
             raise ConfigError(f"sources must be a source string or a list of them, got {sources!r}")
         check_choice("transport", transport, get_args(Transport))
+        decode = self._config.decode
         live = LiveConfig(transport=transport, open_timeout_s=timeout, read_timeout_s=timeout,
                           max_reconnects=max_reconnects, buffer_frames=buffer, realtime=realtime,
-                          decode_threads=decode_threads)
+                          decode_threads=decode_threads, decoder="nvdec" if decode.decoder == "nvdec" else "pyav",
+                          fallback=decode.fallback)
         every = self._config.runtime.every_s
         options = LiveOptions(every_s=2.0 if every is None else every, on_scene_change=on_scene_change,
                               duration_s=duration, metrics_every_s=metrics_every, vlm_process=vlm_process,
@@ -275,6 +280,10 @@ class Pipeline:
         if overwrite and shard is not None:
             raise ConfigError("--overwrite with --shard would delete the other shards' answers: start the store "
                               "afresh once (without --shard), then run the shards")
+        if ray is None and self._config.decode.decoder == "nvdec" and not self._config.decode.fallback:
+            # no GPU or no PyNvVideoCodec here: one error now, not every video skipped as unreadable
+            from sources.nvdec import check_available
+            check_available("--decoder nvdec")
         # the settings check (or the fresh start) before any model loads
         VideoAnswerer.create_store(self._config, out, stock=stock_tokens, overwrite=overwrite)
         if ray is not None:

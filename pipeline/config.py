@@ -39,7 +39,12 @@ def validate_every(every_s: object, fps: float | None = None, *, name: str = "ev
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    decoder: Literal["pyav", "decord"] = "pyav"
+    # nvdec: the GPU's video decoders (sources/nvdec.py); frames stay on the GPU. Decodes in this
+    # process, in threads (`process` does not apply: CUDA frames do not fit shared memory cheaply)
+    decoder: Literal["pyav", "decord", "nvdec"] = "pyav"
+    # with decoder nvdec: an input NVDEC cannot decode (no GPU or PyNvVideoCodec, AV1 on a GPU
+    # without it, 10-bit, 4:4:4) decodes with pyav after one warning naming why, instead of failing
+    fallback: bool = False
     fps: float | None = None          # sample frames at this rate (None: every frame)
     start_s: float = 0.0
     end_s: float | None = None
@@ -69,6 +74,8 @@ class DecodeConfig:
         if self.max_pixels is not None:
             check_int("decode.max_pixels", self.max_pixels)
             check_range("decode.max_pixels", self.max_pixels, 1, None)
+        if not isinstance(self.fallback, bool):
+            raise ConfigError(f"decode.fallback must be true or false, got {self.fallback!r}")
         check_int("decode.shared_mb", self.shared_mb)
         check_range("decode.shared_mb", self.shared_mb, 16, 1 << 20)
 

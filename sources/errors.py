@@ -21,3 +21,8 @@ class VideoTruncatedWarning(UserWarning):
 
 class StreamInterruptedWarning(UserWarning):
     """A live stream stopped delivering frames (stalled, dropped) or came back; the outage is a Gap."""
+
+
+class NvdecFallbackWarning(UserWarning):
+    """decoder=nvdec was asked for where possible (decode.fallback), and this input decodes with PyAV:
+    the message names why NVDEC cannot be used."""

@@ -338,7 +338,9 @@ class LiveSource:
                 if self._last is not None:
                     pts = max(pts, self._last[0] + 1e-6)   # never backwards, also across reconnects
                 gap = self._recover(pts, arrival)
-                self.buffer.put(Frame(self.stream_id, self.frames_in, pts, np.ascontiguousarray(rgb), arrival), gap)
+                if isinstance(rgb, np.ndarray):   # NVDEC's frames are contiguous device tensors already
+                    rgb = np.ascontiguousarray(rgb)
+                self.buffer.put(Frame(self.stream_id, self.frames_in, pts, rgb, arrival), gap)
                 self.frames_in += 1
                 self._last = (pts, arrival)
                 self._arrivals.append(arrival)

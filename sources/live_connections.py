@@ -1,22 +1,25 @@
 """How live sources connect: their configuration, a parsed SOURCE (SourceSpec), and one open
-connection per kind (network stream through PyAV, camera through OpenCV, file paced at its frame
-rate). sources/live.py runs the capture thread over them; sources/reconnect.py decides when to
+connection per kind (network stream through PyAV or NVDEC, camera through OpenCV, file paced at its
+frame rate). sources/live.py runs the capture thread over them; sources/reconnect.py decides when to
 try again after an outage.
 """
 from __future__ import annotations
 
 import os
+import queue
 import random
+import threading
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 from urllib.parse import urlsplit
 
 import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-from sources.errors import SourceError
+from sources.errors import NvdecFallbackWarning, SourceError
 from sources.reconnect import backoff_s
 
 SourceKind = Literal["camera", "network", "file"]
@@ -43,6 +46,12 @@ class LiveConfig:
                        default, 5 s, would delay every reconnect by seconds).
     buffer_frames:     newest frames kept per source; older ones are dropped (and counted).
     realtime:          files are allowed and played at their frame rate (demos, tests).
+    decoder:           "pyav" (default) or "nvdec": network streams and realtime files decoded by the
+                       GPU's NVDEC, one decoder session per source, frames kept on the GPU
+                       (sources/nvdec.py). Cameras are read through OpenCV either way.
+    fallback:          with decoder nvdec: a source NVDEC cannot decode (no GPU or PyNvVideoCodec,
+                       a codec or format it lacks) decodes with PyAV after one warning, instead of
+                       failing to open.
     decode_threads:    FFmpeg decoding threads per network stream. Frame threads each hold a frame
                        back, counted in the latencies (they run from a frame's packet arrival).
                        2 (default): one frame held back, two cores' decode rate, plenty for
@@ -62,6 +71,8 @@ class LiveConfig:
     realtime: bool = False
     decode_threads: int = 2
     av_options: tuple[tuple[str, str], ...] = ()   # more FFmpeg options for network streams (a server's pinning)
+    decoder: Literal["pyav", "nvdec"] = "pyav"
+    fallback: bool = False
 
     def __post_init__(self) -> None:
         from arr_coc._validate import check_choice, check_int, check_range
@@ -78,6 +89,7 @@ class LiveConfig:
         check_range("live.buffer_frames", self.buffer_frames, 1, 10_000)
         check_int("live.decode_threads", self.decode_threads)
         check_range("live.decode_threads", self.decode_threads, 0, 64)
+        check_choice("live.decoder", self.decoder, ("pyav", "nvdec"))
 
     def backoff_s(self, failures: int, rng: random.Random) -> float:
         """Delay before the reconnect attempt that follows `failures` failed ones in this outage."""
@@ -265,13 +277,124 @@ class CameraConnection(Connection):
         self.cap.release()
 
 
+class NvdecNetworkConnection(Connection):
+    """A network stream decoded by NVDEC (sources/nvdec.py), frames as CUDA tensors.
+
+    PyAV opens the stream first, with the options and timeouts NetworkConnection uses, for what the
+    stream is (size, rate, time base, codec, colours: what the NV12 conversion needs) and then lets
+    go of it; PyNvVideoCodec's session opens its own connection and decodes. Its demuxer has no
+    read timeout: it runs in a reader thread, and a stall is no frame within read_timeout_s here.
+    A thread blocked in a stalled read ends when FFmpeg's read returns (the socket's own timeout).
+    Arrival times are when a frame leaves the decoder (the packet's own is not visible): latencies
+    leave out NVDEC's delay, at most its reorder depth. A stream back at another size is scaled on
+    the GPU to the size it started with."""
+
+    _QUEUE = 8   # decoded frames the reader may run ahead of the capture thread
+
+    def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        from sources import nvdec
+
+        nvdec.check_available(spec.name)
+        probe = NetworkConnection(spec, cfg, None)
+        try:
+            ctx = probe.stream.codec_context
+            coded = (ctx.width, ctx.height)
+            layout = nvdec.nv12_layout(spec.name, ctx.name, ctx.pix_fmt, int(ctx.colorspace or 2),
+                                       int(ctx.color_range or 0), ctx.height, ctx.width)
+            self.fps, time_base = probe.fps, probe.stream.time_base
+        finally:
+            probe.close()
+        self.width, self.height = size or coded
+        self._time_base = float(time_base) if time_base else None
+        self._convert = nvdec.Nv12ToRgb(layout, spec.name)
+        self._read_timeout_s = cfg.read_timeout_s
+        try:
+            self._session = nvdec.open_session(spec.target)
+        except nvdec.NvdecError as e:
+            raise OpenError(spec.name, f"NVDEC cannot open the stream ({e})", f"nvdec: {e}") from e
+        self._time_base = getattr(self._session, "time_base", None) or self._time_base   # its demuxer's pts unit
+        self._queue: queue.Queue = queue.Queue(maxsize=self._QUEUE)
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, name=f"nvdec-{spec.stream_id}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        """The reader thread: convert each frame (before the decoder reuses its memory) and queue it."""
+        from sources.nvdec import NvdecError
+
+        try:
+            for index, (pts, nv12) in enumerate(self._session.frames()):
+                rgb = self._resize(self._convert(nv12, index))
+                item = (None if pts is None or self._time_base is None else pts * self._time_base, rgb, time.time())
+                if not self._put(item):
+                    return
+            self._put(("end", "server closed the connection"))
+        except (NvdecError, SourceError) as e:
+            self._put(("end", f"stream error: {lowercase_first(str(e))}"))
+        except Exception as e:  # a bug must not leave the capture thread waiting: it reads a lost stream
+            self._put(("end", f"stream error: {type(e).__name__}: {e}"))
+        finally:
+            self._session.close()
+
+    def _put(self, item: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _resize(self, rgb: Any) -> Any:
+        if tuple(rgb.shape[:2]) == (self.height, self.width):
+            return rgb
+        import torch.nn.functional as F
+
+        chw = rgb.permute(2, 0, 1)[None].float()                                     # (1, 3, h, w)
+        out = F.interpolate(chw, size=(self.height, self.width), mode="bilinear", antialias=True, align_corners=False)
+        return out[0].permute(1, 2, 0).round_().clamp_(0, 255).to(rgb.dtype).contiguous()   # (H, W, 3)
+
+    def frames(self) -> Iterator[tuple[float | None, Any, float | None]]:
+        last = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=self._read_timeout_s)
+            except queue.Empty:
+                raise Stalled(time.monotonic() - last) from None
+            if item[0] == "end":
+                raise Lost(item[1])
+            last = time.monotonic()
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _network(spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> Connection:
+    """A network stream's connection: NVDEC's where live.decoder asks for it (with live.fallback,
+    PyAV's where NVDEC cannot be used, after a warning), else PyAV's."""
+    if cfg.decoder != "nvdec":
+        return NetworkConnection(spec, cfg, size)
+    from sources.nvdec import NvdecUnavailable
+
+    try:
+        return NvdecNetworkConnection(spec, cfg, size)
+    except NvdecUnavailable as e:
+        if not cfg.fallback:
+            raise
+        warnings.warn(f"{spec.name}: decoding with pyav: nvdec cannot be used ({e.reason})", NvdecFallbackWarning,
+                      stacklevel=2)
+        return NetworkConnection(spec, cfg, size)
+
+
 class FileConnection(Connection):
-    """A video file paced to its own timestamps, like a camera that ends when the file does."""
+    """A video file paced to its own timestamps, like a camera that ends when the file does (decoded
+    as live.decoder says: NVDEC's frames stay on the GPU)."""
 
     def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
         from sources.video import open_video
 
-        self.video = open_video(spec.target, stream_id=spec.stream_id)
+        self.video = open_video(spec.target, stream_id=spec.stream_id, decoder=cfg.decoder, fallback=cfg.fallback)
         self.fps, self.width, self.height = float(self.video.fps), self.video.width, self.video.height
 
     def frames(self) -> Iterator[tuple[float | None, np.ndarray]]:
@@ -293,7 +416,7 @@ class FileConnection(Connection):
         self.video.close()
 
 
-CONNECTIONS = {"network": NetworkConnection, "camera": CameraConnection, "file": FileConnection}
+CONNECTIONS = {"network": _network, "camera": CameraConnection, "file": FileConnection}
 
 
 def reason_of(e: BaseException) -> str:

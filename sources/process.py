@@ -4,7 +4,8 @@ Why: decoding runs in Python's thread pool poorly. The other stages of the pipel
 launches, zarr writes, VLM generation) hold the GIL often, and a decode thread that needs it for
 every frame starves: one busy Python thread beside it cuts PyAV's decode rate by more than an
 order of magnitude (docs/performance.md). In its own process the decoder keeps its rate whatever
-the stages do.
+the stages do. Not for decoder="nvdec": NVDEC's frames are CUDA tensors, and its thread needs ~1 ms
+of CPU a frame; it decodes in the consumer's process, in a thread (pipeline/core/setup.open_source).
 
 Protocol: the parent owns `slots` shared-memory batch buffers, of (batch, H, W, 3) uint8 RGB,
 or with `device_color` and a PyAV stream of 8-bit YUV 4:2:0, of (batch, frame_bytes) raw planes
@@ -135,6 +136,9 @@ class ProcessSource:
         if batch_size < 1 or slots < 2 or shared_bytes < 1:
             raise ValueError(f"batch_size must be >= 1, slots >= 2 and shared_bytes >= 1, "
                              f"got {batch_size}, {slots} and {shared_bytes}")
+        if open_kwargs.get("decoder") == "nvdec":
+            raise ValueError("decoder='nvdec' decodes in the consumer's process (open_video in a thread): its "
+                             "frames are CUDA tensors, which shared memory would carry only through the host")
         # errors (missing, corrupt, ...) surface here. The probe decodes its first frame on one thread:
         # FFmpeg's frame threads (up to 16) would each take a packet before the first frame came out
         with open_video(path, **{**open_kwargs, "threads": 1}) as probe:

@@ -1,15 +1,16 @@
-"""Video files as streams of Frames, decoded by PyAV (default, threaded) or decord.
+"""Video files as streams of Frames, decoded by PyAV (default, threaded), decord, or the GPU's NVDEC.
 
     with open_video("clip.mp4", fps=2.0, end_s=30.0) as video:
         for frame in video:            # sources.frame.Frame: stream_id, index, pts_s, rgb (H, W, 3)
             ...
         video.truncated                # True when damage stopped decoding early (a warning says so)
 
-Both decoders give the same frames: index is the frame's index in the decoded stream (before
+Every decoder gives the same frames: index is the frame's index in the decoded stream (before
 sampling), pts_s its presentation time in seconds from the start of the stream, rgb an upright
 (rotation metadata applied) uint8 C-contiguous array. Sampling to a target fps keeps the first
 frame at or after each 1/fps tick (ticks start at start_s), so variable frame rates are
-sampled on real timestamps and no frame is ever repeated.
+sampled on real timestamps and no frame is ever repeated. NVDEC's frames stay on the GPU
+(Frame.rgb a CUDA tensor) and equal PyAV's within the colour conversion's rounding (sources/yuv.py).
 """
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
-from sources.errors import SourceError, VideoTruncatedWarning
+from sources.errors import NvdecFallbackWarning, SourceError, VideoTruncatedWarning
 from sources.frame import Frame
+from sources.nvdec import NvdecError, NvdecUnavailable
 from sources.video_probe import (DECODERS, DEFAULT_MAX_PIXELS, NOT_VIDEO_CODECS, Decoder, VideoInfo, _check_args,
                                  _check_start, _decord_numpy, _duration_s, _ends_mid_packet, _first_frame,
                                  _open_container, _reason, _upright, _video_info, check_file)
 
-__all__ = ["DECODERS", "DEFAULT_MAX_PIXELS", "NOT_VIDEO_CODECS", "Decoder", "VideoInfo", "VideoSource", "check_file",
-           "open_video", "probe"]
+__all__ = ["DECODERS", "DEFAULT_MAX_PIXELS", "NOT_VIDEO_CODECS", "Decoder", "NvdecUnavailable", "VideoInfo",
+           "VideoSource", "check_file", "open_video", "probe"]
 
 
 # Containers round timestamps to their time base (Matroska: 1 ms), so a frame that sits on a
@@ -61,10 +63,11 @@ def probe(path: str | Path) -> VideoInfo:
 def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None = None,
                start_s: float = 0.0, end_s: float | None = None, max_frames: int | None = None,
                stream_id: str | None = None, threads: int = 0,
-               max_pixels: int | None = DEFAULT_MAX_PIXELS) -> VideoSource:
+               max_pixels: int | None = DEFAULT_MAX_PIXELS, fallback: bool = False) -> VideoSource:
     """Open a video file for reading as Frames; see the module docstring for the semantics.
 
-    decoder:    "pyav" (threaded FFmpeg decode, default) or "decord".
+    decoder:    "pyav" (threaded FFmpeg decode, default), "decord", or "nvdec" (the GPU's decoders
+                through PyNvVideoCodec, frames as CUDA tensors: sources/nvdec.py).
     fps:        target frame rate (first frame at or after each 1/fps tick); None keeps every frame.
     start_s, end_s: keep frames with start_s <= pts_s < end_s.
     max_frames: stop after this many frames.
@@ -74,15 +77,27 @@ def open_video(path: str | Path, *, decoder: Decoder = "pyav", fps: float | None
                 batch's videos in flight, Ray actors) may want fewer each.
     max_pixels: refuse videos whose frames have more pixels (width x height) than this (default:
                 DCI 8K, 8192x4320); None: no limit.
+    fallback:   decoder="nvdec" only: where NVDEC cannot decode this video (no GPU, no PyNvVideoCodec,
+                a codec or format it lacks), warn once naming why and decode with PyAV instead.
+                Without it that is a NvdecUnavailable (a SourceError).
     Raises SourceError (one line naming the path) for bad arguments and unreadable files.
     """
     path = Path(path)
     _check_args(path, decoder, fps, start_s, end_s, max_frames, stream_id, threads, max_pixels)
     check_file(path)
-    cls = _PyAVSource if decoder == "pyav" else _DecordSource
-    return cls(path, fps=None if fps is None else float(fps), start_s=float(start_s),
-               end_s=None if end_s is None else float(end_s), max_frames=max_frames,
-               stream_id=stream_id or path.stem, threads=int(threads), max_pixels=max_pixels)
+    kwargs = dict(fps=None if fps is None else float(fps), start_s=float(start_s),
+                  end_s=None if end_s is None else float(end_s), max_frames=max_frames,
+                  stream_id=stream_id or path.stem, threads=int(threads), max_pixels=max_pixels)
+    if decoder != "nvdec":
+        return (_PyAVSource if decoder == "pyav" else _DecordSource)(path, **kwargs)
+    try:
+        return _NvdecSource(path, **kwargs)
+    except NvdecUnavailable as e:
+        if not fallback:
+            raise
+        warnings.warn(f"{path}: decoding with pyav: nvdec cannot be used ({e.reason})", NvdecFallbackWarning,
+                      stacklevel=2)
+        return _PyAVSource(path, **kwargs)
 
 
 class VideoSource:
@@ -446,6 +461,92 @@ class _DecordSource(VideoSource):
         for indices, pts, batch in self._chunks():
             for i, pts_s, rgb in zip(indices, pts, batch):
                 yield Frame(self.stream_id, i, pts_s, rgb)  # a row of a (n, H, W, 3) C-order batch
+
+
+class _NvdecSource(VideoSource):
+    """Decoded by NVDEC (sources/nvdec.py: one decoder session of its own), frames as CUDA tensors.
+
+    PyAV reads the header (rotation, declared duration, colour description, time base) as for
+    decord; the session demuxes and decodes. start_s is reached by decoding from the start and
+    skipping (NVDEC decodes several hundred 1080p frames a second), so indices count from the first
+    frame as after PyAV's seek. Damage: a decoder or demuxer error after the first frame stops
+    decoding (VideoTruncatedWarning), as a missing tail does; before it, the stream is one NVDEC
+    does not take (NvdecUnavailable)."""
+
+    decoder = "nvdec"
+
+    def _open(self) -> VideoInfo:
+        from sources import nvdec
+
+        nvdec.check_available(str(self.path))
+        container, stream = _open_container(self.path)
+        with container:
+            self._check_size(stream.codec_context.width, stream.codec_context.height)
+            first = _first_frame(self.path, container, stream)
+            self._check_size(first.width, first.height)
+            info = _video_info(container, stream, first)
+            self._time_base = float(stream.time_base)
+            self._t0 = float((stream.start_time or 0) * stream.time_base)   # seconds: pts count from here
+            self._ends_mid_packet = _ends_mid_packet(self.path, container)
+        _check_start(self.path, self.start_s, info.duration_s)
+        layout = nvdec.nv12_layout(str(self.path), info.codec, info.pixel_format, info.colorspace, info.color_range,
+                                   first.height, first.width, info.rotation)
+        self._convert = nvdec.Nv12ToRgb(layout, str(self.path))
+        try:
+            self._session = nvdec.open_session(str(self.path))
+        except NvdecError as e:
+            raise NvdecUnavailable(str(self.path), f"PyNvVideoCodec cannot open it ({e})") from e
+        # PyNvVideoCodec's pts count in its demuxer's time base (the container's, read by its own FFmpeg)
+        self._time_base = getattr(self._session, "time_base", None) or self._time_base
+        self._decoded = self._decode()
+        self._first = next(self._decoded, None)
+        if self._first is None:
+            if self._damage is not None:  # the decoder refused the stream: not damage, a stream NVDEC lacks
+                raise NvdecUnavailable(str(self.path), f"NVDEC cannot decode this stream ({self._damage})")
+            raise SourceError(f"{self.path}: not a readable video (no frame could be decoded)")
+        return info
+
+    def close(self) -> None:
+        super().close()
+        session, self._session = getattr(self, "_session", None), None
+        if session is not None:
+            session.close()
+
+    def _decode(self) -> Iterator[tuple[int | None, object]]:
+        """(pts, NV12 frame) from the session; on an error note why and stop. A cut MPEG-TS file's last
+        packet is incomplete, and PyNvVideoCodec's demuxer hands it on: flagged as damage (its frame,
+        the last, may show it), where PyAV's path holds that packet back."""
+        try:
+            yield from self._session.frames()
+        except NvdecError as e:
+            self._damage = str(e)
+            return
+        if self._ends_mid_packet:
+            self._damage = "the MPEG-TS file ends inside a packet"
+
+    def _kept(self) -> Iterator[tuple[int, float, object]]:
+        start = self.start_s - _PTS_TOL_S
+        sampler = self._sampler()
+        frames, self._first = itertools.chain((self._first,), self._decoded), None
+        index, last_pts = -1, None
+        for pts, nv12 in frames:
+            index += 1
+            t = index / self.source_fps if pts is None else pts * self._time_base - self._t0
+            if t < start:
+                continue  # before start_s: decoded, counted, not kept
+            last_pts = t
+            keep = sampler.keep(t)
+            if keep is None:
+                return
+            if keep:
+                yield index, t, nv12
+                if sampler.full:
+                    return
+        self._finish(last_pts)
+
+    def _frames(self) -> Iterator[Frame]:
+        for index, pts_s, nv12 in self._kept():
+            yield Frame(self.stream_id, index, pts_s, self._convert(nv12, index))
 
 
 class _Sampler:

@@ -14,8 +14,8 @@ import numpy as np
 
 from sources.errors import SourceError
 
-Decoder = Literal["pyav", "decord"]
-DECODERS: tuple[str, ...] = ("pyav", "decord")
+Decoder = Literal["pyav", "decord", "nvdec"]
+DECODERS: tuple[str, ...] = ("pyav", "decord", "nvdec")
 
 _TS_PACKET_SIZES = (188, 192, 204)  # plain, M2TS (timecode prefix), with Reed-Solomon bytes
 # Larger frames are refused: DCI 8K (8192x4320). One RGB frame of that is 106 MB; a frame of

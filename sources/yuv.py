@@ -6,10 +6,11 @@ processes and over PCIe. So the decode worker
 copies the three planes as they are and the GPU converts them (a few elementwise kernels).
 
 `yuv_to_rgb` reproduces swscale's default conversion of PyAV's `reformat(frame, format="rgb24")`
-for the frames it accepts (checked in tests/sources/test_yuv.py: mean difference ~0.6 levels, max
-2): the frame's colour matrix (BT.601 or BT.709) and range (limited or full), chroma repeated over
-each 2x2 block, results truncated. Other formats and matrices (10-bit, 4:2:2/4:4:4, BT.2020)
-and odd frame sizes keep the RGB path.
+for the frames it accepts, planar (yuv420p: Y, U, V) or semi-planar (NV12: Y, then U and V
+interleaved, what NVDEC outputs: sources/nvdec.py) (checked in tests/sources/test_yuv.py: mean
+difference ~0.6 levels, max 2): the frame's colour matrix (BT.601 or BT.709) and range (limited
+or full), chroma repeated over each 2x2 block, results truncated. Other formats and matrices
+(10-bit, 4:2:2/4:4:4, BT.2020) and odd frame sizes keep the RGB path.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class YuvLayout:
     kb: float
     full_range: bool
     rotation: int = 0          # counter-clockwise degrees that make the frame upright
+    semi_planar: bool = False  # NV12: one chroma plane of (U, V) pairs after Y, not U then V
 
     @property
     def chroma(self) -> tuple[int, int]:
@@ -54,13 +56,15 @@ class YuvLayout:
 
 
 def yuv_layout(pixel_format: str | None, colorspace: int, color_range: int, height: int, width: int,
-               rotation: int = 0) -> YuvLayout | None:
+               rotation: int = 0, *, semi_planar: bool = False) -> YuvLayout | None:
     """The layout for frames of this format and colour description, None where the RGB path must
-    stay (formats and matrices yuv_to_rgb does not reproduce)."""
+    stay (formats and matrices yuv_to_rgb does not reproduce). semi_planar: the frames come as NV12
+    (NVDEC's output of a yuv420p / yuvj420p stream), with the colours the stream describes."""
     if pixel_format not in _FORMATS or colorspace not in _MATRICES or height % 2 or width % 2:
         return None  # odd sizes: swscale leaves its unscaled path and interpolates chroma
     kr, kb = _MATRICES[colorspace]
-    return YuvLayout(height, width, kr, kb, _FORMATS[pixel_format] or color_range == _FULL_RANGE, rotation)
+    return YuvLayout(height, width, kr, kb, _FORMATS[pixel_format] or color_range == _FULL_RANGE, rotation,
+                     semi_planar)
 
 
 def matches(layout: YuvLayout, frame) -> bool:
@@ -89,7 +93,10 @@ def yuv_to_rgb(planes: torch.Tensor, layout: YuvLayout) -> torch.Tensor:
     h, w = layout.height, layout.width
     ch, cw = layout.chroma
     y = planes[:, :h * w].view(T, h, w).float()                                   # (T, h, w)
-    uv = planes[:, h * w:].view(T, 2, ch, cw).float()                             # (T, 2, ch, cw)
+    if layout.semi_planar:
+        uv = planes[:, h * w:].view(T, ch, cw, 2).permute(0, 3, 1, 2).float()     # (T, 2, ch, cw)
+    else:
+        uv = planes[:, h * w:].view(T, 2, ch, cw).float()                         # (T, 2, ch, cw)
     uv = uv.repeat_interleave(2, 2).repeat_interleave(2, 3)[:, :, :h, :w] - 128   # (T, 2, h, w)
     if layout.full_range:
         luma, chroma_scale = y, 1.0

@@ -40,7 +40,9 @@ def _common(p: argparse.ArgumentParser, *, out: str = "<video stem>.zarr",
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set model.attending.retention=0.1 (repeatable)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="where the model runs (default: auto)")
-    p.add_argument("--decoder", choices=["pyav", "decord"], help="video decoder (default: pyav)")
+    p.add_argument("--decoder", choices=["pyav", "decord", "nvdec"],
+                   help="video decoder (default: pyav); nvdec: the GPU's (pip install 'arr-coc-video[nvdec]'), "
+                        "--set decode.fallback=true for pyav where it cannot be used")
     p.add_argument("--vlm", help="VLM: HF id, local snapshot path, arrcoc-synth-qa (shipped, offline; generated "
                                  f"scenes only), tiny-random, or none (default: {vlm})")
     p.add_argument("--every", type=float, metavar="SECONDS",

@@ -78,13 +78,18 @@ def open_writer(store: Any, stream_id: str, config: dict[str, Any], *, resuming:
 def open_source(path: Any, cfg: PipelineConfig, *, stream_id: str | None = None, worker: Any = None,
                 device_color: bool = False):
     """The video file's frame source as decode.* configures it: in a decode worker process
-    (decode.process, or an existing `worker` handed over) or in this process."""
+    (decode.process, or an existing `worker` handed over) or in this process. NVDEC decodes in this
+    process whatever decode.process says (its frames are CUDA tensors, which shared memory would
+    only carry through the host), and with decode.fallback a video it cannot decode here falls back
+    to pyav, in this process too (one warning)."""
     from sources import open_video
     from sources.process import ProcessSource
 
     d = cfg.decode
     kwargs = dict(decoder=d.decoder, fps=d.fps, start_s=d.start_s, end_s=d.end_s, max_frames=d.max_frames,
                   threads=d.threads, stream_id=stream_id, max_pixels=d.max_pixels)
+    if d.decoder == "nvdec":
+        return open_video(path, fallback=d.fallback, **kwargs)
     if worker is None and not d.process:
         return open_video(path, **kwargs)
     return ProcessSource(path, batch_size=cfg.runtime.batch_size, slots=cfg.runtime.queue_capacity + 2,

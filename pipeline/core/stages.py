@@ -23,7 +23,7 @@ from sources.frame import Frame
 from sources.process import ProcessSource
 from sources.yuv import yuv_to_rgb
 
-from ..runtime.cuda import CAPTURE_LOCK, host_uint8, pins_frames, stack_host, to_device, window_frames
+from ..runtime.cuda import CAPTURE_LOCK, host_uint8, pins_frames, stack_device, stack_host, to_device, window_frames
 from ..runtime.requests import AnswerRequest
 from .frontend_graphs import FrontendGraphs, graphable
 from .graph import Stage
@@ -40,7 +40,12 @@ def frontend_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def stack_frames(frames: list[Frame], pin: bool) -> torch.Tensor:
-    """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`."""
+    """(T, H, W, 3) uint8 host tensor; written straight into pinned memory when `pin`. Frames the
+    GPU decoded (Frame.on_device) stay there: stacked on the device's default stream, which a
+    consumer without the batch's ready event waits for (TextureStage)."""
+    if frames[0].on_device:
+        rgb = [f.rgb for f in frames]
+        return stack_device(rgb, torch.cuda.default_stream(rgb[0].device) if rgb[0].is_cuda else None)
     return stack_host([f.rgb for f in frames], pin)
 
 
@@ -51,6 +56,9 @@ class DecodeStage(Stage):
     straight to the device (the slots are page-locked in place, so no host copy is made; YUV
     planes are converted to RGB there) and carry FrameRefs instead of host frames. For runs that
     never read pixels on the host (no VLM, no overlay).
+
+    Frames the GPU decoded (decoder nvdec: Frame.rgb a CUDA tensor) are stacked on the device, on
+    this stage's stream, and never pass through host memory; the batch's frames are views of it.
     """
 
     name = "decode"
@@ -123,13 +131,27 @@ class DecodeStage(Stage):
         for frame in self.source:
             if pending and frame.rgb.shape != pending[0].rgb.shape:
                 raise ValueError(f"frame size changed mid-stream at frame {frame.index}: "
-                                 f"{pending[0].rgb.shape[:2]} -> {frame.rgb.shape[:2]}")
+                                 f"{tuple(pending[0].rgb.shape[:2])} -> {tuple(frame.rgb.shape[:2])}")
             pending.append(frame)
             if len(pending) == self.batch_size:
-                yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
+                yield self._batch(pending)
                 pending = []
         if pending:
-            yield FrameBatch(self.source.stream_id, pending, stack_frames(pending, self.pin))
+            yield self._batch(pending)
+
+    def _batch(self, frames: list[Frame]) -> FrameBatch:
+        sid = self.source.stream_id
+        if not (frames[0].on_device and frames[0].rgb.is_cuda):
+            return FrameBatch(sid, frames, stack_frames(frames, self.pin))
+        device = frames[0].rgb.device
+        if self.stream is None:
+            self.stream = frontend_stream(device)
+        pixels = stack_device([f.rgb for f in frames], self.stream)            # (T, H, W, 3) on the GPU
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
+        # the frames become views of the batch: the per-frame tensors go back to the allocator now
+        views = [Frame(sid, f.index, f.pts_s, pixels[k], f.arrival_s) for k, f in enumerate(frames)]
+        return FrameBatch(sid, views, pixels, ready)
 
     def close(self) -> None:
         if self._registered is not None:  # before the slots are unmapped
@@ -166,6 +188,9 @@ class TextureStage(Stage):
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
             if item.ready is not None:  # decoded straight to the device on the decode stage's stream
                 self.stream.wait_event(item.ready)
+                item.pixels.record_stream(self.stream)
+            elif self.cuda and item.pixels.is_cuda:  # GPU frames stacked on the default stream (stack_frames)
+                self.stream.wait_stream(torch.cuda.default_stream(self.device))
                 item.pixels.record_stream(self.stream)
             pixels = item.pixels.to(self.device, non_blocking=True)       # (T, H, W, 3) uint8
             frames = pixels.permute(0, 3, 1, 2)                           # (T, 3, H, W)
@@ -390,7 +415,7 @@ class SinkStage(Stage):
             writer.append(**rows)
         if self.overlay is not None:
             for f, tok, rel in zip(frames, rows["tokens"], rows["relevance"]):
-                self.overlay.write(f.rgb, tok, rel)
+                self.overlay.write(f.host_rgb(), tok, rel)
         if self.on_frames is not None:
             self.on_frames([FrameAllocation(sid, float(rows["pts"][k]), int(rows["frame_index"][k]),
                                             rows["relevance"][k].copy(), rows["tokens"][k].copy(),

@@ -291,8 +291,10 @@ class VideoAnswerer:
     def _run_graph(self, work: VideoWork) -> tuple[int, list[AnswerItem], dict[str, float], bool]:
         # decode.process: the decoder runs in its own process, where the stage threads of the videos
         # in flight cannot hold the GIL from it; the processes serve video after video (a fresh
-        # one costs ~0.3 s, a good part of a short clip's time)
-        worker = self._take_decode_worker() if self.cfg.decode.process else None
+        # one costs ~0.3 s, a good part of a short clip's time). NVDEC decodes in this process
+        # (core/setup.open_source): its threads spend ~1 ms of CPU a frame, little GIL to lose
+        use_worker = self.cfg.decode.process and self.cfg.decode.decoder != "nvdec"
+        worker = self._take_decode_worker() if use_worker else None
         try:
             return self._run_video(work, worker)
         finally:

@@ -13,10 +13,11 @@ from typing import Any, Mapping
 
 from arr_coc._validate import ConfigError
 
-# how fast or where a run goes, never what it answers: a resume may change these
+# how fast or where a run goes, never what it answers: a resume may change these. decode.fallback
+# only says what happens where NVDEC cannot decode (fail or PyAV); stores from before it lack it
 EXECUTION_KEYS = frozenset({
     "runtime.device", "runtime.batch_size", "runtime.queue_capacity", "runtime.cuda_graphs", "runtime.cuda_wait",
-    "decode.process", "decode.threads", "decode.shared_mb",
+    "decode.process", "decode.threads", "decode.shared_mb", "decode.fallback",
     "vlm.max_batch", "vlm.max_wait_s", "vlm.cuda_graphs", "vlm.graph_prefill_max_tokens", "vlm.kv_cache_gib",
     "output.chunk_frames",
 })

@@ -153,9 +153,27 @@ def stack_host(arrays: Sequence[np.ndarray], pin: bool) -> torch.Tensor:
     return out
 
 
-def window_frames(arrays: Sequence[np.ndarray], pin: bool) -> np.ndarray | torch.Tensor:
+def stack_device(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """Same-shaped device tensors (frames the GPU decoded) -> one (n, ...) tensor on their device,
+    stacked on `stream` (None: the current one). Each input is marked as used there, so that the
+    caching allocator does not hand its memory to another stream before the copy ran. CPU tensors
+    are stacked as they are."""
+    if not tensors[0].is_cuda:
+        return torch.stack(list(tensors))
+    stream = torch.cuda.current_stream(tensors[0].device) if stream is None else stream
+    with torch.cuda.stream(stream):
+        for t in tensors:
+            t.record_stream(stream)
+        return torch.stack(list(tensors))
+
+
+def window_frames(arrays: Sequence[np.ndarray | torch.Tensor], pin: bool) -> np.ndarray | torch.Tensor:
     """An answer window's (T, H, W, 3) frames for an AnswerRequest: stacked straight into pinned
-    memory when `pin` (see pins_frames), else a numpy array."""
+    memory when `pin` (see pins_frames), else a numpy array. Frames the GPU decoded stay there for
+    an in-process VLM on a GPU (`pin`), and come to the host for any other."""
+    if isinstance(arrays[0], torch.Tensor):
+        stacked = stack_device(arrays)
+        return stacked if pin and stacked.is_cuda else stacked.cpu().numpy()
     return stack_host(arrays, True) if pin else np.stack(arrays)
 
 

@@ -79,7 +79,7 @@ class TestConstruction:
 
     @pytest.mark.parametrize("kwargs, message", [
         (dict(device="gpu"), "device='gpu' is not supported; allowed: auto, cuda, cpu"),
-        (dict(decoder="ffmpeg"), "decoder='ffmpeg' is not supported; allowed: pyav, decord"),
+        (dict(decoder="ffmpeg"), "decoder='ffmpeg' is not supported; allowed: pyav, decord, nvdec"),
         (dict(every=0), r"every=0 s is out of range: an answer period is at least 0.001 s"),
         (dict(vlm=""), "vlm must be an HF id, a local path, arrcoc-synth-qa, tiny-random or none, got ''"),
         (dict(vlm=3), "vlm must be .* got 3"),

@@ -54,7 +54,7 @@ def test_a_string_that_is_no_number_stays_an_error():
     ("model.attending.retention=1.5", "attending.retention=1.5 is out of range; allowed: "),
     ("model.realizing.cut_threshold=0", "realizing.cut_threshold=0"),
     ("runtime.batch_size=0", "runtime.batch_size=0 is out of range; allowed: [1, 4096]"),
-    ("decode.decoder=ffmpeg", "decode.decoder='ffmpeg' is not supported; allowed: pyav, decord"),
+    ("decode.decoder=ffmpeg", "decode.decoder='ffmpeg' is not supported; allowed: pyav, decord, nvdec"),
     ("runtime.device=tpu", "runtime.device='tpu' is not supported; allowed: auto, cuda, cpu"),
     ("runtime.cuda_wait=spin", "runtime.cuda_wait='spin' is not supported; allowed: block, auto"),
     ("model.attending.curve=cubic", "cubic"),

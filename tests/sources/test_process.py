@@ -10,11 +10,13 @@ import av
 import numpy as np
 import pytest
 
-from sources import DECODERS, SourceError, VideoTruncatedWarning, open_video
+from sources import SourceError, VideoTruncatedWarning, open_video
 from sources.process import DEFAULT_SHARED_BYTES, DecodeWorker, ProcessSource, slot_layout
 from sources.synthetic import Shot, render_clip, write_video
 
 from process_helpers import collect
+
+DECODERS = ("pyav", "decord")   # the host decoders; nvdec: tests/sources/test_nvdec.py
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import av
 import numpy as np
 import pytest
 
-from sources import DECODERS, Frame, SourceError, VideoInfo, VideoTruncatedWarning, open_video, probe
+from sources import Frame, SourceError, VideoInfo, VideoTruncatedWarning, open_video, probe
 from sources.synthetic import Shot, render_clip, write_video
 from sources.video_probe import _rotation
 
@@ -24,6 +24,8 @@ FPS = 30
 N_FRAMES = 60
 H, W = 48, 64
 MS = Fraction(1, 1000)
+
+DECODERS = ("pyav", "decord")   # the host decoders; nvdec: tests/sources/test_nvdec.py
 
 
 @dataclass(frozen=True)
@@ -355,7 +357,7 @@ class TestErrors:
         ({"start_s": 1.0, "end_s": 1.0}, "end_s=1.0 must be greater than start_s=1.0"),
         ({"end_s": 0.0}, "end_s=0.0 must be greater"),
         ({"max_frames": 0}, "max_frames=0 is out of range"),
-        ({"decoder": "ffmpeg"}, "decoder='ffmpeg' is not supported; allowed: pyav, decord"),
+        ({"decoder": "ffmpeg"}, "decoder='ffmpeg' is not supported; allowed: pyav, decord, nvdec"),
         ({"stream_id": ""}, "stream_id='' must be a non-empty string"),
         ({"threads": -1}, "threads=-1 is out of range"),
         ({"threads": True}, "threads=True is out of range"),

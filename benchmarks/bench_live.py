@@ -87,9 +87,10 @@ def pipeline_config(vlm, args, device: torch.device) -> PipelineConfig:
 
 
 def live_config(args) -> LiveConfig:
-    """The capture settings of every run: --buffer frames per source, --decode-threads, 10 s to open or stall."""
+    """The capture settings of every run: --buffer frames per source, --decoder, --decode-threads, 10 s
+    to open or stall."""
     return LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0,
-                      decode_threads=args.decode_threads)
+                      decode_threads=args.decode_threads, decoder=args.decoder)
 
 
 def live_options(args) -> LiveOptions:
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="LiveOptions.switch_interval_ms: the interpreter's thread switch interval (default: the live "
                         "default)")
+    p.add_argument("--decoder", choices=("pyav", "nvdec"), default=LiveConfig.decoder,
+                   help="LiveConfig.decoder: the streams decoded by PyAV on the CPU or by the GPU's NVDEC")
     p.add_argument("--decode-threads", type=int, default=LiveConfig.decode_threads,
                    help="LiveConfig.decode_threads: FFmpeg threads per stream "
                         "(default %(default)s; 0: FFmpeg's choice)")
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
               "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
               "vlm_process": args.vlm_process, "stagger": args.stagger, "warm_up": args.warm_up,
-              "decode_threads": args.decode_threads,
+              "decode_threads": args.decode_threads, "decoder": args.decoder,
               "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
               "rows": rows, "soak": soak_row, "host": host_topology(),
               "capacity": capacity(rows, args.p95_target_ms, fps),

@@ -50,10 +50,10 @@ def prefix_lengths(vlm: Any, question: str, sizes: list[tuple[int, int]], window
                    retentions: tuple[float, ...], any_size: bool = False) -> list[int]:
     """The prefix lengths answers over windows of up to window_frames frames of these sizes may
     have, one per LENGTH_STEP bucket: windows of 1..all their frame pairs (a live stream's first,
-    staggered window and a file's last are shorter), each pair keeping between one frame's and two
-    frames' share of the cells at each retention, up to TIMESTAMP_TOKENS a pair more at the top
-    (Qwen3-VL's timestamps, which VLM.prefix_length does not count). any_size: from one token up
-    (the sizes bound the frames', smaller frames keep fewer)."""
+    staggered window and a file's last are shorter), from one kept token up to each pair keeping
+    two frames' share of the cells at each retention, plus TIMESTAMP_TOKENS a pair at the top
+    (Qwen3-VL's timestamps, which VLM.prefix_length does not count).
+    any_size: the sizes bound the frames' (smaller frames keep fewer)."""
     g = vlm.geometry
     pairs = token_frames(window_frames, g.temporal_patch_size)
     lengths = set()
@@ -61,7 +61,10 @@ def prefix_lengths(vlm: Any, question: str, sizes: list[tuple[int, int]], window
         gh, gw = g.grid(height, width)
         per_frame = max(1, retained_tokens(gh * gw, retention))         # the allocator's budget of a frame
         top = pairs * (min(gh * gw, 2 * per_frame) + TIMESTAMP_TOKENS)
-        for kept in [*range(1 if any_size else per_frame, top, LENGTH_STEP), top]:
+        # from one kept token, not one frame's share: the allocator may keep fewer, and a window
+        # alone in its batch then prefills a short prefix (an H200, 32 live streams: one 64-token
+        # prefill captured after the first frame when this started at a frame's share)
+        for kept in [*range(1, top, LENGTH_STEP), top]:
             lengths.add(vlm.prefix_length(question, kept))
     return sorted(lengths)
 

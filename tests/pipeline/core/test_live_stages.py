@@ -233,11 +233,12 @@ class TestStagger:
             LiveOptions(stagger="yes")
 
 
-def test_warm_up_estimates_the_allocators_own_frame_budget():
-    """The smallest window warm_vlm prepares keeps what the allocator keeps of one frame: 10 cells at
-    retention 0.25 are retained_tokens' 3 (half up), not round()'s 2; the largest, 2 s at 2 fps
-    and a frame more (its ends may both fall on a frame: 5 frames, 3 pairs) keeping two frames' share
-    a pair (6), plus a timestamp's tokens a pair: 3 x (6 + 10) = 48."""
+def test_warm_up_spans_one_kept_token_to_the_allocators_two_frame_share():
+    """warm_vlm prepares prefixes from one kept token (the allocator may keep less than a frame's
+    share) up to the largest window: 2 s at 2 fps and a frame more (its ends may both fall on a
+    frame: 5 frames, 3 pairs), each pair keeping two frames' share of what the allocator keeps of
+    one frame (10 cells at retention 0.25: retained_tokens' 3, half up, not round()'s 2: 6 a
+    pair), plus a timestamp's tokens a pair: 3 x (6 + 10) = 48 (round() would give 42)."""
     asked, warmed = [], []
     geometry = SimpleNamespace(grid=lambda height, width: (2, 5), temporal_patch_size=2)
     vlm = SimpleNamespace(geometry=geometry, config=SimpleNamespace(max_batch=1),
@@ -245,8 +246,8 @@ def test_warm_up_estimates_the_allocators_own_frame_budget():
                           warm_up=lambda sizes, lengths, **kw: warmed.append((sizes, lengths, kw)))
     cfg = load_config(PipelineConfig, None, ["model.attending.retention=0.25", "vlm.fps=2.0"])
     warm_vlm(vlm, "what moves?", [(56, 140)], cfg, LiveOptions(every_s=2.0))    # 4 frames: 2 pairs
-    assert asked == [3, 48]
-    assert warmed == [([1], [3, 48], {"frame_sizes": [(56, 140)], "window_frames": 5})]
+    assert asked == [1, 48]
+    assert warmed == [([1], [1, 48], {"frame_sizes": [(56, 140)], "window_frames": 5})]
 
 
 class TestAnswerPeriod:

@@ -309,7 +309,7 @@ class NvdecNetworkConnection(Connection):
         self._convert = nvdec.Nv12ToRgb(layout, spec.name)
         self._read_timeout_s = cfg.read_timeout_s
         try:
-            self._session = nvdec.open_session(spec.target)
+            self._session = _open_within(nvdec.open_session, spec, cfg.open_timeout_s)
         except nvdec.NvdecError as e:
             raise OpenError(spec.name, f"NVDEC cannot open the stream ({e})", f"nvdec: {e}") from e
         self._time_base = getattr(self._session, "time_base", None) or self._time_base   # its demuxer's pts unit
@@ -368,6 +368,33 @@ class NvdecNetworkConnection(Connection):
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _open_within(open_session: Any, spec: SourceSpec, timeout_s: float) -> Any:
+    """open_session(spec.target) in a thread, waited for at most timeout_s: PyNvVideoCodec's demuxer
+    takes no timeout, and on an H200 (PyNvVideoCodec 2.2.4) it never returned from opening a live
+    HTTP MPEG-TS stream that PyAV opened at once (benchmarks/loopback.py). Past the timeout NVDEC
+    cannot be used for this stream (NvdecUnavailable: with live.fallback, PyAV decodes it); the
+    thread, stuck in FFmpeg, is left to end when its read does (daemon: it never holds up exit)."""
+    from sources.nvdec import NvdecUnavailable
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["session"] = open_session(spec.target)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    opener = threading.Thread(target=run, name=f"nvdec-open-{spec.stream_id}", daemon=True)
+    opener.start()
+    opener.join(timeout_s)
+    if opener.is_alive():
+        raise NvdecUnavailable(spec.name, f"its demuxer did not open the stream within {timeout_s:g} s "
+                                          f"(live.open_timeout_s)")
+    if "error" in box:
+        raise box["error"]
+    return box["session"]
 
 
 def _network(spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> Connection:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+import time
 import warnings
 
 import av
@@ -261,6 +262,30 @@ class TestLive:
             conn = CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec", fallback=True), None)
         assert isinstance(conn, NetworkConnection)
         conn.close()
+
+    def test_a_demuxer_that_never_opens_is_refused_within_the_open_timeout(self, clip, fake_nvdec, monkeypatch):
+        """Seen on an H200: PyNvVideoCodec's demuxer never returned from opening a live HTTP stream.
+        The connection gives up after live.open_timeout_s (NVDEC unavailable: PyAV with fallback)."""
+        from sources.live import LiveConfig
+        from sources.live_connections import CONNECTIONS, NetworkConnection
+
+        release = threading.Event()
+
+        def hangs(target, gpu_id=None):
+            release.wait(10.0)
+            return PyAVNv12Session(target)
+
+        monkeypatch.setattr(nvdec, "open_session", hangs)
+        started = time.monotonic()
+        with pytest.raises(NvdecUnavailable, match="did not open the stream within 0.3 s"):
+            CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec", open_timeout_s=0.3), None)
+        assert time.monotonic() - started < 5.0
+        with pytest.warns(NvdecFallbackWarning, match=r"decoding with pyav: nvdec cannot be used \(its demuxer"):
+            conn = CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec", open_timeout_s=0.3,
+                                                                      fallback=True), None)
+        assert isinstance(conn, NetworkConnection)
+        conn.close()
+        release.set()
 
     def test_realtime_file_frames_are_tensors(self, clip, fake_nvdec):
         from sources.live import LiveConfig, open_live

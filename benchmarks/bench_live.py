@@ -106,8 +106,13 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     marks: dict = {}
 
     def mark():
-        time.sleep(args.warmup)
         sink, sources = graphs[0].stages[-1], graphs[0].stages[0].sources   # the capture stage's sources
+        # the first snapshot after every source began: begin() forgets the drops before it (with
+        # --warmup 0 a snapshot taken earlier made the run's drop count negative)
+        began = time.monotonic()
+        while any(getattr(src, "began_at", 0) is None for src in sources) and time.monotonic() - began < 60:
+            time.sleep(0.01)
+        time.sleep(args.warmup)
         marks["t0"], marks["s0"] = time.monotonic(), snapshot(sources, sink.counters)
         marks["lat0"] = {sid: len(c.answer_latency) for sid, c in sink.counters.items()}
         time.sleep(args.seconds)

@@ -434,10 +434,14 @@ class TestWholeFlow:
     def test_ctrl_c_stops_every_process_and_leaves_a_valid_store(self, tmp_path, shared, own_tempdir):
         root, out = tmp_path / "ds", tmp_path / "out.zarr"
         fixture(root, videos=8, questions=1, seconds=2.0)
+        # SIGINT at its default in the parent (and so its shards), whatever this run inherited: a
+        # background job of a non-interactive shell has it ignored, and the batch would then finish
+        # and exit 0 (seen in a fresh-clone CI run started with `&`)
         parent = subprocess.Popen([sys.executable, "-m", "pipeline", "batch", "--dataset", "msrvtt", "--root",
                                    str(root),
                                    "--out", str(out), "--processes", "2", *shared, *FAST], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 120
         # the shards are running: a stream group is theirs (the parent makes the store itself, first)
         while not any((out / "streams").glob("*/zarr.json")) and time.monotonic() < deadline:

@@ -112,6 +112,11 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def teardown(ranks: Ranks) -> None:
+    """Every rank at the end together, then the process group destroyed; with gloo, not destroyed:
+    once its peer had exited, a rank's destroy_process_group could hang (seen on a 2-core CPU run
+    under load: rank 0 in futex waits for minutes after writing its files, rank 1 gone). The
+    process's exit frees the group."""
     if ranks.distributed and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        if torch.distributed.get_backend() != "gloo":
+            torch.distributed.destroy_process_group()

@@ -18,7 +18,7 @@ import itertools
 import math
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import av
 import numpy as np
@@ -177,6 +177,21 @@ class VideoSource:
             count = math.ceil(span * self.fps - 1e-6)
         return count if self.max_frames is None else min(count, self.max_frames)
 
+    def _sample(self, sampler: _Sampler, timed: Iterator[tuple[int, float, Any]]) -> Iterator[tuple[int, float, Any]]:
+        """The (index, pts_s, frame) of `timed` (every decoded frame at or after start_s) that
+        sampler keeps; at the stream's end (not at end_s or max_frames), _finish's damage check."""
+        last_pts = None
+        for index, pts_s, frame in timed:
+            last_pts = pts_s
+            keep = sampler.keep(pts_s)
+            if keep is None:
+                return
+            if keep:
+                yield index, pts_s, frame
+                if sampler.full:
+                    return
+        self._finish(last_pts)
+
     def _finish(self, last_pts_s: float | None) -> None:
         """At the end of the stream: flag and warn if decoding stopped short of the declared end."""
         reason = self._damage or self._missing_tail(last_pts_s)
@@ -315,22 +330,17 @@ class _PyAVSource(VideoSource):
         time_base, start_pts = float(self._stream.time_base), self._stream.start_time or 0
         sampler = self._sampler()
         frames, self._first = itertools.chain((self._first,), self._decoded), None
-        index, last_pts = self._index_base - 1, None
-        for frame in frames:
-            t = None if frame.pts is None else (frame.pts - start_pts) * time_base
-            if t is not None and t < start:
-                continue  # decoded from the keyframe before start_s
-            index += 1
-            pts_s = index / self.source_fps if t is None else t
-            last_pts = pts_s
-            keep = sampler.keep(pts_s)
-            if keep is None:
-                return
-            if keep:
-                yield index, pts_s, frame
-                if sampler.full:
-                    return
-        self._finish(last_pts)
+
+        def timed() -> Iterator[tuple[int, float, av.VideoFrame]]:
+            index = self._index_base - 1
+            for frame in frames:
+                t = None if frame.pts is None else (frame.pts - start_pts) * time_base
+                if t is not None and t < start:
+                    continue  # decoded from the keyframe before start_s
+                index += 1
+                yield index, index / self.source_fps if t is None else t, frame
+
+        yield from self._sample(sampler, timed())
 
     def _frames(self) -> Iterator[Frame]:
         rotation = self.info.rotation
@@ -528,21 +538,14 @@ class _NvdecSource(VideoSource):
         start = self.start_s - _PTS_TOL_S
         sampler = self._sampler()
         frames, self._first = itertools.chain((self._first,), self._decoded), None
-        index, last_pts = -1, None
-        for pts, nv12 in frames:
-            index += 1
-            t = index / self.source_fps if pts is None else pts * self._time_base - self._t0
-            if t < start:
-                continue  # before start_s: decoded, counted, not kept
-            last_pts = t
-            keep = sampler.keep(t)
-            if keep is None:
-                return
-            if keep:
-                yield index, t, nv12
-                if sampler.full:
-                    return
-        self._finish(last_pts)
+
+        def timed() -> Iterator[tuple[int, float, object]]:
+            for index, (pts, nv12) in enumerate(frames):
+                t = index / self.source_fps if pts is None else pts * self._time_base - self._t0
+                if t >= start:  # before start_s: decoded, counted, not kept
+                    yield index, t, nv12
+
+        yield from self._sample(sampler, timed())
 
     def _frames(self) -> Iterator[Frame]:
         for index, pts_s, nv12 in self._kept():

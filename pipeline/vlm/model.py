@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.runtime.cuda import read_back, upload
 from pipeline.runtime.requests import AnswerRequest, AnswerResult, WindowQuestions
 from pipeline.vlm import hf
 from pipeline.vlm.decoding import StaticDecoder
@@ -34,7 +35,7 @@ from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.generation import Generation, Generator
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.kept_graph import KeptGraphs
-from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures, nonzero_each
+from pipeline.vlm.kept_vision import KeptEncoder, KeptFeatures
 from pipeline.vlm.passes import Passes
 from pipeline.vlm.prefill import DecoderPool
 from pipeline.vlm.prefix import Prefix, PrefixBuilder, WindowPrefix
@@ -220,10 +221,13 @@ class VLM:
         # for the interpreter lock: one per batch, not one per request), read before the vision
         # tower is queued: read after, it waited for the tower, and the host then built the
         # prefixes while the GPU idled
-        indices = nonzero_each([self.prefixes.token_mask(r.frames, keep) for r, keep in zip(requests, keeps)])
+        # (on the host too: Qwen3-VL lays out its windows from them without another read)
+        masks = read_back([self.prefixes.token_mask(r.frames, keep) for r, keep in zip(requests, keeps)])
+        host = [np.flatnonzero(mask) for mask in masks]
+        indices = upload(host, self.device)
         merged_all = self.encoder.window_tokens(requests, keeps)
-        return [self.window_prefix(r.frames, keep, m, r.scores, index=index)
-                for r, keep, m, index in zip(requests, keeps, merged_all, indices)]
+        return [self.prefixes.window_prefix(r.frames, keep, m, r.scores, index=index, host_index=h)
+                for r, keep, m, index, h in zip(requests, keeps, merged_all, indices, host)]
 
     @torch.no_grad()
     def build_prefix(self, req: AnswerRequest, merged: torch.Tensor) -> Prefix:

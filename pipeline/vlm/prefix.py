@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from arr_coc.lod import token_frames
-from pipeline.runtime.cuda import to_device
+from pipeline.runtime.cuda import to_device, upload
 from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.frame_groups import VideoLayout, group_timestamps, kept_slots, stamp_ids, video_layout
 from pipeline.vlm.geometry import VLMGeometry
@@ -87,6 +87,8 @@ class Layout:
     text_start: int
     max_position: int
     video: VideoLayout | None = None
+    video_slots: torch.Tensor | None = None  # Qwen3-VL: video.video_slots and video.group on the device,
+    group: torch.Tensor | None = None        # uploaded once per layout (a pageable upload waits for the GPU)
 
 
 def shared_windows(prefixes: list[Prefix]) -> tuple[list[WindowPrefix], list[int]] | None:
@@ -190,17 +192,19 @@ class PrefixBuilder:
     @torch.no_grad()
     def window_prefix(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
                       merged: torch.Tensor, scores: np.ndarray | torch.Tensor | None = None, *,
-                      index: torch.Tensor | None = None) -> WindowPrefix:
+                      index: torch.Tensor | None = None, host_index: np.ndarray | None = None) -> WindowPrefix:
         """The question-independent part of the prefix: frames (T, H, W, 3) (only their shape is
         used), keep (T, gh, gw) LOD or None (all tokens), merged tokens (T', gh, gw, D) of them,
         scores (T, gh, gw) pass 1's relevance or None (WindowPrefix.scores); index: the kept tokens'
-        cells when the caller read them already (selection.token_cells' nonzero)."""
+        cells when the caller read them already (selection.token_cells' nonzero), host_index the
+        same on the host (Qwen3-VL then lays out the window without a host read: queued behind
+        the vision tower, not waiting for it)."""
         Tp, gh, gw, _ = merged.shape
         keep = None if keep is None else to_device(keep, self.device)       # (already there from prepare)
         lod = self.window_lod(frames, keep, (Tp, gh, gw))
         tokens, index = select_tokens(merged, lod, index)                    # (K, D), (K,)
         if self.timestamps:
-            window = self._qwen3_window(frames.shape[0], (Tp, gh, gw), tokens, index)
+            window = self._qwen3_window(frames.shape[0], (Tp, gh, gw), tokens, index, host_index)
         else:
             layout = self._layout(Tp, gh, gw)
             v0 = layout.before.shape[0]
@@ -225,27 +229,34 @@ class PrefixBuilder:
         return window
 
     def _qwen3_window(self, T: int, grid: tuple[int, int, int], tokens: torch.Tensor,
-                      index: torch.Tensor) -> WindowPrefix:
+                      index: torch.Tensor, host_index: np.ndarray | None = None) -> WindowPrefix:
         """Qwen3-VL's window: the unpruned video prompt (timestamps, markers, every video token) with
         the slots of dropped tokens taken out (and, vlm.empty_frame_groups=drop, those of groups left
         empty), tokens (K, D x (1 + n)) the kept ones with their n DeepStack features appended, at
-        raster cells index (K,)."""
+        raster cells index (K,). With host_index (index on the host) the kept slots are worked out
+        on the host and uploaded in one queued copy: no host read, so the window is built while the
+        GPU still runs the tower that makes `tokens` (without it, one nonzero reads the slots back)."""
         Tp, gh, gw = grid
         layout = self._layout(Tp, gh, gw, T)
         video = layout.video
         D, n = layout.before.shape[1], self.deepstack
-        at = video.video_slots.to(self.device)[index]                       # (K,) slots of the kept tokens
+        at = layout.video_slots[index]                                       # (K,) slots of the kept tokens
         embeds = layout.before.clone()                                       # (L, D)
         embeds[at] = tokens[:, :D].to(embeds.dtype)
         deepstack = embeds.new_zeros(n, *embeds.shape)                       # (n, L, D)
         deepstack[:, at] = tokens[:, D:].view(-1, n, D).transpose(0, 1).to(embeds.dtype)
-        slots = kept_slots(video, index, gh * gw, self.config.empty_frame_groups)  # (L,) bool
-        visual = (slots.cumsum(0) - 1)[at]                                   # (K,) among the kept slots
-        rows = slots.nonzero().squeeze(1)                                    # (S,)
+        mode = self.config.empty_frame_groups
+        if host_index is not None:
+            slots = kept_slots(video, torch.from_numpy(np.asarray(host_index, np.int64)), gh * gw, mode).numpy()
+            rank = np.cumsum(slots) - 1
+            rows, visual = upload([np.flatnonzero(slots), rank[video.video_slots.numpy()[host_index]]], self.device)
+        else:
+            slots = kept_slots(video, index, gh * gw, mode)                  # (L,) bool
+            visual = (slots.cumsum(0) - 1)[at]                               # (K,) among the kept slots
+            rows = slots.nonzero().squeeze(1)                                # (S,)
         return WindowPrefix(embeds[rows], layout.positions[:, rows], layout.text_start, layout.max_position,
                             int(index.numel()), Tp * gh * gw, deepstack=deepstack[:, rows], visual=visual,
-                            groups=video.group.to(self.device)[rows],
-                            drop_empty=self.config.empty_frame_groups == "drop", text_skip=0)
+                            groups=layout.group[rows], drop_empty=mode == "drop", text_skip=0)
 
     @torch.no_grad()
     def question_prefix(self, window: WindowPrefix, question: str) -> Prefix:
@@ -312,4 +323,5 @@ class PrefixBuilder:
         ids = video.ids.to(self.device)
         grid = torch.tensor([[Tp, gh * m, gw * m]], device=self.device)
         positions = qwen3_vl.rope_index(self.model, ids[None], grid, self.video_token_id)[:, 0]  # (3, L)
-        return Layout(self.lm.embed_tokens(ids), positions, int(positions[0, -1]) + 1, int(positions.max()), video)
+        return Layout(self.lm.embed_tokens(ids), positions, int(positions[0, -1]) + 1, int(positions.max()), video,
+                      video.video_slots.to(self.device), video.group.to(self.device))

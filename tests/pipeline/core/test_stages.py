@@ -3,6 +3,7 @@ and on GPU runs, frames decoded in the worker going from its page-locked slots s
 device (YUV planes converted there) and giving the same store as the host path."""
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
@@ -106,7 +107,8 @@ def run(path, out, process: bool, decoder: str = "pyav"):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("decoder", ["pyav", "decord"])
+@pytest.mark.parametrize("decoder", ["pyav", pytest.param("decord", marks=pytest.mark.skipif(
+    importlib.util.find_spec("decord") is None, reason="needs decord"))])
 def test_device_path_matches_the_host_path(clip, tmp_path, decoder):
     path, _ = clip
     host, _, ref = run(path, tmp_path / "host.zarr", process=False, decoder=decoder)

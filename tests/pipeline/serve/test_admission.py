@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+
 from pipeline.serve.admission import Admission, Deadline
 from pipeline.serve.errors import ApiError
 from serve_client import chat_body, sse

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+
 from pipeline.serve.fetch_policy import FetchPolicy, blocked_address
 from pipeline.serve.errors import ApiError
 from serve_client import chat_body

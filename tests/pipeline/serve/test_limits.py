@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+
 from pipeline.serve.limits import MAX_MESSAGES
 from pipeline.serve.openai_api import parse_chat
 

@@ -87,3 +87,22 @@ def test_apply_overrides_builds_nested_sections():
     assert apply_overrides({}, ["a.b.c=3"]) == {"a": {"b": {"c": 3}}}
     with pytest.raises(ConfigError, match="a is not a section"):
         apply_overrides({"a": 1}, ["a.b=2"])
+
+
+def test_the_default_config_file_states_the_defaults():
+    """configs/default.yaml ("Default run configuration") sets only values the code defaults to: a
+    run with it is a run without it (it once said encode: all where the default had become kept)."""
+    import yaml
+
+    data = yaml.safe_load(Path("configs/default.yaml").read_text())
+    defaults = to_dict(PipelineConfig())
+
+    def walk(node, ref, where):
+        for key, value in node.items():
+            assert key in ref, f"{where}{key}: not a config field"
+            if isinstance(value, dict):
+                walk(value, ref[key], f"{where}{key}.")
+            else:
+                assert value == ref[key], f"{where}{key}: the file says {value!r}, the default is {ref[key]!r}"
+
+    walk(data, defaults, "")

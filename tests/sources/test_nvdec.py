@@ -29,48 +29,60 @@ def clip(tmp_path_factory):
     return write_video(tmp_path_factory.mktemp("nvdec") / "clip.mkv", frames, fps=25)
 
 
-class PyAVNv12Session:
-    """NvdecSession's double: PyAV decodes, each frame repacked as NV12 (H * 3 / 2, W), as NVDEC
-    gives them, with pts in microseconds (its own time base, not the container's).
-    fail_after: raise NvdecError after this many frames (0: before the first)."""
+class PyAVNv12Decoder:
+    """NvdecDecoder's double: FFmpeg's decoder for the codec, given only each packet's bytes and pts
+    (what PyNvVideoCodec's PacketData carries: no stream header, so H.264 out of MP4 / Matroska
+    decodes only once PacketFeed made it Annex B), each frame repacked as NV12 (H * 3 / 2, W) the
+    way NVDEC hands them over. fail_after: raise NvdecError after this many frames (0: before the
+    first). `packets` counts what it was fed, None for the end of the stream."""
 
-    unit = 1e-6          # seconds per pts unit handed out
-    time_base = 1e-6     # what the session says its unit is (None: says nothing)
+    stream = None       # off the GPU: no CUDA stream
+    ordered = False
 
-    def __init__(self, target: str, fail_after: int | None = None) -> None:
-        self.target, self.fail_after, self.closed = target, fail_after, False
+    def __init__(self, name: str, codec: str, fail_after: int | None = None) -> None:
+        self.context = av.CodecContext.create(codec, "r")
+        self.fail_after, self.frames, self.closed = fail_after, 0, False
+        self.packets: list[int | None] = []
 
-    def frames(self):
-        with av.open(self.target) as container:
-            stream = container.streams.video[0]
-            for k, frame in enumerate(container.decode(stream)):
-                if k == self.fail_after:
-                    raise nvdec.NvdecError("CUDA_ERROR_INVALID_IMAGE")
-                yield round(frame.pts * stream.time_base / self.unit), torch.from_numpy(
-                    frame.reformat(format="nv12").to_ndarray())
+    def decode(self, packet):
+        if packet is None:
+            self.packets.append(None)
+            decoded = self.context.decode(None)
+        else:
+            data = av.Packet(bytes(packet))
+            data.pts = packet.pts
+            self.packets.append(packet.pts)
+            decoded = self.context.decode(data)
+        out = []
+        for frame in decoded:
+            if self.frames == self.fail_after:
+                raise nvdec.NvdecError("CUDA_ERROR_INVALID_IMAGE")
+            self.frames += 1
+            out.append((frame.pts, torch.from_numpy(frame.reformat(format="nv12").to_ndarray())))
+        return out
 
     def close(self) -> None:
         self.closed = True
 
 
 class FakeNvdec:
-    """What the fake_nvdec fixture opened; `fail_after` applies to the sessions opened from then on."""
+    """What the fake_nvdec fixture opened; `fail_after` applies to the decoders opened from then on."""
 
     def __init__(self) -> None:
-        self.sessions: list[PyAVNv12Session] = []
+        self.decoders: list[PyAVNv12Decoder] = []
         self.fail_after: int | None = None
 
-    def open_session(self, target: str, gpu_id: int | None = None) -> PyAVNv12Session:
-        self.sessions.append(PyAVNv12Session(target, self.fail_after))
-        return self.sessions[-1]
+    def open_decoder(self, name: str, codec: str, gpu_id: int | None = None) -> PyAVNv12Decoder:
+        self.decoders.append(PyAVNv12Decoder(name, codec, self.fail_after))
+        return self.decoders[-1]
 
 
 @pytest.fixture
 def fake_nvdec(monkeypatch):
-    """NVDEC without a GPU: the availability check passes and sessions are PyAVNv12Session."""
+    """NVDEC without a GPU: the availability check passes and decoders are PyAVNv12Decoder."""
     fake = FakeNvdec()
     monkeypatch.setattr(nvdec, "check_available", lambda name: None)
-    monkeypatch.setattr(nvdec, "open_session", fake.open_session)
+    monkeypatch.setattr(nvdec, "open_decoder", fake.open_decoder)
     return fake
 
 
@@ -125,7 +137,7 @@ class TestSource:
         assert all(isinstance(f.rgb, torch.Tensor) and f.on_device for f in got)
         diff = np.abs(np.stack([f.host_rgb() for f in got]).astype(int) - np.stack([f.rgb for f in ref]).astype(int))
         assert diff.max() <= 2 and diff.mean() < 0.9, (diff.max(), diff.mean())
-        assert not video.truncated and fake_nvdec.sessions[0].closed
+        assert not video.truncated and fake_nvdec.decoders[0].closed
 
     @pytest.mark.parametrize("kwargs", [dict(fps=7.0), dict(start_s=0.5, end_s=1.3), dict(start_s=0.3, max_frames=5),
                                         dict(fps=4.0, start_s=0.9)])
@@ -165,7 +177,7 @@ class TestSource:
             c.mux(s.encode())
         with pytest.raises(NvdecUnavailable, match="pixel format yuv444p"):
             open_video(path, decoder="nvdec")
-        assert fake_nvdec.sessions == []
+        assert fake_nvdec.decoders == []
         with pytest.warns(NvdecFallbackWarning, match="yuv444p"):
             with open_video(path, decoder="nvdec", fallback=True) as video:
                 assert video.decoder == "pyav"

@@ -5,6 +5,7 @@ try again after an outage.
 """
 from __future__ import annotations
 
+import collections
 import os
 import random
 import time
@@ -297,9 +298,9 @@ class NvdecNetworkConnection(NetworkConnection):
     instead of FFmpeg's decoder, so timestamps, latencies and every outage are counted as on the
     PyAV path. A stream NVDEC refuses before this connection's first frame (a codec or size the GPU
     lacks) is NvdecUnavailable, raised from frames(): the source ends with that line; with
-    live.fallback, a warning instead, and PyAV decodes the rest of the connection (from the packet
-    refused on: its decoder starts at the next keyframe). A stream back at another size is scaled on
-    the GPU to the size it started with."""
+    live.fallback, a warning instead, and PyAV decodes the connection from its first packet on (the
+    packets until a first frame are kept for that). A stream back at another size is scaled on the
+    GPU to the size it started with."""
 
     def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
         from sources import nvdec
@@ -307,6 +308,8 @@ class NvdecNetworkConnection(NetworkConnection):
         nvdec.check_available(spec.name)
         super().__init__(spec, cfg, size)
         self._name, self._fallback, self._converted = spec.name, cfg.fallback, 0
+        # the packets before the first frame, for PyAV to decode if NVDEC refuses the stream then
+        self._unframed: collections.deque[av.Packet] = collections.deque(maxlen=_RECEIVED_MAX)
         try:
             ctx = self.stream.codec_context
             layout = nvdec.nv12_layout(spec.name, ctx.name, ctx.pix_fmt, int(ctx.colorspace or 2),
@@ -321,13 +324,17 @@ class NvdecNetworkConnection(NetworkConnection):
         if self._feed is None:   # NVDEC refused the stream: PyAV decodes (live.fallback)
             yield from super()._decode(packet)
             return
+        if not self._converted:
+            self._unframed.append(_copy(packet, self.stream) if self._feed.consumes else packet)
         try:
             frames = self._feed.decode(packet)
         except NvdecError as e:
             if self._converted:
                 raise   # damage mid-stream: a lost stream, reconnected
             self._refused(str(e))
-            yield from super()._decode(packet)
+            for held in self._unframed:   # PyAV decodes from the connection's start, no frame lost
+                yield from super()._decode(held)
+            self._unframed.clear()
             return
         for pts, nv12 in frames:
             try:
@@ -335,6 +342,7 @@ class NvdecNetworkConnection(NetworkConnection):
             except SourceError as e:   # the stream changed size or format: reconnect, as at a new size
                 raise Lost(f"stream error: {lowercase_first(str(e))}") from None
             self._converted += 1
+            self._unframed.clear()
             yield pts, self._resize(rgb)
 
     def _refused(self, reason: str) -> None:
@@ -362,6 +370,14 @@ class NvdecNetworkConnection(NetworkConnection):
         feed, self._feed = self._feed, None
         if feed is not None:
             feed.close()
+
+
+def _copy(packet: av.Packet, stream: av.video.stream.VideoStream) -> av.Packet:
+    """A packet of the same data and timing, for PyAV's decoder (a bitstream filter empties the original)."""
+    copy = av.Packet(bytes(packet))
+    copy.pts, copy.dts, copy.time_base, copy.is_keyframe = packet.pts, packet.dts, packet.time_base, packet.is_keyframe
+    copy.stream = stream
+    return copy
 
 
 def _network(spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> Connection:

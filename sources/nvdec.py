@@ -193,6 +193,11 @@ class PacketFeed:
         self._header = header if codec == "mpeg4" and header else None
         self.decoder = open_decoder(name, codec, gpu_id)
 
+    @property
+    def consumes(self) -> bool:
+        """Whether decode() empties the packets it is given (a bitstream filter takes their data)."""
+        return self._filter is not None
+
     def decode(self, packet: av.Packet | None) -> list[tuple[int | None, torch.Tensor]]:
         """NvdecDecoder.decode for one demuxed packet; None or an empty one (PyAV's last): the end."""
         import av

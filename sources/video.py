@@ -309,10 +309,11 @@ class _PyAVSource(VideoSource):
                 if packet.is_corrupt:
                     self._damage, cut = "corrupt or incomplete packet", packet.pts
                     break
+                pts = packet.pts   # before decoding: nvdec's bitstream filter empties the packet
                 try:
                     frames = self._decode_packet(packet)
                 except self._DECODE_ERRORS as e:
-                    self._damage, cut = _reason(e), packet.pts
+                    self._damage, cut = _reason(e), pts
                     break
                 intact = [f for f in frames if not f.is_corrupt]  # concealed decode errors
                 yield from intact

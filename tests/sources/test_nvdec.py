@@ -98,6 +98,13 @@ def fake_nvdec(monkeypatch):
     return fake
 
 
+@pytest.fixture(scope="module")
+def http_stream(tmp_path_factory):
+    """A loopback HTTP MPEG-TS stream of 640x360 H.264 at 30 fps (benchmarks/loopback.py)."""
+    with http_ts_server(tmp_path_factory.mktemp("http"), size=(640, 360), fps=30, seconds=3.0) as server:
+        yield server
+
+
 def read(path, **kwargs):
     with open_video(path, **kwargs) as video:
         return list(video), video
@@ -700,11 +707,6 @@ class TestOnTheGPU:
             one = [nvdec.Nv12ToRgb(layout, "c", decoder).convert(p.view(135, 160), k)
                    for k, p in enumerate(planes.cuda())]
             assert torch.equal(batched.take(), torch.stack(one))
-
-    @pytest.fixture(scope="class")
-    def http_stream(self, tmp_path_factory):
-        with http_ts_server(tmp_path_factory.mktemp("http"), size=(640, 360), fps=30, seconds=3.0) as server:
-            yield server
 
     def test_live_http_mpeg_ts_stream_equals_pyav(self, http_stream):
         """The live path end to end: a loopback HTTP MPEG-TS stream (what PyNvVideoCodec's own

@@ -13,8 +13,9 @@ it, H.264 via sources.synthetic.write_video) and cached in --workdir. For each s
   pipeline     pipeline.runners.run.run_video(path, question, out, cfg) with runtime.vlm=none; its
                frames/s is RunResult.frames / RunResult.wall_s.
   no-RGB       (PyAV) decoding that stops at the decoder's YUV frames: what the pipeline's worker
-               does on a GPU run, where the conversion to RGB happens on the device; (nvdec) the
-               bare NVDEC session's NV12 frames, before the conversion to RGB.
+               does on a GPU run, where the conversion to RGB happens on the device; (nvdec) PyAV's
+               packets through NVDEC (sources/nvdec.py's PacketFeed), NV12 frames before the
+               conversion to RGB (which the source runs nvdec.CONVERT_BATCH frames at a time).
 CPU time: resource.getrusage of this process and its waited-for children (the decode worker
 processes), user + system, over each timed run, per frame decoded: what a decoder costs the host
 (nvdec's is the point: its frames cost the GPU's decoders, not the CPU's cores).
@@ -162,19 +163,23 @@ class Row:
 def raw_decode_planes(path: Path, decoder: str) -> tuple[int, float]:
     """(frames, seconds) to decode and touch each frame's planes, with no conversion to RGB: the
     decoder's own bound, which the pipeline's YUV hand-over can approach. PyAV: its YUV frames;
-    nvdec: a bare NVDEC session's NV12 frames (on the GPU; synchronized once at the end)."""
+    nvdec: NVDEC's NV12 frames of PyAV's packets (on the GPU; synchronized once at the end)."""
     if decoder == "nvdec":
+        import av
+
         from sources import nvdec
 
-        session = nvdec.open_session(str(path))
-        try:
-            t0, frames = time.perf_counter(), 0
-            for _ in session.frames():
-                frames += 1
-            torch.cuda.synchronize()
-            return frames, time.perf_counter() - t0
-        finally:
-            session.close()
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            feed = nvdec.PacketFeed(str(path), stream)   # PyAV's packets to NVDEC, as the source feeds them
+            try:
+                t0, frames = time.perf_counter(), 0
+                for packet in container.demux(stream):
+                    frames += len(feed.decode(packet))
+                torch.cuda.synchronize()
+                return frames, time.perf_counter() - t0
+            finally:
+                feed.close()
     with open_video(path, decoder="pyav") as video:
         t0 = time.perf_counter()
         frames, touched = 0, 0
@@ -273,6 +278,11 @@ def parse_videos(text: str | None, sizes: dict[str, tuple[int, int]]) -> dict[st
     return out
 
 
+def _nvdec_batch() -> int:
+    from sources import nvdec
+    return nvdec.CONVERT_BATCH
+
+
 def print_row(r: Row) -> None:
     busy = " ".join(f"{s['stage']}={s['busy']:.2f}" for s in r.stages)
     met = "n/a (GPU target)" if r.target_met is None else ("yes" if r.target_met else "NO")
@@ -352,7 +362,9 @@ def main(argv: list[str] | None = None) -> None:
         # other jobs on the machine skew CPU numbers; this says how busy it was when the run ended
         "load_avg_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
         "versions": versions(),
-        "config": "PipelineConfig() defaults + runtime.device, decode.decoder, runtime.vlm=none",
+        "config": "PipelineConfig() defaults + runtime.device, decode.decoder, runtime.vlm=none"
+                  + (f"; nvdec: PyAV demux, NV12 -> RGB {_nvdec_batch()} frames per conversion"
+                     if "nvdec" in decoders else ""),
         "video": f"generated H.264 (libx264 crf 18 veryfast, yuv420p, 25 fps), {frames} frames, pan + moving square"
                  + "".join(f"; {k}: {v.name}" for k, v in given.items()),
         "cpu_time": "getrusage(RUSAGE_SELF) + getrusage(RUSAGE_CHILDREN), user + system, per frame: raw decode "

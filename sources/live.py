@@ -312,6 +312,10 @@ class LiveSource:
                     break
                 self._lose(lost)
                 conn = self._reconnect()
+        except SourceError as e:    # the source cannot go on (a stream NVDEC refuses, without fallback)
+            self.error = e
+            if conn is not None:
+                conn.close()
         except BaseException as e:  # a bug here must not hang the consumer: it surfaces as error
             self.error = SourceError(f"{self.name}: capture failed ({type(e).__name__}: {e})")
         finally:

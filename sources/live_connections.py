@@ -5,10 +5,9 @@ try again after an outage.
 """
 from __future__ import annotations
 
+import collections
 import os
-import queue
 import random
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import numpy as np
 from av.video.reformatter import VideoReformatter
 
 from sources.errors import NvdecFallbackWarning, SourceError
+from sources.nvdec import NvdecError, NvdecUnavailable
 from sources.reconnect import backoff_s
 
 SourceKind = Literal["camera", "network", "file"]
@@ -179,6 +179,7 @@ class NetworkConnection(Connection):
         self.width, self.height = size or (ctx.width, ctx.height)
         self._reformatter = VideoReformatter()
         self._read_timeout_s = cfg.read_timeout_s
+        self._time_base = self.stream.time_base
 
     def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
         """Frames until the server closes the connection (returns) or nothing comes for longer
@@ -200,23 +201,35 @@ class NetworkConnection(Connection):
                     received[packet.pts] = time.time()
                     if len(received) > _RECEIVED_MAX:   # frames that never came out (corrupt, dropped)
                         del received[next(iter(received))]
-                for frame in packet.decode():
-                    if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
-                        continue
-                    rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
-                                                     format="rgb24").to_ndarray()     # (H, W, 3)
-                    # FFmpeg's frame threads hold frames back (about one per thread): the frame's
-                    # arrival is its packet's, so latencies count the decoder's delay too
-                    came = received.pop(frame.pts, None) if frame.pts is not None else None
-                    yield (None if frame.pts is None or frame.time is None else float(frame.time)), rgb, came
+                for pts, rgb in self._decode(packet):
+                    # a decoder holds frames back (FFmpeg's frame threads about one per thread, NVDEC
+                    # its reorder depth): the frame's arrival is its packet's, so latencies count the
+                    # decoder's delay too
+                    came = received.pop(pts, None) if pts is not None else None
+                    yield self._seconds(pts), rgb, came
                     last, framed = time.monotonic(), True
         except av.ExitError:   # "Immediate exit requested": PyAV's read timeout interrupted FFmpeg
             raise Stalled(time.monotonic() - last) from None
         except (ConnectionResetError, BrokenPipeError):
             raise Lost("server closed the connection (connection reset)") from None
-        except (av.FFmpegError, OSError) as e:
+        except (av.FFmpegError, OSError, NvdecError) as e:
             raise Lost(f"stream error: {lowercase_first(reason_of(e))}") from None
         raise Lost("server closed the connection")
+
+    def _decode(self, packet: av.Packet) -> Iterator[tuple[int | None, np.ndarray]]:
+        """(pts in the stream's time base, or None; RGB (H, W, 3) at the connection's size) of the
+        frames this packet completes (the demuxer's final empty packet flushes the decoder)."""
+        for frame in packet.decode():
+            if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
+                continue
+            rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
+                                             format="rgb24").to_ndarray()     # (H, W, 3)
+            yield frame.pts, rgb
+
+    def _seconds(self, pts: int | None) -> float | None:
+        """pts in seconds, computed as PyAV's frame.time is (the stream's time base is the frames')."""
+        tb = self._time_base
+        return None if pts is None else float(pts) * tb.numerator / tb.denominator
 
     def close(self) -> None:
         self.container.close()
@@ -277,73 +290,71 @@ class CameraConnection(Connection):
         self.cap.release()
 
 
-class NvdecNetworkConnection(Connection):
+class NvdecNetworkConnection(NetworkConnection):
     """A network stream decoded by NVDEC (sources/nvdec.py), frames as CUDA tensors.
 
-    PyAV opens the stream first, with the options and timeouts NetworkConnection uses, for what the
-    stream is (size, rate, time base, codec, colours: what the NV12 conversion needs) and then lets
-    go of it; PyNvVideoCodec's session opens its own connection and decodes. Its demuxer has no
-    read timeout: it runs in a reader thread, and a stall is no frame within read_timeout_s here.
-    A thread blocked in a stalled read ends when FFmpeg's read returns (the socket's own timeout).
-    Arrival times are when a frame leaves the decoder (the packet's own is not visible): latencies
-    leave out NVDEC's delay, at most its reorder depth. A stream back at another size is scaled on
-    the GPU to the size it started with."""
-
-    _QUEUE = 8   # decoded frames the reader may run ahead of the capture thread
+    PyAV opens and demuxes the stream exactly as for NetworkConnection (its options, open and read
+    timeouts, stall and drop detection, packet arrival times); the packets go to an NVDEC session
+    instead of FFmpeg's decoder, so timestamps, latencies and every outage are counted as on the
+    PyAV path. A stream NVDEC refuses before this connection's first frame (a codec or size the GPU
+    lacks) is NvdecUnavailable, raised from frames(): the source ends with that line; with
+    live.fallback, a warning instead, and PyAV decodes the connection from its first packet on (the
+    packets until a first frame are kept for that). A stream back at another size is scaled on the
+    GPU to the size it started with."""
 
     def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
         from sources import nvdec
 
         nvdec.check_available(spec.name)
-        probe = NetworkConnection(spec, cfg, None)
+        super().__init__(spec, cfg, size)
+        self._name, self._fallback, self._converted = spec.name, cfg.fallback, 0
+        # the packets before the first frame, for PyAV to decode if NVDEC refuses the stream then
+        self._unframed: collections.deque[av.Packet] = collections.deque(maxlen=_RECEIVED_MAX)
         try:
-            ctx = probe.stream.codec_context
-            coded = (ctx.width, ctx.height)
+            ctx = self.stream.codec_context
             layout = nvdec.nv12_layout(spec.name, ctx.name, ctx.pix_fmt, int(ctx.colorspace or 2),
                                        int(ctx.color_range or 0), ctx.height, ctx.width)
-            self.fps, time_base = probe.fps, probe.stream.time_base
-        finally:
-            probe.close()
-        self.width, self.height = size or coded
-        self._time_base = float(time_base) if time_base else None
-        self._convert = nvdec.Nv12ToRgb(layout, spec.name)
-        self._read_timeout_s = cfg.read_timeout_s
+            self._feed: nvdec.PacketFeed | None = nvdec.PacketFeed(spec.name, self.stream)
+        except BaseException:
+            self.container.close()
+            raise
+        self._convert = nvdec.Nv12ToRgb(layout, spec.name, self._feed.decoder)
+
+    def _decode(self, packet: av.Packet) -> Iterator[tuple[int | None, Any]]:
+        if self._feed is None:   # NVDEC refused the stream: PyAV decodes (live.fallback)
+            yield from super()._decode(packet)
+            return
+        if not self._converted:
+            self._unframed.append(_copy(packet, self.stream) if self._feed.consumes else packet)
         try:
-            self._session = _open_within(nvdec.open_session, spec, cfg.open_timeout_s)
-        except nvdec.NvdecError as e:
-            raise OpenError(spec.name, f"NVDEC cannot open the stream ({e})", f"nvdec: {e}") from e
-        self._time_base = getattr(self._session, "time_base", None) or self._time_base   # its demuxer's pts unit
-        self._queue: queue.Queue = queue.Queue(maxsize=self._QUEUE)
-        self._stop = threading.Event()
-        self._reader = threading.Thread(target=self._read, name=f"nvdec-{spec.stream_id}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        """The reader thread: convert each frame (before the decoder reuses its memory) and queue it."""
-        from sources.nvdec import NvdecError
-
-        try:
-            for index, (pts, nv12) in enumerate(self._session.frames()):
-                rgb = self._resize(self._convert(nv12, index))
-                item = (None if pts is None or self._time_base is None else pts * self._time_base, rgb, time.time())
-                if not self._put(item):
-                    return
-            self._put(("end", "server closed the connection"))
-        except (NvdecError, SourceError) as e:
-            self._put(("end", f"stream error: {lowercase_first(str(e))}"))
-        except Exception as e:  # a bug must not leave the capture thread waiting: it reads a lost stream
-            self._put(("end", f"stream error: {type(e).__name__}: {e}"))
-        finally:
-            self._session.close()
-
-    def _put(self, item: tuple) -> bool:
-        while not self._stop.is_set():
+            frames = self._feed.decode(packet)
+        except NvdecError as e:
+            if self._converted:
+                raise   # damage mid-stream: a lost stream, reconnected
+            self._refused(str(e))
+            for held in self._unframed:   # PyAV decodes from the connection's start, no frame lost
+                yield from super()._decode(held)
+            self._unframed.clear()
+            return
+        for pts, nv12 in frames:
             try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+                rgb = self._convert.convert(nv12, self._converted)   # before the decoder's next call reuses nv12
+            except SourceError as e:   # the stream changed size or format: reconnect, as at a new size
+                raise Lost(f"stream error: {lowercase_first(str(e))}") from None
+            self._converted += 1
+            self._unframed.clear()
+            yield pts, self._resize(rgb)
+
+    def _refused(self, reason: str) -> None:
+        """NVDEC cannot decode this stream: NvdecUnavailable, or with live.fallback a warning and PyAV."""
+
+        refusal = NvdecUnavailable(self._name, f"NVDEC cannot decode this stream ({reason})")
+        if not self._fallback:
+            raise refusal
+        warnings.warn(f"{self._name}: decoding with pyav: nvdec cannot be used ({refusal.reason})",
+                      NvdecFallbackWarning, stacklevel=2)
+        self._feed, feed = None, self._feed
+        feed.close()
 
     def _resize(self, rgb: Any) -> Any:
         if tuple(rgb.shape[:2]) == (self.height, self.width):
@@ -354,47 +365,19 @@ class NvdecNetworkConnection(Connection):
         out = F.interpolate(chw, size=(self.height, self.width), mode="bilinear", antialias=True, align_corners=False)
         return out[0].permute(1, 2, 0).round_().clamp_(0, 255).to(rgb.dtype).contiguous()   # (H, W, 3)
 
-    def frames(self) -> Iterator[tuple[float | None, Any, float | None]]:
-        last = time.monotonic()
-        while True:
-            try:
-                item = self._queue.get(timeout=self._read_timeout_s)
-            except queue.Empty:
-                raise Stalled(time.monotonic() - last) from None
-            if item[0] == "end":
-                raise Lost(item[1])
-            last = time.monotonic()
-            yield item
-
     def close(self) -> None:
-        self._stop.set()
+        super().close()
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            feed.close()
 
 
-def _open_within(open_session: Any, spec: SourceSpec, timeout_s: float) -> Any:
-    """open_session(spec.target) in a thread, waited for at most timeout_s: PyNvVideoCodec's demuxer
-    takes no timeout, and on an H200 (PyNvVideoCodec 2.2.4) it never returned from opening a live
-    HTTP MPEG-TS stream that PyAV opened at once (benchmarks/loopback.py). Past the timeout NVDEC
-    cannot be used for this stream (NvdecUnavailable: with live.fallback, PyAV decodes it); the
-    thread, stuck in FFmpeg, is left to end when its read does (daemon: it never holds up exit)."""
-    from sources.nvdec import NvdecUnavailable
-
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["session"] = open_session(spec.target)
-        except BaseException as e:  # handed to the caller
-            box["error"] = e
-
-    opener = threading.Thread(target=run, name=f"nvdec-open-{spec.stream_id}", daemon=True)
-    opener.start()
-    opener.join(timeout_s)
-    if opener.is_alive():
-        raise NvdecUnavailable(spec.name, f"its demuxer did not open the stream within {timeout_s:g} s "
-                                          f"(live.open_timeout_s)")
-    if "error" in box:
-        raise box["error"]
-    return box["session"]
+def _copy(packet: av.Packet, stream: av.video.stream.VideoStream) -> av.Packet:
+    """A packet of the same data and timing, for PyAV's decoder (a bitstream filter empties the original)."""
+    copy = av.Packet(bytes(packet))
+    copy.pts, copy.dts, copy.time_base, copy.is_keyframe = packet.pts, packet.dts, packet.time_base, packet.is_keyframe
+    copy.stream = stream
+    return copy
 
 
 def _network(spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> Connection:
@@ -402,8 +385,6 @@ def _network(spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) ->
     PyAV's where NVDEC cannot be used, after a warning), else PyAV's."""
     if cfg.decoder != "nvdec":
         return NetworkConnection(spec, cfg, size)
-    from sources.nvdec import NvdecUnavailable
-
     try:
         return NvdecNetworkConnection(spec, cfg, size)
     except NvdecUnavailable as e:

@@ -4,13 +4,20 @@ arr-coc-video[nvdec]`): the decode=nvdec path of sources/video.py and sources/li
 Why: FFmpeg's software H.264 decode costs a CPU core ~7 ms per 720p frame and ~13 ms per 1080p one;
 NVDEC ~1 ms of CPU, and its frames are already in GPU memory, where the texture stage wants them.
 
-What this module owns is the small interface the sources use, `NvdecSession`: one decoder session
-over one demuxed input, yielding (pts, NV12 frame on the device). Each source opens its own
-session; the driver spreads concurrent sessions over the GPU's NVDEC engines (an H100/H200 has 7),
-so several streams decode in parallel without any scheduling here. The frames come out as NV12
-(PyNvVideoCodec's NATIVE colour type) and are converted to RGB by sources/yuv.py, with the colour
-matrix and range the stream declares: NVDEC's own RGB conversion differs from FFmpeg's (mean 6 levels
-on a BT.709 clip), and frames must not depend on the decoder chosen.
+PyAV demuxes, NVDEC decodes. The sources read packets with PyAV exactly as for decoder pyav (one
+container, its seeks, read timeouts, damage checks and reconnects), and `PacketFeed` hands each
+packet's bytes and pts to one PyNvVideoCodec decoder session. NVDEC passes a packet's pts on to its
+frame, so frames carry the stream's own pts in PyAV's time base, and timestamps, sampling, gaps and
+drops are the PyAV path's code. PyNvVideoCodec's own demuxer is not used: it takes no timeout or
+interrupt, and (2.2.4, H200) it never returned from opening a live HTTP MPEG-TS stream that PyAV
+opened at once; files use the same feed, so that one decode path serves both.
+
+Each source opens its own session; the driver spreads concurrent sessions over the GPU's NVDEC
+engines (an H100/H200 has 7), so several streams decode in parallel without any scheduling here.
+Frames come out as NV12 (PyNvVideoCodec's NATIVE colour type) and `Nv12ToRgb` converts them with
+sources/yuv.py, with the colour matrix and range the stream declares (files: several frames per
+conversion): NVDEC's own RGB conversion differs from FFmpeg's (mean 6 levels on a BT.709 clip),
+and frames must not depend on the decoder chosen.
 
 What NVDEC decodes here: 8-bit 4:2:0 streams (yuv420p / yuvj420p) of the codecs in NVDEC_CODECS,
 with a BT.601 / BT.709 matrix and even frame sizes. The rest (10-bit, 4:2:2, 4:4:4, BT.2020, a codec
@@ -20,18 +27,28 @@ that a caller that allows it (decode.fallback) can say so and decode with PyAV.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sources.errors import SourceError
 
 if TYPE_CHECKING:
+    import av
     import torch
 
     from sources.yuv import YuvLayout
 
-# FFmpeg codec names NVDEC has decoders for (the GPU may still lack one: found at the first packet)
-NVDEC_CODECS = frozenset({"h264", "hevc", "av1", "vp8", "vp9", "mpeg1video", "mpeg2video", "mpeg4", "vc1", "mjpeg"})
-_NOPTS = -(1 << 62)   # PyNvVideoCodec passes FFmpeg's AV_NOPTS_VALUE (INT64_MIN) through
+# FFmpeg codec name -> PyNvVideoCodec's cudaVideoCodec member (the GPU may still lack one: found at
+# its first frame)
+NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC", "av1": "AV1", "vp8": "VP8", "vp9": "VP9", "mpeg1video": "MPEG1",
+                "mpeg2video": "MPEG2", "mpeg4": "MPEG4", "vc1": "VC1", "mjpeg": "JPEG"}
+# H.264 / HEVC in MP4, MOV, Matroska or FLV come as length-prefixed NAL units with the parameter sets
+# in the stream header (avcC / hvcC, whose first byte is 1); NVDEC's parser reads Annex B (start
+# codes, parameter sets in the stream). MPEG-TS and raw streams are Annex B already.
+_ANNEXB_FILTERS = {"h264": "h264_mp4toannexb", "hevc": "hevc_mp4toannexb"}
+_NOPTS = -(1 << 62)   # pts of a packet without one; FFmpeg's AV_NOPTS_VALUE (INT64_MIN) is below it too
+# Files convert this many frames per call of yuv_to_rgb (its ~12 kernels launched once per batch);
+# live streams one at a time, as each comes in.
+CONVERT_BATCH = 8
 
 
 class NvdecUnavailable(SourceError):
@@ -45,20 +62,23 @@ class NvdecUnavailable(SourceError):
 
 
 class NvdecError(Exception):
-    """PyNvVideoCodec failed while demuxing or decoding (an unsupported stream before the first
-    frame, damage after it); the message is its one-line reason."""
+    """PyNvVideoCodec failed while decoding (a stream it does not take before the first frame,
+    damage after it); the message is its one-line reason."""
 
 
-class NvdecSession(Protocol):
-    """One NVDEC decoder session over one input (a file or a stream URL). time_base: seconds per pts
-    unit as its demuxer reports them (None: the caller's own, e.g. PyAV's for the same stream)."""
+class NvdecDecoder(Protocol):
+    """One NVDEC decoder session, fed packet by packet (open_decoder). stream: the CUDA stream its
+    frames are ready on (None off the GPU); ordered: whether the decoder also writes its next
+    frames on that stream, so work queued there on a frame runs before the frame is overwritten
+    (else that work must be finished before the next decode call)."""
 
-    time_base: float | None
+    stream: Any
+    ordered: bool
 
-    def frames(self) -> Iterator[tuple[int | None, torch.Tensor]]:
-        """(pts in the stream's time base, or None; NV12 uint8 (H * 3 / 2, W) on the GPU) in
-        presentation order, until the input ends. A frame's memory is the decoder's: it is valid
-        until the next item is asked for (copy or convert it before). Raises NvdecError."""
+    def decode(self, packet: av.Packet | None) -> list[tuple[int | None, torch.Tensor]]:
+        """The frames this packet completes, in presentation order: (pts as its packet's, or None;
+        NV12 uint8 (H * 3 / 2, W)). None: the stream ended, the frames still held come out. A
+        frame's memory is the decoder's: valid until the next call. Raises NvdecError."""
         ...
 
     def close(self) -> None:
@@ -105,56 +125,108 @@ def nv12_layout(name: str, codec: str, pixel_format: str | None, colorspace: int
     return layout
 
 
-def open_session(target: str, gpu_id: int | None = None) -> NvdecSession:
-    """A PyNvVideoCodec session over a file path or stream URL, on GPU `gpu_id` (None: torch's
-    current device, which under CUDA_VISIBLE_DEVICES is the process's own GPU). Tests replace
-    this function with a double of NvdecSession."""
-    return _PyNvSession(target, gpu_id)
+def open_decoder(name: str, codec: str, gpu_id: int | None = None) -> NvdecDecoder:
+    """A PyNvVideoCodec decoder session for `codec` (FFmpeg's name) on GPU `gpu_id` (None: torch's
+    current device, which under CUDA_VISIBLE_DEVICES is the process's own GPU); NvdecUnavailable
+    where it cannot be created. Tests replace this function with a double of NvdecDecoder."""
+    return _PyNvDecoder(name, codec, gpu_id)
 
 
-class _PyNvSession:
-    """PyNvVideoCodec's demuxer (its own FFmpeg, with the bitstream filters NVDEC needs) feeding one
-    decoder created for the demuxer's codec, output NATIVE (NV12) in device memory."""
+class _PyNvDecoder:
+    """PyNvVideoCodec's decoder, output NATIVE (NV12) in device memory, written on a CUDA stream of
+    our own: the frames' copies then never wait for work on the default stream (a VLM's), and what
+    we queue on a frame runs before the decoder reuses its memory, with no host sync per frame."""
 
-    def __init__(self, target: str, gpu_id: int | None) -> None:
+    def __init__(self, name: str, codec: str, gpu_id: int | None) -> None:
         import PyNvVideoCodec as nvc
         import torch
 
+        member = getattr(nvc.cudaVideoCodec, NVDEC_CODECS.get(codec, ""), None)
+        if member is None:
+            raise NvdecUnavailable(name, f"PyNvVideoCodec has no decoder for codec {codec!r}")
         self._nvc = nvc
-        self._gpu = torch.cuda.current_device() if gpu_id is None else gpu_id
-        try:
-            self._demuxer = nvc.CreateDemuxer(target)
-            self._decoder = nvc.CreateDecoder(gpuid=self._gpu, codec=self._demuxer.GetNvCodecId(),
-                                              usedevicememory=True, outputColorType=nvc.OutputColorType.NATIVE)
-        except Exception as e:
-            raise NvdecError(_first_line(e)) from e
-        num, den = (getattr(self._demuxer, name, lambda: 0)() for name in ("GetTimebaseNum", "GetTimebaseDen"))
-        self.time_base = num / den if num and den else None
+        gpu = torch.cuda.current_device() if gpu_id is None else gpu_id
+        self.stream = torch.cuda.Stream(gpu)
 
-    def frames(self) -> Iterator[tuple[int | None, torch.Tensor]]:
+        def create(stream: int) -> Any:
+            return nvc.CreateDecoder(gpuid=gpu, codec=member, cudacontext=0, cudastream=stream, usedevicememory=True,
+                                     outputColorType=nvc.OutputColorType.NATIVE)
+
+        try:
+            try:
+                self._decoder, self.ordered = create(self.stream.cuda_stream), True
+            except Exception:  # a stream it does not validate: its own, synchronized at each frame
+                self._decoder, self.ordered = create(0), False
+        except Exception as e:
+            raise NvdecUnavailable(name, f"PyNvVideoCodec cannot create a {codec} decoder ({_first_line(e)})") from e
+
+    def decode(self, packet: av.Packet | None) -> list[tuple[int | None, torch.Tensor]]:
         import torch
 
+        data = self._nvc.PacketData()   # empty: the end of the stream, which flushes the decoder
+        if packet is not None:          # the packet (its memory) outlives the call: the caller holds it
+            data.bsl_data, data.bsl = packet.buffer_ptr, packet.buffer_size
+            data.pts = _NOPTS if packet.pts is None else packet.pts
         try:
-            for packet in self._demuxer:
-                for frame in self._decoder.Decode(packet):
-                    yield _pts(frame.getPTS()), torch.from_dlpack(frame)
-            for frame in self._flush():
-                yield _pts(frame.getPTS()), torch.from_dlpack(frame)
-        except NvdecError:
-            raise
-        except Exception as e:  # PyNvVCExceptionDecode / Cuda / Unsupported, RuntimeError from the demuxer
+            frames = self._decoder.Decode(data)
+            with torch.cuda.stream(self.stream):   # DLPack makes each frame ready on this stream
+                return [(_pts(f.getPTS()), torch.from_dlpack(f)) for f in frames]
+        except Exception as e:  # PyNvVCExceptionDecode / Cuda / Unsupported, RuntimeError
             raise NvdecError(_first_line(e)) from e
 
-    def _flush(self) -> list[Any]:
-        """The frames the decoder still holds once the demuxer ended (B-frame reordering keeps a few):
-        an empty packet is the end of stream. Where the demuxer already sent one, none come back."""
-        try:
-            return list(self._decoder.Decode(self._nvc.PacketData()))
-        except Exception:  # no constructible PacketData, or a decoder already ended: the demuxer's end flushed
-            return []
+    def close(self) -> None:
+        self._decoder = None
+
+
+class PacketFeed:
+    """One PyAV video stream's packets into an NVDEC decoder: the bitstream as NVDEC's parser reads
+    it (Annex B for H.264 / HEVC out of MP4 or Matroska; MPEG-4 Part 2's header, which those
+    containers keep out of the stream, before its first packet), pts as they are."""
+
+    def __init__(self, name: str, stream: av.video.stream.VideoStream, gpu_id: int | None = None) -> None:
+        from av.bitstream import BitStreamFilterContext
+
+        codec, header = stream.codec_context.name, stream.codec_context.extradata
+        self._filter = None
+        if codec in _ANNEXB_FILTERS and header and header[0] == 1:
+            self._filter = BitStreamFilterContext(_ANNEXB_FILTERS[codec], stream)
+        self._header = header if codec == "mpeg4" and header else None
+        self.decoder = open_decoder(name, codec, gpu_id)
+
+    @property
+    def consumes(self) -> bool:
+        """Whether decode() empties the packets it is given (a bitstream filter takes their data)."""
+        return self._filter is not None
+
+    def decode(self, packet: av.Packet | None) -> list[tuple[int | None, torch.Tensor]]:
+        """NvdecDecoder.decode for one demuxed packet; None or an empty one (PyAV's last): the end."""
+        import av
+
+        if packet is None or packet.size == 0:   # the Annex B filters hold no packet back to drain
+            return self.decoder.decode(None)
+        if self._filter is not None:
+            packet = _one(self._filter.filter(packet))
+            if packet is None:
+                return []
+        if self._header is not None:
+            joined = av.Packet(bytes(self._header) + bytes(packet))
+            joined.pts, packet, self._header = packet.pts, joined, None
+        return self.decoder.decode(packet)
 
     def close(self) -> None:
-        self._decoder = self._demuxer = None
+        self.decoder.close()
+
+
+def _one(packets: list[av.Packet]) -> av.Packet | None:
+    """A bitstream filter's output for one packet as one packet (the Annex B filters give one per
+    packet; several are joined: NVDEC parses access units out of the byte stream)."""
+    import av
+
+    if len(packets) <= 1:
+        return packets[0] if packets else None
+    joined = av.Packet(b"".join(bytes(p) for p in packets))
+    joined.pts = packets[0].pts
+    return joined
 
 
 def _pts(value: Any) -> int | None:
@@ -170,30 +242,77 @@ def _first_line(error: BaseException) -> str:
 
 
 class Nv12ToRgb:
-    """NVDEC's NV12 frames of one stream -> upright RGB (H', W', 3) uint8 tensors on the same device
-    (sources/yuv.py), each finished before it is handed on: the decoder overwrites a frame's memory
-    at its next frame, and the RGB tensor is then ready for a consumer on any CUDA stream (which
-    calls record_stream before the tensor can be freed under it)."""
+    """NVDEC's NV12 frames of one stream -> upright RGB uint8 tensors on the same device
+    (sources/yuv.py), each finished before it is handed on, so that a consumer on any CUDA stream
+    can read it (and calls record_stream before the tensor can be freed under it).
 
-    def __init__(self, layout: YuvLayout, name: str) -> None:
-        self.layout, self.name = layout, name
-        self._stream: Any = None   # a side stream: the conversion does not queue behind the consumers' work
+    One frame: `convert`. Several (files): `add` each frame as it comes out of the decoder (a copy
+    into a batch of slots; the decoder's memory is then free for its next frame), `take` converts
+    the frames added in one call of yuv_to_rgb: its kernels launched once per batch, not per frame.
+    The work runs on the decoder's stream (NvdecDecoder.stream), off the default stream."""
 
-    def __call__(self, nv12: torch.Tensor, index: int) -> torch.Tensor:
+    def __init__(self, layout: YuvLayout, name: str, decoder: NvdecDecoder, batch: int = 1) -> None:
+        self.layout, self.name, self.batch = layout, name, batch
+        self._stream, self._ordered = getattr(decoder, "stream", None), getattr(decoder, "ordered", False)
+        self._slots: torch.Tensor | None = None   # (batch, frame_bytes) uint8, reused
+        self.count = 0
+
+    @property
+    def full(self) -> bool:
+        return self.count == self.batch
+
+    def convert(self, nv12: torch.Tensor, index: int) -> torch.Tensor:
+        """One frame -> (H', W', 3)."""
+        from sources.yuv import yuv_to_rgb
+
+        self._check(nv12, index)
+        with self._on_stream():
+            rgb = yuv_to_rgb(nv12.reshape(1, -1), self.layout)[0]      # (H', W', 3)
+        self._finish()
+        return rgb
+
+    def add(self, nv12: torch.Tensor, index: int) -> None:
         import torch
 
+        self._check(nv12, index)
+        if self.full:
+            raise RuntimeError(f"{self.name}: Nv12ToRgb holds {self.batch} frames already; take() them first")
+        h, w = self.layout.height, self.layout.width
+        if self._slots is None:
+            self._slots = torch.empty((self.batch, self.layout.frame_bytes), dtype=torch.uint8, device=nv12.device)
+        with self._on_stream():
+            self._slots[self.count].view(h * 3 // 2, w).copy_(nv12)
+        self.count += 1
+        if not self._ordered:   # the decoder's next frame may overwrite this one's memory at once
+            self._finish()
+
+    def take(self) -> torch.Tensor:
+        """The frames added since the last take -> (n, H', W', 3), finished."""
         from sources.yuv import yuv_to_rgb
+
+        if self._slots is None or not self.count:
+            raise RuntimeError(f"{self.name}: no frames to convert")
+        with self._on_stream():
+            rgb = yuv_to_rgb(self._slots[:self.count], self.layout)     # (n, H', W', 3)
+        self.count = 0
+        self._finish()
+        return rgb
+
+    def _check(self, nv12: torch.Tensor, index: int) -> None:
+        import torch
 
         h, w = self.layout.height, self.layout.width
         if tuple(nv12.shape) != (h * 3 // 2, w) or nv12.dtype != torch.uint8:
             raise SourceError(f"{self.name}: frame size or format changed mid-stream at frame {index}: NV12 "
                               f"{w}x{h} -> {tuple(nv12.shape)} {nv12.dtype}")
-        if not nv12.is_cuda:
-            return yuv_to_rgb(nv12.reshape(1, -1), self.layout)[0]
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(nv12.device)
-        self._stream.wait_stream(torch.cuda.current_stream(nv12.device))   # where DLPack put the frame
-        with torch.cuda.stream(self._stream):
-            rgb = yuv_to_rgb(nv12.reshape(1, -1), self.layout)[0]           # (H', W', 3)
-        self._stream.synchronize()
-        return rgb
+
+    def _on_stream(self) -> Any:
+        import contextlib
+
+        import torch
+
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _finish(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()

@@ -18,7 +18,7 @@ import itertools
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import av
 import numpy as np
@@ -217,12 +217,16 @@ class _PyAVSource(VideoSource):
     decoder = "pyav"
 
     def _open(self) -> VideoInfo:
+        self._open_stream()
+        self._check_size(self._first.width, self._first.height)
+        return _video_info(self._container, self._stream, self._first)
+
+    def _open_stream(self) -> None:
+        """Open the container, seek to start_s, start the decoder and decode the first frame (_first)."""
         self._container, stream = _open_container(self.path)
         self._stream = stream
         self._check_size(stream.codec_context.width, stream.codec_context.height)
-        stream.thread_type = "AUTO"  # frame + slice threads: several times faster on multi-core CPUs
-        if self.threads:
-            stream.thread_count = self.threads
+        self._start_decoder(stream)
         self._ends_mid_packet = _ends_mid_packet(self.path, self._container)
         self._held_back_pts: int | None = None
         self._t0 = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
@@ -235,11 +239,24 @@ class _PyAVSource(VideoSource):
             except av.FFmpegError as e:
                 raise SourceError(f"{self.path}: cannot seek to start_s={self.start_s} ({_reason(e)})") from e
         self._decoded = self._decode()
-        self._first: av.VideoFrame | None = next(self._decoded, None)
+        self._first = next(self._decoded, None)
         if self._first is None:
             raise SourceError(f"{self.path}: not a readable video ({self._damage or 'no frame could be decoded'})")
-        self._check_size(self._first.width, self._first.height)
-        return _video_info(self._container, stream, self._first)
+
+    def _start_decoder(self, stream: av.video.stream.VideoStream) -> None:
+        stream.thread_type = "AUTO"  # frame + slice threads: several times faster on multi-core CPUs
+        if self.threads:
+            stream.thread_count = self.threads
+
+    def _decode_packet(self, packet: av.Packet) -> list[Any]:
+        """The frames one packet completes (the final empty packet flushes the decoder); raises
+        one of _DECODE_ERRORS."""
+        return packet.decode()
+
+    def _flush_decoder(self) -> list[Any]:
+        return self._stream.codec_context.decode(None)
+
+    _DECODE_ERRORS: tuple[type[BaseException], ...] = (av.FFmpegError,)
 
     def close(self) -> None:
         super().close()
@@ -292,10 +309,11 @@ class _PyAVSource(VideoSource):
                 if packet.is_corrupt:
                     self._damage, cut = "corrupt or incomplete packet", packet.pts
                     break
+                pts = packet.pts   # before decoding: nvdec's bitstream filter empties the packet
                 try:
-                    frames = packet.decode()  # the final empty packet flushes the decoder
-                except av.FFmpegError as e:
-                    self._damage, cut = _reason(e), packet.pts
+                    frames = self._decode_packet(packet)
+                except self._DECODE_ERRORS as e:
+                    self._damage, cut = _reason(e), pts
                     break
                 intact = [f for f in frames if not f.is_corrupt]  # concealed decode errors
                 yield from intact
@@ -309,10 +327,10 @@ class _PyAVSource(VideoSource):
         if self._damage is None:
             return
         try:
-            for frame in self._stream.codec_context.decode(None):
+            for frame in self._flush_decoder():
                 if cut is None or frame.pts is None or frame.pts < cut:
                     yield frame
-        except av.FFmpegError:
+        except self._DECODE_ERRORS:
             pass
 
     def decoded_frames(self) -> Iterator[tuple[int, float, av.VideoFrame]]:
@@ -473,17 +491,28 @@ class _DecordSource(VideoSource):
                 yield Frame(self.stream_id, i, pts_s, rgb)  # a row of a (n, H, W, 3) C-order batch
 
 
-class _NvdecSource(VideoSource):
-    """Decoded by NVDEC (sources/nvdec.py: one decoder session of its own), frames as CUDA tensors.
+class _Nv12Frame(NamedTuple):
+    """A frame NVDEC decoded: its pts (the packet's, in the stream's time base) and NV12 planes on the
+    GPU, valid until the decoder's next call (sources/nvdec.py)."""
 
-    PyAV reads the header (rotation, declared duration, colour description, time base) as for
-    decord; the session demuxes and decodes. start_s is reached by decoding from the start and
-    skipping (NVDEC decodes several hundred 1080p frames a second), so indices count from the first
-    frame as after PyAV's seek. Damage: a decoder or demuxer error after the first frame stops
-    decoding (VideoTruncatedWarning), as a missing tail does; before it, the stream is one NVDEC
-    does not take (NvdecUnavailable)."""
+    pts: int | None
+    nv12: Any
+    is_corrupt = False   # NVDEC conceals damage in a frame; a failed decode is an NvdecError
+
+
+class _NvdecSource(_PyAVSource):
+    """Decoded by NVDEC (sources/nvdec.py: a decoder session of its own), frames as CUDA tensors.
+
+    PyAV demuxes as for decoder pyav (seek to start_s, indices, a cut MPEG-TS file's held-back last
+    packet, corrupt packets) and nvdec.PacketFeed hands the packets to NVDEC, whose frames carry the
+    packets' pts: timestamps and sampling are the PyAV path's. The header (rotation, declared
+    duration, colour description) comes from a first frame PyAV decodes, before NVDEC starts. Damage:
+    a decoder error after the first frame stops decoding (VideoTruncatedWarning), as a missing tail
+    does; before it, the stream is one NVDEC does not take (NvdecUnavailable). The kept frames are
+    converted to RGB nvdec.CONVERT_BATCH at a time: a frame is handed on once its batch is done."""
 
     decoder = "nvdec"
+    _DECODE_ERRORS = (NvdecError,)
 
     def _open(self) -> VideoInfo:
         from sources import nvdec
@@ -495,61 +524,51 @@ class _NvdecSource(VideoSource):
             first = _first_frame(self.path, container, stream)
             self._check_size(first.width, first.height)
             info = _video_info(container, stream, first)
-            self._time_base = float(stream.time_base)
-            self._t0 = float((stream.start_time or 0) * stream.time_base)   # seconds: pts count from here
-            self._ends_mid_packet = _ends_mid_packet(self.path, container)
-        _check_start(self.path, self.start_s, info.duration_s)
-        layout = nvdec.nv12_layout(str(self.path), info.codec, info.pixel_format, info.colorspace, info.color_range,
-                                   first.height, first.width, info.rotation)
-        self._convert = nvdec.Nv12ToRgb(layout, str(self.path))
+        self._layout = nvdec.nv12_layout(str(self.path), info.codec, info.pixel_format, info.colorspace,
+                                         info.color_range, first.height, first.width, info.rotation)
         try:
-            self._session = nvdec.open_session(str(self.path))
-        except NvdecError as e:
-            raise NvdecUnavailable(str(self.path), f"PyNvVideoCodec cannot open it ({e})") from e
-        # PyNvVideoCodec's pts count in its demuxer's time base (the container's, read by its own FFmpeg)
-        self._time_base = getattr(self._session, "time_base", None) or self._time_base
-        self._decoded = self._decode()
-        self._first = next(self._decoded, None)
-        if self._first is None:
-            if self._damage is not None:  # the decoder refused the stream: not damage, a stream NVDEC lacks
-                raise NvdecUnavailable(str(self.path), f"NVDEC cannot decode this stream ({self._damage})")
-            raise SourceError(f"{self.path}: not a readable video (no frame could be decoded)")
+            self._open_stream()
+        except SourceError as e:
+            if self._damage is None or isinstance(e, NvdecUnavailable):
+                raise
+            # the decoder refused the stream before its first frame: not damage, a stream NVDEC lacks
+            raise NvdecUnavailable(str(self.path), f"NVDEC cannot decode this stream ({self._damage})") from e
         return info
+
+    def _start_decoder(self, stream: av.video.stream.VideoStream) -> None:
+        from sources import nvdec
+
+        self._feed = nvdec.PacketFeed(str(self.path), stream)
+        self._convert = nvdec.Nv12ToRgb(self._layout, str(self.path), self._feed.decoder, nvdec.CONVERT_BATCH)
+
+    def _decode_packet(self, packet: av.Packet) -> list[_Nv12Frame]:
+        return [_Nv12Frame(pts, nv12) for pts, nv12 in self._feed.decode(packet)]
+
+    def _flush_decoder(self) -> list[_Nv12Frame]:
+        return [_Nv12Frame(pts, nv12) for pts, nv12 in self._feed.decode(None)]
 
     def close(self) -> None:
         super().close()
-        session, self._session = getattr(self, "_session", None), None
-        if session is not None:
-            session.close()
-
-    def _decode(self) -> Iterator[tuple[int | None, object]]:
-        """(pts, NV12 frame) from the session; on an error note why and stop. A cut MPEG-TS file's last
-        packet is incomplete, and PyNvVideoCodec's demuxer hands it on: flagged as damage (its frame,
-        the last, may show it), where PyAV's path holds that packet back."""
-        try:
-            yield from self._session.frames()
-        except NvdecError as e:
-            self._damage = str(e)
-            return
-        if self._ends_mid_packet:
-            self._damage = "the MPEG-TS file ends inside a packet"
-
-    def _kept(self) -> Iterator[tuple[int, float, object]]:
-        start = self.start_s - _PTS_TOL_S
-        sampler = self._sampler()
-        frames, self._first = itertools.chain((self._first,), self._decoded), None
-
-        def timed() -> Iterator[tuple[int, float, object]]:
-            for index, (pts, nv12) in enumerate(frames):
-                t = index / self.source_fps if pts is None else pts * self._time_base - self._t0
-                if t >= start:  # before start_s: decoded, counted, not kept
-                    yield index, t, nv12
-
-        yield from self._sample(sampler, timed())
+        feed, self._feed = getattr(self, "_feed", None), None
+        if feed is not None:
+            feed.close()
 
     def _frames(self) -> Iterator[Frame]:
-        for index, pts_s, nv12 in self._kept():
-            yield Frame(self.stream_id, index, pts_s, self._convert(nv12, index))
+        pending: list[tuple[int, float]] = []   # (index, pts_s) of the frames in the batch being filled
+
+        def batch() -> Iterator[Frame]:
+            rgb = self._convert.take()                                   # (n, H', W', 3)
+            for k, (index, pts_s) in enumerate(pending):
+                yield Frame(self.stream_id, index, pts_s, rgb[k])
+            pending.clear()
+
+        for index, pts_s, frame in self._kept():
+            self._convert.add(frame.nv12, index)   # copied out before the decoder's next call
+            pending.append((index, pts_s))
+            if self._convert.full:
+                yield from batch()
+        if pending:
+            yield from batch()
 
 
 class _Sampler:

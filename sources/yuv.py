@@ -14,6 +14,7 @@ or full), chroma repeated over each 2x2 block, results truncated. Other formats 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,29 +87,46 @@ def write_planes(frame, out: np.ndarray, layout: YuvLayout) -> None:
 
 
 def yuv_to_rgb(planes: torch.Tensor, layout: YuvLayout) -> torch.Tensor:
-    """(T, frame_bytes) uint8 planes -> (T, H', W', 3) uint8 upright RGB, on planes' device."""
+    """(T, frame_bytes) uint8 planes -> (T, H', W', 3) uint8 upright RGB, on planes' device.
+
+    One pass of a few whole-batch kernels (about 12), whatever T: the chroma terms are computed at
+    chroma resolution and broadcast over each 2x2 block of luma instead of upsampling the planes.
+    Every value goes through the same float32 operations in the same order as the formula below
+    spelled out per channel, so the result does not depend on T or on the batching."""
     import torch
 
     T = planes.shape[0]
     h, w = layout.height, layout.width
     ch, cw = layout.chroma
-    y = planes[:, :h * w].view(T, h, w).float()                                   # (T, h, w)
+    luma = planes[:, :h * w].view(T, ch, 2, cw, 2).float()                        # (T, ch, 2, cw, 2): 2x2 blocks
     if layout.semi_planar:
-        uv = planes[:, h * w:].view(T, ch, cw, 2).permute(0, 3, 1, 2).float()     # (T, 2, ch, cw)
+        uv = planes[:, h * w:].view(T, ch, cw, 2).float()                         # (T, ch, cw, 2): U, V
     else:
-        uv = planes[:, h * w:].view(T, 2, ch, cw).float()                         # (T, 2, ch, cw)
-    uv = uv.repeat_interleave(2, 2).repeat_interleave(2, 3)[:, :, :h, :w] - 128   # (T, 2, h, w)
-    if layout.full_range:
-        luma, chroma_scale = y, 1.0
-    else:
-        luma, chroma_scale = (y - 16) * (255 / 219), 255 / 224
-    kr, kb = layout.kr, layout.kb
-    kg = 1 - kr - kb
-    u, v = uv[:, 0] * chroma_scale, uv[:, 1] * chroma_scale
-    r = luma + 2 * (1 - kr) * v
-    b = luma + 2 * (1 - kb) * u
-    g = luma - (2 * (1 - kb) * kb / kg) * u - (2 * (1 - kr) * kr / kg) * v
-    rgb = torch.stack([r, g, b], -1).floor_().clamp_(0, 255).to(torch.uint8)     # (T, h, w, 3)
+        uv = planes[:, h * w:].view(T, 2, ch, cw).permute(0, 2, 3, 1).float()     # (T, ch, cw, 2)
+    uv -= 128
+    if not layout.full_range:
+        luma.sub_(16).mul_(255 / 219)
+        uv *= 255 / 224
+    # (cr * V, -gu * U, cb * U, gv * V): a product with a zero coefficient adds an exact zero
+    terms = (uv[..., :, None] * _chroma_coefficients(layout.kr, layout.kb, planes.device)).sum(-2)  # (T, ch, cw, 4)
+    blocks = terms[:, :, None, :, None]                                           # (T, ch, 1, cw, 1, 4)
+    rgb = torch.empty((T, ch, 2, cw, 2, 3), dtype=torch.float32, device=planes.device)
+    torch.add(luma[..., None], blocks[..., :3], out=rgb)          # R = Y + cr V, G = Y - gu U, B = Y + cb U
+    rgb[..., 1] -= blocks[..., 3]                                 # G -= gv V
+    # truncation after the clamp is the floor the conversion wants (values are >= 0 by then)
+    rgb = rgb.view(T, h, w, 3).clamp_(0, 255).to(torch.uint8)                    # (T, h, w, 3)
     if layout.rotation:
-        rgb = torch.rot90(rgb, layout.rotation // 90, dims=(1, 2))
-    return rgb.contiguous()
+        rgb = torch.rot90(rgb, layout.rotation // 90, dims=(1, 2)).contiguous()
+    return rgb
+
+
+@functools.lru_cache(maxsize=32)
+def _chroma_coefficients(kr: float, kb: float, device: torch.device) -> torch.Tensor:
+    """(2, 4) float32: row U, row V -> the terms (R from V, G from U, B from U, G from V) of the
+    matrix (Kr, Kb), on `device` (kept: one upload per matrix and device, not one per batch)."""
+    import torch
+
+    kg = 1 - kr - kb
+    cr, cb = 2 * (1 - kr), 2 * (1 - kb)
+    gu, gv = 2 * (1 - kb) * kb / kg, 2 * (1 - kr) * kr / kg
+    return torch.tensor([[0.0, -gu, cb, 0.0], [cr, 0.0, 0.0, gv]], dtype=torch.float32, device=device)

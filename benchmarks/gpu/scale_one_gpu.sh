@@ -13,7 +13,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 status=0
-"$PY" -c "from sources import nvdec; s = nvdec.open_session('.whl/v720.mp4'); f = [(p, tuple(t.shape)) for p, t in s.frames()]; print('nvdec probe:', len(f), s.time_base, f[:2], f[-1:])" 2>&1 | grep -v "INVALID INDEX" | tail -3
+"$PY" -c "from sources import open_video; v = open_video('.whl/v720.mp4', decoder='nvdec'); f = [(x.index, round(x.pts_s, 3), tuple(x.rgb.shape)) for x in v]; print('nvdec probe:', len(f), f[:2], f[-1:])" 2>&1 | grep -v "INVALID INDEX" | tail -3
 timeout 200 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/pipeline/runners/test_warm_start.py \
     tests/pipeline/runtime/test_cuda_helpers.py tests/pipeline/vlm/test_kept_warm_keys.py \
     tests/pipeline/vlm/test_kept_vision.py tests/sources/test_nvdec.py tests/pipeline/core/test_gpu_frames.py \

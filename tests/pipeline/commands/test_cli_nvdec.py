@@ -1,5 +1,5 @@
 """`run --decoder nvdec`: one clear line where NVDEC cannot be used, the fallback, and (through a
-double of sources.nvdec's session, frames as tensors) the whole graph on GPU-decoded frames."""
+double of sources.nvdec's decoder, frames as tensors) the whole graph on GPU-decoded frames."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,16 +21,21 @@ def clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_video(tmp_path_factory.mktemp("nvdec_cli") / "clip.mp4", frames, fps=25)
 
 
-class NV12Session:
-    """NvdecSession's double: PyAV's frames repacked as NV12 tensors (H * 3 / 2, W)."""
+class NV12Decoder:
+    """NvdecDecoder's double: FFmpeg's decoder given each packet's bytes and pts, its frames
+    repacked as NV12 tensors (H * 3 / 2, W)."""
 
-    def __init__(self, target: str, gpu_id: int | None = None) -> None:
-        self.target = target
+    stream, ordered = None, False
 
-    def frames(self):
-        with av.open(self.target) as container:
-            for frame in container.decode(container.streams.video[0]):
-                yield frame.pts, torch.from_numpy(frame.reformat(format="nv12").to_ndarray())
+    def __init__(self, name: str, codec: str, gpu_id: int | None = None) -> None:
+        self.context = av.CodecContext.create(codec, "r")
+
+    def decode(self, packet):
+        data = None
+        if packet is not None:
+            data = av.Packet(bytes(packet))
+            data.pts = packet.pts
+        return [(f.pts, torch.from_numpy(f.reformat(format="nv12").to_ndarray())) for f in self.context.decode(data)]
 
     def close(self) -> None:
         pass
@@ -67,7 +72,7 @@ def test_gpu_decoded_frames_run_the_whole_graph(capsys, tmp_path, clip, monkeypa
     """Frames held as tensors (as NVDEC's are) give the store PyAV's frames give, within the colour
     conversion's rounding."""
     monkeypatch.setattr(nvdec, "check_available", lambda name: None)
-    monkeypatch.setattr(nvdec, "open_session", NV12Session)
+    monkeypatch.setattr(nvdec, "open_decoder", NV12Decoder)
     stores = {}
     for decoder in ("pyav", "nvdec"):
         stores[decoder] = tmp_path / f"{decoder}.zarr"

@@ -27,6 +27,7 @@ that a caller that allows it (decode.fallback) can say so and decode with PyAV.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sources.errors import SourceError
@@ -46,6 +47,12 @@ NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC", "av1": "AV1", "vp8": "VP8", "vp9
 # codes, parameter sets in the stream). MPEG-TS and raw streams are Annex B already.
 _ANNEXB_FILTERS = {"h264": "h264_mp4toannexb", "hevc": "hevc_mp4toannexb"}
 _NOPTS = -(1 << 62)   # pts of a packet without one; FFmpeg's AV_NOPTS_VALUE (INT64_MIN) is below it too
+# Held by every CUDA-graph capture (pipeline/runtime/cuda.py takes this one lock as its CAPTURE_LOCK)
+# and here around each call into NVDEC (decoder creation, Decode, the conversion, close): the
+# decoder allocates, maps and frees device memory on its own, and a live run opens streams and
+# decodes while the VLM captures its graphs at warm-up (H200, 32 live NVDEC streams: captures
+# failed, then "beginAllocateToPool: already recording to mempool_id"). Uncontended after warm-up.
+CAPTURE_LOCK = threading.RLock()
 # Files convert this many frames per call of yuv_to_rgb (its ~12 kernels launched once per batch);
 # live streams one at a time, as each comes in.
 CONVERT_BATCH = 8
@@ -153,10 +160,11 @@ class _PyNvDecoder:
                                      outputColorType=nvc.OutputColorType.NATIVE)
 
         try:
-            try:
-                self._decoder, self.ordered = create(self.stream.cuda_stream), True
-            except Exception:  # a stream it does not validate: its own, synchronized at each frame
-                self._decoder, self.ordered = create(0), False
+            with CAPTURE_LOCK:
+                try:
+                    self._decoder, self.ordered = create(self.stream.cuda_stream), True
+                except Exception:  # a stream it does not validate: its own, synchronized at each frame
+                    self._decoder, self.ordered = create(0), False
         except Exception as e:
             raise NvdecUnavailable(name, f"PyNvVideoCodec cannot create a {codec} decoder ({_first_line(e)})") from e
 
@@ -168,14 +176,14 @@ class _PyNvDecoder:
             data.bsl_data, data.bsl = packet.buffer_ptr, packet.buffer_size
             data.pts = _NOPTS if packet.pts is None else packet.pts
         try:
-            frames = self._decoder.Decode(data)
-            with torch.cuda.stream(self.stream):   # DLPack makes each frame ready on this stream
-                return [(_pts(f.getPTS()), torch.from_dlpack(f)) for f in frames]
+            with CAPTURE_LOCK, torch.cuda.stream(self.stream):   # DLPack makes each frame ready on this stream
+                return [(_pts(f.getPTS()), torch.from_dlpack(f)) for f in self._decoder.Decode(data)]
         except Exception as e:  # PyNvVCExceptionDecode / Cuda / Unsupported, RuntimeError
             raise NvdecError(_first_line(e)) from e
 
     def close(self) -> None:
-        self._decoder = None
+        with CAPTURE_LOCK:
+            self._decoder = None
 
 
 class PacketFeed:
@@ -307,11 +315,16 @@ class Nv12ToRgb:
                               f"{w}x{h} -> {tuple(nv12.shape)} {nv12.dtype}")
 
     def _on_stream(self) -> Any:
+        """On the decoder's stream, and holding CAPTURE_LOCK (no conversion while a graph is captured)."""
         import contextlib
 
         import torch
 
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(CAPTURE_LOCK)
+        if self._stream is not None:
+            stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
 
     def _finish(self) -> None:
         if self._stream is not None:

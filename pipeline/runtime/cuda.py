@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from arr_coc._validate import ConfigError
+from sources import nvdec
 
 # While a thread captures a CUDA graph, page-locked host allocations in other threads fail (torch's
 # caching host allocator queries its blocks' events; seen in live mode as "operation not
@@ -24,7 +25,8 @@ from arr_coc._validate import ConfigError
 # decode step). Captures and those allocations take this lock: captures are rare (one per shape),
 # the allocations short. So do (un)registering host memory and device-wide syncs (a sync waits on
 # the capturing stream, which invalidates its capture); the hot paths sync streams or events only.
-CAPTURE_LOCK = threading.RLock()
+# NVDEC's decoder calls take it too: one lock, owned by sources (which may not import pipeline)
+CAPTURE_LOCK = nvdec.CAPTURE_LOCK
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,31 @@ class TestPyNvDecoder:
         assert decoder.decode(bare)[0][0] is None and api.fed[-1][1] < -(1 << 61)
         assert decoder.decode(None) == [] and api.fed[-1] == (b"", 0)   # an empty PacketData: the end
 
+    def test_decoder_calls_wait_while_a_graph_is_captured(self, fake):
+        """Creating a decoder and decoding take the CUDA-graph capture lock (pipeline/runtime/cuda.py
+        holds the same one while it captures): NVDEC's own device allocations during a capture in
+        another thread broke the VLM's warm-up captures in a live run on an H200."""
+        from pipeline.runtime.cuda import CAPTURE_LOCK
+
+        assert CAPTURE_LOCK is nvdec.CAPTURE_LOCK
+        fake()
+        done: list[str] = []
+        packet = av.Packet(b"frame")
+
+        def work() -> None:
+            decoder = nvdec.open_decoder("x.ts", "h264")
+            done.append("created")
+            decoder.decode(packet)
+            done.append("decoded")
+
+        with CAPTURE_LOCK:                                     # a capture in progress
+            worker = threading.Thread(target=work)
+            worker.start()
+            worker.join(0.3)
+            assert done == []                                  # creation waits for it
+        worker.join(5)
+        assert done == ["created", "decoded"]
+
     def test_a_stream_it_does_not_take_means_its_own_and_a_sync(self, fake):
         api = fake(refuse_stream=True)
         decoder = nvdec.open_decoder("x.ts", "h264")

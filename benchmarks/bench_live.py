@@ -377,6 +377,13 @@ def _child_argv(argv: list[str], streams: int, out: Path) -> list[str]:
             "--out", str(out), "--keep-latencies"]
 
 
+def child_devices(gpus: int, visible: str | None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each GPU's process: the i-th device this process sees (its own
+    CUDA_VISIBLE_DEVICES where set: with "2,3" the processes run on GPUs 2 and 3, not 0 and 1)."""
+    seen = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    return (seen or [str(g) for g in range(gpus)])[:gpus]
+
+
 def spread_over_gpus(args, argv: list[str]) -> int:
     """Each stream count over args.gpus processes at once (CUDA_VISIBLE_DEVICES=i each), rows pooled."""
     import subprocess
@@ -387,6 +394,7 @@ def spread_over_gpus(args, argv: list[str]) -> int:
     counts = [int(c) for c in (args.streams or ("2" if args.quick else "32")).split(",")]
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_live_gpus_{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
+    visible = child_devices(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     rows = []
     for n in counts:
         shares = split_streams(n, args.gpus)
@@ -394,7 +402,7 @@ def spread_over_gpus(args, argv: list[str]) -> int:
         for g, k in enumerate(shares):
             if k == 0:
                 continue
-            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(g)} if args.device.startswith("cuda") else {})}
+            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": visible[g]} if args.device.startswith("cuda") else {})}
             procs.append((g, subprocess.Popen(_child_argv(argv, k, work / f"n{n}_gpu{g}.json"), env=env,
                                               stdout=subprocess.DEVNULL)))
         codes = [(g, p.wait()) for g, p in procs]

@@ -285,3 +285,11 @@ def test_bench_live_over_two_fake_gpus_answers_on_both(tmp_path):
     assert result["gpus"] == 2 and row["streams"] == 2 and row["streams_per_gpu"] == [1, 1]
     assert [p["streams"] for p in row["per_gpu"]] == [1, 1] and all(p["answers"] > 0 for p in row["per_gpu"])
     assert row["answers"] == sum(p["answers"] for p in row["per_gpu"]) and row["answer_latency_p95_ms"] > 0
+
+
+def test_bench_live_children_run_on_the_gpus_this_process_sees():
+    from benchmarks.bench_live import child_devices
+
+    assert child_devices(2, None) == ["0", "1"]
+    assert child_devices(2, "2,3") == ["2", "3"]                   # not GPUs 0 and 1 of the host
+    assert child_devices(2, " 1, 3,0") == ["1", "3"]

@@ -72,7 +72,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice("model.arch", self.arch, ARCHS)
-        for b in self.deepstack:
+        for b in self.deepstack if self.arch == "qwen3_vl" else ():
             check_int("model.deepstack", b)
             check_range("model.deepstack", b, 0, self.vision_depth - 1)
         if self.arch == "qwen3_vl" and len(self.deepstack) > self.layers:

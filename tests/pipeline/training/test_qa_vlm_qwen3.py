@@ -101,3 +101,10 @@ def test_trains_and_the_snapshot_answers_as_a_qwen3_vl(tmp_path):
     keep[:2] = 1                                                        # the last two frame groups empty
     answers = vlm.answer_questions(frames, keep, ["what colour is the square?"])
     assert len(answers) == 1 and answers[0].tokens_kept == 6 and isinstance(answers[0].text, str)
+
+
+def test_the_recipe_is_a_qwen3_vl_on_an_8_by_8_grid():
+    from pipeline.training.qa_vlm import geometry
+    cfg = load_config(QAVLMConfig, Path(__file__).resolve().parents[3] / "configs" / "qa_vlm_qwen3.yaml", [])
+    assert cfg.model.arch == "qwen3_vl" and geometry(cfg).grid(256, 256) == (8, 8)
+    assert cfg.train.time_limit_s == 400 and cfg.drop.empty_frame_groups == "mix"

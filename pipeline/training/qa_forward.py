@@ -111,6 +111,7 @@ class QAForward:
             self.prompt = PrefixBuilder(model, self.lm, tokenizer, family=model.config.model_type,
                                         config=VLMConfig(fps=fps), geometry=preprocessor.geometry, device=self.device)
             self.empty_groups, self.rng = empty_groups, np.random.default_rng(seed)
+            self._qwen3_layouts: dict[tuple[int, int, int], tuple] = {}
             self.before = self.prompt.prompt_ids("?", 0)[0]
         else:
             patch_vision_attention(self.visual)
@@ -267,13 +268,16 @@ class QAForward:
         ids, positions (3, S), the slots of the kept visual tokens (K,), the first position after
         the video."""
         gh, gw = grid
-        layout = self.prompt.video_prompt(T, gh, gw)
+        key = (T, gh, gw)
+        if key not in self._qwen3_layouts:             # on the host once per grid: no device read per view
+            layout = self.prompt.video_prompt(T, gh, gw)
+            self._qwen3_layouts[key] = (layout.video, layout.positions.cpu().numpy(), layout.text_start)
+        video, all_positions, text_start = self._qwen3_layouts[key]
         mode = self.empty_groups if self.empty_groups != "mix" else EMPTY_GROUPS[int(self.rng.integers(2))]
-        slots = kept_slots(layout.video, torch.from_numpy(np.asarray(cells, np.int64)), gh * gw, mode).numpy()
+        slots = kept_slots(video, torch.from_numpy(np.asarray(cells, np.int64)), gh * gw, mode).numpy()
         rank = np.cumsum(slots) - 1
-        ids = layout.video.ids.numpy()[slots].tolist()
-        positions = layout.positions.cpu().numpy()[:, slots]
-        return ids, positions, rank[layout.video.video_slots.numpy()[cells]], layout.text_start
+        return (video.ids.numpy()[slots].tolist(), all_positions[:, slots], rank[video.video_slots.numpy()[cells]],
+                text_start)
 
     def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""

@@ -15,6 +15,11 @@ val split through the pipeline's own answer path (load_vlm on the exported snaps
 VLM.answer_questions) and scores exact match per question family. On CUDA the step runs in bf16
 autocast (float32 weights and optimizer); on CPU in float32.
 
+model.arch=qwen3_vl trains a small Qwen3-VL instead (configs/qa_vlm_qwen3.yaml; not shipped): 16 px
+patches, DeepStack from the vision blocks model.deepstack, a timestamp per frame group, its input
+cut from the pipeline's own video prompt (qa_forward), each view's empty frame groups kept or
+dropped as drop.empty_frame_groups says; its snapshot loads as a local Qwen3-VL (--vlm DIR).
+
 Learning from scratch, a model sat at the answer priors for its first 1300 steps (every family at
 chance): nothing told its attention which of ~200 visual tokens mattered. Two things get it
 grounding (qa_data): a curriculum whose first steps keep only the salient cells, and a per-token

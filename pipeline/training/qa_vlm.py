@@ -279,12 +279,11 @@ def build(cfg: QAVLMConfig, device: torch.device):
                                        vision_dim=m.vision_dim, vision_heads=m.vision_heads,
                                        vision_mlp_ratio=m.vision_mlp_ratio, rope_theta=m.rope_theta,
                                        deepstack=m.deepstack, position_side=side)
-        model = qwen3_vl.model_class("qwen3_vl")._from_config(config, dtype=torch.float32).to(device)
-        return model, tokenizer, video_preprocessor(cfg)
-    config = small_config(tokenizer, hidden=m.hidden, intermediate=m.intermediate, layers=m.layers, heads=m.heads,
-                          kv_heads=m.kv_heads, vision_depth=m.vision_depth, vision_dim=m.vision_dim,
-                          vision_heads=m.vision_heads, vision_mlp_ratio=m.vision_mlp_ratio,
-                          rope_theta=m.rope_theta)
+    else:
+        config = small_config(tokenizer, hidden=m.hidden, intermediate=m.intermediate, layers=m.layers, heads=m.heads,
+                              kv_heads=m.kv_heads, vision_depth=m.vision_depth, vision_dim=m.vision_dim,
+                              vision_heads=m.vision_heads, vision_mlp_ratio=m.vision_mlp_ratio,
+                              rope_theta=m.rope_theta)
     model = build_model(config, device=device, dtype=torch.float32, seed=cfg.train.seed)
     return model, tokenizer, video_preprocessor(cfg)
 

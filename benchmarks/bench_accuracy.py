@@ -23,6 +23,9 @@ Variants of the ARR-COC row (--variants), each through its own VLM with these se
     kept             vlm.encode=kept, vlm.kept_context=0: the vision tower encodes only the kept
                      cells' patches (the default adds a ring of one cell as context)
     all              vlm.encode=all: the vision tower encodes every patch, the tokens are picked after
+    drop             vlm.empty_frame_groups=drop (Qwen3-VL): a frame group left with no kept token
+                     loses its timestamp and markers (the ARR-COC row keeps them, the default)
+    kept-drop        kept and drop together: with the rows above, keep vs drop at context 0 and 1
     finetuned        ARR-COC with the weights --arrcoc-weights names (configs/train_vlm_qa.yaml
                      fine-tunes the shipped ones through arrcoc-synth-qa's answer loss)
     tempering        the budget ladder --ladder: answer at its first rung, again at the next while
@@ -82,7 +85,10 @@ from pipeline.vlm_config import TemperingConfig  # noqa: E402
 POLICIES = ("stock", "uniform", "random", "evs", "fastvid", "arrcoc-noquery", "arrcoc")
 VARIANTS: dict[str, tuple[str, ...]] = {"pass2": ("vlm.pass2=attention",),
                                         "kept": ("vlm.encode=kept", "vlm.kept_context=0"),
-                                        "all": ("vlm.encode=all",), "tempering": ()}
+                                        "all": ("vlm.encode=all",), "tempering": (),
+                                        "drop": ("vlm.empty_frame_groups=drop",),
+                                        "kept-drop": ("vlm.encode=kept", "vlm.kept_context=0",
+                                                      "vlm.empty_frame_groups=drop")}
 LADDER = (0.05, 0.1, 0.25)
 RETENTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
 # the families whose question names one object (by colour and shape): where query-awareness counts

@@ -165,3 +165,17 @@ def test_a_variant_setting_out_of_range_fails_before_any_row(tmp_path, bench):
                  "--variants", "pass2", "--retentions", "1,0.1")
     assert done.returncode == 2 and "variant pass2 at retention 1" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_empty_frame_group_variants_on_a_qwen3_vl(tmp_path, bench):
+    """keep vs drop (vlm.empty_frame_groups) at kept context 1 and 0: four ARR-COC rows of one Qwen3-VL."""
+    out = tmp_path / "acc.json"
+    done = bench("--root", str(tmp_path / "data"), "--make", "2", "--limit", "1", "--vlm", "tiny-random-qwen3_vl",
+                 "--device", "cpu", "--policies", "arrcoc", "--retentions", "0.1", "--variants", "kept,drop,kept-drop",
+                 "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {r["policy"] for r in result["rows"]} == {"arrcoc", "arrcoc+kept", "arrcoc+drop", "arrcoc+kept-drop"}
+    assert result["variants"]["drop"] == ["vlm.empty_frame_groups=drop"]
+    assert result["variants"]["kept-drop"] == ["vlm.encode=kept", "vlm.kept_context=0", "vlm.empty_frame_groups=drop"]
+    assert all(r["mean_tokens_kept"] > 0 for r in result["rows"])

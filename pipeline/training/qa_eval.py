@@ -14,8 +14,7 @@ import torch
 
 from pipeline.training.qa_data import cell_colors, keep_map, vlm_frame_indices
 from pipeline.vlm_config import VLMConfig
-from pipeline.vlm.geometry import VLMGeometry
-from pipeline.vlm.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from pipeline.vlm.preprocess import VideoPreprocessor
 
 
 @dataclass
@@ -75,11 +74,11 @@ def validate(snapshot: Path, clips: list[ValClip], device: torch.device,
     return {f"keep_{r:g}": accuracy(evaluate(vlm, clips, r)) for r in ratios}
 
 
-def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: Path, summary: dict,
+def export_snapshot(model, tokenizer, preprocessor: VideoPreprocessor, fps: float, root: Path, summary: dict,
                     config_extra: dict | None = None) -> Path:
     """A Hugging Face snapshot of the model in bf16: config (plus config_extra's fields),
     weights, tokenizer (+ chat template), processor configs with this model's frame size
-    (geometry), the training summary and the answers it was trained to give (answer_words.json)."""
+    (the preprocessor's), the training summary and the answers it was trained to give (answer_words.json)."""
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -88,11 +87,12 @@ def export_snapshot(model, tokenizer, geometry: VLMGeometry, fps: float, root: P
         setattr(snap.config, key, value)
     snap.save_pretrained(root)
     tokenizer.save_pretrained(root)
-    g = geometry
+    g = preprocessor.geometry
     processor = {"min_pixels": g.min_pixels, "max_pixels": g.max_pixels,
                  "size": {"shortest_edge": g.min_pixels, "longest_edge": g.max_pixels},
                  "patch_size": g.patch_size, "temporal_patch_size": g.temporal_patch_size, "merge_size": g.merge_size,
-                 "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD), "rescale_factor": 1 / 255,
+                 "image_mean": list(preprocessor.image_mean), "image_std": list(preprocessor.image_std),
+                 "rescale_factor": 1 / 255,
                  "resample": 3, "do_resize": True, "do_rescale": True, "do_normalize": True,
                  "do_convert_rgb": True, "processor_class": "Qwen2VLProcessor"}
     (root / "preprocessor_config.json").write_text(json.dumps(

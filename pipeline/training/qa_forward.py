@@ -31,7 +31,9 @@ from pipeline.vlm.passes import question_attention
 from evaluation.scenes import COLORS, SHAPES
 from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm.selection import pair_lod, select_tokens
-from pipeline.vlm import hf
+from pipeline.vlm import hf, qwen3_vl
+from pipeline.vlm.frame_groups import EMPTY_GROUPS, kept_slots
+from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.vision_attention import batched_attention, patch_vision_attention
 
 GROUND_ATTENTION = "arrcoc_qa_ground"      # sdpa that also hands over one layer's query and key states
@@ -75,15 +77,20 @@ class LMBatch:
     ground: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # grounding targets: (question (B, L), visual (B, L), target (B, L)) bool masks: the question's
     # tokens after <|vision_end|>, the kept visual tokens, those of them showing the named object
+    deepstack: torch.Tensor | None = None  # Qwen3-VL: (n, B, L, D) DeepStack features, zeros off the visual slots
 
 
 class QAForward:
-    """ClipSamples -> answer loss through a Qwen2VLForConditionalGeneration, inputs as at inference."""
+    """ClipSamples -> answer loss through a Qwen2-VL or Qwen3-VL, inputs as at inference. Qwen3-VL's
+    input is cut from the pipeline's own video prompt (PrefixBuilder.video_prompt: timestamps per
+    frame group, positions) by its own kept_slots under empty_groups (keep, drop, or mix: each view
+    draws one), DeepStack features added at the kept visual slots."""
 
     def __init__(self, model, tokenizer, preprocessor: VideoPreprocessor, aux_head: torch.nn.Module | None = None,
                  aux_weight: float = 0.0, aux_shape_weight: float = 0.0, aux_motion_weight: float = 0.0,
                  region_head: torch.nn.Module | None = None, region_weight: float = 0.0, region_layer: int = 2,
-                 ground_weight: float = 0.0, ground_layer: int = 4) -> None:
+                 ground_weight: float = 0.0, ground_layer: int = 4, *, fps: float = VLMConfig.fps,
+                 empty_groups: str = "keep", seed: int = 0) -> None:
         self.model, self.tokenizer, self.preprocessor = model, tokenizer, preprocessor
         self.aux_head, self.aux_weight, self.aux_shape_weight = aux_head, aux_weight, aux_shape_weight
         self.aux_motion_weight = aux_motion_weight
@@ -93,10 +100,22 @@ class QAForward:
             hf.register_attention(GROUND_ATTENTION, _recording_attention)
         self.device = next(model.parameters()).device
         self.visual, self.lm = hf.vision_tower(model), hf.language_model(model)
-        patch_vision_attention(self.visual)
         self.video_token_id = model.config.video_token_id
         self.pad_id = tokenizer.pad_token_id
-        self.before = tokenizer(BEFORE_VIDEO).input_ids
+        self.qwen3 = model.config.model_type in qwen3_vl.FAMILIES
+        self.hidden = self.lm.config.hidden_size
+        if self.qwen3:
+            from pipeline.vlm.prefix import PrefixBuilder
+            if empty_groups not in (*EMPTY_GROUPS, "mix"):
+                raise ValueError(f"Invalid empty_groups ({empty_groups!r}). Supported values are keep, drop, mix.")
+            self.prompt = PrefixBuilder(model, self.lm, tokenizer, family=model.config.model_type,
+                                        config=VLMConfig(fps=fps), geometry=preprocessor.geometry, device=self.device)
+            self.empty_groups, self.rng = empty_groups, np.random.default_rng(seed)
+            self._qwen3_layouts: dict[tuple[int, int, int], tuple] = {}
+            self.before = self.prompt.prompt_ids("?", 0)[0]
+        else:
+            patch_vision_attention(self.visual)
+            self.before = tokenizer(BEFORE_VIDEO).input_ids
         self._layouts: dict[tuple[int, int, int], tuple[np.ndarray, int]] = {}
         self._token_cache: dict[str, list[int]] = {}
 
@@ -130,9 +149,13 @@ class QAForward:
         grid_thw = torch.stack(grids)                                       # (N, 3) patches
         sizes = {(int(h), int(w)) for _, h, w in grid_thw.tolist()}
         length = int(grid_thw[0, 1] * grid_thw[0, 2]) if len(sizes) == 1 else None
-        with batched_attention(length):
-            out = self.visual(torch.cat(pixels), grid_thw=grid_thw.to(self.device))
-        merged = out.pooler_output if hasattr(out, "pooler_output") else out   # (sum T' gh gw, D)
+        if self.qwen3:                      # each token's DeepStack features ride after it: (sum T' gh gw, D (1 + n))
+            merged, deepstack = qwen3_vl.vision_features(self.model, torch.cat(pixels), grid_thw.to(self.device))
+            merged = torch.cat([merged, *deepstack], -1)
+        else:
+            with batched_attention(length):
+                out = self.visual(torch.cat(pixels), grid_thw=grid_thw.to(self.device))
+            merged = out.pooler_output if hasattr(out, "pooler_output") else out   # (sum T' gh gw, D)
         m = self.preprocessor.geometry.merge_size
         counts = [t * h * w // m**2 for t, h, w in grid_thw.tolist()]
         return [x.view(t, h // m, w // m, -1) for x, (t, h, w) in zip(merged.split(counts), grid_thw.tolist())]
@@ -178,16 +201,23 @@ class QAForward:
         seqs = []
         for b, (c, v) in enumerate(views):
             s = samples[c]
-            positions, text_start = self.layout(*merged[c].shape[:3])
-            v0 = len(self.before)
-            text = self._ids(after_video(s.questions[v]))
             answer = self._ids(s.answers[v] + "<|im_end|>")
-            ids = self.before + [self.pad_id] * len(local[b]) + text + answer[:-1]
-            pos = np.concatenate([positions[:, :v0], positions[:, v0 + local[b]],
-                                  text_start + np.arange(len(text) + len(answer) - 1)[None].repeat(3, 0)], 1)
+            if self.qwen3:
+                text = self.prompt.prompt_ids(s.questions[v], 0)[1]
+                video, pos, vis_at, text_start = self.qwen3_video(s.frames.shape[0], merged[c].shape[1:3], local[b])
+                text_at, skip = len(video), 0
+                ids = video + text + answer[:-1]
+            else:
+                positions, text_start = self.layout(*merged[c].shape[:3])
+                v0 = len(self.before)
+                text = self._ids(after_video(s.questions[v]))
+                ids = self.before + [self.pad_id] * len(local[b]) + text + answer[:-1]
+                pos = np.concatenate([positions[:, :v0], positions[:, v0 + local[b]]], 1)
+                vis_at, text_at, skip = v0 + np.arange(len(local[b])), v0 + len(local[b]), 1
+            pos = np.concatenate([pos, text_start + np.arange(len(text) + len(answer) - 1)[None].repeat(3, 0)], 1)
             labels = np.full(len(ids), IGNORE)
             labels[len(ids) - len(answer):] = answer
-            seqs.append((ids, pos, labels, rows[b], len(text)))
+            seqs.append((ids, pos, labels, rows[b], vis_at, (text_at + skip, text_at + len(text))))
         B, L = len(seqs), max(len(s[0]) for s in seqs)
         ids = np.full((B, L), self.pad_id)
         pos = np.zeros((3, B, L), np.int64)
@@ -195,29 +225,33 @@ class QAForward:
         vis_row = np.full((B, L), -1)
         regions = np.full((B, L), -1) if self.region_head is not None else None
         ground = np.zeros((3, B, L), bool) if self.ground_weight > 0 else None
-        for b, (i, p, lab, r, n_text) in enumerate(seqs):
+        for b, (i, p, lab, r, vis_at, question) in enumerate(seqs):
             n = len(i)
             ids[b, :n], pos[:, b, :n], labels[b, :n] = i, p, lab
-            vis_row[b, len(self.before):len(self.before) + len(r)] = r
+            vis_row[b, vis_at] = r
             if regions is not None:
                 gh, gw = merged[views[b][0]].shape[1:3]
-                regions[b, len(self.before):len(self.before) + len(r)] = token_regions((gh, gw)).ravel()[
-                    local[b] % (gh * gw)]
+                regions[b, vis_at] = token_regions((gh, gw)).ravel()[local[b] % (gh * gw)]
             color = named_color(samples[views[b][0]].questions[views[b][1]]) if ground is not None else None
             if color is not None:
-                v0, nv = len(self.before), len(r)
                 target = samples[views[b][0]].colors.ravel()[local[b]] == color
                 if target.any():
-                    ground[0, b, v0 + nv + 1:v0 + nv + n_text] = True            # after <|vision_end|>
-                    ground[1, b, v0:v0 + nv] = True
-                    ground[2, b, v0:v0 + nv] = target
+                    ground[0, b, question[0]:question[1]] = True               # the question's tokens
+                    ground[1, b, vis_at] = True
+                    ground[2, b, vis_at] = target
         dev = self.device
         vis_row_t = torch.from_numpy(vis_row)
         vis_row_t = (vis_row_t.pin_memory() if dev.type == "cuda" else vis_row_t).to(dev, non_blocking=True)
         ids_t = torch.from_numpy(ids)
         embeds = self.lm.embed_tokens((ids_t.pin_memory() if dev.type == "cuda" else ids_t).to(dev, non_blocking=True))
-        visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D)
-        embeds = torch.where((vis_row_t >= 0)[..., None], visual, embeds)
+        visual = tokens[vis_row_t.clamp(min=0)].to(embeds.dtype)             # (B, L, D (1 + n))
+        is_visual = (vis_row_t >= 0)[..., None]
+        D = embeds.shape[-1]
+        embeds = torch.where(is_visual, visual[..., :D], embeds)
+        deepstack = None
+        if visual.shape[-1] > D:                                             # Qwen3-VL: zeros off the visual slots
+            extra = (visual[..., D:] * is_visual).unflatten(-1, (-1, D))       # (B, L, n, D)
+            deepstack = extra.permute(2, 0, 1, 3)                              # (n, B, L, D)
         host = [torch.from_numpy(a) for a in (pos, labels, regions, ground) if a is not None]
         if dev.type == "cuda":
             host = [t.pin_memory() for t in host]
@@ -225,7 +259,25 @@ class QAForward:
         regions_d = rest.pop(0) if regions is not None else None
         ground_d = tuple(rest.pop(0).unbind(0)) if ground is not None and ground[2].any() else None
         return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs],
-                       regions_d, ground_d)
+                       regions_d, ground_d, deepstack)
+
+    def qwen3_video(self, T: int, grid: tuple[int, int],
+                    cells: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray, int]:
+        """Qwen3-VL's prompt up to the end of the video for T frames with the kept cells (K,): the
+        pipeline's unpruned video prompt cut by kept_slots under this view's empty-group mode ->
+        ids, positions (3, S), the slots of the kept visual tokens (K,), the first position after
+        the video."""
+        gh, gw = grid
+        key = (T, gh, gw)
+        if key not in self._qwen3_layouts:             # on the host once per grid: no device read per view
+            layout = self.prompt.video_prompt(T, gh, gw)
+            self._qwen3_layouts[key] = (layout.video, layout.positions.cpu().numpy(), layout.text_start)
+        video, all_positions, text_start = self._qwen3_layouts[key]
+        mode = self.empty_groups if self.empty_groups != "mix" else EMPTY_GROUPS[int(self.rng.integers(2))]
+        slots = kept_slots(video, torch.from_numpy(np.asarray(cells, np.int64)), gh * gw, mode).numpy()
+        rank = np.cumsum(slots) - 1
+        return (video.ids.numpy()[slots].tolist(), all_positions[:, slots], rank[video.video_slots.numpy()[cells]],
+                text_start)
 
     def logits(self, batch: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits (N, V) float32 of every answer position (row-major) and their targets (N,)."""
@@ -246,7 +298,7 @@ class QAForward:
             _RECORDING[self.ground_layer] = self.recorded = {}
         try:
             out = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions, use_cache=False,
-                          output_hidden_states=probe)
+                          output_hidden_states=probe, **qwen3_vl.deepstack_lm_kwargs(batch.deepstack))
         finally:
             if record:
                 hf.set_attention_implementation(self.lm.config, before)
@@ -284,7 +336,7 @@ class QAForward:
         answer_loss = F.cross_entropy(logits, targets)
         loss, aux = answer_loss, torch.zeros((), device=answer_loss.device)
         if self.aux_head is not None:
-            tokens = torch.cat([m.reshape(-1, m.shape[-1]) for m in merged])                 # (N, D)
+            tokens = torch.cat([m[..., :self.hidden].reshape(-1, self.hidden) for m in merged])   # (N, D)
             out = self.aux_head(tokens).float()                       # (N, C + 1 [+ S + 1] [+ M])
             start = len(COLORS) + 1
             aux = F.cross_entropy(out[:, :start], self._labels([s.colors for s in samples]))

@@ -15,6 +15,11 @@ val split through the pipeline's own answer path (load_vlm on the exported snaps
 VLM.answer_questions) and scores exact match per question family. On CUDA the step runs in bf16
 autocast (float32 weights and optimizer); on CPU in float32.
 
+model.arch=qwen3_vl trains a small Qwen3-VL instead (configs/qa_vlm_qwen3.yaml; not shipped): 16 px
+patches, DeepStack from the vision blocks model.deepstack, a timestamp per frame group, its input
+cut from the pipeline's own video prompt (qa_forward), each view's empty frame groups kept or
+dropped as drop.empty_frame_groups says; its snapshot loads as a local Qwen3-VL (--vlm DIR).
+
 Learning from scratch, a model sat at the answer priors for its first 1300 steps (every family at
 chance): nothing told its attention which of ~200 visual tokens mattered. Two things get it
 grounding (qa_data): a curriculum whose first steps keep only the salient cells, and a per-token
@@ -50,10 +55,12 @@ from evaluation.scenes import COLORS, SHAPES
 
 SHIPPED_NAME = "arrcoc-synth-qa"
 SHIPPED_NAMES = (SHIPPED_NAME,)
+ARCHS = ("qwen2_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    arch: str = "qwen2_vl"            # qwen2_vl (14 px patches) or qwen3_vl (16 px, DeepStack, timestamped groups)
     hidden: int = 384                 # LM width (also the vision merger's output)
     intermediate: int = 1024
     layers: int = 5
@@ -66,8 +73,16 @@ class ModelConfig:
     rope_theta: float = 1e6           # the LM's M-RoPE base (Qwen2-VL's 1e6 barely turns the w axis on small grids)
     max_pixels: int = 224 * 224       # frames are resized into this many pixels (saved in the snapshot)
     fps: float = VLMConfig.fps        # frames per second the VLM sees: the pipeline's vlm.fps
+    deepstack: tuple[int, ...] = (1, 2)   # qwen3_vl: the vision blocks whose features DeepStack adds to the LM
 
     def __post_init__(self) -> None:
+        check_choice("model.arch", self.arch, ARCHS)
+        for b in self.deepstack if self.arch == "qwen3_vl" else ():
+            check_int("model.deepstack", b)
+            check_range("model.deepstack", b, 0, self.vision_depth - 1)
+        if self.arch == "qwen3_vl" and len(self.deepstack) > self.layers:
+            raise ConfigError(f"model.deepstack={list(self.deepstack)} feeds more LM layers than "
+                              f"model.layers={self.layers}")
         for name, lo, hi in (("hidden", 16, 4096), ("intermediate", 16, 16384), ("layers", 1, 64), ("heads", 1, 64),
                              ("kv_heads", 1, 64), ("vision_depth", 1, 64), ("vision_dim", 16, 4096),
                              ("vision_heads", 1, 64), ("vision_mlp_ratio", 1, 8), ("max_pixels", 56 * 56, 4096 * 4096)):
@@ -93,6 +108,8 @@ class DropConfig:
     policies: tuple[str, ...] = POLICIES
     curriculum_steps: int = 600       # the first steps keep only salient cells (qa_data's curriculum)
     curriculum_keep: tuple[float, float] = (0.1, 0.35)   # their keep ratios (log-uniform)
+    empty_frame_groups: str = "mix"   # qwen3_vl: a frame group with no kept token keeps its timestamp, drops
+                                      # it, or each view draws one (mix: the model learns both vlm settings)
 
     def __post_init__(self) -> None:
         check_range("drop.keep_min", self.keep_min, 0.0, 1.0, lo_open=True)
@@ -107,6 +124,7 @@ class DropConfig:
         lo, hi = self.curriculum_keep
         check_range("drop.curriculum_keep", lo, 0.0, 1.0, lo_open=True)
         check_range("drop.curriculum_keep", hi, lo, 1.0)
+        check_choice("drop.empty_frame_groups", self.empty_frame_groups, ("keep", "drop", "mix"))
 
 
 @dataclass(frozen=True)
@@ -252,17 +270,38 @@ def build(cfg: QAVLMConfig, device: torch.device):
     tokenizer = build_tokenizer("english")
     tokenizer.chat_template = CHAT_TEMPLATE
     m = cfg.model
-    config = small_config(tokenizer, hidden=m.hidden, intermediate=m.intermediate, layers=m.layers, heads=m.heads,
-                          kv_heads=m.kv_heads, vision_depth=m.vision_depth, vision_dim=m.vision_dim,
-                          vision_heads=m.vision_heads, vision_mlp_ratio=m.vision_mlp_ratio,
-                          rope_theta=m.rope_theta)
+    if m.arch == "qwen3_vl":
+        from pipeline.vlm import qwen3_vl
+        # the learned position grid: one entry per patch of a square frame (interpolated to any other)
+        side = max(2, round(math.sqrt(m.max_pixels) / geometry(cfg).patch_size))
+        config = qwen3_vl.small_config(tokenizer, hidden=m.hidden, intermediate=m.intermediate, layers=m.layers,
+                                       heads=m.heads, kv_heads=m.kv_heads, vision_depth=m.vision_depth,
+                                       vision_dim=m.vision_dim, vision_heads=m.vision_heads,
+                                       vision_mlp_ratio=m.vision_mlp_ratio, rope_theta=m.rope_theta,
+                                       deepstack=m.deepstack, position_side=side)
+    else:
+        config = small_config(tokenizer, hidden=m.hidden, intermediate=m.intermediate, layers=m.layers, heads=m.heads,
+                              kv_heads=m.kv_heads, vision_depth=m.vision_depth, vision_dim=m.vision_dim,
+                              vision_heads=m.vision_heads, vision_mlp_ratio=m.vision_mlp_ratio,
+                              rope_theta=m.rope_theta)
     model = build_model(config, device=device, dtype=torch.float32, seed=cfg.train.seed)
-    return model, tokenizer, VideoPreprocessor(geometry(cfg))
+    return model, tokenizer, video_preprocessor(cfg)
 
 
 def geometry(cfg: QAVLMConfig) -> VLMGeometry:
-    """The grid the pipeline gives this model: its max_pixels, the pipeline's min_pixels below it."""
-    return VLMGeometry(min_pixels=min(VLMConfig.min_pixels, cfg.model.max_pixels), max_pixels=cfg.model.max_pixels)
+    """The grid the pipeline gives this model: its max_pixels, the pipeline's min_pixels below it
+    (Qwen3-VL: 16 px patches, 32 px tokens)."""
+    patch = 16 if cfg.model.arch == "qwen3_vl" else 14
+    return VLMGeometry(patch_size=patch, min_pixels=min(VLMConfig.min_pixels, cfg.model.max_pixels),
+                       max_pixels=cfg.model.max_pixels)
+
+
+def video_preprocessor(cfg: QAVLMConfig) -> VideoPreprocessor:
+    """The pipeline's preprocessing of this model (Qwen3-VL normalises with mean = std = 0.5)."""
+    if cfg.model.arch == "qwen3_vl":
+        from pipeline.vlm.qwen3_vl import PROCESSOR_DEFAULTS as d
+        return VideoPreprocessor(geometry(cfg), tuple(d["image_mean"]), tuple(d["image_std"]))
+    return VideoPreprocessor(geometry(cfg))
 
 
 def step_data(cfg: QAVLMConfig, make_clip: Callable, rank: int = 0, world: int = 1) -> StepData:
@@ -363,7 +402,8 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
                                     torch.nn.Linear(cfg.model.hidden, 9, device=device)])
     forward = QAForward(model, tokenizer, preprocessor, aux_head[0], t.aux_weight, t.aux_shape_weight,
                         t.aux_motion_weight, aux_head[1] if t.aux_region_weight else None, t.aux_region_weight,
-                        t.aux_region_layer, ground_weight=t.aux_ground_weight, ground_layer=t.aux_ground_layer)
+                        t.aux_region_layer, ground_weight=t.aux_ground_weight, ground_layer=t.aux_ground_layer,
+                        fps=cfg.model.fps, empty_groups=cfg.drop.empty_frame_groups, seed=cfg.train.seed)
     opt = optimizer(torch.nn.ModuleList([model, aux_head]), cfg.train, device)
     config_dict = _to_dict(cfg)
     start, history, train_s = 0, [], 0.0
@@ -390,7 +430,7 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     extra = {"arrcoc_pass2_layers": t.aux_ground_layer} if t.aux_ground_weight else {}
 
     def export(summary: dict) -> Path:
-        return export_snapshot(model, tokenizer, geometry(cfg), cfg.model.fps, snapshot, summary, extra)
+        return export_snapshot(model, tokenizer, preprocessor, cfg.model.fps, snapshot, summary, extra)
 
     steps = t.stop_step or t.steps                    # where this run ends; lr_at spans t.steps
     began = time.perf_counter()

@@ -279,6 +279,15 @@ class PrefixBuilder:
                                    window.deepstack))
         return prefixes
 
+    @torch.no_grad()
+    def video_prompt(self, T: int, gh: int, gw: int) -> Layout:
+        """Qwen3-VL's unpruned video prompt of T frames on a (gh, gw) grid (ids, positions, frame
+        groups: Layout.video), the one every window is cut from; the QA trainer builds its inputs
+        from it (pipeline/training/qa_forward.py)."""
+        if not self.timestamps:
+            raise ValueError(f"video_prompt is Qwen3-VL's; this model is {self.family}")
+        return self._layout(token_frames(T, self.geometry.temporal_patch_size), gh, gw, T)
+
     def _layout(self, Tp: int, gh: int, gw: int, T: int | None = None) -> Layout:
         """The layout of a visual grid (Qwen3-VL: of T frames, whose count sets the timestamps)."""
         key = (Tp, gh, gw) if T is None else (Tp, gh, gw, T, self.config.fps)   # Qwen3: fps sets the stamps

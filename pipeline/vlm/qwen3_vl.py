@@ -83,6 +83,23 @@ def tiny_config(tokenizer):
     return _config(tokenizer, text, vision, tie=False)
 
 
+def small_config(tokenizer, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                 vision_depth: int, vision_dim: int, vision_heads: int, vision_mlp_ratio: int, rope_theta: float,
+                 deepstack: tuple[int, ...], position_side: int):
+    """A small Qwen3-VL trained from scratch (pipeline.training.qa_vlm, model.arch=qwen3_vl): tied
+    embeddings, the rotary pairs split over (t, h, w) in the published 24:20:20 ratio, interleaved;
+    DeepStack from vision blocks `deepstack`; a position_side^2 learned position grid."""
+    pairs = hidden // heads // 2
+    h = w = pairs * 20 // 64
+    text = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                max_position_embeddings=32768, rope_parameters=_rope(rope_theta, [pairs - h - w, h, w]))
+    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=vision_dim * vision_mlp_ratio,
+                  num_heads=vision_heads, out_hidden_size=hidden, num_position_embeddings=position_side ** 2,
+                  deepstack_visual_indexes=list(deepstack))
+    return _config(tokenizer, text, vision, tie=True)
+
+
 # The published config.json values: LM (hidden, intermediate, layers, attention heads), vision tower
 # (depth, width, MLP width, DeepStack blocks), tied embeddings. Shared by both: 8 KV heads of 128,
 # the 151936-token vocabulary, rope_theta 5e6 with interleaved sections [24, 20, 20], 16 vision

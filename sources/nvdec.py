@@ -26,10 +26,9 @@ that a caller that allows it (decode.fallback) can say so and decode with PyAV.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sources.errors import SourceError
 
@@ -48,74 +47,17 @@ NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC", "av1": "AV1", "vp8": "VP8", "vp9
 # codes, parameter sets in the stream). MPEG-TS and raw streams are Annex B already.
 _ANNEXB_FILTERS = {"h264": "h264_mp4toannexb", "hevc": "hevc_mp4toannexb"}
 _NOPTS = -(1 << 62)   # pts of a packet without one; FFmpeg's AV_NOPTS_VALUE (INT64_MIN) is below it too
-class CaptureLock:
-    """A lock that CUDA-graph captures hold alone (`with lock:`, re-entrant, as threading.RLock) and
-    that work which must not overlap a capture but may overlap itself holds shared
-    (`with lock.shared():`): NVDEC's decoders of many streams decode at once, and none while a
-    capture runs. A waiting capture goes first: no new shared holder enters until it is done."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._owner: int | None = None
-        self._depth = self._shared = self._waiting = 0
-
-    def acquire(self) -> bool:
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return True
-            self._waiting += 1
-            while self._owner is not None or self._shared:
-                self._cond.wait()
-            self._waiting -= 1
-            self._owner, self._depth = me, 1
-            return True
-
-    def release(self) -> None:
-        with self._cond:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("CaptureLock released by a thread that does not hold it")
-            self._depth -= 1
-            if not self._depth:
-                self._owner = None
-                self._cond.notify_all()
-
-    def __enter__(self) -> "CaptureLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:          # the capturing thread itself: it holds the lock already
-                mine = False
-            else:
-                while self._owner is not None or self._waiting:
-                    self._cond.wait()
-                self._shared += 1
-                mine = True
-        try:
-            yield
-        finally:
-            if mine:
-                with self._cond:
-                    self._shared -= 1
-                    if not self._shared:
-                        self._cond.notify_all()
-
-
-# Held alone by every CUDA-graph capture (pipeline/runtime/cuda.py takes this one lock as its
-# CAPTURE_LOCK) and shared here around each call into NVDEC (decoder creation, Decode, the
-# conversion, close): the decoder allocates, maps and frees device memory on its own, and a live
-# run opens streams and decodes while the VLM captures its graphs at warm-up (H200, 32 live NVDEC
-# streams: captures failed, then "beginAllocateToPool: already recording to mempool_id"). Held
-# alone by decoders, it cut those 32 streams to 6.6 frames/s each: decoders share it.
-CAPTURE_LOCK = CaptureLock()
+# Held by every CUDA-graph capture (pipeline/runtime/cuda.py takes this one lock as its CAPTURE_LOCK)
+# and here around each call into NVDEC (decoder creation, Decode, the conversion, close): the
+# decoder allocates, maps and frees device memory on its own, and a live run opens streams and
+# decodes while the VLM captures its graphs at warm-up (H200, 32 live NVDEC streams: captures
+# failed, then "beginAllocateToPool: already recording to mempool_id"). Held alone, it serializes
+# the decoders of all streams: 32 live streams then ran at 6.6 frames/s each on an H200 (72% dropped).
+# A shared side for decoders (captures alone, decoders together) was tried at bac0cae: the same
+# 32-stream run then printed nothing in 210 s (a hang, cause not found: PyNvVideoCodec's decoders
+# called at once from many threads, or the lock); it was taken back. NVDEC for many live streams
+# is not ready: docs/usage.md says so.
+CAPTURE_LOCK = threading.RLock()
 # Files convert this many frames per call of yuv_to_rgb (its ~12 kernels launched once per batch);
 # live streams one at a time, as each comes in.
 CONVERT_BATCH = 8
@@ -223,7 +165,7 @@ class _PyNvDecoder:
                                      outputColorType=nvc.OutputColorType.NATIVE)
 
         try:
-            with CAPTURE_LOCK.shared():
+            with CAPTURE_LOCK:
                 try:
                     self._decoder, self.ordered = create(self.stream.cuda_stream), True
                 except Exception:  # a stream it does not validate: its own, synchronized at each frame
@@ -239,13 +181,13 @@ class _PyNvDecoder:
             data.bsl_data, data.bsl = packet.buffer_ptr, packet.buffer_size
             data.pts = _NOPTS if packet.pts is None else packet.pts
         try:
-            with CAPTURE_LOCK.shared(), torch.cuda.stream(self.stream):   # DLPack makes each frame ready on this stream
+            with CAPTURE_LOCK, torch.cuda.stream(self.stream):   # DLPack makes each frame ready on this stream
                 return [(_pts(f.getPTS()), torch.from_dlpack(f)) for f in self._decoder.Decode(data)]
         except Exception as e:  # PyNvVCExceptionDecode / Cuda / Unsupported, RuntimeError
             raise NvdecError(_first_line(e)) from e
 
     def close(self) -> None:
-        with CAPTURE_LOCK.shared():
+        with CAPTURE_LOCK:
             self._decoder = None
 
 
@@ -378,11 +320,13 @@ class Nv12ToRgb:
                               f"{w}x{h} -> {tuple(nv12.shape)} {nv12.dtype}")
 
     def _on_stream(self) -> Any:
-        """On the decoder's stream, and holding CAPTURE_LOCK shared (no conversion while a graph is captured)."""
+        """On the decoder's stream, and holding CAPTURE_LOCK (no conversion while a graph is captured)."""
+        import contextlib
+
         import torch
 
         stack = contextlib.ExitStack()
-        stack.enter_context(CAPTURE_LOCK.shared())
+        stack.enter_context(CAPTURE_LOCK)
         if self._stream is not None:
             stack.enter_context(torch.cuda.stream(self._stream))
         return stack

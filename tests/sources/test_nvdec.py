@@ -290,56 +290,6 @@ class TestPacketFeed:
             nvdec.open_decoder("x.mkv", "vp9")
 
 
-class TestCaptureLock:
-    """nvdec.CaptureLock: captures alone (re-entrant), decoders together, a waiting capture first."""
-
-    @staticmethod
-    def later(fn) -> tuple[threading.Thread, list]:
-        done: list = []
-        thread = threading.Thread(target=lambda: done.append(fn()))
-        thread.start()
-        return thread, done
-
-    def test_shared_holders_overlap_and_wait_for_a_capture(self):
-        lock = nvdec.CaptureLock()
-        inside = threading.Barrier(2, timeout=5)
-
-        def share():
-            with lock.shared():
-                inside.wait()                      # both inside at once, or the barrier breaks
-            return True
-
-        a, b = threading.Thread(target=share), threading.Thread(target=share)
-        a.start(), b.start(), a.join(5), b.join(5)
-        assert not inside.broken
-        def decode_once() -> bool:
-            with lock.shared():
-                return True
-
-        with lock, lock:                           # re-entrant for the capturing thread
-            with lock.shared():                    # which may also enter the shared side
-                pass
-            thread, done = self.later(decode_once)
-            thread.join(0.2)
-            assert done == []                      # a decoder waits while a capture runs
-        thread.join(5)
-        assert done == [True]
-
-    def test_a_capture_waits_for_decoders_and_goes_before_new_ones(self):
-        lock = nvdec.CaptureLock()
-        order: list[str] = []
-        held = lock.shared()
-        held.__enter__()
-        capture, _ = self.later(lambda: (lock.acquire(), order.append("capture"), lock.release()))
-        time.sleep(0.1)
-        assert order == []                         # the capture waits for the decoder inside
-        late, _ = self.later(lambda: (lock.shared().__enter__(), order.append("decoder")))
-        time.sleep(0.1)
-        held.__exit__(None, None, None)
-        capture.join(5), late.join(5)
-        assert order == ["capture", "decoder"]     # the waiting capture went first
-
-
 class FakePyNv:
     """PyNvVideoCodec's decoder API as _PyNvDecoder uses it, recording the calls. Decode returns one
     frame per packet (a CPU tensor standing for the device one), its pts the packet's."""

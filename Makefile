@@ -31,8 +31,9 @@ demo-figure: demo
 lint: setup
 	$(BIN)/ruff check .
 
-# one worker per core (pytest-xdist); CI runs this, and lists the 25 slowest tests. One torch thread per
-# worker: N workers of N threads each on N cores (OpenMP's idle threads spin) took a training test 5x the CPU and wall time on 2 cores.
+# one worker per core (pytest-xdist); CI runs this, and lists the 25 slowest tests. One torch thread
+# per worker: N workers of N threads each on N cores (OpenMP's idle threads spin) took a training
+# test 5x the CPU and wall time on 2 cores.
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n auto --dist worksteal --durations=25
 

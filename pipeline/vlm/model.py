@@ -155,8 +155,8 @@ class VLM:
 
     def window_prefix(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
                       merged: torch.Tensor, scores: np.ndarray | torch.Tensor | None = None, *,
-                      index: torch.Tensor | None = None) -> WindowPrefix:
-        return self.prefixes.window_prefix(frames, keep, merged, scores, index=index)
+                      index: torch.Tensor | None = None, host_index: np.ndarray | None = None) -> WindowPrefix:
+        return self.prefixes.window_prefix(frames, keep, merged, scores, index=index, host_index=host_index)
 
     def prefix_length(self, question: str, visual_tokens: int) -> int:
         return self.prefixes.prefix_length(question, visual_tokens)
@@ -226,7 +226,7 @@ class VLM:
         host = [np.flatnonzero(mask) for mask in masks]
         indices = upload(host, self.device)
         merged_all = self.encoder.window_tokens(requests, keeps)
-        return [self.prefixes.window_prefix(r.frames, keep, m, r.scores, index=index, host_index=h)
+        return [self.window_prefix(r.frames, keep, m, r.scores, index=index, host_index=h)
                 for r, keep, m, index, h in zip(requests, keeps, merged_all, indices, host)]
 
     @torch.no_grad()

@@ -651,25 +651,28 @@ def test_prepare_reads_the_token_index_before_the_tower_runs(monkeypatch):
     vlm = kept(tiny("qwen2_vl"))
     frames = make_frames(4, 84, 112, seed=5)
     events = []
-    index_of, tokens_of = model_mod.nonzero_each, vlm.encoder.window_tokens
-    monkeypatch.setattr(model_mod, "nonzero_each", lambda masks: events.append("index") or index_of(masks))
+    index_of, tokens_of = model_mod.read_back, vlm.encoder.window_tokens
+    monkeypatch.setattr(model_mod, "read_back", lambda masks: events.append("index") or index_of(masks))
     monkeypatch.setattr(vlm.encoder, "window_tokens", lambda *a, **k: events.append("tower") or tokens_of(*a, **k))
     prefix, = vlm.prepare([request(frames, random_keep(vlm, frames, seed=6))])
     assert events == ["index", "tower"]
     assert prefix.tokens_kept == int(token_cells(pair_lod(torch.as_tensor(random_keep(vlm, frames, seed=6)))).sum())
 
 
-def test_prepare_selects_every_windows_tokens_with_one_read():
-    """VLM.prepare reads the kept tokens' positions of all its requests back at once, and the
-    prefixes are those built one request at a time."""
+def test_prepare_selects_every_windows_tokens_with_one_read(monkeypatch):
+    """VLM.prepare reads the kept tokens' positions of all its requests back at once (one
+    read_back, no nonzero on the device), and the prefixes are those built one request at a time."""
+    import pipeline.vlm.model as model_mod
     vlm = every_patch(tiny("qwen2_vl"))
     frames = [make_frames(4, 84, 112, seed=90 + i) for i in range(5)]
     reqs = [request(f, random_keep(vlm, f, seed=95 + i) if i else None) for i, f in enumerate(frames)]
+    reads = []
+    monkeypatch.setattr(model_mod, "read_back", lambda tensors: reads.append(len(tensors)) or read_back(tensors))
     with torch.no_grad():
         merged = vlm.encoder.window_tokens(reqs)
         with CountOps() as count:
             batched = vlm.prepare(reqs)
-    assert count.calls == 1
+    assert count.calls == 0 and reads == [len(reqs)]
     for req, m, got in zip(reqs, merged, batched):
         want = vlm.build_prefix(req, m)
         assert torch.equal(got.positions, want.positions) and torch.equal(got.embeds, want.embeds)

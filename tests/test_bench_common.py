@@ -277,7 +277,7 @@ def test_bench_live_over_two_fake_gpus_answers_on_both(tmp_path):
 
     out = tmp_path / "live.json"
     subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks/bench_live.py"), "--quick",
-                    "--device", "cpu", "--gpus", "2", "--streams", "2", "--seconds", "3", "--warmup", "3",
+                    "--device", "cpu", "--gpus", "2", "--streams", "2", "--seconds", "6", "--warmup", "3",
                     "--out", str(out)], check=True, timeout=600, stdout=subprocess.DEVNULL,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())

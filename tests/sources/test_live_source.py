@@ -226,7 +226,9 @@ class TestRTSP:
         assert np.all(np.diff(pts) > 0)
         assert 0.02 < np.median(np.diff(pts)) < 0.08              # 20 fps stream timestamps
         assert [f.index for f in frames] == list(range(frames[0].index, frames[0].index + len(frames)))
-        assert stats.dropped == 0 and stats.reconnects == 0 and 12 < stats.fps_in < 30
+        # frames the consumer took none of before its first read may be dropped (a loaded machine
+        # starts reading late), none after it (the indices run on)
+        assert stats.dropped <= frames[0].index and stats.reconnects == 0 and 12 < stats.fps_in < 30
 
     def test_reconnects_after_server_dies_and_returns(self):
         server = rtsp_or_skip(fps=20)

@@ -53,8 +53,8 @@ class GraphLedger:
         self._lock = threading.Lock()
 
     def record(self, kind: Literal["shape", "capture", "mark"], label: str, seconds: float = 0.0) -> float:
-        t = time.monotonic()
-        with self._lock:
+        with self._lock:       # the time is read under the lock, so the entries stay in time order
+            t = time.monotonic()
             self._entries.append(LedgerEntry(t, kind, label, seconds))
         return t
 

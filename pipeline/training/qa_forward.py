@@ -325,7 +325,9 @@ class QAForward:
         where = batch.labels != IGNORE
         if batch.facts is not None:      # the state where each view's first answer token is predicted
             first = where.int().argmax(1)                                       # (B,)
-            self.facts_state = out.hidden_states[self.facts_layer][torch.arange(len(first)), first]   # (B, D)
+            state = out.hidden_states[self.facts_layer][torch.arange(len(first)), first]   # (B, D)
+            # normalised as the next layer reads it: the residual stream's scale would set the probe's
+            self.facts_state = F.layer_norm(state.float(), state.shape[-1:])
         # position i predicts labels[i]: labels hold the token that follows each position
         return (self.model.lm_head(hidden[where]).float(), batch.labels[where],
                 out.hidden_states[self.region_layer] if probe else None)

@@ -185,3 +185,29 @@ class TestLosses:
         with_shapes = QAForward.facts_loss(predicted, facts)
         torch.testing.assert_close(with_shapes, torch.tensor(2.5 + np.log(2.0), dtype=torch.float32))
         assert len(SHAPES) == 4
+
+
+class TestEvalCommand:
+    def test_scores_a_snapshot_on_the_split_clips_and_refuses_bad_input(self, tmp_path, capsys):
+        import json
+
+        from pipeline.training.qa_eval import export_snapshot, main
+        from pipeline.training.qa_vlm import video_preprocessor
+
+        cfg = load_config(QAVLMConfig, None, TINY)
+        model, tokenizer, _ = build(cfg, torch.device("cpu"))
+        export_snapshot(model, tokenizer, video_preprocessor(cfg), cfg.model.fps, tmp_path / "snap", {})
+        out = tmp_path / "r.json"
+        assert main([str(tmp_path / "snap"), "--renderers", "shapes,busy", "--clips", "2", "--device", "cpu",
+                     "--out", str(out)]) == 0
+        result = json.loads(out.read_text())
+        first = SPLIT_SEEDS["test"].start
+        clips = [scene(("shapes", "busy")[s % 2], s, split="test").clip for s in (first, first + 1)]
+        assert result["questions"] == sum(len(c.qas) for c in clips) and result["renderers"] == "shapes,busy"
+        assert set(result["keep_1"]) == {qa.family for c in clips for qa in c.qas} | {"overall"}
+        capsys.readouterr()
+        assert main([str(tmp_path / "snap"), "--held-out", "--split", "val"]) == 2
+        assert main([str(tmp_path / "snap"), "--renderers", "styled"]) == 2
+        assert main([str(tmp_path / "nope")]) == 2
+        errors = capsys.readouterr().err.strip().splitlines()
+        assert len(errors) == 3 and "held out" in errors[1] and "no snapshot" in errors[2]

@@ -15,7 +15,10 @@ through a probe on the LM's hidden state after `region_layer` layers, of each ke
 loss on the attention of LM layer `ground_layer`: the attention the question's tokens pay to the
 visual tokens there (averaged over heads and question tokens, as pass 2 reads it at inference,
 pipeline/vlm/passes.py) should fall on the tokens of the object the question names (its colour,
-qa_data.token_colors): -log of their share of the visual tokens' attention.
+qa_data.token_colors): -log of their share of the visual tokens' attention. Where the samples carry
+box targets (qa_targets), the grounding target is every object the answer depends on instead, the
+aux head also learns object-centre tokens (centre_weight), and a facts probe reads the LM's state
+after `facts_layer` layers where the first answer token is predicted (facts_weight).
 """
 from __future__ import annotations
 

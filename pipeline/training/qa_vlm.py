@@ -27,7 +27,12 @@ colour loss through a linear head on the vision tower (training only, not in the
 model still answered no question naming an object (where, shape, direction at chance): per-token
 shape and motion targets on the same head, and a probe on the LM's hidden state of each visual
 token naming its 3x3 region (M-RoPE positions shape attention, never a token's value), gave it
-those (docs/performance.md has the training arms).
+those (docs/performance.md has the training arms). Where the clips carry their objects' boxes (the
+renderers'), three more targets come from them (qa_targets): object-centre tokens on the tower's
+head (counting), the tokens of every object an answer depends on for the grounding loss (and, in
+a share of dropped views, kept), and a probe on the LM's state where it answers reading the named
+objects' centres and the question colour's shapes (relation, exists); data.extra_questions and
+train.family_views give chosen families more questions and views (configs/qa_vlm_stage4.yaml).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from evaluation.questions import _key, clip_questions
 from evaluation.renderers import MultiRendererClips, scene
 from evaluation.scenes import COLORS, SHAPES
 from evaluation.synth_qa import SPLIT_SEEDS
-from pipeline.configio import load_config
+from pipeline.configio import load_config, to_dict
 from pipeline.training import qa_targets as qt
 from pipeline.training.qa_data import vlm_frame_indices
 from pipeline.training.qa_forward import QAForward
@@ -211,3 +211,23 @@ class TestEvalCommand:
         assert main([str(tmp_path / "nope")]) == 2
         errors = capsys.readouterr().err.strip().splitlines()
         assert len(errors) == 3 and "held out" in errors[1] and "no snapshot" in errors[2]
+
+
+def test_stage4_config_starts_from_the_shipped_snapshot_on_unseen_clips():
+    import json
+    from pathlib import Path
+
+    from evaluation.renderers import HELD_OUT
+    from pipeline.vlm.loading import SHIPPED
+
+    path = Path(__file__).resolve().parents[3] / "configs" / "qa_vlm_stage4.yaml"
+    cfg = load_config(QAVLMConfig, path)
+    header = path.read_text().split("\nmodel:")[0]
+    assert "torchrun --standalone --nproc_per_node 2" in header and "--config configs/qa_vlm_stage4.yaml" in header
+    assert HELD_OUT not in cfg.data.renderers and cfg.train.init == "arrcoc-synth-qa"
+    assert 400 <= cfg.train.time_limit_s <= 480
+    stage3 = json.loads((SHIPPED["arrcoc-synth-qa"] / "training_summary.json").read_text())
+    t3 = stage3["config"]["train"]
+    assert cfg.train.first_seed >= t3["first_seed"] + stage3["steps"] * t3["clips_per_step"]
+    model = to_dict(cfg)["model"]
+    assert stage3["config"]["model"] == {k: model[k] for k in stage3["config"]["model"]}   # the same model

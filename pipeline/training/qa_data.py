@@ -106,13 +106,21 @@ def token_colors(frames: np.ndarray, grid: tuple[int, int], temporal_patch: int 
     return _token_shares(label, grid, temporal_patch, sub)
 
 
-def label_colors(labels: np.ndarray, grid: tuple[int, int], temporal_patch: int = 2, sub: int = 4) -> np.ndarray:
+def label_colors(labels: np.ndarray, grid: tuple[int, int], temporal_patch: int = 2) -> np.ndarray:
     """token_colors from a renderer's own labels (QAClip.labels: (T, H, W) uint8, a COLORS index where
     an object shows its colour, 255 elsewhere) instead of pixel colours, which on backgrounds painted
-    in the answer colours would label background patches."""
+    in the answer colours would label background patches. Each colour's share of a cell is its area
+    share (a nearest pick of sub x sub samples, each at its sub-cell's corner, put an object's 2-pixel
+    edge at a quarter of a cell: a quarter of the object tokens of rendered clips took the wrong side
+    of COLOR_SHARE)."""
     gh, gw = grid
-    small = np.stack([cv2.resize(m, (gw * sub, gh * sub), interpolation=cv2.INTER_NEAREST) for m in labels])
-    return _token_shares(np.where(small == 255, len(PALETTE), small).astype(np.int64), grid, temporal_patch, sub)
+    share = np.stack([np.stack([cv2.resize((m == c).astype(np.float32), (gw, gh), interpolation=cv2.INTER_AREA)
+                                for c in range(len(PALETTE))], -1) for m in labels])      # (T, gh, gw, C)
+    if pad := -len(share) % temporal_patch:
+        share = np.concatenate([share, share[-1:].repeat(pad, 0)])
+    share = share.reshape(-1, temporal_patch, gh, gw, len(PALETTE)).mean(1)              # (T', gh, gw, C)
+    colored = share.max(-1) >= COLOR_SHARE
+    return np.where(colored, share.argmax(-1), len(PALETTE)).astype(np.int8)
 
 
 def _token_shares(label: np.ndarray, grid: tuple[int, int], temporal_patch: int, sub: int) -> np.ndarray:

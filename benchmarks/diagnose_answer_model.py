@@ -7,7 +7,7 @@ Four measurements (the held-out renderer is never drawn):
 - answers: per family accuracy, the answer and prediction counts (is it saying the prior?), exists
   split by kind (yes / a colour the clip has in another shape / a colour it lacks), relation by word;
 - resolution: on train clips at the 8 x 8 grid of a 224 x 224 frame, how often two objects of a count
-  question share a token cell, and how often their box centres do;
+  question touch one token cell, both cover a quarter of one, and have their box centres in one;
 - tower probes: linear probes (fitted on 2/3 of the clips' tokens, scored on the rest) of each
   merged token's colour and its object's shape (pipeline/training/qa_data's targets);
 - LM probes: ridge probes of the LM's state where the first answer token is predicted (after each
@@ -17,6 +17,7 @@ Four measurements (the held-out renderer is never drawn):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -84,20 +85,27 @@ def resolution(clips: int) -> dict:
             both = np.nonzero((clip.boxes[list(qa.names), :, 0] >= 0).all(0))[0]
             if not len(both):
                 continue
-            boxes = clip.boxes[list(qa.names), both[0]][:, None]                   # (k, 1, 4): one frame
-            cells = [qt.evidence_tokens(b[None], (0,), size, (8, 8), 1)[0] for b in boxes]
-            centres = [qt.centre_tokens(b[None], size, (8, 8), 1)[0].astype(bool) for b in boxes]
-            pairs = [(a, b) for a in range(len(cells)) for b in range(a + 1, len(cells))]
+            boxes = clip.boxes[list(qa.names), both[0]]                             # (k, 4): one frame
+            touch = qt._cover(boxes, size, (8, 8)) > 0                              # (k, 8, 8)
+            quarter = qt._cover(boxes, size, (8, 8)) >= qt.EVIDENCE_SHARE
+            centres = qt._centre_cells(boxes, size, (8, 8))
+            pairs = [(a, b) for a in range(len(boxes)) for b in range(a + 1, len(boxes))]
             stats[qa.family] += 1
-            stats[qa.family + ": two objects share a cell"] += any((cells[a] & cells[b]).any() for a, b in pairs)
-            stats[qa.family + ": two centres share a cell"] += any((centres[a] & centres[b]).any() for a, b in pairs)
+            for what, cells in (("two objects touch one cell", touch), ("two centres share a cell", centres),
+                                ("two objects cover a quarter of one cell", quarter)):
+                stats[f"{qa.family}: {what}"] += any((cells[a] & cells[b]).any() for a, b in pairs)
     return dict(stats)
 
 
 def _features(snapshot: str, clips: int):
+    from pipeline.training.qa_vlm import init_root
+
+    # the model fields the snapshot was trained with (rope_theta above all: positions are the point)
+    trained = json.loads((init_root(snapshot) / "training_summary.json").read_text())["config"]["model"]
     cfg = load_config(QAVLMConfig, None, ["data.renderers=[shapes, photo, busy]", "train.workers=0",
                                           "train.resize_prob=0", "drop.p_all=1.0", "train.views_per_question=1",
-                                          "data.extra_questions=[relation=2, exists=2]", "drop.curriculum_steps=0"])
+                                          "data.extra_questions=[relation=2, exists=2]", "drop.curriculum_steps=0"],
+                      values={f"model.{k}": v for k, v in trained.items()})
     model, tokenizer, preprocessor = build(cfg, torch.device("cpu"))
     start_from(model, snapshot)
     model.eval()
@@ -189,7 +197,6 @@ def main() -> None:
     if args.out:
         write_result(result, args.out)
     else:
-        import json
         print(json.dumps(result, indent=2))
 
 

@@ -7,9 +7,9 @@ their object's shape (0.80), and the model answers "what shape is the red object
 chance and "how many red objects" mostly "three". Three targets name what those answers are made of:
 
 - object centres: per visual token whether an object's box centre lies in its cell (either frame
-  of its pair). Objects a token apart share cells (a third of the count questions have two objects
-  in one cell), their centres never do (boxes keep a gap), so the count is the number of centre
-  tokens: a dense target for the vision tower's head.
+  of its pair). Objects touch cells they barely cover (in a third of the count questions two objects
+  touch one cell), their centres never share one (boxes keep a gap), so the count is the number of
+  centre tokens: a dense target for the vision tower's head.
 - evidence tokens: per question the cells the objects its answer depends on cover (its named
   objects; for "is there a <colour> <shape>?" naming none, the objects of that colour). The
   grounding loss asks the question's attention to fall there (the colour-only target misses the

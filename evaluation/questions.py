@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from .scenes import COLORS, SHAPES
-from .shapes_qa import (COUNT_WORDS, QA, TEMPLATES, Track, article, direction_answer, steady_where,
+from .shapes_qa import (COUNT_WORDS, QA, TEMPLATES, WHERE_ANSWERS, Track, article, direction_answer, steady_where,
                        where_answer)
 
 REGION_TEMPLATES: dict[str, tuple[str, ...]] = {
@@ -163,3 +163,32 @@ def clip_questions(rng: np.random.Generator, tracks: Sequence[Track], size: tupl
         t = ask.pick(movers)
         ask("direction", direction_answer(t.travel), [t], color=t.color, shape=t.shape)
     return tuple(ask.qas) + region_questions(rng, tracks, size, camera_moves, min_gap)
+
+
+def _key(qa: QA) -> tuple:
+    """What a question asks, whatever its template: family, named tracks, answer and content words."""
+    words = {w for w in qa.question.lower().replace("?", " ").split() if w in COLORS or w in SHAPES}
+    rel = next((r for r in RELATIONS if f" {r} " in qa.question), "")
+    where = next((w for w in sorted(WHERE_ANSWERS, key=len, reverse=True) if f" {w}?" in qa.question), "")
+    return qa.family, qa.names, qa.answer, frozenset(words), rel, where
+
+
+def more_questions(rng: np.random.Generator, tracks: Sequence[Track], size: tuple[int, int],
+                   camera_moves: Sequence[bool], asked: Sequence[QA], wanted: dict[str, int], *, min_gap: int,
+                   tries: int = 8) -> tuple[QA, ...]:
+    """Training only: up to wanted[family] more questions of each family about the same clip, each
+    asking something none of `asked` (nor another of them) asks (clip_questions drawn again, its
+    exists answer alternating). A clip has at most one question per family; the weak families need
+    more of them than that gives."""
+    seen = {_key(qa) for qa in asked}
+    got: dict[str, int] = {}
+    out: list[QA] = []
+    for k in range(tries):
+        for qa in clip_questions(rng, tracks, size, camera_moves, exists=k % 2 == 0, min_gap=min_gap):
+            if got.get(qa.family, 0) < wanted.get(qa.family, 0) and _key(qa) not in seen:
+                seen.add(_key(qa))
+                got[qa.family] = got.get(qa.family, 0) + 1
+                out.append(qa)
+        if all(got.get(f, 0) >= n for f, n in wanted.items()):
+            break
+    return tuple(out)

@@ -25,7 +25,7 @@ trains on the rest).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -33,10 +33,10 @@ import numpy as np
 
 from . import draw
 from .layout import PlanStyle, ShotPlan, plan_shot
-from .questions import clip_questions, region_questions
+from .questions import clip_questions, more_questions, region_questions
 from .scenes import Transition, shape_mask
 from .shapes_qa import (SPLIT_SEEDS, STYLES, QAClip, QAScene, Split, Track, check_seed, direction_answer,
-                       make_qa_scene)
+                       make_qa_scene, track_boxes)
 
 RENDERERS: tuple[str, ...] = ("shapes", "photo", "busy", "styled")
 HELD_OUT = "styled"
@@ -220,9 +220,12 @@ def video_id(renderer: str, seed: int) -> int:
 
 class MultiRendererClips:
     """make_clip for training (pipeline/training/qa_data.StepData, qa_eval.ValData): clip `seed` of
-    `split` comes from renderers[seed % len(renderers)]; the held-out renderer is refused."""
+    `split` comes from renderers[seed % len(renderers)]; the held-out renderer is refused. Clips carry
+    their objects' boxes (QAClip.boxes). `extra` {family: n}: train-split clips also ask up to n more
+    questions of that family (questions.more_questions, from their own random stream: the clip and
+    its own questions stay as they are); other splits never."""
 
-    def __init__(self, renderers: tuple[str, ...]) -> None:
+    def __init__(self, renderers: tuple[str, ...], extra: dict[str, int] | None = None) -> None:
         if not renderers:
             raise ValueError("no renderers to train on")
         for r in renderers:
@@ -230,10 +233,30 @@ class MultiRendererClips:
         if HELD_OUT in renderers:
             raise HeldOutError(f"renderer {HELD_OUT!r} is held out: it may not be trained or tuned on "
                                f"(training renderers: {', '.join(training_renderers())})")
+        from .shapes_qa import ALL_FAMILIES
+        for family, n in (extra or {}).items():
+            if family not in ALL_FAMILIES or not isinstance(n, int) or n < 0:
+                raise ValueError(f"Invalid extra questions ({family!r}: {n!r}): a family of "
+                                 f"{', '.join(ALL_FAMILIES)} and a count >= 0")
         self.renderers = tuple(renderers)
+        self.extra = {f: n for f, n in (extra or {}).items() if n}
 
     def __call__(self, seed: int, *, split: Split = "train") -> QAClip:
-        return scene(self.renderers[int(seed) % len(self.renderers)], seed, split=split).clip
+        name = self.renderers[int(seed) % len(self.renderers)]
+        sc = scene(name, seed, split=split)
+        qas = sc.clip.qas
+        if self.extra and split == "train":
+            rng = np.random.default_rng([VIDEO_OFFSET[name] + 91, int(seed)])
+            moves = _camera_moves(sc)
+            qas = qas + more_questions(rng, sc.tracks, sc.clip.frames.shape[1:3], moves, qas, self.extra,
+                                       min_gap=int(np.ceil(0.75 * sc.clip.fps)))
+        return replace(sc.clip, qas=qas, boxes=track_boxes(sc.tracks, len(sc.clip.frames)))
+
+
+def _camera_moves(sc: QAScene) -> list[bool]:
+    """Per shot whether the camera pans or zooms: the shapes generator's pans; the recipe renderers'
+    motions say "pan" for either."""
+    return [m == "pan" for m in sc.motions]
 
 
 def write_renderer_split(root: str | Path, split: Split, count: int, renderers: tuple[str, ...], *,

@@ -134,6 +134,9 @@ class QAClip:
     # (T, H, W) uint8 per pixel the index (scenes.COLORS) of the object's colour shown there, 255
     # elsewhere (training targets where pixel colours mislead: backgrounds in the answer colours)
     labels: np.ndarray | None = None
+    # (objects, T, 4) int32 each object's box (y0, x0, y1, x1) per frame in frame pixels, -1 where it
+    # is not shown (training targets: which tokens hold an object, its centre; track_boxes)
+    boxes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.frames.dtype != np.uint8 or self.frames.ndim != 4 or self.frames.shape[-1] != 3:
@@ -165,6 +168,16 @@ class QAScene:
     transitions: tuple[Transition, ...]
     motions: tuple[Motion, ...]         # per shot
     kind: SceneKind
+
+
+def track_boxes(tracks: Sequence[Track], frames: int) -> np.ndarray:
+    """(len(tracks), frames, 4) int32: QAClip.boxes of these tracks, -1 where a track is not shown."""
+    out = np.full((len(tracks), frames, 4), -1, np.int32)
+    for i, t in enumerate(tracks):
+        for f, box in enumerate(t.boxes):
+            if box is not None:
+                out[i, f] = box
+    return out
 
 
 def where_answer(box: tuple[int, int, int, int], size: tuple[int, int]) -> str:

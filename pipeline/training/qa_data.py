@@ -106,13 +106,21 @@ def token_colors(frames: np.ndarray, grid: tuple[int, int], temporal_patch: int 
     return _token_shares(label, grid, temporal_patch, sub)
 
 
-def label_colors(labels: np.ndarray, grid: tuple[int, int], temporal_patch: int = 2, sub: int = 4) -> np.ndarray:
+def label_colors(labels: np.ndarray, grid: tuple[int, int], temporal_patch: int = 2) -> np.ndarray:
     """token_colors from a renderer's own labels (QAClip.labels: (T, H, W) uint8, a COLORS index where
     an object shows its colour, 255 elsewhere) instead of pixel colours, which on backgrounds painted
-    in the answer colours would label background patches."""
+    in the answer colours would label background patches. Each colour's share of a cell is its area
+    share (a nearest pick of sub x sub samples, each at its sub-cell's corner, put an object's 2-pixel
+    edge at a quarter of a cell: a quarter of the object tokens of rendered clips took the wrong side
+    of COLOR_SHARE)."""
     gh, gw = grid
-    small = np.stack([cv2.resize(m, (gw * sub, gh * sub), interpolation=cv2.INTER_NEAREST) for m in labels])
-    return _token_shares(np.where(small == 255, len(PALETTE), small).astype(np.int64), grid, temporal_patch, sub)
+    share = np.stack([np.stack([cv2.resize((m == c).astype(np.float32), (gw, gh), interpolation=cv2.INTER_AREA)
+                                for c in range(len(PALETTE))], -1) for m in labels])      # (T, gh, gw, C)
+    if pad := -len(share) % temporal_patch:
+        share = np.concatenate([share, share[-1:].repeat(pad, 0)])
+    share = share.reshape(-1, temporal_patch, gh, gw, len(PALETTE)).mean(1)              # (T', gh, gw, C)
+    colored = share.max(-1) >= COLOR_SHARE
+    return np.where(colored, share.argmax(-1), len(PALETTE)).astype(np.int8)
 
 
 def _token_shares(label: np.ndarray, grid: tuple[int, int], temporal_patch: int, sub: int) -> np.ndarray:
@@ -279,6 +287,10 @@ class ClipSample:
     colors: np.ndarray                   # (T', gh, gw) int8 token colours (token_colors)
     shapes: np.ndarray | None = None     # (T', gh, gw) int8 token shapes (token_objects), -1: none
     motions: np.ndarray | None = None    # (T', gh, gw) int8 token motions (token_objects), -1: none
+    # from the clip's boxes (qa_targets), where it has them:
+    centres: np.ndarray | None = None    # (T', gh, gw) int8 1 where an object's centre is
+    evidence: list[np.ndarray] | None = None   # per view (T', gh, gw) bool its answer's objects' cells
+    facts: np.ndarray | None = None      # (views, qa_targets.FACTS) float32 question facts, NaN: none
 
 
 class StepData:
@@ -290,7 +302,8 @@ class StepData:
                  vlm_fps: float, drop: DropSpec, jpeg_prob: float, jpeg_quality: tuple[int, int],
                  resize_prob: float, aspect: tuple[float, float], area: tuple[float, float], seed: int,
                  first_seed: int, steps: int, curriculum_steps: int = 0,
-                 curriculum: DropSpec | None = None, rank: int = 0, world: int = 1) -> None:
+                 curriculum: DropSpec | None = None, rank: int = 0, world: int = 1,
+                 family_views: dict[str, int] | None = None, keep_evidence: float = 0.0) -> None:
         self.make_clip, self.geometry = make_clip, geometry
         self.clips_per_step, self.views = clips_per_step, views_per_question
         self.vlm_fps, self.drop, self.jpeg_prob, self.jpeg_quality = vlm_fps, drop, jpeg_prob, jpeg_quality
@@ -298,6 +311,9 @@ class StepData:
         self.seed, self.first_seed, self.steps = seed, first_seed, steps
         self.curriculum_steps, self.curriculum = curriculum_steps, curriculum
         self.rank, self.world = rank, world   # under data parallelism: this rank's share of each step
+        # views per question of these families instead of views_per_question; the share of dropped
+        # views that keep every cell of their answer's objects (qa_targets: answerable views)
+        self.family_views, self.keep_evidence = dict(family_views or {}), keep_evidence
 
     def __len__(self) -> int:
         return self.steps
@@ -326,11 +342,27 @@ class StepData:
             frames = jpeg(frames, int(rng.integers(self.jpeg_quality[0], self.jpeg_quality[1] + 1)))
         grid = self.geometry.grid(*frames.shape[1:3])
         cells = cell_colors(frames, grid)
-        qas = [qa for qa in clip.qas for _ in range(self.views)]
-        colors = token_colors(frames, grid, self.geometry.temporal_patch_size) if labels is None else \
-            label_colors(labels, grid, self.geometry.temporal_patch_size)
-        shapes, motions = token_objects(colors, getattr(clip, "objects", ()))
+        qas = [qa for qa in clip.qas for _ in range(self.family_views.get(qa.family, self.views))]
+        tp = self.geometry.temporal_patch_size
+        colors = token_colors(frames, grid, tp) if labels is None else label_colors(labels, grid, tp)
+        objects = getattr(clip, "objects", ())
+        shapes, motions = token_objects(colors, objects)
+        keeps = [draw_keep(drop or self.drop, cells, rng) for _ in qas]
+        boxes = getattr(clip, "boxes", None)
+        if boxes is None:
+            return ClipSample(frames=np.ascontiguousarray(frames), questions=[qa.question for qa in qas],
+                              answers=[qa.answer for qa in qas], families=[qa.family for qa in qas],
+                              keeps=keeps, colors=colors, shapes=shapes, motions=motions)
+        from pipeline.training import qa_targets as qt
+        size, boxes = clip.frames.shape[1:3], boxes[:, shown]                   # boxes of the frames shown
+        evidence = [qt.evidence_tokens(boxes, qt.evidence(qa.names, qa.question, objects), size, grid, tp)
+                    for qa in qas]
+        if self.keep_evidence > 0:
+            keeps = [qt.force_keep(k, e, tp) if rng.random() < self.keep_evidence else k
+                     for k, e in zip(keeps, evidence)]
         return ClipSample(frames=np.ascontiguousarray(frames), questions=[qa.question for qa in qas],
                           answers=[qa.answer for qa in qas], families=[qa.family for qa in qas],
-                          keeps=[draw_keep(drop or self.drop, cells, rng) for _ in qas],
-                          colors=colors, shapes=shapes, motions=motions)
+                          keeps=keeps, colors=colors, shapes=shapes, motions=motions,
+                          centres=qt.centre_tokens(boxes, size, grid, tp), evidence=evidence,
+                          facts=np.stack([qt.question_facts(qa.names, qa.question, boxes, size, objects)
+                                          for qa in qas]))

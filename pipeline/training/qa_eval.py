@@ -1,10 +1,21 @@
 """Validation and export of the video-QA VLM: answers through the pipeline's own path, and the
-Hugging Face snapshot that path loads."""
+Hugging Face snapshot that path loads.
+
+    python -m pipeline.training.qa_eval SNAPSHOT [--held-out | --renderers in-distribution|NAME,...]
+                                        [--split test] [--clips 100] [--device auto] [--out FILE.json]
+
+scores a snapshot (a directory or a shipped name) on generated clips exactly as validation does:
+clip k of the split is the split's first seed + k from renderers[seed % n] (the clips
+`bench_accuracy --make N --renderer ...` writes), every token, the frames as rendered. It needs
+neither PyAV nor zarr; bench_accuracy's stock row answers the same clips after a video codec.
+"""
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -106,3 +117,64 @@ def export_snapshot(model, tokenizer, preprocessor: VideoPreprocessor, fps: floa
     from pipeline.runtime.answer_words import WORDS_FILE
     (root / WORDS_FILE).write_text(json.dumps(list(ANSWER_WORDS), indent=1) + "\n")
     return root
+
+
+def _clip_source(renderers: str, held_out: bool) -> tuple[Callable, str]:
+    """make_clip(seed, split=...) of the renderers asked for, and their names."""
+    from evaluation.renderers import HELD_OUT, MultiRendererClips, scene, training_renderers
+
+    if held_out:
+        return (lambda seed, split="test": scene(HELD_OUT, seed, split=split, evaluation=True).clip), HELD_OUT
+    names = training_renderers() if renderers == "in-distribution" else tuple(r.strip() for r in renderers.split(","))
+    return MultiRendererClips(names), ",".join(names)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from evaluation.renderers import HeldOutError
+    from evaluation.synth_qa import SPLIT_SEEDS
+    from pipeline.vlm.loading import resolve_device
+
+    p = argparse.ArgumentParser(prog="python -m pipeline.training.qa_eval",
+                                description="accuracy of a video-QA snapshot on generated clips (every token)")
+    p.add_argument("snapshot", help="snapshot directory or shipped name (arrcoc-synth-qa)")
+    p.add_argument("--renderers", default="in-distribution",
+                   help="comma-separated renderers, or in-distribution: every training renderer (default)")
+    p.add_argument("--held-out", action="store_true", help="the held-out renderer (its test split only)")
+    p.add_argument("--split", default="test", choices=("val", "test"))
+    p.add_argument("--clips", type=int, default=100)
+    p.add_argument("--fps", type=float, default=VLMConfig.fps, help="frames per second the VLM sees")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--out", help="write the result JSON here")
+    args = p.parse_args(argv)
+    if args.held_out and args.split != "test":
+        print("error: the held-out renderer has only a test split, for evaluation", file=sys.stderr)
+        return 2
+    if not 1 <= args.clips <= 100_000:
+        print(f"error: --clips {args.clips} is out of range; allowed: [1, 100000]", file=sys.stderr)
+        return 2
+    from pipeline.training.qa_vlm import shipped_dir, SHIPPED_NAMES
+    snapshot = shipped_dir() if args.snapshot in SHIPPED_NAMES else Path(args.snapshot)
+    if not (snapshot / "config.json").is_file():
+        print(f"error: {args.snapshot}: no snapshot there (config.json missing)", file=sys.stderr)
+        return 2
+    try:
+        make_clip, names = _clip_source(args.renderers, args.held_out)
+    except (ValueError, HeldOutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    first = SPLIT_SEEDS[args.split].start
+    data = ValData(make_clip, list(range(first, first + args.clips)), args.fps, split=args.split)
+    clips = [data[i] for i in range(len(data))]
+    device = resolve_device(args.device)
+    result = {"snapshot": str(args.snapshot), "renderers": names, "split": args.split, "clips": len(clips),
+              "questions": sum(len(c.qas) for c in clips), "device": str(device),
+              **validate(snapshot, clips, torch.device(device))}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

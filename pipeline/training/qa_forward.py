@@ -15,7 +15,10 @@ through a probe on the LM's hidden state after `region_layer` layers, of each ke
 loss on the attention of LM layer `ground_layer`: the attention the question's tokens pay to the
 visual tokens there (averaged over heads and question tokens, as pass 2 reads it at inference,
 pipeline/vlm/passes.py) should fall on the tokens of the object the question names (its colour,
-qa_data.token_colors): -log of their share of the visual tokens' attention.
+qa_data.token_colors): -log of their share of the visual tokens' attention. Where the samples carry
+box targets (qa_targets), the grounding target is every object the answer depends on instead, the
+aux head also learns object-centre tokens (centre_weight), and a facts probe reads the LM's state
+after `facts_layer` layers where the first answer token is predicted (facts_weight).
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ class LMBatch:
     # grounding targets: (question (B, L), visual (B, L), target (B, L)) bool masks: the question's
     # tokens after <|vision_end|>, the kept visual tokens, those of them showing the named object
     deepstack: torch.Tensor | None = None  # Qwen3-VL: (n, B, L, D) DeepStack features, zeros off the visual slots
+    facts: torch.Tensor | None = None      # (B, qa_targets.FACTS) question facts (NaN: none), the facts probe's
 
 
 class QAForward:
@@ -90,12 +94,16 @@ class QAForward:
                  aux_weight: float = 0.0, aux_shape_weight: float = 0.0, aux_motion_weight: float = 0.0,
                  region_head: torch.nn.Module | None = None, region_weight: float = 0.0, region_layer: int = 2,
                  ground_weight: float = 0.0, ground_layer: int = 4, *, fps: float = VLMConfig.fps,
-                 empty_groups: str = "keep", seed: int = 0) -> None:
+                 empty_groups: str = "keep", seed: int = 0, centre_weight: float = 0.0,
+                 facts_head: torch.nn.Module | None = None, facts_weight: float = 0.0, facts_layer: int = 4) -> None:
         self.model, self.tokenizer, self.preprocessor = model, tokenizer, preprocessor
         self.aux_head, self.aux_weight, self.aux_shape_weight = aux_head, aux_weight, aux_shape_weight
         self.aux_motion_weight = aux_motion_weight
         self.region_head, self.region_weight, self.region_layer = region_head, region_weight, region_layer
         self.ground_weight, self.ground_layer = ground_weight, ground_layer
+        self.centre_weight = centre_weight                 # object-centre tokens on the aux head (qa_targets)
+        self.facts_head = facts_head if facts_weight > 0 else None
+        self.facts_weight, self.facts_layer = facts_weight, facts_layer
         if ground_weight > 0:
             hf.register_attention(GROUND_ATTENTION, _recording_attention)
         self.device = next(model.parameters()).device
@@ -232,13 +240,11 @@ class QAForward:
             if regions is not None:
                 gh, gw = merged[views[b][0]].shape[1:3]
                 regions[b, vis_at] = token_regions((gh, gw)).ravel()[local[b] % (gh * gw)]
-            color = named_color(samples[views[b][0]].questions[views[b][1]]) if ground is not None else None
-            if color is not None:
-                target = samples[views[b][0]].colors.ravel()[local[b]] == color
-                if target.any():
-                    ground[0, b, question[0]:question[1]] = True               # the question's tokens
-                    ground[1, b, vis_at] = True
-                    ground[2, b, vis_at] = target
+            target = self._ground_target(samples[views[b][0]], views[b][1], local[b]) if ground is not None else None
+            if target is not None and target.any():
+                ground[0, b, question[0]:question[1]] = True                   # the question's tokens
+                ground[1, b, vis_at] = True
+                ground[2, b, vis_at] = target
         dev = self.device
         vis_row_t = torch.from_numpy(vis_row)
         vis_row_t = (vis_row_t.pin_memory() if dev.type == "cuda" else vis_row_t).to(dev, non_blocking=True)
@@ -252,14 +258,28 @@ class QAForward:
         if visual.shape[-1] > D:                                             # Qwen3-VL: zeros off the visual slots
             extra = (visual[..., D:] * is_visual).unflatten(-1, (-1, D))       # (B, L, n, D)
             deepstack = extra.permute(2, 0, 1, 3)                              # (n, B, L, D)
-        host = [torch.from_numpy(a) for a in (pos, labels, regions, ground) if a is not None]
+        facts = None
+        if self.facts_head is not None and all(samples[c].facts is not None for c, _ in views):
+            facts = np.stack([samples[c].facts[v] for c, v in views])
+        host = [torch.from_numpy(a) for a in (pos, labels, regions, ground, facts) if a is not None]
         if dev.type == "cuda":
             host = [t.pin_memory() for t in host]
         pos_d, labels_d, *rest = (t.to(dev, non_blocking=True) for t in host)
         regions_d = rest.pop(0) if regions is not None else None
-        ground_d = tuple(rest.pop(0).unbind(0)) if ground is not None and ground[2].any() else None
+        ground_d = rest.pop(0) if ground is not None else None
+        ground_d = tuple(ground_d.unbind(0)) if ground_d is not None and ground[2].any() else None
+        facts_d = rest.pop(0) if facts is not None else None
         return LMBatch(embeds, pos_d, labels_d, [len(s[0]) for s in seqs], [len(s[3]) for s in seqs],
-                       regions_d, ground_d, deepstack)
+                       regions_d, ground_d, deepstack, facts_d)
+
+    @staticmethod
+    def _ground_target(sample: ClipSample, view: int, cells: np.ndarray) -> np.ndarray | None:
+        """The kept tokens (cells (K,)) the view's question should attend to: its answer's objects'
+        (qa_targets.evidence_tokens) where the clip has boxes, else its colour word's; None: neither."""
+        if sample.evidence is not None:
+            return sample.evidence[view].ravel()[cells]
+        color = named_color(sample.questions[view])
+        return None if color is None else sample.colors.ravel()[cells] == color
 
     def qwen3_video(self, T: int, grid: tuple[int, int],
                     cells: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray, int]:
@@ -290,7 +310,7 @@ class QAForward:
         # no mask but the causal one: every row is right padded, so no real token sees a pad, and
         # SDPA runs its causal kernel instead of one with a (B, 1, L, L) mask
         probe = batch.regions is not None
-        self.recorded = None
+        self.recorded, self.facts_state = None, None
         record = batch.ground is not None
         if record:
             before = hf.attention_implementation(self.lm.config)
@@ -298,13 +318,19 @@ class QAForward:
             _RECORDING[self.ground_layer] = self.recorded = {}
         try:
             out = self.lm(inputs_embeds=batch.embeds, position_ids=batch.positions, use_cache=False,
-                          output_hidden_states=probe, **qwen3_vl.deepstack_lm_kwargs(batch.deepstack))
+                          output_hidden_states=probe or batch.facts is not None,
+                          **qwen3_vl.deepstack_lm_kwargs(batch.deepstack))
         finally:
             if record:
                 hf.set_attention_implementation(self.lm.config, before)
                 _RECORDING.pop(self.ground_layer, None)
         hidden = out.last_hidden_state                                          # (B, L, D)
         where = batch.labels != IGNORE
+        if batch.facts is not None:      # the state where each view's first answer token is predicted
+            first = where.int().argmax(1)                                       # (B,)
+            state = out.hidden_states[self.facts_layer][torch.arange(len(first)), first]   # (B, D)
+            # normalised as the next layer reads it: the residual stream's scale would set the probe's
+            self.facts_state = F.layer_norm(state.float(), state.shape[-1:])
         # position i predicts labels[i]: labels hold the token that follows each position
         return (self.model.lm_head(hidden[where]).float(), batch.labels[where],
                 out.hidden_states[self.region_layer] if probe else None)
@@ -321,6 +347,19 @@ class QAForward:
         on_target = (attention * target).sum(-1)
         rows = target.any(-1)
         return -torch.log(on_target[rows] / on_visual[rows].clamp_min(1e-12) + 1e-6).mean()
+
+    @staticmethod
+    def facts_loss(predicted: torch.Tensor, facts: torch.Tensor) -> torch.Tensor:
+        """predicted (B, FACTS) vs qa_targets' facts (NaN: none): the named objects' centres by a
+        smooth L1 in token cells of an 8 x 8 grid, the colour's shapes by binary cross-entropy."""
+        pos, shapes = facts[:, :4], facts[:, 4:]
+        zero = predicted.sum() * 0.0
+        known = ~pos.isnan()
+        loss = F.smooth_l1_loss(8 * predicted[:, :4][known], 8 * pos[known]) if bool(known.any()) else zero
+        known = ~shapes.isnan()
+        if bool(known.any()):
+            loss = loss + F.binary_cross_entropy_with_logits(predicted[:, 4:][known], shapes[known])
+        return loss
 
     def _labels(self, parts: list[np.ndarray]) -> torch.Tensor:
         labels = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int64))
@@ -342,7 +381,8 @@ class QAForward:
             aux = F.cross_entropy(out[:, :start], self._labels([s.colors for s in samples]))
             loss = answer_loss + self.aux_weight * aux
             for field, weight, width in (("shapes", self.aux_shape_weight, len(SHAPES) + 1),
-                                         ("motions", self.aux_motion_weight, len(MOTIONS))):
+                                         ("motions", self.aux_motion_weight, len(MOTIONS)),
+                                         ("centres", self.centre_weight, 2)):
                 if weight <= 0:
                     continue
                 labels = self._labels([getattr(s, field) if getattr(s, field) is not None
@@ -354,6 +394,10 @@ class QAForward:
             ground_loss = self.ground_loss(batch)
             aux = aux + ground_loss
             loss = loss + self.ground_weight * ground_loss
+        if self.facts_head is not None and batch.facts is not None:
+            facts_loss = self.facts_loss(self.facts_head(self.facts_state).float(), batch.facts)
+            aux = aux + facts_loss
+            loss = loss + self.facts_weight * facts_loss
         if self.region_head is not None and self.region_weight > 0:
             visual = batch.regions >= 0
             region_loss = F.cross_entropy(self.region_head(probe[visual]).float(), batch.regions[visual])

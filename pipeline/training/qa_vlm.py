@@ -27,7 +27,12 @@ colour loss through a linear head on the vision tower (training only, not in the
 model still answered no question naming an object (where, shape, direction at chance): per-token
 shape and motion targets on the same head, and a probe on the LM's hidden state of each visual
 token naming its 3x3 region (M-RoPE positions shape attention, never a token's value), gave it
-those (docs/performance.md has the training arms).
+those (docs/performance.md has the training arms). Where the clips carry their objects' boxes (the
+renderers'), three more targets come from them (qa_targets): object-centre tokens on the tower's
+head (counting), the tokens of every object an answer depends on for the grounding loss (and, in
+a share of dropped views, kept), and a probe on the LM's state where it answers reading the named
+objects' centres and the question colour's shapes (relation, exists); data.extra_questions and
+train.family_views give chosen families more questions and views (configs/qa_vlm_stage4.yaml).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import torch
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 from pipeline.training.qa_data import MOTIONS, POLICIES, DropSpec, StepData
 from pipeline.training.qa_eval import ValData, export_snapshot, validate
+from pipeline.training.qa_targets import FACTS
 from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.geometry import VLMGeometry
 from pipeline.vlm.preprocess import VideoPreprocessor
@@ -110,6 +116,7 @@ class DropConfig:
     curriculum_keep: tuple[float, float] = (0.1, 0.35)   # their keep ratios (log-uniform)
     empty_frame_groups: str = "mix"   # qwen3_vl: a frame group with no kept token keeps its timestamp, drops
                                       # it, or each view draws one (mix: the model learns both vlm settings)
+    keep_evidence: float = 0.0        # share of dropped views that keep every cell of their answer's objects
 
     def __post_init__(self) -> None:
         check_range("drop.keep_min", self.keep_min, 0.0, 1.0, lo_open=True)
@@ -125,6 +132,7 @@ class DropConfig:
         check_range("drop.curriculum_keep", lo, 0.0, 1.0, lo_open=True)
         check_range("drop.curriculum_keep", hi, lo, 1.0)
         check_choice("drop.empty_frame_groups", self.empty_frame_groups, ("keep", "drop", "mix"))
+        check_range("drop.keep_evidence", self.keep_evidence, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,10 @@ class TrainConfig:
     aux_region_layer: int = 2         # the LM layer whose output the region probe reads
     aux_ground_weight: float = 0.0    # weight of the grounding loss on the question's attention (0: none)
     aux_ground_layer: int = 4         # the LM layer (0-based) whose attention it shapes: pass 2 reads it
+    aux_centre_weight: float = 0.0    # weight of the token object-centre loss on the vision head (0: none)
+    aux_facts_weight: float = 0.0     # weight of the question-facts probe's loss (qa_targets; 0: none)
+    aux_facts_layer: int = 4          # the LM layer whose output at the answer position the facts probe reads
+    family_views: tuple[str, ...] = ()   # "family=N": N views per question of that family (else views_per_question)
     init: str = ""                    # a snapshot (same model fields) to start from, e.g. the shipped one
     seed: int = 0                     # model init and keep maps
     first_seed: int = 0               # clip seeds of step s: first_seed + s * clips_per_step + i (train split)
@@ -179,6 +191,11 @@ class TrainConfig:
         check_range("train.aux_ground_weight", self.aux_ground_weight, 0.0, 100.0)
         check_int("train.aux_ground_layer", self.aux_ground_layer)
         check_range("train.aux_ground_layer", self.aux_ground_layer, 0, 63)
+        check_range("train.aux_centre_weight", self.aux_centre_weight, 0.0, 100.0)
+        check_range("train.aux_facts_weight", self.aux_facts_weight, 0.0, 100.0)
+        check_int("train.aux_facts_layer", self.aux_facts_layer)
+        check_range("train.aux_facts_layer", self.aux_facts_layer, 1, 64)
+        family_counts("train.family_views", self.family_views, 1, 16)
         if not isinstance(self.init, str):
             raise ConfigError(f"Invalid train.init ({self.init!r}): must be a snapshot directory or empty")
         check_range("train.seed", self.seed, 0, 2**32 - 1)
@@ -228,6 +245,9 @@ class DataConfig:
     # renderers[s % n]); empty: the original generator's clips and seven families (the shipped model's)
     renderers: tuple[str, ...] = ()
     leave_out: str = ""               # leave-one-renderer-out: also keep this one out of training
+    # "family=N": training clips of the renderers also ask up to N more questions of that family
+    # (evaluation.questions.more_questions); validation and test clips never
+    extra_questions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from evaluation.renderers import HELD_OUT, RENDERERS
@@ -238,10 +258,28 @@ class DataConfig:
                               f"or tuned on (evaluate on it with bench_accuracy --held-out)")
         if self.renderers and not self.training:
             raise ConfigError(f"data.leave_out={self.leave_out} leaves no renderer of {list(self.renderers)}")
+        if family_counts("data.extra_questions", self.extra_questions, 0, 8) and not self.renderers:
+            raise ConfigError("data.extra_questions needs data.renderers (the original generator's clips have none)")
 
     @property
     def training(self) -> tuple[str, ...]:
         return tuple(r for r in self.renderers if r != self.leave_out)
+
+
+def family_counts(name: str, entries: tuple[str, ...], lo: int, hi: int) -> dict[str, int]:
+    """("relation=3", ...) -> {"relation": 3}, each family once with a count in [lo, hi], else a ConfigError."""
+    from evaluation.shapes_qa import ALL_FAMILIES
+    out: dict[str, int] = {}
+    for entry in entries:
+        family, sep, count = str(entry).partition("=")
+        if not sep or not count.strip().isdigit():
+            raise ConfigError(f"{name}: {entry!r} is not family=N")
+        check_choice(name, family.strip(), ALL_FAMILIES)
+        if family.strip() in out:
+            raise ConfigError(f"{name} names {family.strip()} twice")
+        check_range(f"{name}[{family.strip()}]", int(count), lo, hi)
+        out[family.strip()] = int(count)
+    return out
 
 
 @dataclass(frozen=True)
@@ -257,7 +295,8 @@ def clip_source(cfg: QAVLMConfig) -> Callable:
     """make_clip(seed, split=...) of training and validation: data.renderers' clips, or the original generator's."""
     if cfg.data.renderers:
         from evaluation.renderers import MultiRendererClips
-        return MultiRendererClips(cfg.data.training)
+        return MultiRendererClips(cfg.data.training, extra=family_counts("data.extra_questions",
+                                                                        cfg.data.extra_questions, 0, 8))
     from evaluation.synth_qa import make_qa_clip
     return make_qa_clip
 
@@ -312,7 +351,8 @@ def step_data(cfg: QAVLMConfig, make_clip: Callable, rank: int = 0, world: int =
                     area=t.area, seed=t.seed, first_seed=t.first_seed, steps=t.steps,
                     curriculum_steps=d.curriculum_steps,
                     curriculum=DropSpec(d.curriculum_keep[0], d.curriculum_keep[1], 0.0, ("salient",)),
-                    rank=rank, world=world)
+                    rank=rank, world=world, family_views=family_counts("train.family_views", t.family_views, 1, 16),
+                    keep_evidence=d.keep_evidence)
 
 
 def _identity(x: Any) -> Any:
@@ -390,20 +430,26 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
     if t.aux_region_weight and t.aux_region_layer > cfg.model.layers:
         raise ConfigError(f"train.aux_region_layer={t.aux_region_layer} "
                           f"must be at most model.layers={cfg.model.layers}")
+    if t.aux_facts_weight and t.aux_facts_layer > cfg.model.layers:
+        raise ConfigError(f"train.aux_facts_layer={t.aux_facts_layer} must be at most model.layers={cfg.model.layers}")
     if t.aux_ground_weight and t.aux_ground_layer >= cfg.model.layers:
         raise ConfigError(f"train.aux_ground_layer={t.aux_ground_layer} must be below model.layers={cfg.model.layers}")
     if t.init and not resume_found(out_dir, resume):
         start_from(model, t.init)
         log(f"started from {t.init}")
     aux_classes = (len(COLORS) + 1 + (len(SHAPES) + 1 if t.aux_shape_weight else 0)
-                   + (len(MOTIONS) if t.aux_motion_weight else 0))
-    # the training-only heads: token colour / shape / motion on the vision tower, region on the LM
+                   + (len(MOTIONS) if t.aux_motion_weight else 0) + (2 if t.aux_centre_weight else 0))
+    # the training-only heads: token colour / shape / motion / centre on the vision tower, region and
+    # question facts on the LM
     aux_head = torch.nn.ModuleList([torch.nn.Linear(cfg.model.hidden, aux_classes, device=device),
-                                    torch.nn.Linear(cfg.model.hidden, 9, device=device)])
+                                    torch.nn.Linear(cfg.model.hidden, 9, device=device),
+                                    torch.nn.Linear(cfg.model.hidden, FACTS, device=device)])
     forward = QAForward(model, tokenizer, preprocessor, aux_head[0], t.aux_weight, t.aux_shape_weight,
                         t.aux_motion_weight, aux_head[1] if t.aux_region_weight else None, t.aux_region_weight,
                         t.aux_region_layer, ground_weight=t.aux_ground_weight, ground_layer=t.aux_ground_layer,
-                        fps=cfg.model.fps, empty_groups=cfg.drop.empty_frame_groups, seed=cfg.train.seed)
+                        fps=cfg.model.fps, empty_groups=cfg.drop.empty_frame_groups, seed=cfg.train.seed,
+                        centre_weight=t.aux_centre_weight, facts_head=aux_head[2], facts_weight=t.aux_facts_weight,
+                        facts_layer=t.aux_facts_layer)
     opt = optimizer(torch.nn.ModuleList([model, aux_head]), cfg.train, device)
     config_dict = _to_dict(cfg)
     start, history, train_s = 0, [], 0.0

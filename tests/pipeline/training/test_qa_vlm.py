@@ -337,7 +337,10 @@ class TestConfig:
                 t.pop(key, None)
             shipped["config"].setdefault("data", {"renderers": [], "leave_out": ""})   # added since: the default
             for part, key, default in (("model", "arch", "qwen2_vl"), ("model", "deepstack", [1, 2]),
-                                       ("drop", "empty_frame_groups", "mix")):   # added with model.arch=qwen3_vl
+                                       ("drop", "empty_frame_groups", "mix"),   # added with model.arch=qwen3_vl
+                                       ("drop", "keep_evidence", 0.0), ("train", "aux_centre_weight", 0.0),
+                                       ("train", "aux_facts_weight", 0.0), ("train", "aux_facts_layer", 4),
+                                       ("train", "family_views", []), ("data", "extra_questions", [])):  # stage 4's
                 shipped["config"][part].setdefault(key, default)
             if yaml_cfg is stage2:   # stage 1's snapshot: then shipped under this name, now runs/qa_vlm's
                 assert (yaml_cfg["train"].pop("init"), t.pop("init")) == ("runs/qa_vlm/snapshot", "arrcoc-synth-qa")

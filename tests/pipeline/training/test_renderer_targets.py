@@ -56,3 +56,16 @@ def test_step_data_uses_the_labels_after_resizing(monkeypatch):
     assert len(used) == 2
     for s, shape in zip(samples, used):
         assert shape == s.frames.shape[:3]          # resized with its frames
+
+
+def test_a_colour_labels_a_token_by_its_area_share_of_the_cell():
+    """28 x 28 cells: a 2-pixel strip along a cell's top edge covers 7% of it (no colour there), a
+    block of 8 x 28 pixels 29% (its colour), wherever in the cell they lie."""
+    labels = np.full((2, 56, 56), 255, np.uint8)
+    labels[:, 28:30, 0:28] = 1                     # cell (1, 0): a strip at its top edge
+    labels[:, 48:56, 28:56] = 2                    # cell (1, 1): a block at its bottom edge
+    labels[:, 0:10, 0:28] = 3                      # cell (0, 0): 36% ...
+    labels[1, 0:10, 0:28] = 255                    # ... on one frame of the pair only: 18%, none
+    out = label_colors(labels, (2, 2))
+    assert out.shape == (1, 2, 2) and out.dtype == np.int8
+    assert out[0].tolist() == [[len(COLORS), len(COLORS)], [len(COLORS), 2]]

@@ -411,7 +411,7 @@ def fixture(args, scratch: Path) -> Path:
             return root
         sys.exit(f"--data {root}: it holds a fixture of another shape ({marker.read_text().strip()}); "
                  f"use another directory")
-    write_fixture(root, **shape)
+    write_fixture(root, **shape, progress=True)
     marker.write_text(json.dumps(shape))
     return root
 

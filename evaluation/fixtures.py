@@ -19,12 +19,13 @@ FIXTURE_QUESTIONS = (("what is moving across the screen?", "square", 0), ("who i
 def write_fixture(root: str | Path, *, layout: Layout = "msrvtt-qa", split: str = "test", videos: int = 3,
                   questions_per_video: int = 2, first_video: int = 7010, seconds: float = 1.0, fps: int = 10,
                   height: int = 64, width: int = 96, videos_subdir: str = "videos/all",
-                  seed: int = 0, unique: int | None = None) -> list[Question]:
+                  seed: int = 0, unique: int | None = None, progress: bool = False) -> list[Question]:
     """Write generated videos (video<N>.mp4, each with a cut) and annotations in `layout` under root.
     Returns the questions written. Real layouts exactly: the release's int ids, the zero-shot files'
     string ids, and a videodatainfo file with three captions per video. unique: render only the
     first `unique` clips; each later video v is a hard link to (else a copy of) clip v % unique,
-    under its own name and with its own questions (long benchmark runs without the rendering time)."""
+    under its own name and with its own questions (long benchmark runs without the rendering time).
+    progress: a bar on stderr while the clips are written (a benchmark's thousand clips take minutes)."""
     from sources.synthetic import Shot, render_clip, write_video   # looked up per call (tests count renders)
 
     if unique is not None and (isinstance(unique, bool) or not isinstance(unique, int) or unique < 1):
@@ -34,7 +35,9 @@ def write_fixture(root: str | Path, *, layout: Layout = "msrvtt-qa", split: str 
     frames = max(2, int(round(seconds * fps)))
     questions: list[Question] = []
     release, zero_q, zero_a, vids, sentences = [], [], [], [], []
-    for v in range(videos):
+    from tqdm import tqdm
+
+    for v in tqdm(range(videos), desc="writing clips", unit="clip", disable=not progress, mininterval=5.0):
         n = first_video + v
         path = root / videos_subdir / f"video{n}.mp4"
         if unique is None or v < unique:

@@ -51,3 +51,38 @@ def test_breakdown_by_named_objects():
     records = {"1": {"one_object": True}, "2": {"one_object": True}, "3": {"one_object": False}}
     out = breakdown(report, records)
     assert out == {"one_object": {"accuracy": 0.5, "questions": 2}, "other": {"accuracy": 1.0, "questions": 1}}
+
+
+class _FakeAllocations:
+    """Pipeline.allocations' shape: a context manager iterating frames (pts, frame_index, tokens)."""
+
+    def __init__(self, frames):
+        self.frames = frames
+
+    def allocations(self, video, question):
+        frames = self.frames
+
+        class Stream:
+            def __enter__(self):
+                return iter(frames)
+
+            def __exit__(self, *exc):
+                return False
+        return Stream()
+
+
+def test_one_questions_share_of_tokens_and_its_best_frame():
+    from benchmarks.named_object_sheet import question_run
+
+    def frame(i, on, off):
+        tokens = np.zeros((4, 4), np.int32)
+        tokens[0, 0], tokens[3, 3] = on, off
+        return SimpleNamespace(pts=i * 0.5, frame_index=i, tokens=tokens)
+
+    box = [0, 0, 25, 25]                                     # the top-left cell of a 100 x 100 frame
+    frames = [frame(0, 1, 3), frame(1, 4, 0), frame(2, 9, 9)]
+    out = question_run(_FakeAllocations(frames), Path("x.mp4"), "q", [box, box, None], (100, 100), fps=2.0)
+    assert out["frames"] == 2                                # frame 2 does not show the object
+    assert out["token_share"] == pytest.approx(5 / 8) and out["area_share"] == pytest.approx(1 / 16)
+    on, index, kept, best_box = out["best"]
+    assert (on, index, best_box) == (4.0, 1, (0, 0, 25, 25)) and kept.sum() == 1 and kept[0, 0]

@@ -35,7 +35,8 @@ from pipeline.configio import load_config  # noqa: E402
 from pipeline.training import qa_targets as qt  # noqa: E402
 from pipeline.training.qa_eval import ValData  # noqa: E402
 from pipeline.training.qa_forward import IGNORE, QAForward  # noqa: E402
-from pipeline.training.qa_vlm import QAVLMConfig, build, clip_source, start_from, step_data  # noqa: E402
+from pipeline.training.qa_checkpoint import init_root, start_from  # noqa: E402
+from pipeline.training.qa_vlm import QAVLMConfig, build, clip_source, step_data  # noqa: E402
 
 RENDERERS = ("shapes", "photo", "busy")
 RELATION_WORDS = ("left of", "right of", "above", "below")
@@ -98,7 +99,6 @@ def resolution(clips: int) -> dict:
 
 
 def _features(snapshot: str, clips: int):
-    from pipeline.training.qa_vlm import init_root
 
     # the model fields the snapshot was trained with (rope_theta above all: positions are the point)
     trained = json.loads((init_root(snapshot) / "training_summary.json").read_text())["config"]["model"]

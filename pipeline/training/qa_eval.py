@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.clips <= 100_000:
         print(f"error: --clips {args.clips} is out of range; allowed: [1, 100000]", file=sys.stderr)
         return 2
-    from pipeline.training.qa_vlm import shipped_dir, SHIPPED_NAMES
+    from pipeline.training.qa_checkpoint import SHIPPED_NAMES, shipped_dir
     snapshot = shipped_dir() if args.snapshot in SHIPPED_NAMES else Path(args.snapshot)
     if not (snapshot / "config.json").is_file():
         print(f"error: {args.snapshot}: no snapshot there (config.json missing)", file=sys.stderr)

@@ -51,6 +51,8 @@ import torch
 
 from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 from pipeline.training.qa_data import MOTIONS, POLICIES, DropSpec, StepData
+from pipeline.training.qa_checkpoint import (SHIPPED_NAME, init_root, resume_found, save_checkpoint,
+                                             shipped_dir, start_from)
 from pipeline.training.qa_eval import ValData, export_snapshot, validate
 from pipeline.training.qa_targets import FACTS
 from pipeline.vlm_config import VLMConfig
@@ -59,8 +61,6 @@ from pipeline.vlm.preprocess import VideoPreprocessor
 from pipeline.vlm import hf
 from evaluation.scenes import COLORS, SHAPES
 
-SHIPPED_NAME = "arrcoc-synth-qa"
-SHIPPED_NAMES = (SHIPPED_NAME,)
 ARCHS = ("qwen2_vl", "qwen3_vl")
 
 
@@ -373,11 +373,6 @@ def loader(dataset, indices, workers: int):
                                             collate_fn=_identity, prefetch_factor=4, worker_init_fn=_worker_init))
 
 
-def shipped_dir() -> Path:
-    from pipeline.vlm.loading import SHIPPED
-    return SHIPPED[SHIPPED_NAME]
-
-
 # ---- training ----
 def lr_at(step: int, t: TrainConfig) -> float:
     if step < t.warmup_steps:
@@ -508,13 +503,13 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
             history.append({"step": done, "train_s": round(elapsed, 1), **acc})
             log(f"\nstep {done}: val {acc['keep_1']}")
         if ranks.main and (done % t.checkpoint_every == 0 or done == steps):
-            _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
+            save_checkpoint(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
         over = bool(t.time_limit_s and elapsed > t.time_limit_s and done < steps)
         if t.time_limit_s and ranks.distributed:            # every rank stops at the same step
             over = distributed.any_rank(over, device)
         if over:
             if ranks.main:
-                _save(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
+                save_checkpoint(ckpt, model, aux_head, opt, done, history, elapsed, config_dict)
             log(f"\ntime limit reached at step {done}: checkpointed, continue with --resume")
             stopped_early = True
             break
@@ -553,49 +548,6 @@ def train(cfg: QAVLMConfig, out_dir: str | Path, *, resume: bool = False, export
 
 def _quiet(_: str) -> None:
     """The log of ranks other than 0."""
-
-
-def resume_found(out_dir: str | Path, resume: bool) -> bool:
-    return resume and (Path(out_dir) / "checkpoint.pt").exists()
-
-
-def init_root(snapshot: str | Path) -> Path:
-    """train.init's snapshot directory (a path, or a shipped name), else a one-line ConfigError."""
-    root = Path(snapshot)
-    if not root.is_dir():
-        from pipeline.vlm.loading import SHIPPED
-        root = SHIPPED.get(str(snapshot), root)
-    if not (root.is_dir() and any(root.glob("*.safetensors")) and (root / "config.json").is_file()):
-        raise ConfigError(f"train.init={snapshot}: no *.safetensors snapshot there (a snapshot directory, "
-                          f"e.g. a finished run's OUT_DIR/snapshot, or a shipped name: {', '.join(SHIPPED_NAMES)})")
-    return root
-
-
-def start_from(model, snapshot: str | Path) -> None:
-    """Load a snapshot's weights (train.init: a directory or a shipped name) into the freshly built
-    model: the same model fields, else a ConfigError naming the first tensor that differs."""
-    root = init_root(snapshot)
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded = type(model).from_pretrained(root, dtype=torch.float32)
-    state, own = loaded.state_dict(), model.state_dict()
-    for name, tensor in own.items():
-        got = state.get(name)
-        if got is None or tuple(got.shape) != tuple(tensor.shape):
-            found = "missing" if got is None else f"shape {tuple(got.shape)}"
-            raise ConfigError(f"train.init={snapshot}: {name} is {found}, the model fields give "
-                              f"{tuple(tensor.shape)} (set model.* as that snapshot was trained)")
-    with torch.no_grad():
-        for name, tensor in own.items():
-            tensor.copy_(state[name])
-
-
-def _save(path: Path, model, aux_head, opt, step: int, history: list, train_s: float, config: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "aux_head": aux_head.state_dict(), "optimizer": opt.state_dict(),
-                "step": step, "history": history, "train_s": train_s, "config": config}, tmp)
-    tmp.replace(path)
 
 
 def _to_dict(cfg: QAVLMConfig) -> dict:

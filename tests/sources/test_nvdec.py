@@ -504,7 +504,7 @@ class TestLive:
         # past what the probe buffered, the packets come paced at 30 fps, and so do the arrival stamps:
         # the last 15 frames span about 14 frame times (a loaded machine delivers some in bursts)
         span = nv[-1][2] - nv[-15][2]
-        assert 14 * 0.02 < span < 14 * 0.06
+        assert 14 * 0.008 < span < 14 * 0.06
 
     def test_reconnect_is_counted_as_pyavs(self, tmp_path, fake_nvdec):
         """The server drops the first connection: one gap, one reconnect, pts never back, with either

@@ -423,7 +423,7 @@ class TestTrainRun:
         train(first, tmp_path / "a", make_clip=make_clip, log=lambda _: None)
         snap = tmp_path / "a" / "snapshot"
         model, _, _ = build(tiny_config(f"train.init={snap}"), torch.device("cpu"))
-        from pipeline.training.qa_vlm import start_from
+        from pipeline.training.qa_checkpoint import start_from
         start_from(model, snap)
         from transformers import Qwen2VLForConditionalGeneration
         saved = Qwen2VLForConditionalGeneration.from_pretrained(snap, dtype=torch.float32).state_dict()

@@ -4,6 +4,7 @@
 start; one server per uploads directory; front-end graphs shared per shape and bounded."""
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -14,7 +15,10 @@ import numpy as np
 import pytest
 
 from pipeline.core.frontend_graphs import FrontendGraphsPool
+from pipeline.serve.admission import Deadline
 from pipeline.serve.errors import ApiError
+from pipeline.serve.media import Media
+from pipeline.serve.options import ServeOptions
 from pipeline.serve.retention import Retention
 from serve_client import chat_body
 from serve_process import ROOT, ServeProcess, request
@@ -131,6 +135,22 @@ class TestRetentionUnit:
         release()
         release()
         assert retention.reserved == 0
+
+
+def test_a_fetched_copy_goes_when_its_request_ends(tmp_path, videos):
+    """A copy whose request ended before its answer ran (the client left while it was probed) is
+    removed: retention counts the scratch directory but never prunes it."""
+    media = Media(ServeOptions(store=str(tmp_path / "s.zarr"), max_upload_mb=1, max_fetch_mb=1, max_storage_gb=0.01))
+    inline = "data:video/mp4;base64," + base64.b64encode(videos.small.read_bytes()).decode()
+    deadline = Deadline()
+    ref = media.resolve(inline, deadline=deadline)
+    assert Path(ref.target).is_file() and ref.temporary
+    deadline.cancel("client gone")
+    assert list(media.scratch.iterdir()) == []
+    ended = Deadline()
+    ended.cancel("client gone")              # gone before the copy was probed: removed at once
+    media.resolve(inline, deadline=ended)
+    assert list(media.scratch.iterdir()) == []
 
 
 class TestFrontendGraphsPool:

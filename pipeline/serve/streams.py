@@ -182,20 +182,22 @@ class LiveStreams:
         owner: --max-streams-per-key)."""
         source = Source(*self.engine.media.live_source(source, owner))
         options = live_options(every_s, on_scene_change, duration_s)
-        check_room(self.engine.options, self.list(), owner)
-        return self.launch(source, question, options, owner)
+        return self.launch(source, question, options, owner, check=True)
 
     def launch(self, source: Source, question: str, options: LiveOptions, owner: str = "",
-               stream_id: str | None = None) -> LiveStream:
+               stream_id: str | None = None, *, check: bool = False) -> LiveStream:
         """Start answering a source already checked (start, or the ingress of a stream group:
-        ray_app.py, which names the stream); blocks until it is open or has failed (400)."""
+        ray_app.py, which names the stream and checks the limits itself); blocks until it is open
+        or has failed (400). check: the --max-streams limits, with the registration (429)."""
         stream = LiveStream(stream_id or new_stream_id(), source.shown, question, options.every_s,
                             options.on_scene_change, int(time.time()), EventLog(self.engine.options.stream_events),
                             owner=owner)
         live = LiveConfig(realtime=source.realtime, av_options=source.av_options)
         stream.thread = threading.Thread(target=self._run, args=(stream, source.spec, live, options),
                                          name=f"serve-{stream.id}", daemon=True)
-        with self._lock:
+        with self._lock:         # the check and the registration together: a burst cannot overshoot
+            if check:
+                check_room(self.engine.options, list(self._streams.values()), owner)
             self._streams[stream.id] = stream
             self._forget_finished()
         stream.thread.start()

@@ -149,6 +149,30 @@ def test_a_flood_gets_429s_and_health_answers_throughout(served, media):
     assert len(drips) == 2 and all(d["gone"] and d["gone"] - d["start"] < TIMEOUT_S + 3 for d in drips), drips
 
 
+def test_one_key_cannot_take_every_slot(tmp_path, media, videos):
+    """--max-concurrent-per-key: a key with its one slot busy gets 429 (naming the flag, with
+    Retry-After) while another key's request is admitted and answered."""
+    flags = ("--api-key", OTHER_KEY, "--max-concurrent", "2", "--max-concurrent-per-key", "1",
+             "--request-timeout-s", str(TIMEOUT_S), "--allow-media-host", "drip.test",
+             "--media-resolve", "drip.test=127.0.0.1", "--allow-dir", str(videos.allowed))
+    drip = chat_body(f"http://drip.test:{media.server_address[1]}/drip")
+    with ServeProcess(tmp_path, *flags) as proc:
+        before = len(media.handler.drips)
+        held: list[int] = []
+        first = threading.Thread(target=lambda: held.append(request(proc, "POST", "/v1/chat/completions", drip)[0]))
+        first.start()
+        deadline = time.monotonic() + 10
+        while len(media.handler.drips) == before and time.monotonic() < deadline:   # its slot is taken
+            time.sleep(0.05)
+        code, body, headers = request(proc, "POST", "/v1/chat/completions", drip)
+        assert code == 429 and "--max-concurrent-per-key" in body["error"]["message"], body
+        assert int(headers["Retry-After"]) >= 1
+        code, body, _ = request(proc, "POST", "/v1/chat/completions", chat_body(videos.small.as_uri()), key=OTHER_KEY)
+        assert code == 200, body
+        first.join(30)
+        assert held == [504]
+
+
 def test_a_request_past_its_deadline_frees_its_slot(served, media, videos):
     drip = chat_body(f"http://drip.test:{media.server_address[1]}/drip")
     code, body, _ = request(served, "POST", "/v1/chat/completions", drip, timeout=60)

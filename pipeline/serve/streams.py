@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from .errors import ApiError
 
 FINISHED_KEPT = 64          # ended streams whose events stay readable
 START_WAIT_S = 30.0         # POST /v1/streams waits this long for the source to open
+log = logging.getLogger("pipeline.serve.streams")
 
 
 class EventLog:
@@ -247,6 +249,11 @@ class LiveStreams:
             stream.status, stream.error = "failed", str(error).splitlines()[0] if str(error) else type(error).__name__
             if not isinstance(error, (SourceError, ApiError)):
                 stream.error = f"{type(error).__name__}: {stream.error}"
+            elif isinstance(error, SourceError) and not live.realtime and not stream.started.is_set():
+                # a network source that did not open: why (refused, timed out, not a stream) and at
+                # which address is the server's log's business, not the client's (fetch_policy.py)
+                log.info("live source %s (%s): %s", stream.source, spec, stream.error)
+                stream.error = "unreachable"
             stream.started.set()
             stream.events.append("end", {"stream": stream.id, "reason": "failed", "error": stream.error})
             return

@@ -142,6 +142,20 @@ class TestRefusedThroughARealServer:
         time.sleep(0.5)
         assert recorder.connections == []
 
+    def test_live_sources_say_unreachable_and_nothing_more(self, served, media):
+        """An allowed host's live source that cannot be opened reads the same whether nothing
+        listens there or something that is no stream answers: no port scan through the server."""
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+        closed.close()
+        for port in (dead_port, media.server_address[1]):
+            url = f"rtsp://media.allowed:{port}/cam"
+            code, body, _ = request(served, "POST", "/v1/streams", {"source": url, "question": "q"})
+            assert code == 400 and body["error"]["message"] == f"cannot open live source {url!r}: unreachable", body
+            code, body, _ = request(served, "POST", "/v1/chat/completions", chat_body(url))
+            assert code == 400 and body["error"]["message"] == f"cannot open live source {url!r}: unreachable", body
+
 
 def test_the_connection_goes_to_the_address_that_was_checked(monkeypatch, recorder, tmp_path):
     """No DNS rebinding: the host is resolved once, and the connection goes to the address that

@@ -192,7 +192,8 @@ class Media:
             release()
 
     def inline(self, url: str) -> Path:
-        """data:video/<type>;base64,<data> -> a scratch file."""
+        """data:video/<type>;base64,<data> -> a scratch file, written into room made for it under
+        --max-storage-gb as a fetch is."""
         head, sep, data = url.partition(",")
         if not sep or not head.lower().startswith("data:video/") or not head.lower().endswith(";base64"):
             raise ApiError(400, "data: URLs must be data:video/<type>;base64,<data>", param="messages")
@@ -204,7 +205,8 @@ class Media:
         except ValueError:
             raise ApiError(400, "the data: URL is not valid base64", param="messages") from None
         path = self.scratch / f"inline-{uuid.uuid4().hex}"
-        path.write_bytes(raw)
+        with self._room(len(raw)):
+            path.write_bytes(raw)
         return path
 
     @staticmethod

@@ -153,6 +153,26 @@ def test_a_fetched_copy_goes_when_its_request_ends(tmp_path, videos):
     assert list(media.scratch.iterdir()) == []
 
 
+def test_a_data_url_takes_room_under_the_cap(tmp_path):
+    """A data: URL's video is written like a fetch: room is made first (the oldest upload goes),
+    so the disk stays under --max-storage-gb."""
+    options = ServeOptions(store=str(tmp_path / "s.zarr"), max_upload_mb=1, max_fetch_mb=1, max_storage_gb=0.002)
+    media, cap = Media(options), options.max_storage_bytes
+    retention = Retention(media.uploads, options.store, retention_s=3600, max_bytes=cap, busy=set)
+    media.room = retention.room
+    old = [f"file-{k:024d}" for k in range(2)]
+    for k, name in enumerate(old):               # two uploads fill the cap, the first the older
+        (media.uploads / name).write_bytes(b"\0" * (cap // 2 - 2000))
+        (media.uploads / f"{name}.json").write_text("{}")
+        os.utime(media.uploads / f"{name}.json", (time.time() - 100 + k,) * 2)
+    retention.scan()
+    video = _noise_video(tmp_path / "noise.mp4", 0).read_bytes()
+    ref = media.resolve("data:video/mp4;base64," + base64.b64encode(video).decode())
+    assert _disk(media.uploads) <= cap
+    assert not (media.uploads / old[0]).exists() and (media.uploads / old[1]).exists()
+    ref.discard()
+
+
 class TestFrontendGraphsPool:
     def test_shared_per_shape_and_bounded(self):
         made = []

@@ -6,6 +6,7 @@ from many clients are decoded together.
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from dataclasses import dataclass, field, replace
@@ -15,12 +16,14 @@ from typing import Any, Callable
 import numpy as np
 
 from sinks import SinkError, ZarrStore
+from sources import SourceError
 from sources.live import LiveConfig
 
 from ..config import PipelineConfig
 from ..configio import to_dict
 from ..core.compose import frontend_graphs
 from ..core.frontend_graphs import FrontendGraphsPool
+from ..core.graph import StageError
 from ..core.items import AnswerItem, RunStatus
 from ..core.live_stages import LiveOptions
 from ..core.setup import build_model, runtime_device
@@ -37,6 +40,7 @@ from .retention import Retention
 
 OnAnswer = Callable[[dict[str, Any]], None]
 STREAM_ID = r"(chatcmpl|live)-[0-9a-f]{24}"
+log = logging.getLogger("pipeline.serve")
 
 
 @dataclass
@@ -186,13 +190,22 @@ class Engine:
             result = run_live([ref.target], question, self.options.store, self.cfg, live=live, options=options,
                               status_out=Discard(), stop=stop, vlm=RequestVLM(self.service), model=self.model,
                               stream_ids=[request_id], on_answer=answered)
+        except (SourceError, StageError) as e:
+            error = e.error if isinstance(e, StageError) else e
+            if not isinstance(error, SourceError):
+                raise
+            # why it did not open, and at which address, stays in the server's log (fetch_policy.py)
+            log.info("live source %s (%s): %s", ref.source, ref.target, error)
+            raise ApiError(400, f"cannot open live source {ref.source!r}: unreachable", param="messages",
+                           code="url_unreachable") from None
         finally:
             undo()
         deadline.check(lambda: request_timeout(request_id))
         if not result.answers:
-            why = f": {result.errors[0]}" if result.errors else ""
+            if result.errors:
+                log.info("live source %s (%s): %s", ref.source, ref.target, result.errors[0])
             raise ApiError(504, f"no answer from the live source {ref.source!r} within "
-                                f"{options.duration_s:g} s{why}", code="live_timeout")
+                                f"{options.duration_s:g} s", code="live_timeout")
         answers = [item_row(result.answers[0])]
         frames = sum(s.get("frames_out", 0) for s in result.streams.values()) if result.streams else 0
         return self._completion(request_id, question, answers, frames, result.notes)

@@ -94,25 +94,28 @@ class Media:
             path = self.allowed_path(ref)
             return VideoRef("file", str(self.probe(path, ref)), ref)
         if scheme in ("http", "https"):
-            path = self.fetch(ref, deadline)
-            try:
-                self.probe(path, redact(ref))
-            except ApiError:
-                path.unlink(missing_ok=True)
-                raise
-            return VideoRef("file", str(path), redact(ref), temporary=True)
+            return self._scratch_ref(self.fetch(ref, deadline), redact(ref), redact(ref), deadline)
         if scheme == "data":
-            path = self.inline(ref)
-            try:
-                self.probe(path, "the data: URL")
-            except ApiError:
-                path.unlink(missing_ok=True)
-                raise
-            return VideoRef("file", str(path), "data:", temporary=True)
+            return self._scratch_ref(self.inline(ref), "the data: URL", "data:", deadline)
         if scheme in LIVE_SCHEMES:
             pinned, av_options = self.policy.pinned_live_url(ref, redact(ref))
             return VideoRef("live", pinned, redact(ref), av_options=tuple(av_options.items()))
         raise unsupported(ref)
+
+    @staticmethod
+    def _scratch_ref(path: Path, shown: str, source: str, deadline: Deadline | None) -> VideoRef:
+        """A fetched or inline copy as the request's video, once it probes as one. It is removed when
+        the request ends however it ends: a client that leaves while the copy is probed gets its
+        request cancelled before any answer runs, and the answer is what discards it otherwise."""
+        try:
+            Media.probe(path, shown)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        ref = VideoRef("file", str(path), source, temporary=True)
+        if deadline is not None:
+            deadline.on_cancel(ref.discard)
+        return ref
 
     def live_source(self, ref: str, owner: str = "") -> tuple[str, bool, str, tuple[tuple[str, str], ...]]:
         """A live stream's source -> (spec for run_live, realtime file?, what the store records,
@@ -189,7 +192,8 @@ class Media:
             release()
 
     def inline(self, url: str) -> Path:
-        """data:video/<type>;base64,<data> -> a scratch file."""
+        """data:video/<type>;base64,<data> -> a scratch file, written into room made for it under
+        --max-storage-gb as a fetch is."""
         head, sep, data = url.partition(",")
         if not sep or not head.lower().startswith("data:video/") or not head.lower().endswith(";base64"):
             raise ApiError(400, "data: URLs must be data:video/<type>;base64,<data>", param="messages")
@@ -201,7 +205,8 @@ class Media:
         except ValueError:
             raise ApiError(400, "the data: URL is not valid base64", param="messages") from None
         path = self.scratch / f"inline-{uuid.uuid4().hex}"
-        path.write_bytes(raw)
+        with self._room(len(raw)):
+            path.write_bytes(raw)
         return path
 
     @staticmethod

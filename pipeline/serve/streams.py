@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from .errors import ApiError
 
 FINISHED_KEPT = 64          # ended streams whose events stay readable
 START_WAIT_S = 30.0         # POST /v1/streams waits this long for the source to open
+log = logging.getLogger("pipeline.serve.streams")
 
 
 class EventLog:
@@ -182,20 +184,22 @@ class LiveStreams:
         owner: --max-streams-per-key)."""
         source = Source(*self.engine.media.live_source(source, owner))
         options = live_options(every_s, on_scene_change, duration_s)
-        check_room(self.engine.options, self.list(), owner)
-        return self.launch(source, question, options, owner)
+        return self.launch(source, question, options, owner, check=True)
 
     def launch(self, source: Source, question: str, options: LiveOptions, owner: str = "",
-               stream_id: str | None = None) -> LiveStream:
+               stream_id: str | None = None, *, check: bool = False) -> LiveStream:
         """Start answering a source already checked (start, or the ingress of a stream group:
-        ray_app.py, which names the stream); blocks until it is open or has failed (400)."""
+        ray_app.py, which names the stream and checks the limits itself); blocks until it is open
+        or has failed (400). check: the --max-streams limits, with the registration (429)."""
         stream = LiveStream(stream_id or new_stream_id(), source.shown, question, options.every_s,
                             options.on_scene_change, int(time.time()), EventLog(self.engine.options.stream_events),
                             owner=owner)
         live = LiveConfig(realtime=source.realtime, av_options=source.av_options)
         stream.thread = threading.Thread(target=self._run, args=(stream, source.spec, live, options),
                                          name=f"serve-{stream.id}", daemon=True)
-        with self._lock:
+        with self._lock:         # the check and the registration together: a burst cannot overshoot
+            if check:
+                check_room(self.engine.options, list(self._streams.values()), owner)
             self._streams[stream.id] = stream
             self._forget_finished()
         stream.thread.start()
@@ -245,6 +249,11 @@ class LiveStreams:
             stream.status, stream.error = "failed", str(error).splitlines()[0] if str(error) else type(error).__name__
             if not isinstance(error, (SourceError, ApiError)):
                 stream.error = f"{type(error).__name__}: {stream.error}"
+            elif isinstance(error, SourceError) and not live.realtime and not stream.started.is_set():
+                # a network source that did not open: why (refused, timed out, not a stream) and at
+                # which address is the server's log's business, not the client's (fetch_policy.py)
+                log.info("live source %s (%s): %s", stream.source, spec, stream.error)
+                stream.error = "unreachable"
             stream.started.set()
             stream.events.append("end", {"stream": stream.id, "reason": "failed", "error": stream.error})
             return

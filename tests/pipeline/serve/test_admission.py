@@ -44,6 +44,47 @@ class TestUnits:
         assert admission.running == 3 and admission.by_client == {"a": 1, "b": 1, "c": 1}
         a2(), b1()
 
+    def test_a_burst_of_stream_starts_cannot_overshoot_max_streams(self, monkeypatch):
+        """The --max-streams check and the stream's registration are one step: two starts that
+        arrive together (held side by side here, between the check and the registration) cannot
+        both pass a check that sees neither."""
+        from types import SimpleNamespace
+
+        from pipeline.serve import streams as streams_mod
+        from pipeline.serve.options import ServeOptions
+
+        together = threading.Barrier(2, timeout=5)
+
+        class HeldEventLog(streams_mod.EventLog):
+            def __init__(self, *args, **kwargs):
+                together.wait()
+                super().__init__(*args, **kwargs)
+
+        def run(self, stream, spec, live, options):      # a source that opens at once and plays until stopped
+            stream.status = "running"
+            stream.started.set()
+            stream.stop.wait(10)
+            stream.status = "stopped"
+        monkeypatch.setattr(streams_mod, "EventLog", HeldEventLog)
+        monkeypatch.setattr(streams_mod.LiveStreams, "_run", run)
+        engine = SimpleNamespace(options=ServeOptions(max_streams=1, stream_events=8),
+                                 media=SimpleNamespace(live_source=lambda ref, owner: (ref, True, ref, ())))
+        live = streams_mod.LiveStreams(engine)
+        outcomes: list[object] = []
+
+        def start() -> None:
+            try:
+                outcomes.append(live.start("a.mp4", "q", every_s=1.0, on_scene_change=False, duration_s=None))
+            except ApiError as e:
+                outcomes.append(e.status)
+        threads = [threading.Thread(target=start) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        live.stop_all()
+        assert sorted("429" if o == 429 else "started" for o in outcomes) == ["429", "started"], outcomes
+
     def test_deadline_callbacks(self):
         deadline, fired = Deadline(0.05), []
         undo = deadline.on_cancel(lambda: fired.append("a"))
@@ -106,6 +147,30 @@ def test_a_flood_gets_429s_and_health_answers_throughout(served, media):
     time.sleep(1.0)
     drips = media.handler.drips[-2:]
     assert len(drips) == 2 and all(d["gone"] and d["gone"] - d["start"] < TIMEOUT_S + 3 for d in drips), drips
+
+
+def test_one_key_cannot_take_every_slot(tmp_path, media, videos):
+    """--max-concurrent-per-key: a key with its one slot busy gets 429 (naming the flag, with
+    Retry-After) while another key's request is admitted and answered."""
+    flags = ("--api-key", OTHER_KEY, "--max-concurrent", "2", "--max-concurrent-per-key", "1",
+             "--request-timeout-s", str(TIMEOUT_S), "--allow-media-host", "drip.test",
+             "--media-resolve", "drip.test=127.0.0.1", "--allow-dir", str(videos.allowed))
+    drip = chat_body(f"http://drip.test:{media.server_address[1]}/drip")
+    with ServeProcess(tmp_path, *flags) as proc:
+        before = len(media.handler.drips)
+        held: list[int] = []
+        first = threading.Thread(target=lambda: held.append(request(proc, "POST", "/v1/chat/completions", drip)[0]))
+        first.start()
+        deadline = time.monotonic() + 10
+        while len(media.handler.drips) == before and time.monotonic() < deadline:   # its slot is taken
+            time.sleep(0.05)
+        code, body, headers = request(proc, "POST", "/v1/chat/completions", drip)
+        assert code == 429 and "--max-concurrent-per-key" in body["error"]["message"], body
+        assert int(headers["Retry-After"]) >= 1
+        code, body, _ = request(proc, "POST", "/v1/chat/completions", chat_body(videos.small.as_uri()), key=OTHER_KEY)
+        assert code == 200, body
+        first.join(30)
+        assert held == [504]
 
 
 def test_a_request_past_its_deadline_frees_its_slot(served, media, videos):

@@ -132,6 +132,54 @@ class TestRefusedThroughARealServer:
             assert body["error"]["message"] == f"cannot fetch {url!r}: unreachable", body
 
 
+    def test_a_live_source_that_redirects_inside_is_not_followed(self, served, recorder, media):
+        """A live http(s) source is opened by FFmpeg at the checked address with its redirects off:
+        a redirect to loopback fails the start (4xx) and nothing connects there."""
+        to = f"http://127.0.0.1:{recorder.port4}/live.ts"
+        source = f"http://media.allowed:{media.server_address[1]}/redirect?to={to}"
+        code, body, _ = request(served, "POST", "/v1/streams", {"source": source, "question": "what moves?"})
+        assert 400 <= code < 500, body
+        time.sleep(0.5)
+        assert recorder.connections == []
+
+    def test_live_sources_say_unreachable_and_nothing_more(self, served, media):
+        """An allowed host's live source that cannot be opened reads the same whether nothing
+        listens there or something that is no stream answers: no port scan through the server."""
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        dead_port = closed.getsockname()[1]
+        closed.close()
+        for port in (dead_port, media.server_address[1]):
+            url = f"rtsp://media.allowed:{port}/cam"
+            code, body, _ = request(served, "POST", "/v1/streams", {"source": url, "question": "q"})
+            assert code == 400 and body["error"]["message"] == f"cannot open live source {url!r}: unreachable", body
+            code, body, _ = request(served, "POST", "/v1/chat/completions", chat_body(url))
+            assert code == 400 and body["error"]["message"] == f"cannot open live source {url!r}: unreachable", body
+
+
+def test_the_connection_goes_to_the_address_that_was_checked(monkeypatch, recorder, tmp_path):
+    """No DNS rebinding: the host is resolved once, and the connection goes to the address that
+    passed the check, not to whatever a second lookup would answer (here: loopback)."""
+    from pipeline.serve.admission import Deadline
+    from pipeline.serve.fetch_policy import fetch
+
+    real, looked_up = socket.getaddrinfo, []
+
+    def rebinding(host, port, *args, **kwargs):
+        if host != "rebind.example":
+            return real(host, port, *args, **kwargs)
+        looked_up.append(host)
+        address = "93.184.216.34" if len(looked_up) == 1 else "127.0.0.1"    # public for the check, then not
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    with pytest.raises(ApiError) as e:       # no network here: the checked public address is unreachable
+        fetch(f"http://rebind.example:{recorder.port4}/a.mp4", tmp_path / "a.mp4", FetchPolicy(), limit=1 << 20,
+              read_timeout_s=1.0, deadline=Deadline(5.0), shown="x", too_large=lambda n: ApiError(413, "large"))
+    assert e.value.status == 400 and e.value.message.endswith("unreachable")
+    time.sleep(0.1)
+    assert looked_up == ["rebind.example"] and recorder.connections == []
+
+
 class TestAllowedHosts:
     def test_the_named_host_is_fetched(self, served, media):
         port = media.server_address[1]

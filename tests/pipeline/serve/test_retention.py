@@ -4,6 +4,7 @@
 start; one server per uploads directory; front-end graphs shared per shape and bounded."""
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -14,7 +15,10 @@ import numpy as np
 import pytest
 
 from pipeline.core.frontend_graphs import FrontendGraphsPool
+from pipeline.serve.admission import Deadline
 from pipeline.serve.errors import ApiError
+from pipeline.serve.media import Media
+from pipeline.serve.options import ServeOptions
 from pipeline.serve.retention import Retention
 from serve_client import chat_body
 from serve_process import ROOT, ServeProcess, request
@@ -131,6 +135,42 @@ class TestRetentionUnit:
         release()
         release()
         assert retention.reserved == 0
+
+
+def test_a_fetched_copy_goes_when_its_request_ends(tmp_path, videos):
+    """A copy whose request ended before its answer ran (the client left while it was probed) is
+    removed: retention counts the scratch directory but never prunes it."""
+    media = Media(ServeOptions(store=str(tmp_path / "s.zarr"), max_upload_mb=1, max_fetch_mb=1, max_storage_gb=0.01))
+    inline = "data:video/mp4;base64," + base64.b64encode(videos.small.read_bytes()).decode()
+    deadline = Deadline()
+    ref = media.resolve(inline, deadline=deadline)
+    assert Path(ref.target).is_file() and ref.temporary
+    deadline.cancel("client gone")
+    assert list(media.scratch.iterdir()) == []
+    ended = Deadline()
+    ended.cancel("client gone")              # gone before the copy was probed: removed at once
+    media.resolve(inline, deadline=ended)
+    assert list(media.scratch.iterdir()) == []
+
+
+def test_a_data_url_takes_room_under_the_cap(tmp_path):
+    """A data: URL's video is written like a fetch: room is made first (the oldest upload goes),
+    so the disk stays under --max-storage-gb."""
+    options = ServeOptions(store=str(tmp_path / "s.zarr"), max_upload_mb=1, max_fetch_mb=1, max_storage_gb=0.002)
+    media, cap = Media(options), options.max_storage_bytes
+    retention = Retention(media.uploads, options.store, retention_s=3600, max_bytes=cap, busy=set)
+    media.room = retention.room
+    old = [f"file-{k:024d}" for k in range(2)]
+    for k, name in enumerate(old):               # two uploads fill the cap, the first the older
+        (media.uploads / name).write_bytes(b"\0" * (cap // 2 - 2000))
+        (media.uploads / f"{name}.json").write_text("{}")
+        os.utime(media.uploads / f"{name}.json", (time.time() - 100 + k,) * 2)
+    retention.scan()
+    video = _noise_video(tmp_path / "noise.mp4", 0).read_bytes()
+    ref = media.resolve("data:video/mp4;base64," + base64.b64encode(video).decode())
+    assert _disk(media.uploads) <= cap
+    assert not (media.uploads / old[0]).exists() and (media.uploads / old[1]).exists()
+    ref.discard()
 
 
 class TestFrontendGraphsPool:

@@ -194,6 +194,28 @@ class TestFrontendGraphsPool:
         pool.give_back(("h", 48, 64), c)
         assert len(pool) == 2
 
+    def test_the_servers_requests_share_one_pool(self, server, videos, monkeypatch):
+        """Every request of the server takes its front-end graphs from the engine's one pool, keyed by
+        its shape, and gives them back (on CPU the pool makes none: the runs are eager)."""
+        from serve_client import call
+
+        taken, given = [], []
+
+        class Recording(FrontendGraphsPool):
+            def take(self, key, *args):
+                taken.append(key)
+                return super().take(key, *args)
+
+            def give_back(self, key, graphs):
+                given.append(key)
+                super().give_back(key, graphs)
+        monkeypatch.setattr(server.engine, "frontends", Recording(2, lambda *args: None))
+        for url in (videos.small.as_uri(), videos.small.as_uri(), videos.demo.as_uri()):
+            status, body = call(server, "POST", "/v1/chat/completions", chat_body(url))
+            assert status == 200, body
+        assert taken == given and len(taken) == 3
+        assert taken[0] == taken[1] and taken[0][1:] == (96, 128) and taken[2][1:] == (120, 160)
+
     def test_no_graphs_on_cpu(self):
         pool = FrontendGraphsPool(1, lambda *args: None)
         assert pool.take(("g",)) is None and len(pool) == 0

@@ -66,6 +66,35 @@ class TestMessages:
         assert elapsed < 5.0, elapsed
         assert max(health) < 1.0, health
 
+    def test_the_body_is_decoded_and_parsed_off_the_event_loop(self, server, videos, monkeypatch):
+        """Work that grows with the body (its JSON decode, the chat's parse) runs in threads: made
+        to take 2 s each here, they hold one request while /health keeps answering at once (on the
+        event loop they held every connection, as 32,000 messages did for 41.7 s)."""
+        import pipeline.serve.app as app
+
+        def slow(parse):
+            def slowly(*args, **kwargs):
+                time.sleep(2.0)
+                return parse(*args, **kwargs)
+            return slowly
+        monkeypatch.setattr(app, "parse_json", slow(app.parse_json))
+        monkeypatch.setattr(app, "parse_chat", slow(app.parse_chat))
+        body = json.dumps(long_chat(videos, 2 * MAX_MESSAGES)).encode()
+        done: list[tuple[int, dict]] = []
+        asker = threading.Thread(target=lambda: done.append(
+            call(server, "POST", "/v1/chat/completions", raw=body, headers=JSON, timeout=60)))
+        health: list[float] = []
+        start = time.perf_counter()
+        asker.start()
+        while asker.is_alive():
+            begin = time.perf_counter()
+            assert call(server, "GET", "/health", key=None, timeout=30)[0] == 200
+            health.append(time.perf_counter() - begin)
+            time.sleep(0.05)
+        assert time.perf_counter() - start >= 4.0                  # both slow steps ran
+        assert_error(*done[0], 400, f"{2 * MAX_MESSAGES} messages")
+        assert len(health) >= 10 and max(health) < 1.0, health
+
     def test_parsing_is_linear_in_the_number_of_messages(self, server, videos, monkeypatch):
         monkeypatch.setattr("pipeline.serve.limits.MAX_MESSAGES", 100_000)
         body = long_chat(videos, 40_000)

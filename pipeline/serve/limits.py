@@ -12,12 +12,13 @@ from typing import Any
 from arr_coc._validate import ConfigError
 
 from ..config import PipelineConfig, validate_every
+from ..core.live_stages import DURATION_MAX_S
 from .errors import ApiError
 
 # a chat's messages: only the last user message's text and the newest video are used; a history
 # longer than this is a client's mistake (or an attack on the parser), not a conversation
 MAX_MESSAGES = 1024
-MAX_DURATION_S = 365 * 86_400.0     # a live stream's `duration`: longer is a typo (1e308 overflows)
+MAX_DURATION_S = DURATION_MAX_S     # a live stream's `duration`, as live's --duration: longer is a typo
 
 
 def parse_json(raw: bytes) -> Any:

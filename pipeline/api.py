@@ -322,3 +322,8 @@ class Pipeline:
 def _check_question(question: Any) -> None:
     if not isinstance(question, str) or not question.strip():
         raise ConfigError(f"question must be a non-empty string, got {question!r}")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError:    # a lone surrogate: bytes that are not UTF-8 on a command line
+        raise ConfigError(f"question {question!r} is not text: it holds a character no encoding takes "
+                          f"(bytes that are not UTF-8 in the command line?)") from None

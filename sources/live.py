@@ -103,10 +103,14 @@ def parse_source(spec: str, *, realtime: bool = False) -> SourceSpec:
                           f"(/dev/video0), an rtsp(s):// or http(s):// URL, or a file with --realtime")
     if spec.isdigit():
         return SourceSpec("camera", int(spec), f"camera{int(spec)}", f"camera {int(spec)}")
-    scheme = urlsplit(spec).scheme.lower()
-    if scheme in NETWORK_SCHEMES:
+    try:
         parts = urlsplit(spec)
-        name = "_".join(str(v) for v in (parts.hostname, parts.port, parts.path) if v)
+        scheme, port = parts.scheme.lower(), parts.port if "://" in spec else None
+    except ValueError as e:   # "http://[::1", "http://cam:99999/": not a URL at all
+        masked = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", spec)
+        raise SourceError(f"invalid live source URL {masked!r}: {e}") from None
+    if scheme in NETWORK_SCHEMES:
+        name = "_".join(str(v) for v in (parts.hostname, port, parts.path) if v)
         return SourceSpec("network", spec, _sanitize(name), redact(spec))
     if "://" in spec:
         raise SourceError(f"unsupported live source scheme {scheme!r} in {redact(spec)!r}; "

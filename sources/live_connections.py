@@ -21,6 +21,7 @@ from av.video.reformatter import VideoReformatter
 from sources.errors import NvdecFallbackWarning, SourceError
 from sources.nvdec import NvdecError, NvdecUnavailable
 from sources.reconnect import backoff_s
+from sources.video_probe import NOT_VIDEO_CODECS
 
 SourceKind = Literal["camera", "network", "file"]
 NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
@@ -164,6 +165,11 @@ class NetworkConnection(Connection):
             self.container.close()
             raise OpenError(spec.name, "the stream has no video track", "the stream has no video track")
         self.stream = self.container.streams.video[0]
+        codec = self.stream.codec_context.codec
+        if codec.name in NOT_VIDEO_CODECS:    # a text file FFmpeg draws (by its name: .cdg, .nfo, ...)
+            self.container.close()
+            raise OpenError(spec.name, f"not a video, FFmpeg would draw it as {codec.long_name} ({codec.name!r}): "
+                                       f"text or karaoke graphics, not camera or film footage", "not a video")
         self.stream.thread_type = "AUTO"
         if cfg.decode_threads:
             self.stream.codec_context.thread_count = cfg.decode_threads

@@ -35,6 +35,12 @@ from .warmup import WarmUpReport, warm_up
 _LATENCY_WINDOW = 512   # recent latencies kept per stream for p50 / p95
 _POLL_S = 0.002         # capture stage poll when no source has a frame
 _GOLDEN = (5 ** 0.5 - 1) / 2   # LiveOptions.stagger's phase step
+# --duration: a year at most (longer is a typo; from ~1e10 s the timer's wait overflows in its thread,
+# a traceback, and the run then ignored --duration); the server's `duration` has the same bound
+DURATION_MAX_S = 365 * 86_400.0
+# --metrics-every: a status line at most 10 times a second (its rates are measured over 2 s), at
+# least once a day (a longer wait overflows like --duration's)
+METRICS_EVERY_S = (0.1, 86_400.0)
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,14 @@ class LiveOptions:
     def __post_init__(self) -> None:
         validate_every(self.every_s, name="--every")
         if self.duration_s is not None:
-            check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
-            if not math.isfinite(self.duration_s):   # the timer's wait overflows; leave it out instead
+            if isinstance(self.duration_s, (int, float)) and not math.isfinite(self.duration_s):
                 raise ConfigError(f"--duration must be a finite number of seconds, got {self.duration_s!r} "
                                   f"(leave it out to run until stopped)")
-        check_range("--metrics-every", self.metrics_every_s, 0.0, None, lo_open=True)
+            check_range("--duration", self.duration_s, 0.0, None, lo_open=True)
+            if self.duration_s > DURATION_MAX_S:
+                raise ConfigError(f"--duration={self.duration_s!r} s is out of range: at most {DURATION_MAX_S:g} s "
+                                  f"(a year; leave it out to run until stopped)")
+        check_range("--metrics-every", self.metrics_every_s, *METRICS_EVERY_S)
         check_range("window_frames", self.window_frames, 1, 4096)
         if self.warm_up is not None and not isinstance(self.warm_up, bool):
             raise ConfigError(f"warm_up must be true, false or null, got {self.warm_up!r}")

@@ -6,28 +6,57 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from arr_coc._validate import ConfigError
 
 from ..config import PipelineConfig, validate_every
+from ..core.live_stages import DURATION_MAX_S
 from .errors import ApiError
 
 # a chat's messages: only the last user message's text and the newest video are used; a history
 # longer than this is a client's mistake (or an attack on the parser), not a conversation
 MAX_MESSAGES = 1024
-MAX_DURATION_S = 365 * 86_400.0     # a live stream's `duration`: longer is a typo (1e308 overflows)
+MAX_DURATION_S = DURATION_MAX_S     # a live stream's `duration`, as live's --duration: longer is a typo
 
 
 def parse_json(raw: bytes) -> Any:
-    """A request body -> its JSON value; malformed or absurdly nested JSON is a 400 (CPU-bound on
-    large bodies: call it off the event loop)."""
+    """A request body -> its JSON value; malformed or absurdly nested JSON is a 400, and so is a
+    string with a lone UTF-16 surrogate ("\\ud800": JSON lets it through, but it is no text and
+    fails wherever it is encoded, the tokenizer or the store). CPU-bound on large bodies: call it
+    off the event loop."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except RecursionError:
         raise ApiError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(value):    # a pair decodes to one character
+        raise ApiError(400, "malformed JSON body: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                            "which is not text", code="invalid_json")
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Any string (key or value) of a decoded JSON value that is not valid Unicode text."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def check_message_count(messages: list[Any]) -> None:

@@ -337,7 +337,7 @@ class TestCLI:
 
     @pytest.mark.parametrize("option, message", [
         (["--duration", "-1"], "--duration=-1.0 is out of range; allowed: (0.0, inf)"),
-        (["--metrics-every", "0"], "--metrics-every=0.0 is out of range; allowed: (0.0, inf)"),
+        (["--metrics-every", "0"], "--metrics-every=0.0 is out of range; allowed: [0.1, 86400.0]"),
         (["--buffer", "0"], "live.buffer_frames=0 is out of range; allowed: [1, 10000]"),
     ])
     def test_bad_options_name_the_option(self, capsys, tmp_path, videos, option, message):

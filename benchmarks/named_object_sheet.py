@@ -41,11 +41,13 @@ def _zero_query(question: str):
 
 def question_run(pipeline, video: Path, question: str, boxes: list, size: tuple[int, int], fps: float) -> dict:
     """The allocation of one question over one clip: per frame that shows the object, its share of the
-    frame's tokens and of the cells, and the frame where the object holds the most tokens."""
-    on_tokens, all_tokens, cells, frames, best = 0.0, 0.0, 0, 0, None
+    frame's tokens and of the cells, the frame where the object holds the most tokens, and every
+    frame's kept cells (the sheet draws the other run's cells at that frame without a second run)."""
+    on_tokens, all_tokens, cells, frames, best, kept = 0.0, 0.0, 0, 0, None, {}
     with pipeline.allocations(str(video), question) as stream:
         for a in stream:
             tokens = np.asarray(a.tokens, np.float64)
+            kept[int(a.frame_index)] = tokens > 0
             box = boxes[min(len(boxes) - 1, int(round(float(a.pts) * fps)))]
             if box is None:
                 continue
@@ -56,7 +58,7 @@ def question_run(pipeline, video: Path, question: str, boxes: list, size: tuple[
             if best is None or on > best[0]:
                 best = (on, int(a.frame_index), tokens > 0, tuple(box))
     return {"frames": frames, "token_share": on_tokens / all_tokens if all_tokens > 0 else None,
-            "area_share": cells / (frames * mask.size) if frames else None, "best": best}
+            "area_share": cells / (frames * mask.size) if frames else None, "best": best, "kept": kept}
 
 
 def _frame(video: Path, index: int) -> np.ndarray:
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             shown.add(r["video_id"])
             _, index, kept_q, box = q["best"]
             frame = _frame(path, index)
-            kept_n = _kept_at(without, path, r["question"], index)
+            kept_n = n["kept"][index]
             row["tiles"] = (_tile(frame, kept_n, box), _tile(frame, kept_q, box))
         rows.append(row)
     if not rows:
@@ -206,14 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         cv2.imwrite(str(args.sheet), image[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 88])
         print(f"sheet: {args.sheet} ({len(tiles)} questions)")
     return 0
-
-
-def _kept_at(pipeline, video: Path, question: str, index: int) -> np.ndarray:
-    with pipeline.allocations(str(video), question) as stream:
-        for a in stream:
-            if int(a.frame_index) == index:
-                return np.asarray(a.tokens) > 0
-    raise ValueError(f"{video}: no allocation at frame {index}")
 
 
 if __name__ == "__main__":

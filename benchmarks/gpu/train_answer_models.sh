@@ -17,6 +17,7 @@
 #   benchmarks/gpu/train_answer_models.sh --resume --limit-s 800   # second: on to 800 s (limits are totals)
 # Options: --stage4-steps / --qwen3-steps (the LR schedules' lengths: ~2.1 and ~2 steps/s on two H200s),
 # --workers N (data workers per process), --gpus-a 0,1 --gpus-b 2,3, --cpus-a 0-31 --cpus-b 32-63 (taskset),
+# --only stage4|qwen3 (train that one alone, e.g. on a one-GPU machine: --only qwen3 --gpus-b 0 --cpus-b 0-15),
 # --skip-eval, --smoke (a few steps of tiny data on the CPU: the check of this script's commands).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,7 +27,7 @@ CARRY=runs/arrcoc_carry
 OUT_DIR=${OUT:-runs/answer_models}
 WORK=${WORK:-/tmp/answer_models}
 LIMIT_S=400 RESUME=() S4_STEPS=1700 Q3_STEPS=1600 WORKERS=14
-GPUS_A=0,1 GPUS_B=2,3 CPUS_A=0-31 CPUS_B=32-63 EVAL=1 SMOKE=0 EVAL_CLIPS=300
+GPUS_A=0,1 GPUS_B=2,3 CPUS_A=0-31 CPUS_B=32-63 EVAL=1 SMOKE=0 EVAL_CLIPS=300 ONLY=
 while [ $# -gt 0 ]; do
   case "$1" in
     --limit-s) LIMIT_S=$2; shift ;;
@@ -41,11 +42,19 @@ while [ $# -gt 0 ]; do
     --carry) CARRY=$2; shift ;;
     --out) OUT_DIR=$2; shift ;;
     --skip-eval) EVAL=0 ;;
+    --only) ONLY=$2; shift ;;
     --smoke) SMOKE=1 ;;
     *) echo "error: unknown option $1 (see the header of $0)" >&2; exit 2 ;;
   esac
   shift
 done
+case "$ONLY" in
+  "") NAMES=(stage4 qwen3) ;;
+  stage4|qwen3) NAMES=("$ONLY") ;;
+  *) echo "error: --only takes stage4 or qwen3, not '$ONLY'" >&2; exit 2 ;;
+esac
+# stage 4's scores compare it with the shipped stage 3: they need stage 4
+if [ "$ONLY" = qwen3 ]; then EVAL=0; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if ! "$PY" -c "import skimage.data" 2>/dev/null; then
   if [ ! -f "$CARRY/skimage/data/astronaut.png" ]; then
@@ -77,12 +86,16 @@ train() {   # name, config, steps, gpus, cpus
 if [ "$SMOKE" = 1 ]; then CPUS_A=0-$(($(nproc) - 1)) CPUS_B=$CPUS_A; fi
 t0=$SECONDS
 status=0
-train stage4 configs/qa_vlm_stage4.yaml "$S4_STEPS" "$GPUS_A" "$CPUS_A" & a=$!
-train qwen3 configs/qa_vlm_qwen3.yaml "$Q3_STEPS" "$GPUS_B" "$CPUS_B" & b=$!
-wait $a || status=$?
-wait $b || status=$?
+pids=()
+if [[ " ${NAMES[*]} " == *" stage4 "* ]]; then
+  train stage4 configs/qa_vlm_stage4.yaml "$S4_STEPS" "$GPUS_A" "$CPUS_A" & pids+=($!)
+fi
+if [[ " ${NAMES[*]} " == *" qwen3 "* ]]; then
+  train qwen3 configs/qa_vlm_qwen3.yaml "$Q3_STEPS" "$GPUS_B" "$CPUS_B" & pids+=($!)
+fi
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 echo "== training: $((SECONDS - t0)) s (exit $status)"
-for name in stage4 qwen3; do
+for name in "${NAMES[@]}"; do
   echo "== $name"; grep -v "^qa_vlm\|INVALID INDEX" "$LOGS/train_$name.log" | tail -n 6 | cut -c1-400
 done
 
@@ -102,9 +115,9 @@ if [ "$EVAL" = 1 ]; then
   done
 fi
 
-for name in stage4 qwen3; do cp "$WORK/$name/history.json" "$LOGS/history_$name.json" 2>/dev/null || true; done
+for name in "${NAMES[@]}"; do cp "$WORK/$name/history.json" "$LOGS/history_$name.json" 2>/dev/null || true; done
 rm -rf "$WORK/snaps" && mkdir -p "$WORK/snaps"
-for name in stage4 qwen3; do
+for name in "${NAMES[@]}"; do
   [ -d "$WORK/$name/snapshot" ] && cp -r "$WORK/$name/snapshot" "$WORK/snaps/$name"
 done
 tar czf "$WORK/snaps.tgz" -C "$WORK" snaps

@@ -16,7 +16,7 @@ its timestamp and markers with no visual token ("keep", the default: the prompt 
 one with tokens taken out, every kept token still after the timestamp of the group it was seen
 in, and the time between kept groups still stated) or loses them too ("drop": a few text tokens
 fewer per empty group). Every slot kept either way sits at the position the full prompt gives it.
-Which answers better is not measured yet (docs/models.md says how it is measured).
+Keep answered better on a small Qwen3-VL trained for it (docs/models.md, docs/performance.md).
 """
 from __future__ import annotations
 

@@ -5,10 +5,12 @@ Fake RTSP servers on loopback (no GStreamer needed) and a recorder prove what wa
 the plays-through tests use GStreamer's server where the machine has it."""
 from __future__ import annotations
 
+import io
 import socket
 import sys
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -237,3 +239,93 @@ class TestWhatAClientLearns:
             "no frames for 3.0 s (read timeout 2 s); reconnect failed: unreachable"
         assert live_gap_reason("server closed the connection; reconnect failed: redirect refused by policy; gave up") \
             == "the stream ended; reconnect failed: refused by policy; gave up"
+
+
+class TestAStreamThatOpened:
+    """A network stream that opened and then fails: its events and status carry the policy's words."""
+
+    RAW = "rtsp://cam.test/s: stream error: connection to 10.1.2.3 port 554 reset by peer"
+
+    def run_stream(self, monkeypatch, run_live):
+        pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+        from types import SimpleNamespace
+
+        from pipeline.serve import streams as streams_mod
+        from pipeline.serve.options import ServeOptions
+
+        opened = threading.Event()       # the stream fails once its start has answered
+
+        def run_after_start(*args, on_graph, **kwargs):
+            return run_live(*args, on_graph=lambda graph: (on_graph(graph), opened.wait(10)), **kwargs)
+        monkeypatch.setattr(streams_mod, "run_live", run_after_start)
+        service = SimpleNamespace(name="v", geometry=None, config=None, warning=None)
+        engine = SimpleNamespace(options=ServeOptions(stream_events=16), cfg=None, service=service, model=None,
+                                 metrics=None, media=SimpleNamespace(live_source=lambda ref, owner: (ref, False, ref)))
+        live = streams_mod.LiveStreams(engine)
+        stream = live.start("rtsp://cam.test/s", "q", every_s=1.0, on_scene_change=False, duration_s=None)
+        opened.set()
+        stream.thread.join(10)
+        return stream, stream.events.since(0)
+
+    def test_a_stream_that_gives_up(self, monkeypatch):
+        from types import SimpleNamespace
+
+        from sources.live import Gap
+
+        def run_live(specs, question, out, cfg, *, on_graph, on_gap, **kwargs):
+            on_graph(None)
+            on_gap("s", Gap("s", 1.0, 2.0, 1.0, 2.0, "stream error: reset by 10.1.2.3; reconnect failed: "
+                                                      "cannot open the stream (Connection refused by 10.1.2.3)"))
+            return SimpleNamespace(errors=[f"{self.RAW}; gave up after 3 failed reconnect attempts"], answers=[],
+                                   wall_s=1.0)
+        stream, events = self.run_stream(monkeypatch, run_live)
+        assert stream.error == "unreachable" and "10.1.2.3" not in str(events)
+        assert [e[1] for e in events] == ["gap", "end"] and events[-1][2]["error"] == "unreachable"
+        assert events[0][2]["reason"] == "the stream ended; reconnect failed: unreachable"
+
+    def test_a_stream_that_fails_after_it_opened(self, monkeypatch):
+        from pipeline.core.graph import StageError
+        from sources.errors import SourceError
+
+        def run_live(specs, question, out, cfg, *, on_graph, **kwargs):
+            on_graph(None)
+            raise StageError("capture", "frame 9", SourceError(self.RAW))
+        stream, events = self.run_stream(monkeypatch, run_live)
+        assert stream.error == "the stream ended" and events[-1][2]["error"] == "the stream ended"
+
+
+class TestWhatTheStoreRecords:
+    """The live URL as the client gave it (no password), never the address it resolved to."""
+
+    def test_the_server_opens_the_clients_url(self, tmp_path):
+        pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+        from pipeline.serve.media import Media
+        from pipeline.serve.options import ServeOptions
+        from sources.live import parse_source
+
+        media = Media(ServeOptions(store=str(tmp_path / "s.zarr"), allow_media_hosts=("cam.test",),
+                                   media_resolve=(("cam.test", "10.0.0.7"),)))
+        for url in ("rtsp://u:pw@cam.test:8554/s", "http://u:pw@cam.test/live.ts"):
+            spec, realtime, shown = media.live_source(url)
+            assert parse_source(spec).name == shown == url.replace(":pw@", ":***@") and not realtime
+        assert parse_source(media.resolve("rtsp://u:pw@cam.test:8554/s").target).name == "rtsp://u:***@cam.test:8554/s"
+
+    def test_a_run_through_the_relay_stores_the_clients_url(self, tmp_path):
+        from pipeline.config import PipelineConfig, RuntimeConfig
+        from pipeline.core.live_stages import LiveOptions
+        from pipeline.runners.live import run_live
+        from sinks import read_stream
+
+        rtsp = rtsp_or_skip(fps=20)
+        try:
+            url = f"rtsp://u:pw@cam.test:{rtsp.port}/cam"
+            untrained = {"model_weights": "none"} if "model_weights" in {f.name for f in fields(RuntimeConfig)} else {}
+            cfg = PipelineConfig(runtime=RuntimeConfig(device="cpu", batch_size=4, **untrained))
+            with pytest.warns(UserWarning, match="no VLM is loaded"):
+                result = run_live([url], "q", tmp_path / "o.zarr", cfg, live=LiveConfig(connect=policy().route),
+                                  options=LiveOptions(duration_s=1.5), stream_ids=["s"], status_out=io.StringIO())
+        finally:
+            rtsp.stop()
+        data = read_stream(tmp_path / "o.zarr", "s")
+        assert data["attrs"]["source"] == f"rtsp://u:***@cam.test:{rtsp.port}/cam" and len(data["pts"]) > 0
+        assert result.errors == []

@@ -33,7 +33,8 @@ _CHUNK = 1 << 16
 _SPACE = b" \t"          # FFmpeg's get_word separators on a line (\r is gone, \n ends it)
 _C_INT = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
 _CRS = re.compile(rb"\r*")
-_WORD = re.compile(rb"[ \t]*([^ \t]*)(.*)", re.S)
+# get_word skips " \t" and stops at any space (\v, \f too); the loose form stops at " \t" only
+_WORDS = (re.compile(rb"[ \t]*([^ \t\v\f]*)(.*)", re.S), re.compile(rb"[ \t]*([^ \t]*)(.*)", re.S))
 log = logging.getLogger("pipeline.serve.fetch")
 
 Check = Callable[[str], list[str]]    # an rtsp URL -> its checked addresses (ApiError when refused)
@@ -58,10 +59,19 @@ def c_int(text: bytes) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _word(p: bytes) -> tuple[bytes, bytes]:
-    """FFmpeg's get_word: skip separators, take up to the next one -> (word, rest)."""
-    m = _WORD.match(p)
-    return m.group(1), m.group(2)
+def statuses(line: bytes) -> set[int]:
+    """Every status FFmpeg could read in a reply's first line (its second word, get_word, through
+    atoi; a word buffer that may cut it at 63 bytes): the reply is a redirect if any is 3xx."""
+    found = set()
+    for word in _WORDS:
+        second = word.match(word.match(line).group(2)).group(1)
+        found |= {c_int(second), c_int(second[:63])}
+    return found
+
+
+def _line(raw: bytes) -> bytes:
+    """A line as FFmpeg's parser sees it: no \r anywhere, no \n, cut at a NUL (a C string)."""
+    return raw.replace(b"\r", b"")[:-1].split(b"\0", 1)[0]
 
 
 class ReplyReader:
@@ -97,19 +107,18 @@ class ReplyReader:
                     raise Garbled(f"a header line over {MAX_LINE} bytes")
                 break
             raw, pos = buf[pos:end + 1], end + 1
-            line = raw.replace(b"\r", b"")[:-1]
-            if len(line) > MAX_LINE or sum(map(len, self.head)) > MAX_HEAD:
+            if len(raw) > MAX_LINE or sum(map(len, self.head)) > MAX_HEAD:
                 raise Garbled("a reply's headers too long")
             self.head.append(raw)
-            if not line:               # an empty line ends the reply
+            if not _line(raw):         # an empty line ends the reply ("\0..." is empty to FFmpeg)
                 out.append(self._reply(self.head))
                 self.head = []
         self.buf = buf[pos:]
         return b"".join(out)
 
     def _reply(self, raw: list[bytes]) -> bytes:
-        lines = [r.replace(b"\r", b"")[:-1] for r in raw]
-        status = c_int(_word(_word(lines[0])[1])[0]) if len(lines) > 1 else 0
+        lines = [_line(r) for r in raw]
+        redirect = len(lines) > 1 and any(300 <= status < 400 for status in statuses(lines[0]))
         length, location = 0, None
         for line in lines[1:-1]:
             low = line.lower()
@@ -120,7 +129,7 @@ class ReplyReader:
         if length > MAX_BODY:
             raise Garbled(f"a body of {length} bytes")
         self.skip = max(length, 0)
-        if not 300 <= status < 400:
+        if not redirect:
             return b"".join(raw)
         if location is None:
             raise Refused("", "a 3xx reply without a Location")

@@ -194,9 +194,17 @@ class TestReplyReader:
             assert out == stream
 
     @pytest.mark.parametrize("status_line", [b"RTSP/1.0 302 Found", b"RTSP/1.0 301", b"anything 399 x",
-                                             b"\tRTSP/1.0\t  307 x", b"RTSP/1.0 4294967598 x", b"RTSP/1.0 +302x"])
+                                             b"\tRTSP/1.0\t  307 x", b"RTSP/1.0 4294967598 x", b"RTSP/1.0 +302x",
+                                             b"RTSP/1.0 " + b"0" * 60 + b"302999", b"A\vB 302"])
     def test_every_reply_ffmpeg_reads_as_3xx_is_rewritten(self, status_line):
         reply = status_line + b"\r\nCSeq: 1\r\nLOCATION: rtsp://evil/a\r\nlocation:rtsp://evil/b\r\n\r\n"
+        out = ReplyReader(self.moved_to).feed(reply)
+        assert b"evil" not in out and out.endswith(b"Location: rtsp://127.0.0.1:9/new\r\n\r\n")
+
+    def test_a_nul_line_ends_the_headers_as_for_ffmpeg(self):
+        """FFmpeg reads lines as C strings: "\\0..." is the empty line that ends a reply, and a 302
+        after it is the next reply, which must not pass as a header of the first."""
+        reply = b"RTSP/1.0 200 OK\r\nCSeq: 1\r\n\0x\r\nRTSP/1.0 302 Moved\r\nLocation: rtsp://evil/\r\n\r\n"
         out = ReplyReader(self.moved_to).feed(reply)
         assert b"evil" not in out and out.endswith(b"Location: rtsp://127.0.0.1:9/new\r\n\r\n")
 

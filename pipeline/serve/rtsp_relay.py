@@ -33,7 +33,7 @@ _CHUNK = 1 << 16
 _SPACE = b" \t"          # FFmpeg's get_word separators on a line (\r is gone, \n ends it)
 _C_INT = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
 _CRS = re.compile(rb"\r*")
-# get_word skips " \t" and stops at any space (\v, \f too); the loose form stops at " \t" only
+# get_word's separators (" \t"; \r and \n are gone), and the same with \v and \f too
 _WORDS = (re.compile(rb"[ \t]*([^ \t\v\f]*)(.*)", re.S), re.compile(rb"[ \t]*([^ \t]*)(.*)", re.S))
 log = logging.getLogger("pipeline.serve.fetch")
 
@@ -61,11 +61,12 @@ def c_int(text: bytes) -> int:
 
 def statuses(line: bytes) -> set[int]:
     """Every status FFmpeg could read in a reply's first line (its second word, get_word, through
-    atoi; a word buffer that may cut it at 63 bytes): the reply is a redirect if any is 3xx."""
+    atoi; its 1024-byte word buffer cuts a longer word): the reply is a redirect if any is 3xx.
+    Reading more than FFmpeg does (a request's line too) only refuses more."""
     found = set()
     for word in _WORDS:
         second = word.match(word.match(line).group(2)).group(1)
-        found |= {c_int(second), c_int(second[:63])}
+        found |= {c_int(second), c_int(second[:1023])}
     return found
 
 

@@ -10,8 +10,8 @@ import os
 import random
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal
 from urllib.parse import urlsplit
 
 import av
@@ -47,6 +47,8 @@ class LiveConfig:
                        default, 5 s, would delay every reconnect by seconds).
     buffer_frames:     newest frames kept per source; older ones are dropped (and counted).
     realtime:          files are allowed and played at their frame rate (demos, tests).
+    connect:           how network streams are reached (None: as their URL says): URL -> a Route,
+                       per connection; a server's fetch policy (pipeline/serve/fetch_policy.py).
     decoder:           "pyav" (default) or "nvdec": network streams and realtime files decoded by the
                        GPU's NVDEC, one decoder session per source, frames kept on the GPU
                        (sources/nvdec.py). Cameras are read through OpenCV either way.
@@ -71,7 +73,8 @@ class LiveConfig:
     buffer_frames: int = 16
     realtime: bool = False
     decode_threads: int = 2
-    av_options: tuple[tuple[str, str], ...] = ()   # more FFmpeg options for network streams (a server's pinning)
+    av_options: tuple[tuple[str, str], ...] = ()   # more FFmpeg options for network streams
+    connect: Callable[[str], "Route"] | None = field(default=None, compare=False, repr=False)
     decoder: Literal["pyav", "nvdec"] = "pyav"
     fallback: bool = False
 
@@ -113,6 +116,23 @@ class OpenError(SourceError):
         self.cause = cause
 
 
+class RefusedByPolicy(OpenError):
+    """A Route refused where a stream leads (its host, a redirect): a server tells its client that
+    much and no more."""
+
+
+@dataclass
+class Route:
+    """How one connection reaches a network stream (LiveConfig.connect): FFmpeg opens `url` with
+    `options` added; after a failed open, `refusal()` says whether the route refused where the
+    stream led (one line), else None; `close()` once the connection ends."""
+
+    url: str
+    options: dict[str, str] = field(default_factory=dict)
+    refusal: Callable[[], str | None] = lambda: None
+    close: Callable[[], None] = lambda: None
+
+
 class Stalled(Exception):
     """No frame for longer than the read timeout (FFmpeg's interrupt, or frames that stopped coming)."""
 
@@ -146,16 +166,29 @@ class Connection:
 
 class NetworkConnection(Connection):
     def __init__(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
+        self._route = cfg.connect(spec.target) if cfg.connect is not None else Route(spec.target)
+        try:
+            self._open(spec, cfg, size)
+        except BaseException:
+            self._route.close()
+            raise
+
+    def _open(self, spec: SourceSpec, cfg: LiveConfig, size: tuple[int, int] | None) -> None:
         options = {"analyzeduration": str(int(cfg.probe_s * 1e6))}
         if urlsplit(spec.target).scheme.lower().startswith("rtsp"):
             options["rtsp_transport"] = cfg.transport
         options.update(cfg.av_options)
+        options.update(self._route.options)
         started = time.monotonic()
         try:
             # PyAV's (open, read) timeouts abort a blocked open / read through FFmpeg's interrupt callback
-            self.container = av.open(spec.target, options=options, timeout=(cfg.open_timeout_s, cfg.read_timeout_s))
+            self.container = av.open(self._route.url, options=options,
+                                     timeout=(cfg.open_timeout_s, cfg.read_timeout_s))
         except (av.FFmpegError, OSError) as e:
             waited = time.monotonic() - started
+            refusal = self._route.refusal()
+            if refusal is not None:
+                raise RefusedByPolicy(spec.name, refusal, refusal) from e
             if waited >= 0.9 * cfg.open_timeout_s:
                 raise OpenError(spec.name,
                                 f"no answer from the server within the {cfg.open_timeout_s:g} s open timeout",
@@ -239,6 +272,7 @@ class NetworkConnection(Connection):
 
     def close(self) -> None:
         self.container.close()
+        self._route.close()
 
 
 def _quiet_opencv() -> None:
@@ -322,7 +356,7 @@ class NvdecNetworkConnection(NetworkConnection):
                                        int(ctx.color_range or 0), ctx.height, ctx.width)
             self._feed: nvdec.PacketFeed | None = nvdec.PacketFeed(spec.name, self.stream)
         except BaseException:
-            self.container.close()
+            super().close()
             raise
         self._convert = nvdec.Nv12ToRgb(layout, spec.name, self._feed.decoder)
 

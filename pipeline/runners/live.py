@@ -210,5 +210,6 @@ def _slow_down(stage: Stage, seconds: float) -> None:
 
 
 def _live_dict(live: LiveConfig, options: LiveOptions) -> dict[str, Any]:
-    from dataclasses import asdict
-    return {**asdict(live), **asdict(options)}
+    from dataclasses import asdict, fields
+    # live.connect is how the run reaches its streams (a server's fetch policy), not a setting
+    return {**{f.name: getattr(live, f.name) for f in fields(live) if f.name != "connect"}, **asdict(options)}

@@ -32,6 +32,7 @@ from ..runners.run import run_video
 from .admission import Deadline
 from .answering import RequestVLM, answer_row, item_row, result_row
 from .errors import ApiError
+from .fetch_policy import REFUSED, live_error
 from .limits import check_question_chars, check_question_tokens
 from .media import Media, VideoRef
 from .metrics import Metrics
@@ -183,7 +184,7 @@ class Engine:
                 on_answer(item_row(item))
             stop.set()
         live = LiveConfig(open_timeout_s=min(10.0, self.options.fetch_timeout_s), max_reconnects=2,
-                          av_options=ref.av_options)
+                          connect=self.options.fetch_policy.route)
         undo = deadline.on_cancel(stop.set)
         options = LiveOptions(every_s=window, duration_s=window + 2 * self.options.fetch_timeout_s)
         try:
@@ -195,7 +196,10 @@ class Engine:
             if not isinstance(error, SourceError):
                 raise
             # why it did not open, and at which address, stays in the server's log (fetch_policy.py)
-            log.info("live source %s (%s): %s", ref.source, ref.target, error)
+            log.info("live source %s: %s", ref.source, error)
+            if live_error(str(error), "unreachable") == REFUSED:
+                raise ApiError(403, f"cannot open live source {ref.source!r}: {REFUSED}", param="messages",
+                               code="url_refused") from None
             raise ApiError(400, f"cannot open live source {ref.source!r}: unreachable", param="messages",
                            code="url_unreachable") from None
         finally:
@@ -203,7 +207,7 @@ class Engine:
         deadline.check(lambda: request_timeout(request_id))
         if not result.answers:
             if result.errors:
-                log.info("live source %s (%s): %s", ref.source, ref.target, result.errors[0])
+                log.info("live source %s: %s", ref.source, result.errors[0])
             raise ApiError(504, f"no answer from the live source {ref.source!r} within "
                                 f"{options.duration_s:g} s", code="live_timeout")
         answers = [item_row(result.answers[0])]

@@ -6,7 +6,9 @@ cloud's metadata service (169.254.169.254), hosts on its private network. So eve
 and rtsp(s):// host is resolved once, every address it resolves to is checked, and the
 connection goes to an address that was checked (a name that resolves to a public address for the
 check and to 127.0.0.1 for the connection cannot slip through). Each redirect is a new URL and
-is checked again; their number is capped.
+is checked again; their number is capped. A live stream is checked at each (re)connection
+(`route`); FFmpeg's RTSP redirects, which it cannot be told not to follow, go through a relay
+that checks them (rtsp_relay.py).
 
 Refused by default: loopback, link-local, private (RFC 1918, unique-local), shared (CGNAT),
 multicast, reserved and unspecified addresses, IPv4 and IPv6, including IPv4 inside IPv6
@@ -32,6 +34,9 @@ from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
+from sources.live import redact
+from sources.live_connections import OpenError, RefusedByPolicy, Route
+
 from .admission import Deadline
 from .errors import ApiError
 
@@ -46,6 +51,28 @@ _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1:
 _SHARED = ipaddress.ip_network("100.64.0.0/10")
 _CHUNK = 1 << 16
 log = logging.getLogger("pipeline.serve.fetch")
+
+
+REFUSED = "refused by policy"
+
+
+def live_error(reason: str, otherwise: str) -> str:
+    """What a client learns of why a network stream failed: "refused by policy" or `otherwise`
+    ("unreachable", "the stream ended"). FFmpeg's reason can name internal hosts and addresses and
+    what answered there: it stays in the server's log."""
+    return REFUSED if REFUSED in reason else otherwise
+
+
+def live_gap_reason(reason: str) -> str:
+    """A network stream's outage as its client learns it (sources/reconnect.py: Outage.reason,
+    less FFmpeg's words): a stall's length, or that the stream ended; why reconnecting failed."""
+    first, *rest = reason.split("; ")
+    parts = [first if first.startswith("no frames for ") else "the stream ended"]
+    if any(p.startswith("reconnect failed: ") for p in rest):
+        parts.append(f"reconnect failed: {live_error(reason, 'unreachable')}")
+    parts += [p for p in rest if p in ("gave up", "still down when the source closed",
+                                       "still down when the capture ended")]
+    return "; ".join(parts)
 
 
 def refused(shown: str) -> ApiError:
@@ -145,19 +172,48 @@ class FetchPolicy:
             raise refused(shown)
         return [str(a) for a in addresses]
 
-    def pinned_live_url(self, url: str, shown: str) -> tuple[str, dict[str, str]]:
-        """A live (rtsp/http) URL with its host replaced by a checked address, and the FFmpeg options
-        that keep it there: the Host header for http(s), no redirects that FFmpeg would follow
-        unchecked."""
+    def check_live(self, url: str, shown: str) -> list[str]:
+        """A live URL's checked addresses (as `addresses`). rtsps:// only for a host that
+        --allow-media-host names, or while --allow-private-media lifts every address check: its
+        redirects are inside TLS, where the relay cannot read them (rtsp_relay.py)."""
+        addresses = self.addresses(url, shown)
+        host = urlsplit(url).hostname or ""
+        if urlsplit(url).scheme.lower() == "rtsps" and not (self.named(host) or
+                                                          (self.allow_private and not self.hosts_only)):
+            log.info("refused %s: rtsps:// redirects cannot be checked; --allow-media-host %s lets it through",
+                     shown, host)
+            raise refused(shown)
+        return addresses
+
+    def route(self, url: str) -> Route:
+        """How one connection reaches a live (rtsp/http) URL: sources/live_connections.py's
+        LiveConfig.connect, called per (re)connection, so each one is checked. rtsp goes through a
+        relay that checks the server's redirects (rtsp_relay.py; TCP interleaved media); http(s)
+        to the checked address with the Host header and FFmpeg's redirects off; rtsps (see
+        check_live) to the checked address. RefusedByPolicy / OpenError when the host is refused
+        or does not resolve."""
+        shown = redact(url)
+        try:
+            addresses = self.check_live(url, shown)
+        except ApiError as e:
+            if e.code == "url_refused":
+                raise RefusedByPolicy(shown, "refused by policy", "refused by policy") from None
+            raise OpenError(shown, "unreachable", "unreachable") from None
         parts = urlsplit(url)
-        address = self.addresses(url, shown)[0]
-        literal = f"[{address}]" if ":" in address else address
+        scheme = parts.scheme.lower()
+        if scheme == "rtsp":
+            from .rtsp_relay import RtspRelay
+
+            relay = RtspRelay(addresses, parts.port or DEFAULT_PORTS["rtsp"], lambda u: self.check_live(u, redact(u)),
+                              shown, self.max_redirects)
+            return Route(relay.url(url), {"rtsp_transport": "tcp"}, lambda: relay.refusal, relay.close)
+        literal = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
         userinfo = parts.netloc.rpartition("@")[0]
         netloc = (f"{userinfo}@" if userinfo else "") + literal + (f":{parts.port}" if parts.port else "")
         options: dict[str, str] = {}
-        if parts.scheme.lower() in FETCH_SCHEMES:
+        if scheme in FETCH_SCHEMES:
             options = {"headers": f"Host: {parts.netloc.rpartition('@')[2]}\r\n", "max_redirects": "0"}
-        return urlunsplit(parts._replace(netloc=netloc)), options
+        return Route(urlunsplit(parts._replace(netloc=netloc)), options)
 
 
 class _PinnedHTTP(http.client.HTTPConnection):

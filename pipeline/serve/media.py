@@ -47,7 +47,6 @@ class VideoRef:
     target: str                 # a local path (file) or the URL (live)
     source: str                 # what the store records: the reference, any password removed
     temporary: bool = False     # a fetched copy, deleted once the request is done
-    av_options: tuple[tuple[str, str], ...] = ()   # live: FFmpeg options that keep it at the checked address
 
     def discard(self) -> None:
         if self.temporary:
@@ -98,8 +97,8 @@ class Media:
         if scheme == "data":
             return self._scratch_ref(self.inline(ref), "the data: URL", "data:", deadline)
         if scheme in LIVE_SCHEMES:
-            pinned, av_options = self.policy.pinned_live_url(ref, redact(ref))
-            return VideoRef("live", pinned, redact(ref), av_options=tuple(av_options.items()))
+            self.policy.check_live(ref, redact(ref))    # refused now; each connection is checked again
+            return VideoRef("live", ref, redact(ref))
         raise unsupported(ref)
 
     @staticmethod
@@ -117,20 +116,20 @@ class Media:
             deadline.on_cancel(ref.discard)
         return ref
 
-    def live_source(self, ref: str, owner: str = "") -> tuple[str, bool, str, tuple[tuple[str, str], ...]]:
-        """A live stream's source -> (spec for run_live, realtime file?, what the store records,
-        FFmpeg options). Network streams at an address the fetch policy checked (pinned: no
-        redirects); files (allowed or uploaded) are played at their frame rate."""
+    def live_source(self, ref: str, owner: str = "") -> tuple[str, bool, str]:
+        """A live stream's source -> (spec for run_live, realtime file?, what is shown). Network
+        streams are checked by the fetch policy now and at each connection (LiveConfig.connect:
+        FetchPolicy.route); files (allowed or uploaded) are played at their frame rate."""
         if not isinstance(ref, str) or not ref.strip():
             raise ApiError(400, "source must be a non-empty string", param="source")
         if UPLOAD_ID.fullmatch(ref):
-            return str(self.upload_path(ref, owner)), True, ref, ()
+            return str(self.upload_path(ref, owner)), True, ref
         scheme = urlsplit(ref).scheme.lower()
         if scheme in LIVE_SCHEMES or scheme in ("http", "https"):
-            pinned, av_options = self.policy.pinned_live_url(ref, redact(ref))
-            return pinned, False, redact(ref), tuple(av_options.items())
+            self.policy.check_live(ref, redact(ref))
+            return ref, False, redact(ref)
         if scheme == "file":
-            return str(self.probe(self.allowed_path(ref), ref)), True, ref, ()
+            return str(self.probe(self.allowed_path(ref), ref)), True, ref
         if scheme == "" and (ref.isdigit() or ref.startswith("/dev/")):
             raise ApiError(400, f"source {ref!r}: the server's cameras are not served over HTTP; "
                                 f"stream them as rtsp:// or use `python -m pipeline live`", param="source")

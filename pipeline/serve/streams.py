@@ -23,6 +23,7 @@ from ..core.items import AnswerItem
 from ..runners.live import run_live
 from .answering import RequestVLM, item_row
 from .errors import ApiError
+from .fetch_policy import REFUSED, live_error, live_gap_reason
 
 FINISHED_KEPT = 64          # ended streams whose events stay readable
 START_WAIT_S = 30.0         # POST /v1/streams waits this long for the source to open
@@ -122,12 +123,12 @@ class LiveStream:
 
 @dataclass(frozen=True)
 class Source:
-    """A live source as media.live_source resolved it: what run_live opens, whether it is a file
-    played in real time, what the store records, FFmpeg options (a pinned URL's)."""
+    """A live source as media.live_source resolved it: what run_live opens (a network stream
+    through the fetch policy: FetchPolicy.route), whether it is a file played in real time, what
+    is shown (no password)."""
     spec: str
     realtime: bool
     shown: str
-    av_options: tuple[tuple[str, str], ...] = ()
 
 
 def new_stream_id() -> str:
@@ -194,7 +195,7 @@ class LiveStreams:
         stream = LiveStream(stream_id or new_stream_id(), source.shown, question, options.every_s,
                             options.on_scene_change, int(time.time()), EventLog(self.engine.options.stream_events),
                             owner=owner)
-        live = LiveConfig(realtime=source.realtime, av_options=source.av_options)
+        live = LiveConfig(realtime=source.realtime, connect=self.engine.options.fetch_policy.route)
         stream.thread = threading.Thread(target=self._run, args=(stream, source.spec, live, options),
                                          name=f"serve-{stream.id}", daemon=True)
         with self._lock:         # the check and the registration together: a burst cannot overshoot
@@ -205,8 +206,9 @@ class LiveStreams:
         stream.thread.start()
         stream.started.wait(START_WAIT_S)
         if stream.status == "failed":
-            raise ApiError(400, f"cannot open live source {source.shown!r}: {stream.error}", param="source",
-                           code="source_failed")
+            refused = stream.error == REFUSED
+            raise ApiError(403 if refused else 400, f"cannot open live source {source.shown!r}: {stream.error}",
+                           param="source", code="url_refused" if refused else "source_failed")
         return stream
 
     def delete(self, stream_id: str, owner: str = "") -> LiveStream:
@@ -238,7 +240,8 @@ class LiveStreams:
         def on_gap(_sid: str, gap: Gap) -> None:
             stream.events.append("gap", {"stream": stream.id, "start_pts": round(gap.start_pts, 3),
                                          "end_pts": round(gap.end_pts, 3),
-                                         "seconds": round(gap.end_wall - gap.start_wall, 3), "reason": gap.reason})
+                                         "seconds": round(gap.end_wall - gap.start_wall, 3),
+                                         "reason": gap.reason if live.realtime else live_gap_reason(gap.reason)})
         try:
             result = run_live([spec], stream.question, engine.options.store, engine.cfg, live=live, options=options,
                               status_out=stream.status_lines, stop=stream.stop, on_graph=on_graph,
@@ -249,16 +252,20 @@ class LiveStreams:
             stream.status, stream.error = "failed", str(error).splitlines()[0] if str(error) else type(error).__name__
             if not isinstance(error, (SourceError, ApiError)):
                 stream.error = f"{type(error).__name__}: {stream.error}"
-            elif isinstance(error, SourceError) and not live.realtime and not stream.started.is_set():
-                # a network source that did not open: why (refused, timed out, not a stream) and at
-                # which address is the server's log's business, not the client's (fetch_policy.py)
-                log.info("live source %s (%s): %s", stream.source, spec, stream.error)
-                stream.error = "unreachable"
+            elif isinstance(error, SourceError) and not live.realtime:
+                # a network source that failed: why (refused, timed out, not a stream) and at which
+                # address is the server's log's business, not the client's (fetch_policy.py)
+                log.info("live source %s: %s", stream.source, stream.error)
+                stream.error = live_error(stream.error, "unreachable" if not stream.started.is_set()
+                                          else "the stream ended")
             stream.started.set()
             stream.events.append("end", {"stream": stream.id, "reason": "failed", "error": stream.error})
             return
         if result.errors:
             stream.status, stream.error, reason = "failed", result.errors[0], "source_failed"
+            if not live.realtime:      # it gave up reconnecting
+                log.info("live source %s: %s", stream.source, stream.error)
+                stream.error = live_error(stream.error, "unreachable")
         elif stream.deleted:
             stream.status = reason = "stopped"
         else:   # the source ended (a realtime file) or the stream's duration did

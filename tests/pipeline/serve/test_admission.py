@@ -68,7 +68,7 @@ class TestUnits:
         monkeypatch.setattr(streams_mod, "EventLog", HeldEventLog)
         monkeypatch.setattr(streams_mod.LiveStreams, "_run", run)
         engine = SimpleNamespace(options=ServeOptions(max_streams=1, stream_events=8),
-                                 media=SimpleNamespace(live_source=lambda ref, owner: (ref, True, ref, ())))
+                                 media=SimpleNamespace(live_source=lambda ref, owner: (ref, True, ref)))
         live = streams_mod.LiveStreams(engine)
         outcomes: list[object] = []
 

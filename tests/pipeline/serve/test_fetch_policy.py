@@ -55,12 +55,19 @@ class TestAddresses:
             with pytest.raises(ApiError, match="refused by policy"):
                 policy.addresses(url, "x")
 
-    def test_rtsp_is_pinned_to_the_checked_address(self):
+    def test_live_streams_go_to_the_checked_address(self):
+        """Per connection: http(s) pinned with its Host header and FFmpeg's redirects off; rtsp
+        through the relay (test_rtsp_relay.py), over TCP, credentials kept for FFmpeg to send."""
         policy = FetchPolicy(allow_hosts=("cam.local",), pinned=(("cam.local", "10.0.0.7"),))
-        assert policy.pinned_live_url("rtsp://u:p@cam.local:8554/s", "x") == ("rtsp://u:p@10.0.0.7:8554/s", {})
-        url, options = policy.pinned_live_url("http://cam.local/live.ts", "x")
-        assert url == "http://10.0.0.7/live.ts" and options == {"headers": "Host: cam.local\r\n",
-                                                                 "max_redirects": "0"}
+        route = policy.route("http://cam.local/live.ts")
+        assert route.url == "http://10.0.0.7/live.ts" and route.options == {"headers": "Host: cam.local\r\n",
+                                                                             "max_redirects": "0"}
+        route = policy.route("rtsp://u:p@cam.local:8554/s?x=1")
+        try:
+            assert route.url.startswith("rtsp://u:p@127.0.0.1:") and route.url.endswith("/s?x=1")
+            assert route.options == {"rtsp_transport": "tcp"} and route.refusal() is None
+        finally:
+            route.close()
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +148,23 @@ class TestRefusedThroughARealServer:
         assert 400 <= code < 500, body
         time.sleep(0.5)
         assert recorder.connections == []
+
+    def test_an_rtsp_redirect_inside_is_refused(self, served, recorder):
+        """FFmpeg would follow an RTSP 3xx anywhere: the relay checks it, nothing connects to the
+        internal address, and the client reads one line (test_rtsp_relay.py has the details)."""
+        from test_rtsp_relay import Redirector
+
+        camera = Redirector(lambda n: f"rtsp://127.0.0.1:{recorder.port4}/cam")
+        try:
+            url = f"rtsp://media.allowed:{camera.port}/cam"
+            code, body, _ = request(served, "POST", "/v1/streams", {"source": url, "question": "q"})
+            assert code == 403 and body["error"]["message"] == f"cannot open live source {url!r}: refused by policy"
+            code, body, _ = request(served, "POST", "/v1/chat/completions", chat_body(url))
+            assert code == 403 and body["error"]["message"] == f"cannot open live source {url!r}: refused by policy"
+            time.sleep(0.3)
+            assert recorder.connections == [] and camera.connections >= 2
+        finally:
+            camera.close()
 
     def test_live_sources_say_unreachable_and_nothing_more(self, served, media):
         """An allowed host's live source that cannot be opened reads the same whether nothing

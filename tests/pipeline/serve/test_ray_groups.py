@@ -55,7 +55,7 @@ class FakeGroup:
 
 class FakeMedia:
     def live_source(self, ref: str, owner: str = ""):
-        return f"/videos/{ref}", True, ref, ()
+        return f"/videos/{ref}", True, ref
 
 
 @pytest.fixture

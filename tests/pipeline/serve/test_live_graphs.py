@@ -204,3 +204,13 @@ def test_frontend_key_is_one_for_files_and_live_sources():
     assert frontend_key((6, 8), [(96, 128)]) == ((6, 8), 96, 128)
     assert frontend_key((6, 8), [(96, 128), (96, 128)]) == ((6, 8), 96, 128)       # two cameras, one size
     assert frontend_key((6, 8), [(120, 160), (96, 128)]) == ((6, 8), 96, 128, 120, 160)
+
+
+def test_the_bound_holds_a_set_for_every_run_that_can_be_at_work(server):
+    """By default one set per request slot and per live stream: every run at work can hold one."""
+    from pipeline.serve.options import ServeOptions
+
+    assert ServeOptions(max_concurrent=3, max_streams=2).frontend_graph_sets == 5
+    assert ServeOptions(max_concurrent=3, max_streams=2, max_frontend_graphs=1).frontend_graph_sets == 1
+    options = server.engine.options
+    assert server.engine.frontends.capacity == options.max_concurrent + options.max_streams

@@ -40,15 +40,13 @@ def compose(source: Any, writer: Any, model: ARRCOC, query: torch.Tensor, grid: 
             graphs: FrontendGraphs | None = None,
             on_frames: Callable[[list[FrameAllocation]], None] | None = None) -> Graph:
     """Wire the run graph: decode -> texture -> realize -> [vlm] -> sink. graphs: the front end's
-    CUDA graphs from an earlier run to reuse (default: new ones, where frontend_graphs makes any).
+    CUDA graphs (frontend_graphs: new ones, or an earlier run's to reuse; None: eager).
     writer None: no store; on_frames: the sink hands each batch's allocations to it."""
     capacity = cfg.runtime.queue_capacity
     # frames go straight to the device unless something reads them on the host (VLM, overlay)
     host_frames = vlm_stage is not None or overlay is not None
     decode = DecodeStage(source, cfg.runtime.batch_size, pin=device.type == "cuda", status=status,
                          device=None if host_frames else device)
-    if graphs is None:
-        graphs = frontend_graphs(model, grid, query, cfg, device)
     if graphs is not None:  # the run's full batches: captured now (unless earlier), not inside the timed run
         graphs.prepare(cfg.runtime.batch_size, source.height, source.width, query.to(device),
                        None if query_mask is None else query_mask.to(device))
@@ -81,9 +79,12 @@ def add_answer_tail(graph: Graph, realize: Stage, vlm_stage: Stage | None, sink:
 def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any, query: torch.Tensor,
                  grids: dict[str, tuple[int, int]], cfg: PipelineConfig, device: torch.device,
                  counters: dict[str, StreamCounters], stop: threading.Event, *, vlm_stage: Stage | None = None,
-                 answers_out: TextIO | None = None, run_reason: Callable[[], str] = lambda: "stop") -> Graph:
+                 answers_out: TextIO | None = None, run_reason: Callable[[], str] = lambda: "stop",
+                 graphs: FrontendGraphs | None = None) -> Graph:
     """Wire the live graph: capture -> texture -> realize -> [vlm] -> sink (see the module doc).
-    run_reason: why the run stopped (live_stages.RunEnding.reason), for each stream's ending."""
+    run_reason: why the run stopped (live_stages.RunEnding.reason), for each stream's ending.
+    graphs: the front end's CUDA graphs, one per batch shape for all streams (frontend_graphs: new
+    ones, or a server's pool's, shared with its other runs; None: eager)."""
     # Live queues stay short: every batch queued is latency. One batch waits for the texture
     # stage (the capture buffers hold the newest frames meanwhile); processed batches block.
     capacity = min(2, cfg.runtime.queue_capacity)
@@ -93,7 +94,6 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
                           f"{sorted(set(grids.values()))}; "
                           f"run them as separate `live` commands")
     capture = CaptureStage(sources, cfg.runtime.batch_size, pin=device.type == "cuda", stop=stop)
-    graphs = frontend_graphs(model, grid, query, cfg, device)  # one graph per batch size, all streams
     if graphs is not None:
         # every batch shape the capture stage can hand over (a source's buffer caps a batch),
         # captured now: a capture mid-run stalls the stream that needs it, and it races the other
@@ -101,7 +101,7 @@ def compose_live(sources: list[LiveSource], writers: dict[str, Any], model: Any,
         largest = min(cfg.runtime.batch_size, max(s.config.buffer_frames for s in sources))
         for height, width in sorted({(s.height, s.width) for s in sources}):
             for batch in range(1, largest + 1):
-                graphs.prepare(batch, height, width)
+                graphs.prepare(batch, height, width, query.to(device))   # a pooled set was made with another query
     texture = LiveTextureStage(model, device, grid, graphs)
     realize = LiveRealizeStage(model, device, query, vlm_fps=cfg.vlm.fps if vlm_stage is not None else None,
                                graphs=graphs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import fields
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -67,6 +67,7 @@ class FrontendGraphs:
         self._prepared: set[tuple] = set()
         self._sightings: Counter[tuple] = Counter()   # of shapes without a graph, while capture_new is off
         self._flags: dict[bool, torch.Tensor] = {}     # last_real inputs, on the device
+        self._streams: dict[int, torch.cuda.Stream] = {}   # the streams replays ran on, since settle()
 
     @torch.inference_mode()
     def prepare(self, batch: int, height: int, width: int, query: torch.Tensor | None = None,
@@ -124,6 +125,7 @@ class FrontendGraphs:
             graph = self.texture_graphs[shape] = GraphedCall(
                 lambda b: self.model.extract(b["frames"], b["last"], self.grid, b["last_real"]),
                 {"frames": frames, "last": last, "last_real": flag}, stream, label=f"texture frames={shape}")
+        self._streams[id(stream)] = stream
         out = graph(frames=frames, last=last, last_real=flag)
         # the realize stage reads this on its own stream while the next batch may replay here
         return Texture(**{n: getattr(out, n).clone() for n in TEXTURE_FIELDS})
@@ -148,9 +150,18 @@ class FrontendGraphs:
         if graph is None:
             graph = self.realize_graphs[shape] = GraphedCall(self._realize_step, inputs, stream,
                                                              label=f"realize texture={shape[0]} query={shape[1]}")
+        self._streams[id(stream)] = stream
         allocation, new_state = graph(**inputs)
         # the next replay overwrites the outputs; the state must survive until the next batch
         return allocation, StreamState(**{n: getattr(new_state, n).clone() for n in STATE_FIELDS})
+
+    def settle(self) -> None:
+        """Wait for the replays queued so far: a run that ends aborted may leave one in flight on its
+        streams, and the next run to take this set (FrontendGraphsPool) replays on streams of its own,
+        into the same buffers."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.synchronize()
 
     def _realize_step(self, b: dict[str, torch.Tensor]) -> tuple[Allocation, StreamState]:
         texture = Texture(**{n: b["tex_" + n] for n in TEXTURE_FIELDS})
@@ -167,13 +178,21 @@ def graphable(state: StreamState | None) -> bool:
 
 
 
+def frontend_key(grid: tuple[int, int], sizes: Iterable[tuple[int, int]]) -> tuple:
+    """A run's key in a FrontendGraphsPool: its grid and its frames' sizes (H, W) -- (grid, H, W)
+    for one size, whether the frames come from a file or a live source."""
+    return (grid, *(d for size in sorted(set(sizes)) for d in size))
+
+
 class FrontendGraphsPool:
     """Front-end graphs shared by the runs of a long-lived process (the server), bounded in number.
 
-    A run takes a set for its key (grid, frame size) for itself and gives it back when it ends, so
-    a set is never replayed by two runs at once, and the next run of that shape reuses its graphs
-    instead of capturing its own. At most `capacity` sets exist: a new shape replaces the least
-    recently used idle set; when every set is in use the run goes eager (None)."""
+    A run (a file request, a live stream, a chat about a live source) takes a set for its key
+    (frontend_key: grid, frame size) for itself and gives it back when it ends, so a set is never
+    replayed by two runs at once (give_back first waits for its last replays: settle), and the
+    next run of that shape, file or live, reuses its graphs instead of capturing its own. At most
+    `capacity` sets exist: a new shape replaces the least recently used idle set; when every set
+    is in use the run goes eager (None). A set in use is never replaced."""
 
     def __init__(self, capacity: int, make: Callable[..., "FrontendGraphs | None"]) -> None:
         self.capacity, self.make = capacity, make
@@ -209,6 +228,7 @@ class FrontendGraphsPool:
 
     def give_back(self, key: tuple, graphs: "FrontendGraphs | None") -> None:
         if graphs is not None:
+            graphs.settle()
             with self._lock:
                 self._busy -= 1
                 self._idle.append((key, graphs))

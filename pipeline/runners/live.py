@@ -21,7 +21,8 @@ from sources.live import Gap, LiveConfig, LiveSource, open_live
 
 from ..config import PipelineConfig, validate_every
 from ..configio import to_dict
-from ..core.compose import compose_live
+from ..core.compose import compose_live, frontend_graphs
+from ..core.frontend_graphs import FrontendGraphsPool, frontend_key
 from ..core.graph import Stage
 from ..core.items import AnswerItem
 from ..core.live_stages import LiveOptions, LiveVLMStage, RunEnding, StreamCounters, stream_ending, warm_vlm
@@ -83,7 +84,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
              vlm: Any = None, model: Any = None, query_embedding: torch.Tensor | None = None,
              stream_ids: list[str] | None = None,
              on_answer: Callable[[AnswerItem], None] | None = None,
-             on_gap: Callable[[str, Gap], None] | None = None) -> LiveResult:
+             on_gap: Callable[[str, Gap], None] | None = None,
+             frontends: FrontendGraphsPool | None = None) -> LiveResult:
     """Watch the live sources and answer `question` until the duration ends, the sources end
     (realtime files), `stop` is set, or Ctrl-C / SIGTERM (KeyboardInterrupt, re-raised after the
     store is closed). Raises SourceError when a source cannot be opened at start.
@@ -96,6 +98,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     stream_ids: the streams' names in the store, one per source (default: from the sources).
     on_answer, on_gap: called from the sink's thread with each answer / each reconnect gap (a
         stream id and its Gap), after the store has it (the server's event streams).
+    frontends: front-end graphs shared with other runs (a server's requests and live streams), taken
+        for this run's shape (frontend_key) and given back at its end; default: the run's own.
     """
     from ..core.live_status import StatusReporter, snapshot
     from ..core.setup import build_model, check_query, encode_query, open_writer, runtime_device
@@ -108,7 +112,7 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
     if query_embedding is not None:
         check_query(query_embedding)
     sources = open_sources(specs, live, stream_ids)
-    remote = None
+    remote, taken = None, False
     try:
         if (vlm is not None or cfg.runtime.vlm != "none") and not options.on_scene_change:
             check_every(options.every_s, sources)   # before a model is loaded or anything written
@@ -140,7 +144,12 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
                 warmed = warm_vlm(vlm, question, [(s.height, s.width) for s in sources], cfg, options)
             vlm_stage = LiveVLMStage(VLMBatcher(vlm), question, options, vlm_fps=cfg.vlm.fps)
         counters = {s.stream_id: StreamCounters() for s in sources}
-        graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop,
+        shape = frontend_key(next(iter(grids.values())), [(s.height, s.width) for s in sources])
+        # a pool's set, or none (eager) when every set is in use: never one of the run's own beside the pool
+        graphs = (frontend_graphs(model, shape[0], query, cfg, device) if frontends is None
+                  else frontends.take(shape, model, shape[0], query, cfg, device))
+        taken = frontends is not None
+        graph = compose_live(sources, writers, model, query, grids, cfg, device, counters, stop, graphs=graphs,
                              vlm_stage=vlm_stage, answers_out=answers_out, run_reason=lambda: ending.reason)
         sink: SinkStage = graph.stages[-1]
         sink.on_answer, sink.on_gap = on_answer, on_gap
@@ -156,11 +165,13 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         if timer is not None:
             timer.daemon = True
             timer.start()
-    except BaseException:                  # a failed setup leaves no source open and no VLM process
+    except BaseException:    # a failed setup leaves no source open, no VLM process, no graphs taken
         for source in sources:
             source.close()
         if remote is not None:
             remote.close()
+        if taken:
+            frontends.give_back(shape, graphs)
         raise
     start = time.perf_counter()
     switch_interval = sys.getswitchinterval()
@@ -175,6 +186,8 @@ def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConf
         reporter.close()
         if remote is not None:
             remote.close()
+        if taken:
+            frontends.give_back(shape, graphs)
     errors = [str(s.error) for s in sources if s.error is not None]
     damaged = [s.stream_id for s in sources if s.truncated and s.error is None]
     endings = {s.stream_id: stream_ending(s, ending.reason) for s in sources}

@@ -21,8 +21,8 @@ from sources.process import ProcessSource
 
 from ..config import PipelineConfig
 from ..configio import to_dict
-from ..core.compose import compose
-from ..core.frontend_graphs import FrontendGraphsPool
+from ..core.compose import compose, frontend_graphs
+from ..core.frontend_graphs import FrontendGraphsPool, frontend_key
 from ..core.graph import Graph
 from ..core.setup import build_model, check_query, encode_query, open_source, open_writer, runtime_device
 from ..core.items import AnswerItem, FrameAllocation, RunStatus
@@ -73,8 +73,8 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     status:          the run's status, for a caller that stops it from another thread (see
                      AllocationStream.close)
     on_frames:       called by the sink with each batch's allocations, in order
-    frontends:       front-end graphs shared with other runs (a server's requests), taken for this
-                     run's shape and given back at its end
+    frontends:       front-end graphs shared with other runs (a server's requests and live streams),
+                     taken for this run's shape and given back at its end
     """
     from sinks import OverlayWriter
 
@@ -115,8 +115,10 @@ def run_video(path: str | Path, question: str, out: str | Path | None, cfg: Pipe
     if overlay_path is not None:
         overlay = OverlayWriter(overlay_path, fps=float(source.fps), width=source.width, height=source.height)
     vlm_stage = None if vlm is None else VLMStage(vlm, question, cfg.runtime.every_s)
-    shape = (grid, source.height, source.width)
-    graphs = None if frontends is None else frontends.take(shape, model, grid, query, cfg, device)
+    shape = frontend_key(grid, [(source.height, source.width)])
+    # a pool's set, or none (eager) when every set is in use: never one of the run's own beside the pool
+    graphs = (frontend_graphs(model, grid, query, cfg, device) if frontends is None
+              else frontends.take(shape, model, grid, query, cfg, device))
     try:
         graph = compose(source, writer, model, query, grid, cfg, device, status, overlay, vlm_stage,
                         on_frames=on_frames, graphs=graphs)

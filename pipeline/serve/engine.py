@@ -93,7 +93,8 @@ class Engine:
         self.metrics.live_streams = self.streams.running
         self._slots = threading.BoundedSemaphore(options.max_concurrent)
         self._active: set[str] = set()              # requests answering now: retention keeps their streams
-        self.frontends = FrontendGraphsPool(options.max_frontend_graphs or options.max_concurrent, frontend_graphs)
+        # one pool for the front-end graphs of every request and live stream (a set per shape in use)
+        self.frontends = FrontendGraphsPool(options.frontend_graph_sets, frontend_graphs)
         self.retention = Retention(self.media.uploads, options.store, retention_s=options.retention_s,
                                    max_bytes=options.max_storage_bytes, busy=self.busy).start()
         self.media.room = self.retention.room
@@ -190,7 +191,7 @@ class Engine:
         try:
             result = run_live([ref.target], question, self.options.store, self.cfg, live=live, options=options,
                               status_out=Discard(), stop=stop, vlm=RequestVLM(self.service), model=self.model,
-                              stream_ids=[request_id], on_answer=answered)
+                              stream_ids=[request_id], on_answer=answered, frontends=self.frontends)
         except (SourceError, StageError) as e:
             error = e.error if isinstance(e, StageError) else e
             if not isinstance(error, SourceError):

@@ -48,7 +48,8 @@ class ServeOptions:
     request_timeout_s: float = 600.0
     retention_s: float = 6 * 3600.0
     max_storage_gb: float = 20.0
-    max_frontend_graphs: int | None = None   # sets of captured front-end graphs kept (default: max_concurrent)
+    # sets of captured front-end graphs kept, shared by requests and live streams of one shape
+    max_frontend_graphs: int | None = None   # default: max_concurrent + max_streams (one per run at once)
 
     def __post_init__(self) -> None:
         if self.host.startswith("[") and self.host.endswith("]"):      # [::1]: the URL form of an IPv6 address
@@ -88,6 +89,12 @@ class ServeOptions:
     def keys(self) -> tuple[str, ...]:
         """Every API key the server takes (none: no authentication)."""
         return () if self.api_key is None else (self.api_key, *self.api_keys)
+
+    @property
+    def frontend_graph_sets(self) -> int:
+        """The front-end graph pool's bound (max_frontend_graphs, by default one set per run that can
+        be at work at once: requests and live streams)."""
+        return self.max_frontend_graphs or self.max_concurrent + self.max_streams
 
     @property
     def url(self) -> str:

@@ -43,6 +43,8 @@ class StreamGroup:
     """One GPU's live streams: a VLM (behind one batcher) and ARR-COC of its own."""
 
     def __init__(self, cfg: PipelineConfig, options: ServeOptions) -> None:
+        from ..core.compose import frontend_graphs
+        from ..core.frontend_graphs import FrontendGraphsPool
         from ..vlm.loading import load_answerer
         from .answering import LocalVLM
         from .metrics import Metrics
@@ -53,6 +55,7 @@ class StreamGroup:
         device = runtime_device(cfg)
         self.service = LocalVLM(load_answerer(cfg, device))
         self.model = build_model(cfg, device, answering=True)
+        self.frontends = FrontendGraphsPool(options.max_frontend_graphs or options.max_streams, frontend_graphs)
         self.metrics = Metrics()
         self.streams = LiveStreams(self)
 

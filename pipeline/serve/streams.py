@@ -246,7 +246,7 @@ class LiveStreams:
             result = run_live([spec], stream.question, engine.options.store, engine.cfg, live=live, options=options,
                               status_out=stream.status_lines, stop=stream.stop, on_graph=on_graph,
                               vlm=RequestVLM(engine.service), model=engine.model, stream_ids=[stream.id],
-                              on_answer=on_answer, on_gap=on_gap)
+                              on_answer=on_answer, on_gap=on_gap, frontends=engine.frontends)
         except BaseException as e:  # the stream's follower learns why; the server keeps serving
             error = e.error if isinstance(e, StageError) else e
             stream.status, stream.error = "failed", str(error).splitlines()[0] if str(error) else type(error).__name__

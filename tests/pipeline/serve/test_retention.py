@@ -177,9 +177,15 @@ class TestFrontendGraphsPool:
     def test_shared_per_shape_and_bounded(self):
         made = []
 
+        class Graphs:
+            settled = 0
+
+            def settle(self):             # the run's last replays done before another run takes it
+                self.settled += 1
+
         def make(*args):
             made.append(args)
-            return object()
+            return Graphs()
         pool = FrontendGraphsPool(2, make)
         a = pool.take(("g", 96, 128), 1)
         pool.give_back(("g", 96, 128), a)
@@ -192,7 +198,7 @@ class TestFrontendGraphsPool:
         assert c is not None and c is not a and len(pool) == 2 and len(made) == 3
         pool.give_back(("g", 96, 128), b)
         pool.give_back(("h", 48, 64), c)
-        assert len(pool) == 2
+        assert len(pool) == 2 and (a.settled, b.settled, c.settled) == (2, 1, 1)
 
     def test_the_servers_requests_share_one_pool(self, server, videos, monkeypatch):
         """Every request of the server takes its front-end graphs from the engine's one pool, keyed by

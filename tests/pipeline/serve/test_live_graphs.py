@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+
 import pipeline.core.compose as compose_mod
 import pipeline.runners.live as live_mod
 import pipeline.runners.run as run_mod

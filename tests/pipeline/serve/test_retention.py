@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+
 from pipeline.core.frontend_graphs import FrontendGraphsPool
 from pipeline.serve.admission import Deadline
 from pipeline.serve.errors import ApiError

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("fastapi", reason="the serve tests need the serve extra (fastapi)")
+
 from pipeline.serve.fetch_policy import FetchPolicy, live_error, live_gap_reason
 from pipeline.serve.rtsp_relay import Garbled, Refused, ReplyReader, c_int
 from sources.errors import SourceError
@@ -268,7 +270,7 @@ class TestAStreamThatOpened:
         monkeypatch.setattr(streams_mod, "run_live", run_after_start)
         service = SimpleNamespace(name="v", geometry=None, config=None, warning=None)
         engine = SimpleNamespace(options=ServeOptions(stream_events=16), cfg=None, service=service, model=None,
-                                 metrics=None, media=SimpleNamespace(live_source=lambda ref, owner: (ref, False, ref)))
+                                 frontends=None, metrics=None, media=SimpleNamespace(live_source=lambda ref, owner: (ref, False, ref)))
         live = streams_mod.LiveStreams(engine)
         stream = live.start("rtsp://cam.test/s", "q", every_s=1.0, on_scene_change=False, duration_s=None)
         opened.set()

@@ -270,7 +270,8 @@ class TestAStreamThatOpened:
         monkeypatch.setattr(streams_mod, "run_live", run_after_start)
         service = SimpleNamespace(name="v", geometry=None, config=None, warning=None)
         engine = SimpleNamespace(options=ServeOptions(stream_events=16), cfg=None, service=service, model=None,
-                                 frontends=None, metrics=None, media=SimpleNamespace(live_source=lambda ref, owner: (ref, False, ref)))
+                                 frontends=None, metrics=None,
+                                 media=SimpleNamespace(live_source=lambda ref, owner: (ref, False, ref)))
         live = streams_mod.LiveStreams(engine)
         stream = live.start("rtsp://cam.test/s", "q", every_s=1.0, on_scene_change=False, duration_s=None)
         opened.set()

@@ -45,30 +45,25 @@ class Recorder:
             except OSError:
                 return
             self.connections += 1
-            conn.close()
+            self._handle(conn, self.connections)
+
+    def _handle(self, conn: socket.socket, n: int) -> None:
+        conn.close()
 
     def close(self) -> None:
         self.sock.close()
 
 
-class Redirector:
+class Redirector(Recorder):
     """Answers every RTSP request with `status` and a Location (`location(n)` for its n-th
     connection), as a camera that moved, or an attacker's server, would."""
 
     def __init__(self, location, status: int = 302) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.location, self.status, self.connections = location, status, 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.location, self.status = location, status
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._answer, args=(conn, self.connections), daemon=True).start()
+    def _handle(self, conn: socket.socket, n: int) -> None:
+        threading.Thread(target=self._answer, args=(conn, n), daemon=True).start()
 
     def _answer(self, conn: socket.socket, n: int) -> None:
         with conn:
@@ -83,9 +78,6 @@ class Redirector:
             conn.sendall(b"RTSP/1.0 %d Moved\r\nCSeq: %s\r\nLocation: %s\r\n\r\n"
                          % (self.status, cseq, self.location(n).encode()))
             time.sleep(0.5)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from ..runners.run import run_video
 from .admission import Deadline
 from .answering import RequestVLM, answer_row, item_row, result_row
 from .errors import ApiError
-from .fetch_policy import REFUSED, live_error
+from .fetch_policy import live_error, live_open_failed
 from .limits import check_question_chars, check_question_tokens
 from .media import Media, VideoRef
 from .metrics import Metrics
@@ -198,11 +198,8 @@ class Engine:
                 raise
             # why it did not open, and at which address, stays in the server's log (fetch_policy.py)
             log.info("live source %s: %s", ref.source, error)
-            if live_error(str(error), "unreachable") == REFUSED:
-                raise ApiError(403, f"cannot open live source {ref.source!r}: {REFUSED}", param="messages",
-                               code="url_refused") from None
-            raise ApiError(400, f"cannot open live source {ref.source!r}: unreachable", param="messages",
-                           code="url_unreachable") from None
+            raise live_open_failed(ref.source, live_error(str(error), "unreachable"), param="messages",
+                                   code="url_unreachable") from None
         finally:
             undo()
         deadline.check(lambda: request_timeout(request_id))

@@ -63,6 +63,14 @@ def live_error(reason: str, otherwise: str) -> str:
     return REFUSED if REFUSED in reason else otherwise
 
 
+def live_open_failed(shown: str, reason: str, *, param: str, code: str) -> ApiError:
+    """A live source that did not open, as its client learns it: 403 `url_refused` when the policy
+    refused it, else 400 `code`; reason is already in the policy's words (live_error)."""
+    if reason == REFUSED:
+        return ApiError(403, f"cannot open live source {shown!r}: {REFUSED}", param=param, code="url_refused")
+    return ApiError(400, f"cannot open live source {shown!r}: {reason}", param=param, code=code)
+
+
 def live_gap_reason(reason: str) -> str:
     """A network stream's outage as its client learns it (sources/reconnect.py: Outage.reason,
     less FFmpeg's words): a stall's length, or that the stream ended; why reconnecting failed."""

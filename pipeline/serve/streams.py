@@ -23,7 +23,7 @@ from ..core.items import AnswerItem
 from ..runners.live import run_live
 from .answering import RequestVLM, item_row
 from .errors import ApiError
-from .fetch_policy import REFUSED, live_error, live_gap_reason
+from .fetch_policy import live_error, live_gap_reason, live_open_failed
 
 FINISHED_KEPT = 64          # ended streams whose events stay readable
 START_WAIT_S = 30.0         # POST /v1/streams waits this long for the source to open
@@ -206,9 +206,7 @@ class LiveStreams:
         stream.thread.start()
         stream.started.wait(START_WAIT_S)
         if stream.status == "failed":
-            refused = stream.error == REFUSED
-            raise ApiError(403 if refused else 400, f"cannot open live source {source.shown!r}: {stream.error}",
-                           param="source", code="url_refused" if refused else "source_failed")
+            raise live_open_failed(source.shown, stream.error, param="source", code="source_failed")
         return stream
 
     def delete(self, stream_id: str, owner: str = "") -> LiveStream:

@@ -2,7 +2,7 @@
 # Live capacity of two trees in one device call: bench_live (32 streams of 720p30, PyAV, answered every
 # 2 s, defaults) at BASE and at the working tree, alternated (base, head, base, head) so that the host's
 # drift lands on both. For a regression hunt: 32 streams held p95 590 ms at 83eba63 on a 1-GPU H200 and
-# 3.6-4.2 s at eb84f9e / 734ed38 on the same kind of machine (docs/performance.md); is it the host or
+# 3.6-4.2 s at eb84f9e / a7e17e7 on the same kind of machine (docs/performance.md); is it the host or
 # a change?
 # Needs PyAV and zarr importable (unpack their wheels into a folder on PYTHONPATH first) and the
 # repository's history (BASE is checked out from it with git archive; the device's copy of .git is the

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--encode", choices=("all", "kept"), default="kept")
     ap.add_argument("--kept-windows", choices=("whole", "cells"), default="whole")
     ap.add_argument("--retention", type=float, default=0.1)
+    ap.add_argument("--kept-context", type=int, default=None, help="vlm.kept_context (default: the config's)")
     ap.add_argument("--reps", type=int, default=10, help="timed calls (the profile records 3)")
     ap.add_argument("--trace", type=Path, help="also write the Chrome trace here (.gz: compressed)")
     ap.add_argument("--json", type=Path, help="write the summary here")
@@ -83,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = torch.float32 if args.tiny else torch.bfloat16
     T, size = (4, 112) if args.tiny else (32, 448)
+    extra = {} if args.kept_context is None else {"kept_context": args.kept_context}
     cfg = VLMConfig(max_pixels=size * size, max_new_tokens=1, dtype=str(dtype)[6:], encode=args.encode,
-                    kept_windows=args.kept_windows)
+                    kept_windows=args.kept_windows, **extra)
     frames = synthetic_window(T, size, size)
     window = window_frames(list(frames), device.type == "cuda")
     vlm = build_vlm(arch, device, dtype, cfg)
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         trace.write_bytes(gzip.compress(raw.read_bytes()))
     if args.trace is None or trace.suffix == ".gz":
         raw.unlink()
-    summary = {"arch": arch, "encode": args.encode, "kept_windows": args.kept_windows, "retention": args.retention,
+    summary = {"arch": arch, "encode": args.encode, "kept_windows": args.kept_windows,
+               "kept_context": cfg.kept_context, "retention": args.retention,
                "ttft_ms": round(statistics.median(times) * 1e3, 3), "profiled_ms": round(profiled_s * 1e3, 3),
                **summarize(events, calls)}
     print(f"{arch} {args.encode} {args.retention:g}: TTFT {summary['ttft_ms']:.2f} ms (profiled "

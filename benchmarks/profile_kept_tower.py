@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not pip-installed on the GPU box
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -51,6 +52,10 @@ def event_ms(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
+def run_all(modules, x: torch.Tensor) -> list[torch.Tensor]:
+    return [m(x) for m in modules]
+
+
 @torch.no_grad()
 def curve(arch: str, device: torch.device, dtype: torch.dtype, cells_list, blocks: int, frame: int,
           reps: int) -> list[dict]:
@@ -71,11 +76,11 @@ def curve(arch: str, device: torch.device, dtype: torch.dtype, cells_list, block
         call = blank_call(key, features, dtype, device, units, (gh * g.merge_size, gw * g.merge_size), None,
                           qwen3_vl.has_deepstack(visual))
         graph = KeptGraph(visual, key, dtype, 1, pool, call, capture_graph=capture)
-        tower = event_ms(lambda: graph(call, filled=True), device, reps)
+        tower = event_ms(functools.partial(graph, call, filled=True), device, reps)
         merge = float("nan")
         if width is not None:
             hidden = torch.randn(cells * units, width, dtype=dtype, device=device)
-            merge = event_ms(lambda: [m(hidden) for m in mergers], device, reps)
+            merge = event_ms(functools.partial(run_all, mergers, hidden), device, reps)
         rows.append(dict(arch=arch, cells=cells, blocks=blocks, longest=longest, tower_ms=tower,
                          mergers_ms=merge, mergers=len(mergers)))
         print(f"{arch:>14} cells {cells:5d}: tower {tower:7.3f} ms, {len(mergers)} mergers eager {merge:7.3f} ms",

@@ -23,6 +23,9 @@ What this does instead, same modules, same weights, same results up to rounding:
   - the patch embedding, a Conv3d whose kernel is its stride over rows that are whole patches, as
     the GEMM it is (rows x weight viewed (D, C tp p p)): cuDNN ran it as a much slower
     implicit-GEMM convolution.
+Qwen3-VL's blocks (LayerNorm, a tanh-GELU fc MLP named linear_fc1 / linear_fc2) take the same
+forward: there the joint rotary replaces HF's float32 rotation, which on a kept-cells call of the 2B
+tower (736 cells) was 2.4 of its 7.7 ms (benchmarks/profile_ttft.py).
 Blocks of other layouts keep HF's forward; so does training.
 """
 from __future__ import annotations
@@ -36,6 +39,8 @@ from pipeline.vlm.text_model import _eps, rms_norm
 
 QUICK_GELU = 1.702    # QuickGELU(x) = x * sigmoid(1.702 x)
 ALIGN = 8             # 16 bytes of bf16/fp16: GEMM rows a multiple of this reach the sm90 kernels
+# an fc MLP's (first linear, second linear, activation): Qwen2-VL's, Qwen3-VL's
+FC_MLP_NAMES = (("fc1", "fc2", "act"), ("linear_fc1", "linear_fc2", "act_fn"))
 
 
 def patch_vision_blocks(visual: nn.Module) -> int:
@@ -122,16 +127,16 @@ def _parts(block: nn.Module):
     attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
     if None in norms or attn is None or mlp is None or not hasattr(attn, "qkv"):
         return None
-    if all(hasattr(mlp, n) for n in ("fc1", "fc2", "act")) and _plain(mlp.fc1, mlp.fc2):
-        return (*norms, _fc_mlp(mlp))
+    for names in FC_MLP_NAMES:
+        if all(hasattr(mlp, n) for n in names) and _plain(*(getattr(mlp, n) for n in names[:2])):
+            return (*norms, _fc_mlp(*(getattr(mlp, n) for n in names)))
     if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) and \
             _plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         return (*norms, _gated_mlp(mlp))
     return None
 
 
-def _fc_mlp(mlp: nn.Module):
-    fc1, fc2, act = mlp.fc1, mlp.fc2, mlp.act
+def _fc_mlp(fc1: nn.Linear, fc2: nn.Linear, act: nn.Module):
     if not hf.is_quick_gelu(act) or fc1.bias is None or fc2.bias is None:
         return lambda x: fc2(act(fc1(x)))
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """pipeline.vlm.vision_blocks: the vision tower's faster block forward (VLMConfig.fast_vision, on by
-default) against HF's own block forward on the same weights, for both families, the QuickGELU and
+default) against HF's own block forward on the same weights, for the three families, the QuickGELU and
 gated MLPs, an MLP width that needs padding, and the joint rotary against HF's."""
 import copy
 import sys
@@ -9,6 +9,7 @@ import torch
 
 from arr_coc._validate import ConfigError
 from conftest import make_frames
+from pipeline.vlm import qwen3_vl
 from pipeline.vlm.builtin import build_model, build_tokenizer, tiny_config
 from pipeline.vlm_config import VLMConfig
 from pipeline.vlm.loading import TINY_WARNING, _wrap
@@ -19,7 +20,7 @@ def tiny_pair(family, dtype=torch.float32, device="cpu", **vision):
     """Two VLMs over two copies of one tiny model (vision config overridden by `vision`): the first
     with HF's block forward, the second with vision_blocks'."""
     tokenizer = build_tokenizer()
-    cfg = tiny_config(family, tokenizer)
+    cfg = qwen3_vl.tiny_config(tokenizer) if family == "qwen3_vl" else tiny_config(family, tokenizer)
     for k, v in vision.items():
         setattr(cfg.vision_config, k, v)
     model = build_model(cfg, device=device, dtype=dtype)
@@ -45,7 +46,8 @@ def tower_outputs(vlm, frames):
 CASES = [("qwen2_vl", {}),                                                    # QuickGELU MLP, LayerNorm
          ("qwen2_vl", {"hidden_act": "gelu"}),                                # an fc MLP kept as HF computes it
          ("qwen2_5_vl", {}),                                                  # gated MLP, RMSNorm, windows
-         ("qwen2_5_vl", {"intermediate_size": 60})]                           # width padded to 64
+         ("qwen2_5_vl", {"intermediate_size": 60}),                           # width padded to 64
+         ("qwen3_vl", {})]                                                    # tanh-GELU fc MLP, DeepStack
 
 
 @pytest.mark.parametrize("family,vision", CASES)

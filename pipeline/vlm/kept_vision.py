@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arr_coc.lod import pad_to_pairs
+from arr_coc.lod import pad_to_pairs, token_frames
 from pipeline.runtime.cuda import read_back, to_device, upload
 from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.feature_cache import FeatureCache
@@ -105,15 +105,15 @@ def context_cells(wanted: torch.Tensor, radius: int) -> torch.Tensor:
     return F.max_pool2d(wanted[:, None].float(), size, stride=1, padding=radius)[:, 0] > 0
 
 
-def patch_positions(cells: torch.Tensor, gh: int, gw: int, merge: int) -> torch.Tensor:
-    """cells (n,) flat in (T', gh, gw) -> (n * merge^2, 2) (row, column) of their patches in the
-    patch grid, in the tower's row order (cell by cell, each merge block row-major)."""
-    spatial = cells % (gh * gw)
-    h, w = spatial // gw, spatial % gw                                      # (n,)
-    sub = torch.arange(merge, device=cells.device)
-    rows = (h[:, None, None] * merge + sub[None, :, None]).expand(-1, merge, merge)  # (n, m, m)
-    cols = (w[:, None, None] * merge + sub[None, None, :]).expand(-1, merge, merge)  # (n, m, m)
-    return torch.stack([rows.flatten(), cols.flatten()], -1)                # (n m m, 2)
+def patch_positions(cells: np.ndarray, gh: int, gw: int, merge: int) -> np.ndarray:
+    """cells (n,) flat in (T', gh, gw) (host) -> (n * merge^2, 2) int64 (row, column) of their
+    patches in the patch grid, in the tower's row order (cell by cell, each merge block row-major)."""
+    h, w = np.divmod(np.asarray(cells, dtype=np.int64) % (gh * gw), gw)     # (n,)
+    sub = np.arange(merge)
+    shape = (h.size, merge, merge)
+    rows = np.broadcast_to(h[:, None, None] * merge + sub[None, :, None], shape)
+    cols = np.broadcast_to(w[:, None, None] * merge + sub[None, None, :], shape)
+    return np.stack([rows.ravel(), cols.ravel()], -1)                       # (n m m, 2)
 
 
 def window_order(cells: np.ndarray, gh: int, gw: int, side: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +132,7 @@ def window_order(cells: np.ndarray, gh: int, gw: int, side: int) -> tuple[np.nda
 @dataclass
 class _Job:
     """One video's part of a tower call."""
-    blocks: torch.Tensor               # (T' gh gw, m^2, F) its patches, merge block by merge block
+    blocks: torch.Tensor | None        # (T' gh gw, m^2, F) its patches, merge block by merge block
     grid: tuple[int, int, int]         # (T', gh, gw) merged grid
     wanted: torch.Tensor | None = None  # (K,) cells asked for, ascending
     encoded: torch.Tensor | None = None  # (n,) cells through the tower, ascending: wanted less reused,
@@ -146,9 +146,12 @@ class _Job:
 @dataclass
 class _Plan:
     """What a tower call needs besides the pixels (see TowerCall): the bounds of its full-attention
-    blocks, the longest, and for Qwen2.5-VL its window permutation and window bounds."""
+    blocks, the longest, the patches' positions (and Qwen3-VL: frame grids), and for Qwen2.5-VL
+    its window permutation and window bounds; all worked out on the host, uploaded in one copy."""
     cu: torch.Tensor
     longest: int
+    positions: torch.Tensor                  # (n m^2, 2) each encoded patch's (row, column)
+    sizes: torch.Tensor | None = None        # Qwen3-VL: (n m^2, 2) each patch's frame grid (in patches)
     window_index: torch.Tensor | None = None
     cu_window: torch.Tensor | None = None
 
@@ -191,8 +194,21 @@ class KeptEncoder:
             if cells is not None and tuple(cells.shape) != expected:
                 raise ValueError(f"keep map shape {tuple(cells.shape)} does not match the VLM grid {expected} "
                                  f"for {frames.shape[2]}x{frames.shape[1]} frames")
-        pixels, grids = zip(*(self.preprocessor(frames, self.device) for frames in videos))
-        return self.encode_pixels(list(pixels), list(grids), cell_maps, reuse)
+        reuse = reuse or [None] * len(videos)
+        if self.cache is not None and any(use is not None for use in reuse):
+            # live reuse compares the wanted cells' pixels with the cache's: preprocess first
+            pixels, grids = zip(*(self.preprocessor(frames, self.device) for frames in videos))
+            return self.encode_pixels(list(pixels), list(grids), cell_maps, reuse)
+        # the plan needs the cell maps only: it is read back before the frames are uploaded and
+        # preprocessed, so that its read does not wait for that work (on an H200, ~1 ms of a
+        # 17 ms time to first token), and the tower is queued right after the preprocessing
+        tp = self.geometry.temporal_patch_size
+        shapes = [(token_frames(frames.shape[0], tp), *self.geometry.grid(*frames.shape[1:3])) for frames in videos]
+        jobs, plan = self._jobs(shapes, None, cell_maps, reuse)
+        for job, frames in zip(jobs, videos):
+            job.blocks = self._blocks(self.preprocessor(frames, self.device)[0], job.grid)
+        fresh = self._tower(jobs, plan)
+        return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
 
     @torch.no_grad()
     def encode_pixels(self, pixels: list[torch.Tensor], grids: list[torch.Tensor], cell_maps: list,
@@ -200,7 +216,13 @@ class KeptEncoder:
         """encode_many() of preprocessed videos: pixels (N, F) and patch grid (3,) each (as
         VideoPreprocessor returns them), cell maps checked against the frames already."""
         reuse = reuse or [None] * len(pixels)
-        jobs, plan = self._jobs(pixels, grids, cell_maps, reuse)
+        m = self.geometry.merge_size
+        shapes = []
+        for grid_thw in grids:
+            Tp, gh, gw = (int(v) for v in grid_thw.tolist())
+            shapes.append((Tp, gh // m, gw // m))
+        blocks = [self._blocks(px, shape) for px, shape in zip(pixels, shapes)]
+        jobs, plan = self._jobs(shapes, blocks, cell_maps, reuse)
         fresh = self._tower(jobs, plan)
         return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
 
@@ -209,20 +231,24 @@ class KeptEncoder:
         all), zeros elsewhere: what VLM.window_prefix selects from."""
         return [f.dense() for f in self.encode_many(videos, keeps, reuse)]
 
-    def _jobs(self, pixels: list, grids: list, cell_maps: list, reuse: list) -> tuple[list[_Job], _Plan | None]:
-        """Each video's part of the tower call (its cells wanted and to encode) and the call's plan.
+    def _blocks(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """A video's preprocessed pixels (N, F) -> (T' gh gw, m^2, F) in the tower's dtype."""
+        m = self.geometry.merge_size
+        return pixels.to(self.dtype).view(grid[0] * grid[1] * grid[2], m * m, -1)
+
+    def _jobs(self, shapes: list, blocks: list | None, cell_maps: list,
+              reuse: list) -> tuple[list[_Job], _Plan | None]:
+        """Each video's part of the tower call (its cells wanted and to encode) and the call's plan,
+        from the merged grids (T', gh, gw) and cell maps; blocks: the videos' patches (_blocks),
+        needed here by live reuse only (None: the caller sets each job's later).
         The masks of the whole batch come back to the host in one read (a host sync, which under
         live load also waits for the interpreter lock: one per batch, not several per video), the
         plan is worked out there, and every index goes back in one copy. Live reuse compares the
         wanted cells' patches with the cache's on the device, which needs their index first: one
         read more."""
-        m = self.geometry.merge_size
-        shapes, blocks, wanted = [], [], []
-        for px, grid_thw, cells in zip(pixels, grids, cell_maps):
-            Tp, gh, gw = (int(v) for v in grid_thw.tolist())
-            gh, gw = gh // m, gw // m
-            shapes.append((Tp, gh, gw))
-            blocks.append(px.to(self.dtype).view(Tp * gh * gw, m * m, -1))  # (T' gh gw, m^2, F)
+        blocks = blocks or [None] * len(shapes)
+        wanted = []
+        for (Tp, gh, gw), cells in zip(shapes, cell_maps):
             if cells is None:
                 wanted.append(torch.ones(Tp * gh * gw, dtype=torch.bool, device=self.device))
             else:
@@ -253,7 +279,7 @@ class KeptEncoder:
         arrays = [job.cells for job in jobs] + [np.flatnonzero(w) for w in host[len(jobs):] if not caching]
         plan = self._plan(jobs)
         if plan is not None:
-            arrays += plan
+            arrays += plan.values()
         device = upload(arrays, self.device)
         for i, job in enumerate(jobs):
             job.encoded = device[i]
@@ -261,24 +287,27 @@ class KeptEncoder:
                 job.wanted = device[len(jobs) + i]
         if plan is None:
             return jobs, None
-        tail = device[len(device) - len(plan):]
-        longest = int(np.diff(plan[0]).max())
-        if self.window is None:
-            return jobs, _Plan(tail[0].int(), longest)
-        return jobs, _Plan(tail[0].int(), longest, tail[1], tail[2].int())
+        tail = dict(zip(plan, device[len(device) - len(plan):]))
+        return jobs, _Plan(tail["cu"].int(), int(np.diff(plan["cu"]).max()), tail["positions"].view(-1, 2),
+                           tail["sizes"].view(-1, 2) if "sizes" in tail else None,
+                           tail.get("window_index"), tail["cu_window"].int() if "cu_window" in tail else None)
 
-    def _plan(self, jobs: list[_Job]) -> list[np.ndarray] | None:
+    def _plan(self, jobs: list[_Job]) -> dict[str, np.ndarray] | None:
         """On the host, from the jobs' cells: the bounds of the tower's full-attention blocks (the
-        encoded patches of each frame pair, video after video), and for Qwen2.5-VL its window
-        permutation of the packed cells and the window bounds. None: nothing to encode."""
+        encoded patches of each frame pair, video after video), each encoded patch's position (and
+        Qwen3-VL: its frame's patch grid), and for Qwen2.5-VL its window permutation of the packed
+        cells and the window bounds. None: nothing to encode."""
         m = self.geometry.merge_size
-        per_pair, order, window_lengths, offset = [], [], [], 0
+        per_pair, positions, sizes, order, window_lengths, offset = [], [], [], [], [], 0
         for job in jobs:
             if not job.cells.size:
                 continue
             Tp, gh, gw = job.grid
             counts = np.bincount(job.cells // (gh * gw), minlength=Tp)
             per_pair.append(counts[counts > 0] * m * m)
+            positions.append(patch_positions(job.cells, gh, gw, m))
+            if self.per_patch_sizes:
+                sizes.append(np.broadcast_to(np.array([gh * m, gw * m]), (job.cells.size * m * m, 2)))
             if self.window is not None:
                 o, lengths = window_order(job.cells, gh, gw, self.window)
                 order.append(o + offset)
@@ -286,9 +315,13 @@ class KeptEncoder:
             offset += job.cells.size
         if not per_pair:
             return None
-        plan = [np.concatenate([[0], np.cumsum(np.concatenate(per_pair))])]
+        plan = {"cu": np.concatenate([[0], np.cumsum(np.concatenate(per_pair))]),
+                "positions": np.concatenate(positions)}
+        if sizes:
+            plan["sizes"] = np.concatenate(sizes)
         if self.window is not None:
-            plan += [np.concatenate(order), np.concatenate([[0], np.cumsum(np.concatenate(window_lengths))])]
+            plan["window_index"] = np.concatenate(order)
+            plan["cu_window"] = np.concatenate([[0], np.cumsum(np.concatenate(window_lengths))])
         return plan
 
     def _finish(self, job: _Job, fresh: torch.Tensor) -> KeptFeatures:
@@ -315,27 +348,22 @@ class KeptEncoder:
         sizes = [job.encoded.numel() for job in jobs]
         if plan is None:
             return [torch.empty(0, self.dim, dtype=self.dtype, device=self.device) for _ in jobs]
-        rows, positions, grids = [], [], []
+        rows, grids = [], []
         for job in jobs:
             if job.encoded.numel() == 0:
                 continue
             Tp, gh, gw = job.grid
             rows.append(job.blocks[job.encoded].flatten(0, 1))               # (n m^2, F)
-            positions.append(patch_positions(job.encoded, gh, gw, m))        # (n m^2, 2)
             grids.append([Tp, gh * m, gw * m])
-        pixels, positions = torch.cat(rows), torch.cat(positions)
-        frame_sizes = None                      # Qwen3-VL's learned positions are resampled to each frame
-        if self.per_patch_sizes:
-            counts = [job.encoded.numel() * m * m for job in jobs if job.encoded.numel()]
-            frame_sizes = torch.tensor([g[1:] for g in grids], device=self.device).repeat_interleave(
-                torch.tensor(counts, device=self.device), 0, output_size=sum(counts))  # (n m^2, 2), no host read
+        pixels = torch.cat(rows)
         merged = None
         if self.graphs is not None and self.graphs.enabled:                  # replayed at a padded shape
-            merged = self.graphs(TowerCall(pixels, positions, plan.cu, plan.longest, plan.window_index,
-                                           plan.cu_window, frame_sizes))
+            merged = self.graphs(TowerCall(pixels, plan.positions, plan.cu, plan.longest, plan.window_index,
+                                           plan.cu_window, plan.sizes))
             self.counters["graphs_captured"] = self.graphs.captured
         if merged is None:
             with batched_attention(None):         # blocks of unequal length: one host read per boundary tensor
                 merged = hf.vision_forward_on(self.visual, pixels, torch.tensor(grids, device=self.device),
-                                              positions, plan.cu, plan.window_index, plan.cu_window, frame_sizes)
+                                              plan.positions, plan.cu, plan.window_index, plan.cu_window,
+                                              plan.sizes)
         return list(merged.split(sizes))                                     # (n, D) each

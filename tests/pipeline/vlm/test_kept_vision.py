@@ -75,11 +75,11 @@ class TestPositions:
     def test_patch_positions_are_hfs(self, grid):
         Tp, gh, gw = grid
         stock = vision_utils.get_vision_position_ids(torch.tensor([[Tp, 2 * gh, 2 * gw]]), 2)  # (N, 2)
-        cells = torch.arange(Tp * gh * gw)
-        assert torch.equal(patch_positions(cells, gh, gw, 2), stock)
-        some = cells[torch.randperm(cells.numel(), generator=torch.Generator().manual_seed(0))[:7]].sort().values
-        rows = (some[:, None] * 4 + torch.arange(4)).flatten()
-        assert torch.equal(patch_positions(some, gh, gw, 2), stock[rows])
+        cells = np.arange(Tp * gh * gw)
+        assert torch.equal(torch.from_numpy(patch_positions(cells, gh, gw, 2)), stock)
+        some = np.sort(np.random.default_rng(0).permutation(cells.size)[:7])
+        rows = torch.from_numpy((some[:, None] * 4 + np.arange(4)).ravel())
+        assert torch.equal(torch.from_numpy(patch_positions(some, gh, gw, 2)), stock[rows])
 
     @pytest.mark.parametrize("grid, side", [((2, 4, 6), 2), ((3, 5, 7), 2), ((1, 9, 8), 4)])
     def test_window_order_is_hfs(self, grid, side):
@@ -676,3 +676,37 @@ def test_prepare_selects_every_windows_tokens_with_one_read(monkeypatch):
     for req, m, got in zip(reqs, merged, batched):
         want = vlm.build_prefix(req, m)
         assert torch.equal(got.positions, want.positions) and torch.equal(got.embeds, want.embeds)
+
+
+class TestHostPlan:
+    """The tower call's plan comes from the cell maps alone: read back before any frame is
+    preprocessed (a read queued after the preprocessing waits for it on a GPU), positions worked
+    out on the host."""
+
+    def test_plan_is_read_before_the_frames_are_preprocessed(self, vlm, monkeypatch):
+        from pipeline.vlm import kept_vision
+        model = kept(vlm)
+        encoder = model.kept_encoder
+        order = []
+        real_read, real_pre = kept_vision.read_back, encoder.preprocessor
+
+        def read(tensors):
+            order.append("read")
+            return real_read(tensors)
+
+        class Pre:
+            geometry = real_pre.geometry
+
+            def __call__(self, frames, device):
+                order.append("preprocess")
+                return real_pre(frames, device)
+        monkeypatch.setattr(kept_vision, "read_back", read)
+        encoder.preprocessor = Pre()
+        frames = make_frames(4, 56, 84, seed=2)
+        keep = random_keep(model, frames, seed=3)
+        got = encoder.encode(frames, keep)
+        assert order == ["read", "preprocess"]
+        encoder.preprocessor = real_pre
+        want = kept(vlm).kept_encoder.encode(frames, keep)
+        assert torch.equal(got.index, want.index)
+        torch.testing.assert_close(got.tokens, want.tokens, atol=ATOL, rtol=0)

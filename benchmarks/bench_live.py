@@ -86,6 +86,15 @@ def pipeline_config(vlm, args, device: torch.device) -> PipelineConfig:
                                                   batch_size=args.batch_size, **untrained), vlm=vlm.config)
 
 
+T_START = time.monotonic()
+
+
+def note(message: str) -> None:
+    """A progress line on stderr, stamped with the seconds since start: a run cut by an outer time
+    limit still says how far it got (warm-up, waiting for the sources, measuring, shutting down)."""
+    print(f"bench_live [{time.monotonic() - T_START:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def live_config(args) -> LiveConfig:
     """The capture settings of every run: --buffer frames per source, --decoder, --decode-threads, 10 s
     to open or stall."""
@@ -110,8 +119,11 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         # the first snapshot after every source began: begin() forgets the drops before it (with
         # --warmup 0 a snapshot taken earlier made the run's drop count negative)
         began = time.monotonic()
+        note(f"{len(urls)} streams: the graph is up, waiting for every source's first frame")
         while any(getattr(src, "began_at", 0) is None for src in sources) and time.monotonic() - began < 60:
             time.sleep(0.01)
+        note(f"{len(urls)} streams: sources began after {time.monotonic() - began:.1f} s; "
+             f"{args.warmup:g} s of warm-up, then {args.seconds:g} s measured")
         time.sleep(args.warmup)
         marks["t0"], marks["s0"] = time.monotonic(), snapshot(sources, sink.counters)
         marks["lat0"] = {sid: len(c.answer_latency) for sid, c in sink.counters.items()}
@@ -121,6 +133,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         marks["frame_lat"] = [lat for c in sink.counters.values() for lat in list(c.frame_latency)[-64:]]
         batcher = next(s.batcher for s in graphs[0].stages if hasattr(s, "batcher"))
         marks["batches"] = [b for b in list(batcher.timings) if marks["t0"] <= b.started <= marks["t1"]]
+        note(f"{len(urls)} streams: measured, stopping the run")
         stop.set()
 
     def on_graph(graph):
@@ -130,10 +143,12 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     answered: list[tuple[float, float]] = []            # (time.monotonic() in the sink, latency_s)
     cfg = pipeline_config(vlm, args, device)
     started = LEDGER.mark("bench_live run")
+    note(f"{len(urls)} streams: starting the live run (warm-up captures first)")
     result = run_live(urls, "what is moving, and where?", out, cfg, live=live_config(args),
                       options=live_options(args), stop=stop, on_graph=on_graph,
                       vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query(),
                       on_answer=lambda item: answered.append((time.monotonic(), item.latency_s)))
+    note(f"{len(urls)} streams: the run ended")
     span = marks["t1"] - marks["t0"]
     s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]
     per = {sid: {"fps_processed": (s1[sid]["frames_out"] - s0[sid]["frames_out"]) / span,
@@ -304,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     clip = encode_clip(work / "clip.ts", w, h, fps, seconds=4.0)
     server = TSServer(clip)
+    note(f"clip encoded ({w}x{h}@{fps}), serving it on loopback")
     args.settings = load_settings(args, new_tokens)
     arch = "tiny" if quick else "qwen2-vl-2b"
     if args.vlm_process:                                  # the same VLM, built in a process of its own
@@ -313,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         vlm = RemoteVLM(partial(build_vlm, arch, device, args.settings.vlm))
     else:
         vlm = build_vlm(arch, device, args.settings.vlm)
+    note(f"VLM built ({arch} on {device})")
     rows = []
     try:
         for n in counts:

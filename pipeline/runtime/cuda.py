@@ -194,13 +194,17 @@ def upload(arrays: list, device: torch.device) -> list[torch.Tensor]:
 
 
 def read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Device tensors of one dtype -> host numpy copies, read back together: one host read (one
-    sync on a GPU, waiting for the work queued before it) however many tensors there are."""
-    if not tensors:
-        return []
-    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu().numpy()
-    cuts = np.cumsum([t.numel() for t in tensors])[:-1]
-    return [part.reshape(t.shape) for part, t in zip(np.split(flat, cuts), tensors)]
+    """Tensors of one dtype -> host numpy copies; those on a device read back together: one host
+    read (one sync on a GPU, waiting for the work queued before it) however many there are, none
+    when all are on the host already."""
+    on_device = [t for t in tensors if t.device.type != "cpu"]
+    read: list[np.ndarray] = []
+    if on_device:
+        flat = torch.cat([t.reshape(-1) for t in on_device]).cpu().numpy()
+        cuts = np.cumsum([t.numel() for t in on_device])[:-1]
+        read = [part.reshape(t.shape) for part, t in zip(np.split(flat, cuts), on_device)]
+    device_parts = iter(read)
+    return [next(device_parts) if t.device.type != "cpu" else t.numpy().copy() for t in tensors]
 
 
 def capture(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any = None,

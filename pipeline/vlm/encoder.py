@@ -91,8 +91,9 @@ class VisionEncoder:
 
     def window_tokens(self, requests: list[AnswerRequest], keeps: list | None = None) -> list[torch.Tensor]:
         """Per request merged tokens (T', gh, gw, D) to select from: every cell's (encode: all), or
-        the kept cells' only, zeros elsewhere (encode: kept); keeps: the requests' keep maps already
-        on the device (default: theirs)."""
+        the kept cells' only, zeros elsewhere (encode: kept); keeps: the requests' keep maps, where
+        their masks are to be worked out (VLM._window_prefixes: on the host for a map that came
+        from there; default: theirs)."""
         if self.config.encode == "all":
             return self.merged_tokens([r.frames for r in requests])
         reuse = [(r.reuse_key, r.scene_change) if r.reuse_key is not None else None for r in requests]

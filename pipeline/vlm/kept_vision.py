@@ -81,6 +81,10 @@ def nonzero_each(masks: list[torch.Tensor]) -> list[torch.Tensor]:
     return [index[a:b] - start for a, b, start in zip(cuts, cuts[1:], starts)]
 
 
+def _device_of(cells: np.ndarray | torch.Tensor) -> torch.device:
+    return cells.device if isinstance(cells, torch.Tensor) else torch.device("cpu")
+
+
 def pair_cells(cells: torch.Tensor, temporal_patch: int) -> torch.Tensor:
     """(T, gh, gw) per-frame map, nonzero = wanted -> (T', gh, gw) bool per video token: wanted when
     either frame of its pair wants it (the LOD pairing rule, arr_coc/lod.py)."""
@@ -247,14 +251,17 @@ class KeptEncoder:
         wanted cells' patches with the cache's on the device, which needs their index first: one
         read more."""
         blocks = blocks or [None] * len(shapes)
+        caching = self.cache is not None and any(use is not None for use in reuse)
         wanted = []
         for (Tp, gh, gw), cells in zip(shapes, cell_maps):
+            # the masks are worked out where the cell map is (a map on the host: on the host, and
+            # the read below reads nothing from the device); live reuse needs them on the device
+            device = self.device if caching or cells is None else _device_of(cells)
             if cells is None:
-                wanted.append(torch.ones(Tp * gh * gw, dtype=torch.bool, device=self.device))
+                wanted.append(torch.ones(Tp * gh * gw, dtype=torch.bool, device=device))
             else:
-                paired = pair_cells(to_device(cells, self.device), self.geometry.temporal_patch_size)
+                paired = pair_cells(to_device(cells, device), self.geometry.temporal_patch_size)
                 wanted.append(paired.flatten())                              # (T' gh gw,)
-        caching = self.cache is not None and any(use is not None for use in reuse)
         indices = nonzero_each(wanted) if caching else [None] * len(wanted)
         jobs, todo = [], []
         for b, grid, mask, index, use in zip(blocks, shapes, wanted, indices, reuse):

@@ -217,15 +217,19 @@ class VLM:
     def _window_prefixes(self, requests: list[AnswerRequest]) -> list[WindowPrefix]:
         """Each request's window prefix, the vision tower run once for all of them."""
         keeps = [self.prefixes.snapped(r.keep, r.scores) for r in requests]          # uploaded once
-        # every window's token positions from one nonzero (a host read, and under live load a wait
-        # for the interpreter lock: one per batch, not one per request), read before the vision
-        # tower is queued: read after, it waited for the tower, and the host then built the
-        # prefixes while the GPU idled
-        # (on the host too: Qwen3-VL lays out its windows from them without another read)
-        masks = read_back([self.prefixes.token_mask(r.frames, keep) for r, keep in zip(requests, keeps)])
+        # the masks are worked out where each keep map already is: a map from the host (the
+        # pipeline's stages hand over numpy) on the host, with no device round trip and no host
+        # read; maps on the device are read back in one read (a sync, and under live load a wait
+        # for the interpreter lock: one per batch, not one per request), before the vision tower
+        # is queued: read after, it waited for the tower, and the host then built the prefixes
+        # while the GPU idled
+        sources = [self.prefixes.mask_source(r.keep, r.scores, keep) for r, keep in zip(requests, keeps)]
+        masks = read_back([self.prefixes.token_mask(r.frames, src) for r, src in zip(requests, sources)])
+        # every window's token positions (on the host too: Qwen3-VL lays out its windows from them
+        # without another read)
         host = [np.flatnonzero(mask) for mask in masks]
         indices = upload(host, self.device)
-        merged_all = self.encoder.window_tokens(requests, keeps)
+        merged_all = self.encoder.window_tokens(requests, sources)
         return [self.window_prefix(r.frames, keep, m, r.scores, index=index, host_index=h)
                 for r, keep, m, index, h in zip(requests, keeps, merged_all, indices, host)]
 

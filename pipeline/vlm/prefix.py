@@ -168,21 +168,35 @@ class PrefixBuilder:
             return keep
         return snap_to_windows(keep, to_device(scores, self.device), side, self.geometry.temporal_patch_size)
 
+    def mask_source(self, keep: np.ndarray | torch.Tensor | None, scores: np.ndarray | torch.Tensor | None,
+                    snapped: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a request's masks are worked out: its keep map on the host (a CPU tensor) when it
+        came from the host and snapping leaves it as it is (the pipeline's stages hand over numpy
+        maps: no device round trip and no host read then), else `snapped`, its map on the device."""
+        if keep is None or isinstance(keep, torch.Tensor) and keep.device.type != "cpu":
+            return snapped
+        if self.config.snap_windows and scores is not None:
+            return snapped
+        return torch.as_tensor(keep)
+
     def token_mask(self, frames: np.ndarray | torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """(T' gh gw,) bool: the cells of frames (T, H, W, 3) that carry a token under keep (None:
-        all), worked out from the grid alone, before any encoding (selection.token_cells)."""
+        all), worked out from the grid alone, before any encoding (selection.token_cells), on the
+        device keep is on (None: the host)."""
         T, H, W = frames.shape[:3]
         grid = (token_frames(T, self.geometry.temporal_patch_size), *self.geometry.grid(H, W))
-        return token_cells(self.window_lod(frames, keep, grid)).flatten()
+        device = keep.device if isinstance(keep, torch.Tensor) else torch.device("cpu")
+        return token_cells(self.window_lod(frames, keep, grid, device)).flatten()
 
     def window_lod(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
-                    grid: tuple[int, int, int]) -> torch.Tensor:
+                   grid: tuple[int, int, int], device: torch.device | None = None) -> torch.Tensor:
         """keep (T, gh, gw) LOD or None (all), checked against the frames' grid -> (T', gh, gw) LOD
-        per video token (the pairing rule)."""
+        per video token (the pairing rule), on `device` (default: the model's)."""
         Tp, gh, gw = grid
+        device = self.device if device is None else device
         if keep is None:
-            return torch.ones(Tp, gh, gw, dtype=torch.int8, device=self.device)
-        keep = to_device(keep, self.device)                                  # a no-op for a device tensor
+            return torch.ones(Tp, gh, gw, dtype=torch.int8, device=device)
+        keep = to_device(keep, device)                                       # a no-op where it is already
         expected = (frames.shape[0], gh, gw)
         if tuple(keep.shape) != expected:
             raise ValueError(f"keep map shape {tuple(keep.shape)} does not match the VLM grid {expected} "

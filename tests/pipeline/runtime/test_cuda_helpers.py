@@ -40,6 +40,19 @@ def test_read_back_returns_every_tensor_in_its_shape(device):
     assert read_back([]) == []
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_read_back_mixes_host_and_device_tensors_in_order(device):
+    """Host tensors pass through as copies (a caller may change what it gets); the device ones
+    come back together, each in its place."""
+    masks = [torch.rand(2, 5, generator=torch.Generator().manual_seed(i)) < 0.5 for i in range(4)]
+    given = [m.to(device) if i % 2 else m for i, m in enumerate(masks)]
+    got = read_back(given)
+    for g, m in zip(got, masks):
+        assert np.array_equal(g, m.numpy())
+    got[0][...] = ~got[0]
+    assert np.array_equal(given[0].numpy(), masks[0].numpy())               # a copy, not a view
+
+
 def test_no_cyclic_gc_turns_collection_off_inside_and_restores_it():
     was_on = gc.isenabled()
     try:

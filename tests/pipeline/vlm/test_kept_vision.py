@@ -710,3 +710,29 @@ class TestHostPlan:
         want = kept(vlm).kept_encoder.encode(frames, keep)
         assert torch.equal(got.index, want.index)
         torch.testing.assert_close(got.tokens, want.tokens, atol=ATOL, rtol=0)
+
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    def test_host_keep_maps_need_no_device_read(self, vlm, monkeypatch):
+        """Keep maps from the host (as the pipeline's stages hand them over) have their masks worked
+        out on the host: prepare() reads nothing back from the GPU before the tower, and the
+        prefixes equal those of the same maps given on the device."""
+        from pipeline.vlm import kept_vision, model as model_module
+        model = tiny(vlm.family, device="cuda")
+        frames = make_frames(6, 56, 84, seed=6)
+        keep = random_keep(model, frames, seed=7)
+        device_reads = []
+
+        def spy(real):
+            def read(tensors):
+                device_reads.extend(t for t in tensors if t.is_cuda)
+                return real(tensors)
+            return read
+        for module in (kept_vision, model_module):
+            monkeypatch.setattr(module, "read_back", spy(module.read_back))
+        host = model.prepare([request(frames, keep)])[0]
+        assert device_reads == []
+        on_device = model.prepare([request(frames, torch.as_tensor(keep, device="cuda"))])[0]
+        assert device_reads                                                  # the device map is read back
+        assert host.tokens_kept == on_device.tokens_kept
+        torch.testing.assert_close(host.embeds, on_device.embeds)

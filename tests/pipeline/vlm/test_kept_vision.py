@@ -736,3 +736,12 @@ class TestHostPlan:
         assert device_reads                                                  # the device map is read back
         assert host.tokens_kept == on_device.tokens_kept
         torch.testing.assert_close(host.embeds, on_device.embeds)
+
+    def test_mask_source_is_the_host_map_unless_snapping_changes_it(self, vlm):
+        keep, scores = np.zeros((4, 2, 3), np.int64), np.zeros((4, 2, 3), np.float32)
+        on_device = torch.ones(4, 2, 3, dtype=torch.int64)                  # stands for the uploaded map
+        src = kept(vlm).prefixes.mask_source(keep, scores, on_device)
+        assert isinstance(src, torch.Tensor) and src.device.type == "cpu" and src is not on_device
+        assert kept(vlm, snap_windows=2).prefixes.mask_source(keep, scores, on_device) is on_device
+        assert kept(vlm, snap_windows=2).prefixes.mask_source(keep, None, on_device) is not on_device
+        assert kept(vlm).prefixes.mask_source(None, None, None) is None

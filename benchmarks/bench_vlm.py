@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kept-context", type=int, nargs="+", default=[0], metavar="R",
                     help="vlm.kept_context of the kept rows (cells within R of a kept one encoded as context; "
                          "default 0; several: a row each)")
+    ap.add_argument("--keep-on", choices=("host", "device"), default="host",
+                    help="where the keep maps are handed over: host (numpy, as the pipeline's stages hand "
+                         "them; the default) or device (a GPU tensor)")
     ap.add_argument("--snap-windows", action="store_true",
                     help="also kept rows with vlm.snap_windows at the model's attention window (Qwen2.5-VL: the "
                          "kept tokens gathered into whole windows, so none is encoded only to complete one)")
@@ -391,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - t0
         relevance, source, arrcoc_ms, arrcoc_eager_ms = relevance_map(vlm, frames, reps)
         maps = keep_maps(relevance, args.retention, vlm.geometry.temporal_patch_size)
+        if args.keep_on == "host":                  # as the pipeline's stages hand them over
+            maps = {r: m.cpu().numpy() for r, m in maps.items()}
         modes = ["all", "kept"] if args.encode == "both" else [args.encode]
         if vlm.kept_encoder.window is not None and "kept" in modes and args.kept_windows != "whole":
             # Qwen2.5-VL: the kept cells only (vlm.kept_windows: cells), after or instead of whole windows
@@ -448,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype),
                   frames=T, size=size, new_tokens=new_tokens, reps=reps,
-                  frames_pinned=bool(device.type == "cuda" and not args.pageable_frames), host=host_topology(),
+                  frames_pinned=bool(device.type == "cuda" and not args.pageable_frames), keep_on=args.keep_on,
+                  host=host_topology(),
                   cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
                   graph_prefill_max_tokens=cfg.graph_prefill_max_tokens if cfg.cuda_graphs else 0,
                   fast_lm=cfg.fast_lm,

@@ -235,6 +235,18 @@ class KeptEncoder:
         all), zeros elsewhere: what VLM.window_prefix selects from."""
         return [f.dense() for f in self.encode_many(videos, keeps, reuse)]
 
+    def _indices(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each 1-D bool mask's nonzero index (ascending) on the device: those of host masks from
+        numpy, uploaded in one copy; those of device masks in one read (nonzero_each)."""
+        on_host = [i for i, m in enumerate(masks) if m.device.type == "cpu"]
+        on_device = [i for i, m in enumerate(masks) if m.device.type != "cpu"]
+        out: list = [None] * len(masks)
+        for i, index in zip(on_device, nonzero_each([masks[i] for i in on_device])):
+            out[i] = index
+        for i, index in zip(on_host, upload([np.flatnonzero(masks[i].numpy()) for i in on_host], self.device)):
+            out[i] = index
+        return out
+
     def _blocks(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """A video's preprocessed pixels (N, F) -> (T' gh gw, m^2, F) in the tower's dtype."""
         m = self.geometry.merge_size
@@ -245,24 +257,23 @@ class KeptEncoder:
         """Each video's part of the tower call (its cells wanted and to encode) and the call's plan,
         from the merged grids (T', gh, gw) and cell maps; blocks: the videos' patches (_blocks),
         needed here by live reuse only (None: the caller sets each job's later).
-        The masks of the whole batch come back to the host in one read (a host sync, which under
-        live load also waits for the interpreter lock: one per batch, not several per video), the
-        plan is worked out there, and every index goes back in one copy. Live reuse compares the
-        wanted cells' patches with the cache's on the device, which needs their index first: one
-        read more."""
+        The masks are worked out where each cell map is: a map from the host (the pipeline's
+        stages hand over numpy) on the host, so reading them back reads nothing from the device;
+        those on the device come back in one read (a host sync, which under live load also waits
+        for the interpreter lock: one per batch, not several per video). The plan is worked out
+        on the host and every index goes back in one copy. Live reuse compares the wanted cells'
+        patches with the cache's on the device: the cells it then still has to encode are read
+        back (one read), and maps on the device need their index read first (one more)."""
         blocks = blocks or [None] * len(shapes)
         caching = self.cache is not None and any(use is not None for use in reuse)
         wanted = []
         for (Tp, gh, gw), cells in zip(shapes, cell_maps):
-            # the masks are worked out where the cell map is (a map on the host: on the host, and
-            # the read below reads nothing from the device); live reuse needs them on the device
-            device = self.device if caching or cells is None else _device_of(cells)
             if cells is None:
-                wanted.append(torch.ones(Tp * gh * gw, dtype=torch.bool, device=device))
+                wanted.append(torch.ones(Tp * gh * gw, dtype=torch.bool))
             else:
-                paired = pair_cells(to_device(cells, device), self.geometry.temporal_patch_size)
+                paired = pair_cells(to_device(cells, _device_of(cells)), self.geometry.temporal_patch_size)
                 wanted.append(paired.flatten())                              # (T' gh gw,)
-        indices = nonzero_each(wanted) if caching else [None] * len(wanted)
+        indices = self._indices(wanted) if caching else [None] * len(wanted)
         jobs, todo = [], []
         for b, grid, mask, index, use in zip(blocks, shapes, wanted, indices, reuse):
             job = _Job(b, grid, index)
@@ -271,7 +282,8 @@ class KeptEncoder:
                 if scene_change:
                     self.cache.drop(job.key)
                 hit, job.cached = self.cache.lookup(job.key, grid[1:], index, b[index])
-                mask = mask.clone()
+                # a copy on the device (the wanted mask is read back below as it is)
+                mask = mask.clone() if mask.device == self.device else to_device(mask, self.device)
                 mask[index[hit]] = False
             if self.context:
                 mask = context_cells(mask.view(grid), self.context).flatten()

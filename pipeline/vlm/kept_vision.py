@@ -203,9 +203,9 @@ class KeptEncoder:
             # live reuse compares the wanted cells' pixels with the cache's: preprocess first
             pixels, grids = zip(*(self.preprocessor(frames, self.device) for frames in videos))
             return self.encode_pixels(list(pixels), list(grids), cell_maps, reuse)
-        # the plan needs the cell maps only: it is read back before the frames are uploaded and
-        # preprocessed, so that its read does not wait for that work (on an H200, ~1 ms of a
-        # 17 ms time to first token), and the tower is queued right after the preprocessing
+        # the plan needs the cell maps only: it is worked out before the frames are uploaded and
+        # preprocessed, so that a read of it does not wait for that work (on an H200 profile of
+        # the Qwen3-VL 2B, ~1 ms of upload and kernels), and the tower is queued right after it
         tp = self.geometry.temporal_patch_size
         shapes = [(token_frames(frames.shape[0], tp), *self.geometry.grid(*frames.shape[1:3])) for frames in videos]
         jobs, plan = self._jobs(shapes, None, cell_maps, reuse)

@@ -7,7 +7,9 @@
 # Needs PyAV and zarr importable (unpack their wheels into a folder on PYTHONPATH first) and the
 # repository's history (BASE is checked out from it with git archive; the device's copy of .git is the
 # one from the session's start, which holds every earlier commit).
-#   bash benchmarks/gpu/live_ab.sh [BASE] [STREAMS] [ROUNDS]     (defaults 83eba63 32 2; ~6 min)
+#   bash benchmarks/gpu/live_ab.sh [BASE] [STREAMS] [ROUNDS]     (defaults 83eba63 32 2; ~9 min)
+# RUN_LIMIT (seconds, default 240) bounds each run: a run took ~130 s on one H200 machine and more
+# than 170 s on another (bench_live's stamped progress lines in the logs say where the time went).
 # Writes under $OUT (default ./out/live_ab): live_{base,head}_N.json, summary.txt, logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +25,7 @@ fi
 export PYTHONUNBUFFERED=1
 run() {   # tree, name
   local tree=$1 name=$2
-  (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout 170 "$PY" benchmarks/bench_live.py --device cuda \
+  (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout "${RUN_LIMIT:-240}" "$PY" benchmarks/bench_live.py --device cuda \
       --soak 0 --warmup 20 --seconds 30 --cold-seconds 10 --streams "$STREAMS" --out "$OUT/$name.json") \
       > "$OUT/$name.log" 2>&1
   grep -v "INVALID INDEX" "$OUT/$name.log" | grep -v '^{' | tail -2

@@ -187,6 +187,11 @@ def pins_frames(vlm: Any) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+def device_of(values) -> torch.device:
+    """Where values are: a tensor's device; anything else (numpy, lists) is on the host."""
+    return values.device if isinstance(values, torch.Tensor) else torch.device("cpu")
+
+
 def upload(arrays: list, device: torch.device) -> list[torch.Tensor]:
     """Integer host arrays -> int64 device tensors (views of one buffer) with one queued copy."""
     flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]) if arrays else np.zeros(0, np.int64)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arr_coc.lod import pad_to_pairs, token_frames
-from pipeline.runtime.cuda import read_back, to_device, upload
+from pipeline.runtime.cuda import device_of, read_back, to_device, upload
 from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.feature_cache import FeatureCache
 from pipeline.vlm.kept_graph import KeptGraphs, TowerCall
@@ -79,10 +79,6 @@ def nonzero_each(masks: list[torch.Tensor]) -> list[torch.Tensor]:
     index = torch.cat(masks).nonzero().squeeze(1)                            # (sum n,) ascending
     cuts = torch.searchsorted(index, torch.tensor(starts, device=index.device)).tolist()
     return [index[a:b] - start for a, b, start in zip(cuts, cuts[1:], starts)]
-
-
-def _device_of(cells: np.ndarray | torch.Tensor) -> torch.device:
-    return cells.device if isinstance(cells, torch.Tensor) else torch.device("cpu")
 
 
 def pair_cells(cells: torch.Tensor, temporal_patch: int) -> torch.Tensor:
@@ -271,7 +267,7 @@ class KeptEncoder:
             if cells is None:
                 wanted.append(torch.ones(Tp * gh * gw, dtype=torch.bool))
             else:
-                paired = pair_cells(to_device(cells, _device_of(cells)), self.geometry.temporal_patch_size)
+                paired = pair_cells(to_device(cells, device_of(cells)), self.geometry.temporal_patch_size)
                 wanted.append(paired.flatten())                              # (T' gh gw,)
         indices = self._indices(wanted) if caching else [None] * len(wanted)
         jobs, todo = [], []

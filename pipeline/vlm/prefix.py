@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from arr_coc.lod import token_frames
-from pipeline.runtime.cuda import to_device, upload
+from pipeline.runtime.cuda import device_of, to_device, upload
 from pipeline.vlm import hf, qwen3_vl
 from pipeline.vlm.frame_groups import VideoLayout, group_timestamps, kept_slots, stamp_ids, video_layout
 from pipeline.vlm.geometry import VLMGeometry
@@ -173,7 +173,7 @@ class PrefixBuilder:
         """Where a request's masks are worked out: its keep map on the host (a CPU tensor) when it
         came from the host and snapping leaves it as it is (the pipeline's stages hand over numpy
         maps: no device round trip and no host read then), else `snapped`, its map on the device."""
-        if keep is None or isinstance(keep, torch.Tensor) and keep.device.type != "cpu":
+        if keep is None or device_of(keep).type != "cpu":
             return snapped
         if self.config.snap_windows and scores is not None:
             return snapped
@@ -185,8 +185,7 @@ class PrefixBuilder:
         device keep is on (None: the host)."""
         T, H, W = frames.shape[:3]
         grid = (token_frames(T, self.geometry.temporal_patch_size), *self.geometry.grid(H, W))
-        device = keep.device if isinstance(keep, torch.Tensor) else torch.device("cpu")
-        return token_cells(self.window_lod(frames, keep, grid, device)).flatten()
+        return token_cells(self.window_lod(frames, keep, grid, device_of(keep))).flatten()
 
     def window_lod(self, frames: np.ndarray | torch.Tensor, keep: np.ndarray | torch.Tensor | None,
                    grid: tuple[int, int, int], device: torch.device | None = None) -> torch.Tensor:

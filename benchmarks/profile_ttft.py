@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kept-windows", choices=("whole", "cells"), default="whole")
     ap.add_argument("--retention", type=float, default=0.1)
     ap.add_argument("--kept-context", type=int, default=None, help="vlm.kept_context (default: the config's)")
+    ap.add_argument("--keep-on", choices=("host", "device"), default="host",
+                    help="where the keep map is handed over (as bench_vlm --keep-on; default %(default)s)")
     ap.add_argument("--reps", type=int, default=10, help="timed calls (the profile records 3)")
     ap.add_argument("--trace", type=Path, help="also write the Chrome trace here (.gz: compressed)")
     ap.add_argument("--json", type=Path, help="write the summary here")
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     vlm = build_vlm(arch, device, dtype, cfg)
     relevance, *_ = relevance_map(vlm, frames, 1)
     keep = keep_maps(relevance, [args.retention], vlm.geometry.temporal_patch_size)[args.retention]
+    if args.keep_on == "host":                  # as the pipeline's stages hand it over
+        keep = keep.cpu().numpy()
     request = AnswerRequest("profile", window, keep, QUESTION, 0.0, T / vlm.config.fps)
 
     def call():
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         trace.write_bytes(gzip.compress(raw.read_bytes()))
     if args.trace is None or trace.suffix == ".gz":
         raw.unlink()
-    summary = {"arch": arch, "encode": args.encode, "kept_windows": args.kept_windows,
+    summary = {"arch": arch, "encode": args.encode, "kept_windows": args.kept_windows, "keep_on": args.keep_on,
                "kept_context": cfg.kept_context, "retention": args.retention,
                "ttft_ms": round(statistics.median(times) * 1e3, 3), "profiled_ms": round(profiled_s * 1e3, 3),
                **summarize(events, calls)}

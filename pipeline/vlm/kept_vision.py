@@ -81,6 +81,12 @@ def nonzero_each(masks: list[torch.Tensor]) -> list[torch.Tensor]:
     return [index[a:b] - start for a, b, start in zip(cuts, cuts[1:], starts)]
 
 
+def any_on_device(maps: list) -> bool:
+    """Whether any of these maps (None, numpy or tensors) is on a device: working out its masks
+    then reads it back (a host sync); maps on the host read nothing."""
+    return any(m is not None and device_of(m).type != "cpu" for m in maps)
+
+
 def pair_cells(cells: torch.Tensor, temporal_patch: int) -> torch.Tensor:
     """(T, gh, gw) per-frame map, nonzero = wanted -> (T', gh, gw) bool per video token: wanted when
     either frame of its pair wants it (the LOD pairing rule, arr_coc/lod.py)."""
@@ -199,14 +205,18 @@ class KeptEncoder:
             # live reuse compares the wanted cells' pixels with the cache's: preprocess first
             pixels, grids = zip(*(self.preprocessor(frames, self.device) for frames in videos))
             return self.encode_pixels(list(pixels), list(grids), cell_maps, reuse)
-        # the plan needs the cell maps only: it is worked out before the frames are uploaded and
-        # preprocessed, so that a read of it does not wait for that work (on an H200 profile of
-        # the Qwen3-VL 2B, ~1 ms of upload and kernels), and the tower is queued right after it
+        # the plan needs the cell maps only. Maps on the device are read back for it: it is worked
+        # out before the frames are uploaded and preprocessed, so that the read does not wait for
+        # that work (on an H200 profile of the Qwen3-VL 2B, ~1 ms of upload and kernels). Maps
+        # on the host are read from nothing: the frames go first and the GPU works on them while
+        # the host plans. Either way the tower is queued right after the plan.
         tp = self.geometry.temporal_patch_size
         shapes = [(token_frames(frames.shape[0], tp), *self.geometry.grid(*frames.shape[1:3])) for frames in videos]
+        read = any_on_device(cell_maps)
+        pixels = None if read else [self.preprocessor(frames, self.device)[0] for frames in videos]
         jobs, plan = self._jobs(shapes, None, cell_maps, reuse)
-        for job, frames in zip(jobs, videos):
-            job.blocks = self._blocks(self.preprocessor(frames, self.device)[0], job.grid)
+        for i, (job, frames) in enumerate(zip(jobs, videos)):
+            job.blocks = self._blocks(self.preprocessor(frames, self.device)[0] if read else pixels[i], job.grid)
         fresh = self._tower(jobs, plan)
         return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
 

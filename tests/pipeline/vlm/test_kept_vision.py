@@ -644,18 +644,23 @@ def test_a_batch_of_videos_reads_the_host_once(monkeypatch, family, size):
         assert torch.equal(features.index, alone.index) and close(features.tokens, alone.tokens)
 
 
-def test_prepare_reads_the_token_index_before_the_tower_runs(monkeypatch):
-    """VLM.prepare's one read of the kept tokens' cells comes before the vision tower is queued:
-    read after it, the host waited for the tower and then built the prefix with the GPU idle."""
+@pytest.mark.parametrize("on_device, want", [(True, ["index", "tower"]), (False, ["tower", "index"])])
+def test_prepare_reads_the_token_index_before_the_tower_runs(monkeypatch, on_device, want):
+    """VLM.prepare's one read of the kept tokens' cells from maps on a device comes before the
+    vision tower is queued: read after it, the host waited for the tower and then built the prefix
+    with the GPU idle. Maps on the host read nothing: the tower is queued first, and the host works
+    the index out while it runs."""
     import pipeline.vlm.model as model_mod
     vlm = kept(tiny("qwen2_vl"))
     frames = make_frames(4, 84, 112, seed=5)
     events = []
+    # on a CPU every map is on the host: where a map is only decides the order here
+    monkeypatch.setattr(model_mod, "any_on_device", lambda maps: on_device)
     index_of, tokens_of = model_mod.read_back, vlm.encoder.window_tokens
     monkeypatch.setattr(model_mod, "read_back", lambda masks: events.append("index") or index_of(masks))
     monkeypatch.setattr(vlm.encoder, "window_tokens", lambda *a, **k: events.append("tower") or tokens_of(*a, **k))
     prefix, = vlm.prepare([request(frames, random_keep(vlm, frames, seed=6))])
-    assert events == ["index", "tower"]
+    assert events == want
     assert prefix.tokens_kept == int(token_cells(pair_lod(torch.as_tensor(random_keep(vlm, frames, seed=6)))).sum())
 
 
@@ -679,16 +684,20 @@ def test_prepare_selects_every_windows_tokens_with_one_read(monkeypatch):
 
 
 class TestHostPlan:
-    """The tower call's plan comes from the cell maps alone: read back before any frame is
-    preprocessed (a read queued after the preprocessing waits for it on a GPU), positions worked
-    out on the host."""
+    """The tower call's plan comes from the cell maps alone. Maps on a device are read back before
+    any frame is preprocessed (a read queued after the preprocessing waits for it on a GPU); maps
+    on the host read nothing, so the frames go first and the GPU works on them while the host
+    plans. Positions are worked out on the host."""
 
-    def test_plan_is_read_before_the_frames_are_preprocessed(self, vlm, monkeypatch):
+    @pytest.mark.parametrize("on_device, want", [(True, ["read", "preprocess"]), (False, ["preprocess", "read"])])
+    def test_plan_is_read_before_the_frames_are_preprocessed(self, vlm, monkeypatch, on_device, want):
         from pipeline.vlm import kept_vision
         model = kept(vlm)
         encoder = model.kept_encoder
         order = []
         real_read, real_pre = kept_vision.read_back, encoder.preprocessor
+        # on a CPU every map is on the host: where a map is only decides the order here
+        monkeypatch.setattr(kept_vision, "any_on_device", lambda maps: on_device)
 
         def read(tensors):
             order.append("read")
@@ -705,7 +714,7 @@ class TestHostPlan:
         frames = make_frames(4, 56, 84, seed=2)
         keep = random_keep(model, frames, seed=3)
         got = encoder.encode(frames, keep)
-        assert order == ["read", "preprocess"]
+        assert order == want
         encoder.preprocessor = real_pre
         want = kept(vlm).kept_encoder.encode(frames, keep)
         assert torch.equal(got.index, want.index)

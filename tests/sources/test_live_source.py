@@ -318,7 +318,12 @@ class TestOutages:
         assert "Immediate exit" not in gap.reason
         assert not stats_down.connected and stats_down.gaps == 1 and stats_down.outage_s >= 0.9
         assert stats.connected and stats.gaps == 1 and stats.reconnects >= 1
-        assert stats.outage_s == pytest.approx(length, abs=1e-6)
+        if stats.dropped == 0:
+            assert stats.outage_s == pytest.approx(length, abs=1e-6)
+        else:
+            # a slow consumer (a loaded machine) let the buffer drop the frame that ended the outage:
+            # the gap then ends at the next frame it sees (LatestFrames._drop_oldest), a little later
+            assert 0.0 <= length - stats.outage_s <= stats.dropped / 20 + 0.05, (length, stats)
         messages = [str(w.message) for w in caught if w.category is StreamInterruptedWarning]
         assert len(messages) == 2 and "stream lost at" in messages[0] and "read timeout 1 s" in messages[0]
         assert re.search(r"stream back after \d+\.\d s without frames$", messages[1])

@@ -212,11 +212,12 @@ class KeptEncoder:
         # the host plans. Either way the tower is queued right after the plan.
         tp = self.geometry.temporal_patch_size
         shapes = [(token_frames(frames.shape[0], tp), *self.geometry.grid(*frames.shape[1:3])) for frames in videos]
-        read = any_on_device(cell_maps)
-        pixels = None if read else [self.preprocessor(frames, self.device)[0] for frames in videos]
+        def preprocess() -> list[torch.Tensor]:
+            return [self.preprocessor(frames, self.device)[0] for frames in videos]
+        pixels = None if any_on_device(cell_maps) else preprocess()
         jobs, plan = self._jobs(shapes, None, cell_maps, reuse)
-        for i, (job, frames) in enumerate(zip(jobs, videos)):
-            job.blocks = self._blocks(self.preprocessor(frames, self.device)[0] if read else pixels[i], job.grid)
+        for job, px in zip(jobs, preprocess() if pixels is None else pixels):
+            job.blocks = self._blocks(px, job.grid)
         fresh = self._tower(jobs, plan)
         return [self._finish(job, tokens) for job, tokens in zip(jobs, fresh)]
 

@@ -16,7 +16,7 @@
 #   benchmarks/gpu/train_answer_models.sh --limit-s 400            # first call: 400 s of training each
 #   benchmarks/gpu/train_answer_models.sh --resume --limit-s 800   # second: on to 800 s (limits are totals)
 # Options: --stage4-steps / --qwen3-steps (the LR schedules' lengths: ~2.1 and ~2 steps/s on two H200s;
-# stage 4 on one H200: 0.69-0.75 steps/s, 452 steps of a 500-step schedule in 615 s over two calls),
+# stage 4 on one H200: 0.84-0.93 steps/s, the 500-step schedule in 580 s of training over two calls),
 # --workers N (data workers per process), --gpus-a 0,1 --gpus-b 2,3, --cpus-a 0-31 --cpus-b 32-63 (taskset),
 # --only stage4|qwen3 (train that one alone, e.g. on a one-GPU machine: --only qwen3 --gpus-b 0 --cpus-b 0-15),
 # --skip-eval, --smoke (a few steps of tiny data on the CPU: the check of this script's commands).

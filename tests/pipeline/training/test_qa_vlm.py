@@ -304,27 +304,35 @@ class TestTrainingInputsAreThePipelines:
 
 
 class TestConfig:
-    def test_yamls_are_the_shipped_snapshots_three_stage_recipe(self):
+    def test_yamls_are_the_shipped_snapshots_four_stage_recipe(self):
         """configs/qa_vlm.yaml (stage 1, from scratch), configs/qa_vlm_ground.yaml (stage 2, on from
-        stage 1's snapshot with the grounding loss) and configs/qa_vlm_multi.yaml with the `--set`s of
-        its recorded command (stage 3: the training renderers, on from stage 2, data-parallel) train
-        what pipeline/vlm/weights/arrcoc-synth-qa was trained with, to its last step: the snapshot
-        keeps every stage's summary. Workers do not change the data; stages 2 and 3 ran under a time
-        limit that stopped them (stage 2 where stop_step now does)."""
+        stage 1's snapshot with the grounding loss), configs/qa_vlm_multi.yaml (stage 3: the training
+        renderers, on from stage 2, data-parallel) and configs/qa_vlm_stage4.yaml (stage 4: the weak
+        families, on from stage 3, one GPU) train what
+        pipeline/vlm/weights/arrcoc-synth-qa was trained with, to its last step: the snapshot keeps
+        every stage's summary. Workers do not change the data; stages 2 and 3 ran under a time limit
+        that stopped them (stage 2 where stop_step now does); stages 3 and 4 are their yamls with the
+        `--set`s of their recorded commands."""
         import shlex
 
         from pipeline.vlm.loading import SHIPPED
         root = SHIPPED["arrcoc-synth-qa"]
-        stage3_summary = json.loads((root / "training_summary.json").read_text())
-        argv = shlex.split(stage3_summary["command"])
-        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-        assert argv[argv.index("--config") + 1] == "configs/qa_vlm_multi.yaml" and stage3_summary["processes"] == 2
-        stage1 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm.yaml"))
-        stage2 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm_ground.yaml"))
-        stage3 = to_dict(load_config(QAVLMConfig, ROOT / "configs" / "qa_vlm_multi.yaml", sets))
-        for yaml_cfg, name in ((stage1, "training_summary_stage1.json"), (stage2, "training_summary_stage2.json"),
-                               (stage3, "training_summary.json")):
+        recipe = {}
+        for yaml_name, name in (("qa_vlm.yaml", "training_summary_stage1.json"),
+                                ("qa_vlm_ground.yaml", "training_summary_stage2.json"),
+                                ("qa_vlm_multi.yaml", "training_summary_stage3.json"),
+                                ("qa_vlm_stage4.yaml", "training_summary.json")):
             shipped = json.loads((root / name).read_text())
+            sets = []
+            if "stage1" not in name and "stage2" not in name:   # stage 2 ran as qa_vlm.yaml + --sets, now its yaml
+                argv = shlex.split(shipped["command"])
+                sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+                assert argv[argv.index("--config") + 1] == f"configs/{yaml_name}", name
+            recipe[name] = (to_dict(load_config(QAVLMConfig, ROOT / "configs" / yaml_name, sets)), shipped)
+        stage1, stage2, stage3, stage4 = (recipe[n][0] for n in recipe)
+        assert recipe["training_summary_stage3.json"][1]["processes"] == 2
+        assert recipe["training_summary.json"][1]["processes"] == 1
+        for name, (yaml_cfg, shipped) in recipe.items():
             t = shipped["config"]["train"]
             if yaml_cfg is stage3:   # stopped by its time limit (any rank's clock), before the schedule's end
                 assert not shipped["complete"] and shipped["steps"] < yaml_cfg["train"]["steps"]
@@ -349,10 +357,13 @@ class TestConfig:
                 t.setdefault("aux_ground_layer", 4)
                 t.setdefault("init", "")
             assert yaml_cfg == shipped["config"], name
-        assert stage3["data"]["renderers"] == ["shapes", "photo", "busy"]
+        for stage in (stage3, stage4):
+            assert stage["data"]["renderers"] == ["shapes", "photo", "busy"]
+            assert stage["train"]["init"] == "arrcoc-synth-qa"
         assert stage2["train"]["aux_ground_weight"] > 0 and stage3["train"]["aux_ground_weight"] > 0
+        assert stage4["train"]["aux_facts_weight"] > 0 and stage4["train"]["family_views"]
         saved = json.loads((root / "config.json").read_text())
-        assert saved["arrcoc_pass2_layers"] == stage3["train"]["aux_ground_layer"]
+        assert saved["arrcoc_pass2_layers"] == stage4["train"]["aux_ground_layer"]
 
     @pytest.mark.parametrize("override,message", [
         ("train.lr=0", "train.lr=0.0 is out of range; allowed: (0.0, 1.0]"),

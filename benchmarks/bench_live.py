@@ -32,6 +32,7 @@ their answers' latencies are pooled. `capacity` is the most streams whose p95 st
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -137,6 +138,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         stop.set()
 
     def on_graph(graph):
+        faulthandler.cancel_dump_traceback_later()
         graphs.append(graph)
         threading.Thread(target=mark, daemon=True).start()
 
@@ -144,10 +146,16 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     cfg = pipeline_config(vlm, args, device)
     started = LEDGER.mark("bench_live run")
     note(f"{len(urls)} streams: starting the live run (warm-up captures first)")
-    result = run_live(urls, "what is moving, and where?", out, cfg, live=live_config(args),
-                      options=live_options(args), stop=stop, on_graph=on_graph,
-                      vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query(),
-                      on_answer=lambda item: answered.append((time.monotonic(), item.latency_s)))
+    if args.start_dump_s > 0:   # where a run that never starts waits: every thread's stack, once
+        note(f"{len(urls)} streams: every thread's stack on stderr if not up in {args.start_dump_s:g} s")
+        faulthandler.dump_traceback_later(args.start_dump_s, exit=False, file=sys.stderr)
+    try:
+        result = run_live(urls, "what is moving, and where?", out, cfg, live=live_config(args),
+                          options=live_options(args), stop=stop, on_graph=on_graph,
+                          vlm=vlm, status_out=open(os.devnull, "w"), query_embedding=fixed_query(),
+                          on_answer=lambda item: answered.append((time.monotonic(), item.latency_s)))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     note(f"{len(urls)} streams: the run ended")
     span = marks["t1"] - marks["t0"]
     s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]
@@ -294,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                         "least-loaded one (default 1: this process)")
     p.add_argument("--p95-target-ms", type=float, default=1000.0,
                    help="answer latency p95 that `capacity` holds to (default %(default)g)")
+    p.add_argument("--start-dump-s", type=float, default=120.0,
+                   help="print every thread's stack if a run's graph is not up this many seconds after it starts "
+                        "(0: never; default %(default)g)")
     p.add_argument("--keep-latencies", action="store_true", help=argparse.SUPPRESS)   # set for --gpus' processes
     p.add_argument("--out", default=None,
                    help="results JSON (default: $TMPDIR/arrcoc-bench/bench_live_<device>.json; name "
@@ -330,12 +341,32 @@ def main(argv: list[str] | None = None) -> int:
     else:
         vlm = build_vlm(arch, device, args.settings.vlm)
     note(f"VLM built ({arch} on {device})")
-    rows = []
+    out = Path(args.out) if args.out else scratch_result(f"bench_live_{device.type}{'_quick' if quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(rows: list[dict], soak_row: dict | None, complete: bool) -> None:
+        """The results so far: written after every count, so a run cut short keeps the counts it finished."""
+        result = {"command": command, "commit": git_commit(), "gpus": 1, "complete": complete,
+                  "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                  "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
+                  "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
+                  "vlm_process": args.vlm_process, "stagger": args.stagger, "warm_up": args.warm_up,
+                  "decode_threads": args.decode_threads, "decoder": args.decoder,
+                  "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
+                  "rows": rows, "soak": soak_row, "host": host_topology(),
+                  "capacity": capacity(rows, args.p95_target_ms, fps),
+                  "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
+        tmp = out.with_name(out.name + ".part")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out)
+
+    rows, soak_row = [], None
     try:
         for n in counts:
             row = measure([server.url(i) for i in range(n)], vlm, args, device, work / f"live{n}.zarr")
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write(rows, None, complete=False)
         soak_row = soak(server.url(999), vlm, args, device, work / "soak.zarr") if args.soak > 0 else None
         if soak_row:
             print(json.dumps({"soak": soak_row}), flush=True)
@@ -343,19 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         if args.vlm_process:
             vlm.close()
-    result = {"command": command, "commit": git_commit(), "gpus": 1,
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
-              "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
-              "vlm_process": args.vlm_process, "stagger": args.stagger, "warm_up": args.warm_up,
-              "decode_threads": args.decode_threads, "decoder": args.decoder,
-              "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
-              "rows": rows, "soak": soak_row, "host": host_topology(),
-              "capacity": capacity(rows, args.p95_target_ms, fps),
-              "targets": {"fps_at_16": fps, "answer_p95_ms_at_4": 500, "soak_memory_change": 0.05}}
-    out = Path(args.out) if args.out else scratch_result(f"bench_live_{device.type}{'_quick' if quick else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write(rows, soak_row, complete=True)
     print_table(rows, soak_row)
     print(f"wrote {out}")
     return 0

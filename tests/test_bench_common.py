@@ -293,3 +293,39 @@ def test_bench_live_children_run_on_the_gpus_this_process_sees():
     assert child_devices(2, None) == ["0", "1"]
     assert child_devices(2, "2,3") == ["2", "3"]                   # not GPUs 0 and 1 of the host
     assert child_devices(2, " 1, 3,0") == ["1", "3"]
+
+
+def test_bench_live_keeps_the_counts_it_finished_when_a_later_one_fails(tmp_path, monkeypatch):
+    """The results file is written after every stream count: a run cut short (a later count that
+    never starts, a call's time limit) keeps the rows it measured, marked incomplete."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks import bench_live as bench
+
+    class Server:
+        def __init__(self, clip):
+            self.closed = False
+
+        def url(self, i):
+            return f"http://127.0.0.1:1/stream{i}.ts"
+
+        def close(self):
+            self.closed = True
+
+    def measure(urls, vlm, args, device, out):
+        if len(urls) == 3:
+            raise RuntimeError("the 3-stream run never started")
+        return {"streams": len(urls), "answer_latency_p95_ms": 100.0, "fps_processed_per_stream_min": 15.0}
+
+    monkeypatch.setattr(bench, "encode_clip", lambda path, *a, **k: path)
+    monkeypatch.setattr(bench, "TSServer", Server)
+    monkeypatch.setattr(bench, "build_vlm", lambda *a: SimpleNamespace(name="fake"))
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    out = tmp_path / "live.json"
+    with pytest.raises(RuntimeError, match="never started"):
+        bench.main(["--quick", "--device", "cpu", "--streams", "1,2,3", "--soak", "0", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["complete"] is False and [r["streams"] for r in result["rows"]] == [1, 2]
+    assert result["capacity"]["streams"] == 2

@@ -226,7 +226,7 @@ def test_stage4_config_starts_from_the_shipped_snapshot_on_unseen_clips():
     assert "torchrun --standalone --nproc_per_node 2" in header and "--config configs/qa_vlm_stage4.yaml" in header
     assert HELD_OUT not in cfg.data.renderers and cfg.train.init == "arrcoc-synth-qa"
     assert 400 <= cfg.train.time_limit_s <= 480
-    stage3 = json.loads((SHIPPED["arrcoc-synth-qa"] / "training_summary.json").read_text())
+    stage3 = json.loads((SHIPPED["arrcoc-synth-qa"] / "training_summary_stage3.json").read_text())
     t3 = stage3["config"]["train"]
     assert cfg.train.first_seed >= t3["first_seed"] + stage3["steps"] * t3["clips_per_step"]
     model = to_dict(cfg)["model"]

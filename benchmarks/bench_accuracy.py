@@ -102,14 +102,15 @@ def ensure_split(root: Path, count: int, split: str = "test", renderer: str | No
     renderers, which it must not tune on)."""
     if (root / f"{split}_qa.json").exists():
         return
-    print(f"generating {count} {split} clips ({renderer or 'original generator'}) under {root}", file=sys.stderr)
     if renderer is None:
+        print(f"generating {count} {split} clips (original generator) under {root}", file=sys.stderr)
         from evaluation.synth_qa import write_split
         write_split(root, split, count, progress=sys.stderr.isatty())
         return
     from evaluation.renderers import HELD_OUT, training_renderers, write_renderer_split
     held_out = renderer == HELD_OUT
     renderers = training_renderers() if held_out and split != "test" else tuple(renderer.split(","))
+    print(f"generating {count} {split} clips ({','.join(renderers)}) under {root}", file=sys.stderr)
     write_renderer_split(root, split, count, renderers, evaluation=held_out and split == "test",  # type: ignore[arg-type]
                          progress=sys.stderr.isatty())
 

@@ -179,3 +179,22 @@ def test_empty_frame_group_variants_on_a_qwen3_vl(tmp_path, bench):
     assert result["variants"]["drop"] == ["vlm.empty_frame_groups=drop"]
     assert result["variants"]["kept-drop"] == ["vlm.encode=kept", "vlm.kept_context=0", "vlm.empty_frame_groups=drop"]
     assert all(r["mean_tokens_kept"] > 0 for r in result["rows"])
+
+
+def test_held_out_validation_clips_come_from_the_training_renderers_and_say_so(tmp_path, monkeypatch, capsys):
+    """Tempering's validation split for a held-out run is drawn by the training renderers (the
+    held-out one is never tuned on), and the progress line names those, not the held-out one."""
+    import evaluation.renderers as renderers
+    from benchmarks.bench_accuracy import ensure_split
+
+    calls = []
+    def write(root, split, count, names, evaluation, progress):
+        calls.append((split, names, evaluation))
+    monkeypatch.setattr(renderers, "write_renderer_split", write)
+    ensure_split(tmp_path / "val", 3, "val", renderers.HELD_OUT)
+    ensure_split(tmp_path / "test", 3, "test", renderers.HELD_OUT)
+    assert calls == [("val", renderers.training_renderers(), False), ("test", (renderers.HELD_OUT,), True)]
+    err = capsys.readouterr().err
+    assert f"val clips ({','.join(renderers.training_renderers())})" in err
+    assert f"test clips ({renderers.HELD_OUT})" in err
+    assert f"val clips ({renderers.HELD_OUT})" not in err

@@ -5,7 +5,9 @@
 
 Streams are served from loopback over HTTP as MPEG-TS (benchmarks/loopback.py: one H.264 clip
 encoded at start-up, remuxed with PyAV and paced at its real frame rate, looped; it says why not
-RTSP). Each client gets its own connection and its own paced copy.
+RTSP). Each client gets its own connection and its own paced copy. The server runs in a process of
+its own by default, as cameras are outside the pipeline's process (--server thread: inside it, as
+before 2026-11-29, where its senders shared the measured process's interpreter lock).
 
 The VLM is the Qwen2-VL-2B architecture with random weights (nothing is downloaded), answering
 every --every seconds per stream through one VLMBatcher; random weights stop at random, so EOS
@@ -49,7 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import fixed_query, git_commit, host_topology, scratch_result  # noqa: E402
-from benchmarks.loopback import TSServer, encode_clip  # noqa: E402
+from benchmarks.loopback import TSServer, TSServerProcess, encode_clip  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
 from pipeline.core.live_stages import LiveOptions  # noqa: E402
@@ -302,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                         "least-loaded one (default 1: this process)")
     p.add_argument("--p95-target-ms", type=float, default=1000.0,
                    help="answer latency p95 that `capacity` holds to (default %(default)g)")
+    p.add_argument("--server", choices=("process", "thread"), default="process",
+                   help="the loopback streams' server: a process of its own (default) or threads of this one")
     p.add_argument("--start-dump-s", type=float, default=120.0,
                    help="print every thread's stack if a run's graph is not up this many seconds after it starts "
                         "(0: never; default %(default)g)")
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_live_{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     clip = encode_clip(work / "clip.ts", w, h, fps, seconds=4.0)
-    server = TSServer(clip)
+    server = TSServerProcess(clip) if args.server == "process" else TSServer(clip)
     note(f"clip encoded ({w}x{h}@{fps}), serving it on loopback")
     args.settings = load_settings(args, new_tokens)
     arch = "tiny" if quick else "qwen2-vl-2b"
@@ -349,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"command": command, "commit": git_commit(), "gpus": 1, "complete": complete,
                   "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                   "torch": torch.__version__, "stream": f"{w}x{h}@{fps} H.264 MPEG-TS over loopback HTTP",
+                  "server": args.server,
                   "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
                   "vlm_process": args.vlm_process, "stagger": args.stagger, "warm_up": args.warm_up,
                   "decode_threads": args.decode_threads, "decoder": args.decoder,

@@ -8,6 +8,8 @@ only the session protocol differs. Each client gets its own connection and its o
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -113,3 +115,51 @@ class TSServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TSServerProcess:
+    """TSServer in a process of its own (`python -m benchmarks.loopback CLIP`), as cameras are: its paced
+    senders (Python work at every packet of every client) do not share the measured process's
+    interpreter lock. The child serves until its stdin closes, so it ends with this process."""
+
+    def __init__(self, clip: Path, start_timeout_s: float = 60.0) -> None:
+        root = Path(__file__).resolve().parents[1]
+        self._proc = subprocess.Popen([sys.executable, "-m", "benchmarks.loopback", str(clip)], cwd=root,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(self._proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(start_timeout_s)
+        line = ready[0].strip() if ready else ""
+        if not line.isdigit():
+            self.close()
+            raise RuntimeError(f"the loopback server process did not start (said {line!r})")
+        self.port = int(line)
+
+    def url(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.port}/stream{i}.ts"
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()          # the child's cue to stop
+                self._proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+
+    def __enter__(self) -> "TSServerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve_until_stdin_closes(clip: Path) -> None:
+    with TSServer(clip) as server:
+        print(server.port, flush=True)
+        sys.stdin.read()                          # EOF: the parent closed it or ended
+
+
+if __name__ == "__main__":
+    _serve_until_stdin_closes(Path(sys.argv[1]))

@@ -320,6 +320,7 @@ def test_bench_live_keeps_the_counts_it_finished_when_a_later_one_fails(tmp_path
 
     monkeypatch.setattr(bench, "encode_clip", lambda path, *a, **k: path)
     monkeypatch.setattr(bench, "TSServer", Server)
+    monkeypatch.setattr(bench, "TSServerProcess", Server)
     monkeypatch.setattr(bench, "build_vlm", lambda *a: SimpleNamespace(name="fake"))
     monkeypatch.setattr(bench, "measure", measure)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
@@ -329,3 +330,22 @@ def test_bench_live_keeps_the_counts_it_finished_when_a_later_one_fails(tmp_path
     result = json.loads(out.read_text())
     assert result["complete"] is False and [r["streams"] for r in result["rows"]] == [1, 2]
     assert result["capacity"]["streams"] == 2
+
+
+def test_loopback_server_process_serves_the_clip_and_ends_with_close(tmp_path):
+    """bench_live's default server: a process of its own that streams the clip to each client and
+    exits when closed."""
+    import av
+
+    from benchmarks.loopback import TSServerProcess, encode_clip
+
+    clip = encode_clip(tmp_path / "clip.ts", 160, 96, 10, seconds=1.0)
+    with TSServerProcess(clip) as server:
+        container = av.open(server.url(7), options={"analyzeduration": "200000"}, timeout=(10, 10))
+        try:
+            frames = [f for _, f in zip(range(5), container.decode(video=0))]
+        finally:
+            container.close()
+        proc = server._proc
+    assert [(f.width, f.height) for f in frames] == [(160, 96)] * 5
+    assert proc.poll() is not None

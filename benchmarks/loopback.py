@@ -14,6 +14,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Self
 
 import av
 import numpy as np
@@ -72,7 +73,25 @@ def serve_ts(clip: Path, wfile, stop: threading.Event) -> None:
             pass
 
 
-class TSServer:
+class LoopbackServer:
+    """A server of the clip on a loopback port: its streams' URLs, close(), and a `with` block."""
+
+    port: int
+
+    def url(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.port}/stream{i}.ts"
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TSServer(LoopbackServer):
     """http://127.0.0.1:PORT/<anything>.ts -> the clip, live. One thread per client; `send` is what
     each one gets (a subclass may send something else: tests/live/live_servers.py)."""
 
@@ -102,22 +121,13 @@ class TSServer:
     def send(self, wfile) -> None:
         serve_ts(self.clip, wfile, self.stop)
 
-    def url(self, i: int = 0) -> str:
-        return f"http://127.0.0.1:{self.port}/stream{i}.ts"
-
     def close(self) -> None:
         self.stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def __enter__(self) -> "TSServer":
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class TSServerProcess:
+class TSServerProcess(LoopbackServer):
     """TSServer in a process of its own (`python -m benchmarks.loopback CLIP`), as cameras are: its paced
     senders (Python work at every packet of every client) do not share the measured process's
     interpreter lock. The child serves until its stdin closes, so it ends with this process."""
@@ -136,9 +146,6 @@ class TSServerProcess:
             raise RuntimeError(f"the loopback server process did not start (said {line!r})")
         self.port = int(line)
 
-    def url(self, i: int = 0) -> str:
-        return f"http://127.0.0.1:{self.port}/stream{i}.ts"
-
     def close(self) -> None:
         if self._proc.poll() is None:
             try:
@@ -147,12 +154,6 @@ class TSServerProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
                 self._proc.wait()
-
-    def __enter__(self) -> "TSServerProcess":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _serve_until_stdin_closes(clip: Path) -> None:

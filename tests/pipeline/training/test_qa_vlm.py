@@ -318,13 +318,15 @@ class TestConfig:
         from pipeline.vlm.loading import SHIPPED
         root = SHIPPED["arrcoc-synth-qa"]
         recipe = {}
-        for yaml_name, name in (("qa_vlm.yaml", "training_summary_stage1.json"),
-                                ("qa_vlm_ground.yaml", "training_summary_stage2.json"),
-                                ("qa_vlm_multi.yaml", "training_summary_stage3.json"),
-                                ("qa_vlm_stage4.yaml", "training_summary.json")):
+        # (yaml, summary, whether the summary's command ran that yaml: stage 2 ran as qa_vlm.yaml + --sets,
+        # which its yaml now holds)
+        for yaml_name, name, ran_yaml in (("qa_vlm.yaml", "training_summary_stage1.json", False),
+                                          ("qa_vlm_ground.yaml", "training_summary_stage2.json", False),
+                                          ("qa_vlm_multi.yaml", "training_summary_stage3.json", True),
+                                          ("qa_vlm_stage4.yaml", "training_summary.json", True)):
             shipped = json.loads((root / name).read_text())
             sets = []
-            if "stage1" not in name and "stage2" not in name:   # stage 2 ran as qa_vlm.yaml + --sets, now its yaml
+            if ran_yaml:
                 argv = shlex.split(shipped["command"])
                 sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
                 assert argv[argv.index("--config") + 1] == f"configs/{yaml_name}", name

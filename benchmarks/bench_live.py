@@ -129,9 +129,11 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
              f"{args.warmup:g} s of warm-up, then {args.seconds:g} s measured")
         time.sleep(args.warmup)
         marks["t0"], marks["s0"] = time.monotonic(), snapshot(sources, sink.counters)
+        marks["cpu0"] = (time.process_time(), host_cpu())
         marks["lat0"] = {sid: len(c.answer_latency) for sid, c in sink.counters.items()}
         time.sleep(args.seconds)
         marks["t1"], marks["s1"] = time.monotonic(), snapshot(sources, sink.counters)
+        marks["cpu1"] = (time.process_time(), host_cpu())
         marks["lat"] = [lat for sid, c in sink.counters.items() for lat in list(c.answer_latency)[marks["lat0"][sid]:]]
         marks["frame_lat"] = [lat for c in sink.counters.values() for lat in list(c.frame_latency)[-64:]]
         batcher = next(s.batcher for s in graphs[0].stages if hasattr(s, "batcher"))
@@ -174,6 +176,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             "dropped": int(sum(p["dropped"] for p in per.values())),
             "drop_share": round(sum(p["dropped"] for p in per.values()) / max(1, frames_in), 4),
             "answers": int(sum(p["answers"] for p in per.values())),
+            **cpu_use(marks["cpu0"], marks["cpu1"], span),
             "answer_latency_p50_ms": round(percentile(marks["lat"], 50) * 1e3, 1),
             "answer_latency_p95_ms": round(percentile(marks["lat"], 95) * 1e3, 1),
             **latency_parts(marks["batches"], marks["frame_lat"]),
@@ -184,6 +187,25 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             # encode: kept: cells through the tower and reused from the streams' caches (cumulative)
             "kept_counters": dict(vlm.kept_encoder.counters) if hasattr(vlm, "kept_encoder") else {},
             **cold_start(started, answered, args.cold_seconds, result.warm_up)}
+
+
+def host_cpu() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole machine since boot (/proc/stat), None off Linux."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def cpu_use(before: tuple, after: tuple, span: float) -> dict:
+    """CPU cores the pipeline's process kept busy over the measured span, and the machine's busy
+    share (every process: the loopback server, a VLM process of its own, the rest of the host)."""
+    out = {"cpu_cores_pipeline": round((after[0] - before[0]) / span, 2)}
+    if before[1] is not None and after[1] is not None and after[1][1] > before[1][1]:
+        out["host_cpu_busy_share"] = round((after[1][0] - before[1][0]) / (after[1][1] - before[1][1]), 3)
+    return out
 
 
 def cold_start(started: float, answered: list[tuple[float, float]], seconds: float, warm_up) -> dict:

@@ -236,7 +236,7 @@ class LiveSource:
     def start(self) -> "LiveSource":
         """Open the source (SourceError if it cannot be opened). A stream is read from now on (that
         keeps its connection alive); a file starts playing at `begin()`."""
-        self._conn = CONNECTIONS[self.spec.kind](self.spec, self.config, None)
+        self._conn = self._connect(None)
         self.width, self.height, self.fps = self._conn.width, self._conn.height, self._conn.fps
         self._t0 = time.time()
         if self.spec.kind != "file":
@@ -346,6 +346,9 @@ class LiveSource:
                 if self._last is not None:
                     pts = max(pts, self._last[0] + 1e-6)   # never backwards, also across reconnects
                 gap = self._recover(pts, arrival)
+                if rgb is None:   # read before the consumer was ready: begin() forgets these anyway
+                    self._last = (pts, arrival)
+                    continue
                 if isinstance(rgb, np.ndarray):   # NVDEC's frames are contiguous device tensors already
                     rgb = np.ascontiguousarray(rgb)
                 self.buffer.put(Frame(self.stream_id, self.frames_in, pts, rgb, arrival), gap)
@@ -404,14 +407,18 @@ class LiveSource:
                            outage.reason(now, ending or "still down when the capture ended"))
         self.buffer.close(last_gap)
 
+    def _connect(self, size: tuple[int, int] | None) -> Connection:
+        conn = CONNECTIONS[self.spec.kind](self.spec, self.config, size)
+        conn.wanted = lambda: self.began_at is not None   # no RGB for frames begin() would forget
+        return conn
+
     def _reconnect(self) -> Connection | None:
         """The next connection of the open outage (sources/reconnect.py: its backoff grows with the
         outage's failures, whichever way each failed); None when stopped or giving up."""
         if self._outage is None:   # the stream ended without an outage: stopped
             return None
         size = (self.width, self.height)
-        conn, self.error = self._policy.run(
-            self._outage, lambda: CONNECTIONS[self.spec.kind](self.spec, self.config, size), self._stop, self.name)
+        conn, self.error = self._policy.run(self._outage, lambda: self._connect(size), self._stop, self.name)
         if conn is not None:
             self.reconnects += 1
         return conn

@@ -156,6 +156,10 @@ class Connection:
     height: int
     fps: float
     truncated = False   # a file whose decoding damage stopped early (set once frames() ended)
+    # whether anyone will look at the frames now (LiveSource: not before its consumer is ready); a
+    # network stream read before then is decoded (its decoder needs every packet) but not converted
+    # to RGB, and yields None for those frames
+    wanted: Callable[[], bool] = staticmethod(lambda: True)
 
     def frames(self) -> Iterator[tuple[float | None, np.ndarray, float | None]]:
         raise NotImplementedError
@@ -256,10 +260,14 @@ class NetworkConnection(Connection):
         raise Lost("server closed the connection")
 
     def _decode(self, packet: av.Packet) -> Iterator[tuple[int | None, np.ndarray]]:
-        """(pts in the stream's time base, or None; RGB (H, W, 3) at the connection's size) of the
-        frames this packet completes (the demuxer's final empty packet flushes the decoder)."""
+        """(pts in the stream's time base, or None; RGB (H, W, 3) at the connection's size, or None
+        while the frames are not `wanted`) of the frames this packet completes (the demuxer's final
+        empty packet flushes the decoder)."""
         for frame in packet.decode():
             if frame.is_corrupt:  # concealed packet loss: skip the frame, keep the stream
+                continue
+            if not self.wanted():
+                yield frame.pts, None
                 continue
             rgb = self._reformatter.reformat(frame, width=self.width, height=self.height,
                                              format="rgb24").to_ndarray()     # (H, W, 3)

@@ -443,6 +443,34 @@ class TestDecodeDelay:
         assert len(frames) >= 30
         assert taken - frames[-1].arrival_s > 0.15            # the newest frame came in ~7 frames before it was out
 
+    def test_frames_before_the_consumer_is_ready_are_not_converted(self, tmp_path, monkeypatch):
+        """A stream is read from open() on (its decoder needs every packet), but the frames begin()
+        forgets never cost an RGB conversion: with many streams opened side by side while the models
+        warm up, those conversions took the CPU the warm-up needed."""
+        import sources.live_connections as lc
+
+        converted = []
+
+        class Counting:
+            def __init__(self, real=lc.VideoReformatter):
+                self.real = real()
+
+            def reformat(self, frame, *args, **kwargs):
+                converted.append(frame.pts)
+                return self.real.reformat(frame, *args, **kwargs)
+
+        monkeypatch.setattr(lc, "VideoReformatter", Counting)
+        with http_ts_server(tmp_path, fps=30) as server:
+            with open_live(server.url(), config=LiveConfig(read_timeout_s=3.0)) as src:
+                deadline = time.monotonic() + 5.0
+                while src._last is None and time.monotonic() < deadline:   # frames decoded, none wanted
+                    time.sleep(0.05)
+                time.sleep(0.3)
+                assert src._last is not None and converted == []
+                frames, _ = drain(src, 3.0, until=lambda f: len(f) >= 10)
+        assert len(frames) >= 10 and frames[0].rgb.shape[2] == 3
+        assert len(converted) >= len(frames) and frames[0].index == 0   # indices count from begin()
+
     @pytest.mark.parametrize("value, message", [(-1, "live.decode_threads=-1 is out of range"),
                                                 (1.5, "live.decode_threads must be an integer")])
     def test_decode_threads_are_checked(self, value, message):

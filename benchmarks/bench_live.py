@@ -141,8 +141,22 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         note(f"{len(urls)} streams: measured, stopping the run")
         stop.set()
 
+    up = threading.Event()
+
+    def setup_progress(every_s: float = 15.0) -> None:
+        """Until the graph is up: every every_s, the graphs captured so far and the machine's CPU use
+        (a slow start says whether it is capturing slowly or waiting)."""
+        last = host_cpu()
+        while not up.wait(every_s):
+            now = host_cpu()
+            busy = (f", host CPU {100 * (now[0] - last[0]) / max(1, now[1] - last[1]):.0f}% busy"
+                    if now is not None and last is not None else "")
+            note(f"{len(urls)} streams: setting up, {len(LEDGER.entries(started, 'capture'))} graphs captured{busy}")
+            last = now
+
     def on_graph(graph):
         faulthandler.cancel_dump_traceback_later()
+        up.set()
         graphs.append(graph)
         threading.Thread(target=mark, daemon=True).start()
 
@@ -153,6 +167,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     if args.start_dump_s > 0:   # where a run that never starts waits: every thread's stack, once
         note(f"{len(urls)} streams: every thread's stack on stderr if not up in {args.start_dump_s:g} s")
         faulthandler.dump_traceback_later(args.start_dump_s, exit=False, file=sys.stderr)
+    threading.Thread(target=setup_progress, daemon=True).start()
     try:
         result = run_live(urls, "what is moving, and where?", out, cfg, live=live_config(args),
                           options=live_options(args), stop=stop, on_graph=on_graph,
@@ -160,6 +175,7 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
                           on_answer=lambda item: answered.append((time.monotonic(), item.latency_s)))
     finally:
         faulthandler.cancel_dump_traceback_later()
+        up.set()
     note(f"{len(urls)} streams: the run ended")
     span = marks["t1"] - marks["t0"]
     s0, s1 = marks["s0"]["streams"], marks["s1"]["streams"]

@@ -456,7 +456,7 @@ class TestDecodeDelay:
                 self.real = real()
 
             def reformat(self, frame, *args, **kwargs):
-                converted.append(frame.pts)
+                converted.append(kwargs.get("threads"))
                 return self.real.reformat(frame, *args, **kwargs)
 
         monkeypatch.setattr(lc, "VideoReformatter", Counting)
@@ -470,6 +470,8 @@ class TestDecodeDelay:
                 frames, _ = drain(src, 3.0, until=lambda f: len(f) >= 10)
         assert len(frames) >= 10 and frames[0].rgb.shape[2] == 3
         assert len(converted) >= len(frames) and frames[0].index == 0   # indices count from begin()
+        # one swscale thread a stream where PyAV can say so (its default: a pool per stream as large as the machine)
+        assert set(converted) == ({1} if lc.SCALING else {None})
 
     @pytest.mark.parametrize("value, message", [(-1, "live.decode_threads=-1 is out of range"),
                                                 (1.5, "live.decode_threads must be an integer")])

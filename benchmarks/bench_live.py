@@ -102,7 +102,8 @@ def live_config(args) -> LiveConfig:
     """The capture settings of every run: --buffer frames per source, --decoder, --decode-threads, 10 s
     to open or stall."""
     return LiveConfig(buffer_frames=args.buffer, open_timeout_s=10.0, read_timeout_s=10.0,
-                      decode_threads=args.decode_threads, decoder=args.decoder)
+                      decode_threads=args.decode_threads, decoder=args.decoder,
+                      capture_processes=args.capture_processes)
 
 
 def live_options(args) -> LiveOptions:
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                         "default)")
     p.add_argument("--decoder", choices=("pyav", "nvdec"), default=LiveConfig.decoder,
                    help="LiveConfig.decoder: the streams decoded by PyAV on the CPU or by the GPU's NVDEC")
+    p.add_argument("--capture-processes", type=int, default=0, metavar="N",
+                   help="LiveConfig.capture_processes: capture the streams in N worker processes (default 0: threads)")
     p.add_argument("--decode-threads", type=int, default=LiveConfig.decode_threads,
                    help="LiveConfig.decode_threads: FFmpeg threads per stream "
                         "(default %(default)s; 0: FFmpeg's choice)")
@@ -395,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                   "vlm": vlm.name, "overrides": args.overrides, "switch_interval_ms": args.switch_interval_ms,
                   "vlm_process": args.vlm_process, "stagger": args.stagger, "warm_up": args.warm_up,
                   "decode_threads": args.decode_threads, "decoder": args.decoder,
+                  "capture_processes": args.capture_processes,
                   "every_s": args.every, "new_tokens": new_tokens, "batch_size": args.batch_size,
                   "rows": rows, "soak": soak_row, "host": host_topology(),
                   "capacity": capacity(rows, args.p95_target_ms, fps),

@@ -215,7 +215,7 @@ class Pipeline:
              transport: Transport = "tcp", timeout: float = 5.0, buffer: int = 16,
              max_reconnects: int | None = None, metrics_every: float = 5.0, answers_out: TextIO | None = None,
              stop: threading.Event | None = None, vlm_process: bool = False, stagger: bool = True,
-             decode_threads: int = 2) -> LiveResult:
+             decode_threads: int = 2, capture_processes: int = 0) -> LiveResult:
         """Answer a question continuously over live sources, as `python -m pipeline live` does:
         one answer every `every` seconds (2 unless set) or at each scene change, until `duration`
         ends, the sources end, `stop` is set or Ctrl-C. sources: camera index, device, rtsp(s):// or
@@ -226,7 +226,8 @@ class Pipeline:
         behind each other. decode_threads: FFmpeg's decoding threads per network stream
         (LiveConfig.decode_threads, default 2; 0: FFmpeg's choice). With decoder nvdec, network
         streams and realtime files decode on the GPU (decode.fallback as for files); cameras
-        (OpenCV) and decord's choice decode as before."""
+        (OpenCV) and decord's choice decode as before. capture_processes N > 0: the sources are
+        captured in N worker processes (LiveConfig.capture_processes; PyAV only), 0: in threads here."""
         from sinks import store_location
         from sources.live import LiveConfig
 
@@ -242,7 +243,7 @@ class Pipeline:
         live = LiveConfig(transport=transport, open_timeout_s=timeout, read_timeout_s=timeout,
                           max_reconnects=max_reconnects, buffer_frames=buffer, realtime=realtime,
                           decode_threads=decode_threads, decoder="nvdec" if decode.decoder == "nvdec" else "pyav",
-                          fallback=decode.fallback)
+                          fallback=decode.fallback, capture_processes=capture_processes)
         every = self._config.runtime.every_s
         options = LiveOptions(every_s=2.0 if every is None else every, on_scene_change=on_scene_change,
                               duration_s=duration, metrics_every_s=metrics_every, vlm_process=vlm_process,

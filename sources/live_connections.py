@@ -76,6 +76,10 @@ class LiveConfig:
                        2 (default): one frame held back, two cores' decode rate, plenty for
                        720p/1080p H.264; 1: none held back; 0: FFmpeg's choice, up to one thread
                        per core, each holding a frame back (many frames of latency on a big host).
+    capture_processes: 0 (default): each source's capture thread runs in this process; N: N worker
+                       processes share the sources and hand frames over through shared memory
+                       (sources/capture_process.py), so that many streams' decoding does not
+                       compete with the pipeline's threads for the interpreter lock. PyAV only.
     """
 
     transport: Literal["tcp", "udp"] = "tcp"
@@ -93,9 +97,10 @@ class LiveConfig:
     connect: Callable[[str], "Route"] | None = field(default=None, compare=False, repr=False)
     decoder: Literal["pyav", "nvdec"] = "pyav"
     fallback: bool = False
+    capture_processes: int = 0
 
     def __post_init__(self) -> None:
-        from arr_coc._validate import check_choice, check_int, check_range
+        from arr_coc._validate import ConfigError, check_choice, check_int, check_range
 
         check_choice("live.transport", self.transport, TRANSPORTS)
         check_range("live.open_timeout_s", self.open_timeout_s, 0.0, 3600.0, lo_open=True)
@@ -110,6 +115,11 @@ class LiveConfig:
         check_int("live.decode_threads", self.decode_threads)
         check_range("live.decode_threads", self.decode_threads, 0, 64)
         check_choice("live.decoder", self.decoder, ("pyav", "nvdec"))
+        check_int("live.capture_processes", self.capture_processes)
+        check_range("live.capture_processes", self.capture_processes, 0, 256)
+        if self.capture_processes and self.decoder != "pyav":
+            raise ConfigError("live.capture_processes needs live.decoder pyav: NVDEC's frames stay on the GPU "
+                              "of the process that decoded them")
 
     def backoff_s(self, failures: int, rng: random.Random) -> float:
         """Delay before the reconnect attempt that follows `failures` failed ones in this outage."""

@@ -19,7 +19,8 @@ def cmd_live(args: argparse.Namespace) -> int:
                        duration=args.duration, realtime=args.realtime, transport=args.transport,
                        timeout=args.timeout, buffer=args.buffer, max_reconnects=args.max_reconnects,
                        metrics_every=args.metrics_every, answers_out=sys.stdout, vlm_process=args.vlm_process,
-                       decode_threads=args.decode_threads, stagger=args.stagger)
+                       decode_threads=args.decode_threads, stagger=args.stagger,
+                       capture_processes=args.capture_processes)
     summary = {"summary": {"out": str(result.out), "wall_s": round(result.wall_s, 2), "grid": list(result.grid),
                            "complete": result.complete, "streams": result.streams}}
     print(json.dumps(summary), file=sys.stderr)

@@ -76,6 +76,9 @@ def open_sources(specs: list[str], config: LiveConfig, stream_ids: list[str] | N
         elif seen[sid] > 1:
             sid = f"{sid}_{seen[sid]}"
         sids.append(sid)
+    if config.capture_processes:
+        from sources.capture_process import open_in_processes
+        return open_in_processes(specs, sids, config, config.capture_processes)
     if len(specs) == 1:
         return [open_live(specs[0], config=config, stream_id=sids[0])]
     pool = ThreadPoolExecutor(max_workers=min(OPEN_AT_ONCE, len(specs)), thread_name_prefix="open-source")

@@ -1,0 +1,89 @@
+"""Live sources captured in worker processes (live.capture_processes): the frames, stats and ends the
+pipeline sees equal what capture threads give, failures are one line, and a worker that dies ends
+its sources with an error instead of hanging the consumer."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arr_coc._validate import ConfigError
+from sources import SourceError
+from sources.live import LiveConfig
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "live"))
+from live_servers import free_port, http_ts_server  # noqa: E402
+
+from pipeline.runners.live import open_sources  # noqa: E402
+
+CFG = LiveConfig(read_timeout_s=3.0, open_timeout_s=5.0, capture_processes=2)
+
+
+def drain(source, until: int, seconds: float = 10.0) -> list:
+    frames = []
+    deadline = time.monotonic() + seconds
+    while len(frames) < until and time.monotonic() < deadline and not source.finished:
+        got, _ = source.take(8, timeout_s=0.05)
+        frames += got
+    return frames
+
+
+def test_frames_come_from_the_workers(tmp_path):
+    with http_ts_server(tmp_path, fps=30, seconds=4.0) as server:
+        sources = open_sources([server.url(0), server.url(1), server.url(2)], CFG)
+        try:
+            assert len({s.group.pid for s in sources}) == 2 and all(s.group.pid != os.getpid() for s in sources)
+            assert [(s.width, s.height) for s in sources] == [(160, 120)] * 3
+            assert len({s.stream_id for s in sources}) == 3
+            for source in sources:
+                frames = drain(source, 20)
+                assert len(frames) >= 20
+                assert frames[0].rgb.shape == (120, 160, 3) and frames[0].rgb.dtype == np.uint8
+                assert frames[0].rgb.std() > 0                              # pixels, not an empty slot
+                assert np.all(np.diff([f.pts_s for f in frames]) > 0)
+                assert [f.index for f in frames] == list(range(frames[0].index, frames[0].index + len(frames)))
+            time.sleep(0.6)
+            stats = sources[0].stats()
+            assert stats.frames_in >= 20 and stats.connected and 10 < stats.fps_in < 45
+        finally:
+            for source in sources:
+                source.close()
+        for source in sources:            # closed: what is left is taken, then the source is finished
+            drain(source, 10_000, seconds=2.0)
+        assert all(s.finished for s in sources)
+        assert not any(s.group.process.is_alive() for s in sources)
+
+
+def test_a_source_that_cannot_open_is_one_line_and_nothing_stays_up(tmp_path):
+    with http_ts_server(tmp_path) as server:
+        bad = f"http://127.0.0.1:{free_port()}/none.ts"
+        with pytest.raises(SourceError) as e:
+            open_sources([server.url(0), bad], CFG)
+    assert "\n" not in str(e.value) and "127.0.0.1" in str(e.value)
+    time.sleep(0.5)
+    import multiprocessing
+    assert [p for p in multiprocessing.active_children() if p.name == "arrcoc-capture"] == []
+
+
+def test_a_dead_worker_ends_its_sources_with_an_error(tmp_path):
+    with http_ts_server(tmp_path, seconds=4.0) as server:
+        (source,) = open_sources([server.url(0)], CFG)
+        try:
+            assert drain(source, 5)
+            os.kill(source.group.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not source.finished and time.monotonic() < deadline:
+                source.take(8, timeout_s=0.05)
+            assert source.finished and "capture process exited" in str(source.error)
+        finally:
+            source.close()
+
+
+def test_nvdec_cannot_cross_processes():
+    with pytest.raises(ConfigError, match="capture_processes needs live.decoder pyav"):
+        LiveConfig(capture_processes=2, decoder="nvdec")

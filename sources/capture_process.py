@@ -225,6 +225,7 @@ def _serve(entries: list[tuple[str, str]], config: LiveConfig, conn: Any) -> Non
         if issubclass(category, StreamInterruptedWarning):
             send(("warn", str(message)))
     warnings.showwarning = forward
+    warnings.simplefilter("always", StreamInterruptedWarning)   # the pipeline's process filters them
     try:
         with ThreadPoolExecutor(max_workers=min(_OPEN_AT_ONCE, len(entries))) as pool:
             futures = [pool.submit(open_live, spec, config=config, stream_id=sid) for spec, sid in entries]

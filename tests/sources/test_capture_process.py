@@ -4,20 +4,22 @@ its sources with an error instead of hanging the consumer."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from arr_coc._validate import ConfigError
-from sources import SourceError
+from sources import SourceError, StreamInterruptedWarning
 from sources.live import LiveConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "live"))
-from live_servers import free_port, http_ts_server  # noqa: E402
+from live_servers import free_port, http_ts_server, rtsp_or_skip  # noqa: E402
 
 from pipeline.runners.live import open_sources  # noqa: E402
 
@@ -87,3 +89,41 @@ def test_a_dead_worker_ends_its_sources_with_an_error(tmp_path):
 def test_nvdec_cannot_cross_processes():
     with pytest.raises(ConfigError, match="capture_processes needs live.decoder pyav"):
         LiveConfig(capture_processes=2, decoder="nvdec")
+
+
+@pytest.mark.filterwarnings("ignore::sources.StreamInterruptedWarning")
+def test_an_outage_in_a_worker_is_one_gap_and_its_warnings_here():
+    """A stream that freezes and comes back: the gap, the stats and both warnings reach the pipeline's
+    process as capture threads give them."""
+    cfg = LiveConfig(open_timeout_s=1.0, read_timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.2,
+                     capture_processes=1)
+    server = rtsp_or_skip(fps=20)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (source,) = open_sources([server.url()], cfg)
+            try:
+                assert len(drain(source, 10)) >= 10
+                os.kill(server.proc.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(2.2)
+                    stats_down = source.stats()
+                finally:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                frames, gaps = [], []
+                deadline = time.monotonic() + 8.0
+                while len(frames) < 10 and time.monotonic() < deadline:
+                    got, gap = source.take(8, timeout_s=0.05)
+                    frames += got
+                    gaps += [gap] if gap is not None else []
+                time.sleep(0.6)                                   # the worker's next stats
+                stats = source.stats()
+            finally:
+                source.close()
+    finally:
+        server.stop()
+    assert len(frames) >= 10 and len(gaps) == 1 and gaps[0].end_wall - gaps[0].start_wall >= 1.5
+    assert re.match(r"no frames for \d+\.\d s \(read timeout 1 s\)", gaps[0].reason), gaps[0].reason
+    assert not stats_down.connected and stats.connected and stats.gaps == 1 and stats.reconnects >= 1
+    messages = [str(w.message) for w in caught if w.category is StreamInterruptedWarning]
+    assert len(messages) == 2 and "stream lost at" in messages[0] and "stream back after" in messages[1]

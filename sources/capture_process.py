@@ -147,8 +147,9 @@ class CaptureProcess:
                 elif kind == "warn":
                     warnings.warn(message[1], StreamInterruptedWarning, stacklevel=1)
                 elif kind == "end":
-                    _, i, error, truncated, reached_end, last_gap = message
+                    _, i, error, truncated, reached_end, last_gap, stats = message
                     source = self.sources[i]
+                    source._stats = stats
                     source.error = None if error is None else SourceError(error)
                     source.truncated, source.reached_end = truncated, reached_end
                     self._end(i, last_gap)
@@ -318,4 +319,4 @@ def _drain_end(source, i: int, send, taken: bool = False) -> None:
             if gap is not None and not frames:
                 last_gap = gap
     error = None if source.error is None else str(source.error)
-    send(("end", i, error, source.truncated, source.reached_end, last_gap))
+    send(("end", i, error, source.truncated, source.reached_end, last_gap, source.stats()))

@@ -127,3 +127,19 @@ def test_an_outage_in_a_worker_is_one_gap_and_its_warnings_here():
     assert not stats_down.connected and stats.connected and stats.gaps == 1 and stats.reconnects >= 1
     messages = [str(w.message) for w in caught if w.category is StreamInterruptedWarning]
     assert len(messages) == 2 and "stream lost at" in messages[0] and "stream back after" in messages[1]
+
+
+def test_a_file_played_through_a_worker_ends_with_every_frame_counted(tmp_path):
+    from sources.synthetic import write_video
+
+    rng = np.random.default_rng(0)
+    path = write_video(tmp_path / "clip.mp4", (rng.random((30, 48, 64, 3)) * 255).astype(np.uint8), fps=30)
+    cfg = LiveConfig(realtime=True, capture_processes=1, buffer_frames=64)
+    (source,) = open_sources([str(path)], cfg)
+    try:
+        frames = drain(source, 10_000, seconds=10.0)
+    finally:
+        source.close()
+    assert source.finished and source.reached_end and source.error is None
+    assert [f.index for f in frames] == list(range(30))
+    assert source.stats().frames_in == 30 and source.stats().dropped == 0

@@ -108,7 +108,12 @@ class CaptureProcess:
         self._open = set(range(len(entries)))
         self._closing: dict[int, threading.Event] = {}
         wait_s = config.open_timeout_s * (len(entries) // _OPEN_AT_ONCE + 1) + 60.0   # + the worker's start
-        message = self._conn.recv() if self._conn.poll(wait_s) else ("failed", "the capture process did not start")
+        try:
+            message = self._conn.recv() if self._conn.poll(wait_s) else ("failed", "the capture process did not start")
+        except (EOFError, OSError):
+            self.process.join(timeout=5.0)
+            message = ("failed", "the capture process exited before opening its sources "
+                                 f"(code {self.process.exitcode})")
         if message[0] != "opened":
             self._stop_process()
             raise SourceError(message[1])
@@ -183,8 +188,12 @@ class CaptureProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5.0)
-        for shm in getattr(self, "_shm", []):
+        for shm in getattr(self, "_shm", []):   # this side unlinks: a worker that was killed cannot
             shm.close()
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
 
 
 def open_in_processes(specs: list[str], stream_ids: list[str], config: LiveConfig,
@@ -248,17 +257,20 @@ def _serve(entries: list[tuple[str, str]], config: LiveConfig, conn: Any) -> Non
     except BaseException as e:   # noqa: BLE001
         send(("failed", f"the capture process could not start ({type(e).__name__}: {e})"))
         return
+    handed = False
     try:
         rings = [np.ndarray((slots, s.height, s.width, 3), np.uint8, buffer=shm.buf) for s, shm in zip(sources, shms)]
         send(("opened", [{"spec": s.spec, "width": s.width, "height": s.height, "fps": s.fps, "slots": slots,
                           "shm": shm.name} for s, shm in zip(sources, shms)]))
+        handed = True
         _pump(sources, rings, slots, conn, send)
     finally:
         for source in sources:
             source.close()
-        for shm in shms:
+        for shm in shms:   # once handed over the parent unlinks them (it may outlive a killed worker)
             shm.close()
-            shm.unlink()
+            if not handed:
+                shm.unlink()
 
 
 def _pump(sources: list, rings: list[np.ndarray], slots: int, conn: Any, send) -> None:

@@ -84,6 +84,7 @@ def test_a_dead_worker_ends_its_sources_with_an_error(tmp_path):
             assert source.finished and "capture process exited" in str(source.error)
         finally:
             source.close()
+    assert not Path("/dev/shm", source.group._shm[0].name.lstrip("/")).exists()   # this side unlinked the ring
 
 
 def test_nvdec_cannot_cross_processes():

@@ -31,7 +31,7 @@ import numpy as np
 
 from sources.errors import SourceError, StreamInterruptedWarning
 from sources.frame import Frame
-from sources.live import Gap, LatestFrames, LiveConfig, SourceStats, open_live
+from sources.live import BufferedSource, Gap, LatestFrames, LiveConfig, SourceStats, open_live
 
 SLOTS_EXTRA = 4          # shared slots per source beyond its buffer_frames
 STATS_EVERY_S = 0.25     # a worker sends every source's stats this often
@@ -39,7 +39,7 @@ _IDLE_S = 0.002          # a worker with nothing to send sleeps this long
 _OPEN_AT_ONCE = 16       # sources a worker opens side by side
 
 
-class ProcessSource:
+class ProcessSource(BufferedSource):
     """One source captured by a worker process: the LiveSource surface the pipeline uses."""
 
     def __init__(self, group: "CaptureProcess", index: int, info: dict[str, Any], config: LiveConfig) -> None:
@@ -61,15 +61,6 @@ class ProcessSource:
             self.buffer.clear()
             self.group.send(("begin", self.index))
 
-    @property
-    def finished(self) -> bool:
-        return self.buffer.drained
-
-    def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
-        if self.began_at is None:
-            self.begin()
-        return self.buffer.take(max_frames, timeout_s)
-
     def stats(self) -> SourceStats:
         """The worker's latest figures, its drops and this side's added."""
         return replace(self._stats, dropped=self._stats.dropped + self.buffer.dropped)
@@ -79,12 +70,6 @@ class ProcessSource:
         if not self._closed:
             self._closed = True
             self.group.close_source(self.index)
-
-    def __enter__(self) -> "ProcessSource":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ProcessSource({self.name!r}, stream_id={self.stream_id!r}, pid={self.group.pid})"

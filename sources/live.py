@@ -53,8 +53,9 @@ from sources.live_connections import (CONNECTIONS, NETWORK_SCHEMES, TRANSPORTS, 
                                       SourceKind, SourceSpec, Stalled)
 from sources.reconnect import Outage, Reconnect
 
-__all__ = ["Gap", "LatestFrames", "LiveConfig", "LiveSource", "NETWORK_SCHEMES", "SourceKind", "SourceSpec",
-           "SourceStats", "TRANSPORTS", "open_live", "parse_source", "percentile", "redact", "window_rate"]
+__all__ = ["BufferedSource", "Gap", "LatestFrames", "LiveConfig", "LiveSource", "NETWORK_SCHEMES", "SourceKind",
+           "SourceSpec", "SourceStats", "TRANSPORTS", "open_live", "parse_source", "percentile", "redact",
+           "window_rate"]
 
 _RATE_WINDOW_S = 2.0  # rates (fps in, fps out) are measured over this many recent seconds
 _RATE_MIN_SPAN_S = 0.5  # ... and over at least this long just after the start (no spike from 2 frames)
@@ -204,7 +205,37 @@ class LatestFrames:
         return self.closed and not self._items and self._last_gap is None
 
 
-class LiveSource:
+class BufferedSource:
+    """What a consumer calls on a live source, whatever captures it (a thread here, a worker process:
+    sources/capture_process.py): the newest frames in `buffer`, from `begin()` on."""
+
+    buffer: LatestFrames
+    began_at: float | None
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def finished(self) -> bool:
+        """The capture ended (file at its end, gave up, or closed) and every frame and gap was taken."""
+        return self.buffer.drained
+
+    def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
+        if self.began_at is None:
+            self.begin()
+        return self.buffer.take(max_frames, timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LiveSource(BufferedSource):
     """A live source with its capture thread (build and start with `open_live`)."""
 
     def __init__(self, spec: SourceSpec, config: LiveConfig) -> None:
@@ -265,16 +296,6 @@ class LiveSource:
         self._thread = threading.Thread(target=self._capture, name=f"capture-{self.stream_id}", daemon=True)
         self._thread.start()
 
-    @property
-    def finished(self) -> bool:
-        """The capture ended (file at its end, gave up, or closed) and every frame and gap was taken."""
-        return self.buffer.drained
-
-    def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
-        if self.began_at is None:
-            self.begin()
-        return self.buffer.take(max_frames, timeout_s)
-
     def stats(self) -> SourceStats:
         now = time.time()
         fps = window_rate(list(self._arrivals), now, since=self.began_at)
@@ -294,12 +315,6 @@ class LiveSource:
         elif self._thread is None and self._conn is not None:
             self._conn.close()   # a file that never started playing
         self._end_capture(self._closed_at, "still down when the source closed")
-
-    def __enter__(self) -> "LiveSource":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"LiveSource({self.name!r}, kind={self.spec.kind!r}, stream_id={self.stream_id!r})"

@@ -501,10 +501,11 @@ class TestLive:
         assert [round(t, 6) for t, _, _ in nv] == [round(t, 6) for t, _, _ in ref]
         diff = np.abs(np.stack([rgb.numpy() for _, rgb, _ in nv]).astype(int) - np.stack([r for _, r, _ in ref]))
         assert diff.max() <= 2
-        # past what the probe buffered, the packets come paced at 30 fps, and so do the arrival stamps:
-        # the last 15 frames span about 14 frame times (a loaded machine delivers some in bursts)
-        span = nv[-1][2] - nv[-15][2]
-        assert 14 * 0.008 < span < 14 * 0.06
+        # past what the probe buffered (~15 frames), the packets come paced at 30 fps, and so do the
+        # arrival stamps: the last 20 frames span about 19 frame times. A loaded machine reads some in
+        # bursts (CI on 2 busy cores: 14 frame times stamped within 0.10 s), never all at one instant
+        span = nv[-1][2] - nv[-20][2]
+        assert 19 * 0.004 < span < 19 * 0.06
 
     def test_reconnect_is_counted_as_pyavs(self, tmp_path, fake_nvdec):
         """The server drops the first connection: one gap, one reconnect, pts never back, with either

@@ -31,12 +31,11 @@ import numpy as np
 
 from sources.errors import SourceError, StreamInterruptedWarning
 from sources.frame import Frame
-from sources.live import BufferedSource, Gap, LatestFrames, LiveConfig, SourceStats, open_live
+from sources.live import OPEN_AT_ONCE, BufferedSource, Gap, LatestFrames, LiveConfig, SourceStats, open_many
 
 SLOTS_EXTRA = 4          # shared slots per source beyond its buffer_frames
 STATS_EVERY_S = 0.25     # a worker sends every source's stats this often
 _IDLE_S = 0.002          # a worker with nothing to send sleeps this long
-_OPEN_AT_ONCE = 16       # sources a worker opens side by side
 
 
 class ProcessSource(BufferedSource):
@@ -92,7 +91,7 @@ class CaptureProcess:
         self.pid = self.process.pid
         self._open = set(range(len(entries)))
         self._closing: dict[int, threading.Event] = {}
-        wait_s = config.open_timeout_s * (len(entries) // _OPEN_AT_ONCE + 1) + 60.0   # + the worker's start
+        wait_s = config.open_timeout_s * (len(entries) // OPEN_AT_ONCE + 1) + 60.0   # + the worker's start
         try:
             message = self._conn.recv() if self._conn.poll(wait_s) else ("failed", "the capture process did not start")
         except (EOFError, OSError):
@@ -222,24 +221,19 @@ def _serve(entries: list[tuple[str, str]], config: LiveConfig, conn: Any) -> Non
     warnings.showwarning = forward
     warnings.simplefilter("always", StreamInterruptedWarning)   # the pipeline's process filters them
     try:
-        with ThreadPoolExecutor(max_workers=min(_OPEN_AT_ONCE, len(entries))) as pool:
-            futures = [pool.submit(open_live, spec, config=config, stream_id=sid) for spec, sid in entries]
-        sources, failure = [], None
-        for future in futures:
-            try:
-                sources.append(future.result())
-            except SourceError as e:
-                failure = failure or str(e)
-            except Exception as e:   # noqa: BLE001 (one line to the parent, never a traceback)
-                failure = failure or f"cannot open a live source ({type(e).__name__}: {e})"
-        if failure is not None:
-            for source in sources:
-                source.close()
-            send(("failed", failure))
-            return
+        sources = open_many(entries, config)
+    except SourceError as e:
+        send(("failed", str(e)))
+        return
+    except Exception as e:   # noqa: BLE001 (one line to the parent, never a traceback)
+        send(("failed", f"cannot open a live source ({type(e).__name__}: {e})"))
+        return
+    try:
         slots = config.buffer_frames + SLOTS_EXTRA
         shms = [SharedMemory(create=True, size=slots * s.height * s.width * 3) for s in sources]
     except BaseException as e:   # noqa: BLE001
+        for source in sources:
+            source.close()
         send(("failed", f"the capture process could not start ({type(e).__name__}: {e})"))
         return
     handed = False
@@ -261,7 +255,7 @@ def _serve(entries: list[tuple[str, str]], config: LiveConfig, conn: Any) -> Non
 def _pump(sources: list, rings: list[np.ndarray], slots: int, conn: Any, send) -> None:
     """The worker's loop: frames of begun sources into free slots, stats, ends; messages from the parent."""
     n = len(sources)
-    credits, began, open_ = [slots] * n, [False] * n, [True] * n
+    credits, open_ = [slots] * n, [True] * n
     next_slot = [0] * n
     last_stats = 0.0
     while True:
@@ -269,7 +263,6 @@ def _pump(sources: list, rings: list[np.ndarray], slots: int, conn: Any, send) -
         while conn.poll(0):
             kind, *rest = conn.recv()
             if kind == "begin":
-                began[rest[0]] = True
                 sources[rest[0]].begin()
             elif kind == "credit":
                 credits[rest[0]] += rest[1]
@@ -282,7 +275,7 @@ def _pump(sources: list, rings: list[np.ndarray], slots: int, conn: Any, send) -
             elif kind == "exit":
                 return
         for i, source in enumerate(sources):
-            if not (open_[i] and began[i]):
+            if not open_[i] or source.began_at is None:
                 continue
             if credits[i] > 0:
                 frames, gap = source.take(credits[i], timeout_s=0.0)

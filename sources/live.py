@@ -54,7 +54,7 @@ from sources.live_connections import (CONNECTIONS, NETWORK_SCHEMES, TRANSPORTS, 
 from sources.reconnect import Outage, Reconnect
 
 __all__ = ["BufferedSource", "Gap", "LatestFrames", "LiveConfig", "LiveSource", "NETWORK_SCHEMES", "SourceKind",
-           "SourceSpec", "SourceStats", "TRANSPORTS", "open_live", "parse_source", "percentile", "redact",
+           "SourceSpec", "SourceStats", "TRANSPORTS", "open_live", "open_many", "parse_source", "percentile", "redact",
            "window_rate"]
 
 _RATE_WINDOW_S = 2.0  # rates (fps in, fps out) are measured over this many recent seconds
@@ -446,6 +446,30 @@ def open_live(spec: str, *, config: LiveConfig | None = None, stream_id: str | N
     if stream_id is not None:
         parsed = SourceSpec(parsed.kind, parsed.target, stream_id, parsed.name)
     return LiveSource(parsed, config).start()
+
+
+OPEN_AT_ONCE = 16   # sources opened side by side: an open mostly waits on the network (a live stream's probe)
+
+
+def open_many(entries: list[tuple[str, str]], config: LiveConfig) -> list[LiveSource]:
+    """open_live for each (spec, stream id), up to OPEN_AT_ONCE at a time, in the order given. The first
+    failure in that order is raised, after every source already opened is closed again."""
+    if len(entries) == 1:
+        return [open_live(entries[0][0], config=config, stream_id=entries[0][1])]
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=min(OPEN_AT_ONCE, len(entries)), thread_name_prefix="open-source")
+    futures = [pool.submit(open_live, spec, config=config, stream_id=sid) for spec, sid in entries]
+    try:
+        opened = [f.result() for f in futures]
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for f in futures:
+            if not f.cancelled() and f.exception() is None:
+                f.result().close()
+        raise
+    pool.shutdown()
+    return opened
 
 
 def window_rate(times: list[float], now: float, *, window_s: float = _RATE_WINDOW_S,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
 
 from arr_coc._validate import ConfigError
 from sinks import ZarrStore, store_location
-from sources.live import Gap, LiveConfig, LiveSource, open_live
+from sources.live import Gap, LiveConfig, LiveSource
 
 from ..config import PipelineConfig, validate_every
 from ..configio import to_dict
@@ -51,18 +51,13 @@ class LiveResult:
     warm_up: WarmUpReport | None = None  # what warm-up captured before the first frame (None: none ran)
 
 
-OPEN_AT_ONCE = 16   # sources opened side by side: an open mostly waits on the network (a live stream's probe)
-
-
 def open_sources(specs: list[str], config: LiveConfig, stream_ids: list[str] | None = None) -> list[LiveSource]:
-    """Open every source, up to OPEN_AT_ONCE at a time (one SourceError if any fails, the first in the
-    order of `specs`; the ones opened are closed again). Opening one by one cost a live stream's probe
-    each (~0.8 s on loopback), growing with the streams already running: 32 cameras waited ~30 s.
-    Two sources with the same name get distinct stream ids (name, name_2, ...), unless `stream_ids`
-    names each one."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from sources.live import parse_source
+    """Open every source, up to OPEN_AT_ONCE at a time (sources.live.open_many: one SourceError if any
+    fails, the first in the order of `specs`; the ones opened are closed again), or in
+    live.capture_processes worker processes. Opening one by one cost a live stream's probe each (~0.8 s
+    on loopback), growing with the streams already running: 32 cameras waited ~30 s. Two sources with
+    the same name get distinct stream ids (name, name_2, ...), unless `stream_ids` names each one."""
+    from sources.live import open_many, parse_source
 
     if stream_ids is not None and len(stream_ids) != len(specs):
         raise ValueError(f"stream_ids names {len(stream_ids)} streams for {len(specs)} sources")
@@ -79,20 +74,7 @@ def open_sources(specs: list[str], config: LiveConfig, stream_ids: list[str] | N
     if config.capture_processes:
         from sources.capture_process import open_in_processes
         return open_in_processes(specs, sids, config, config.capture_processes)
-    if len(specs) == 1:
-        return [open_live(specs[0], config=config, stream_id=sids[0])]
-    pool = ThreadPoolExecutor(max_workers=min(OPEN_AT_ONCE, len(specs)), thread_name_prefix="open-source")
-    futures = [pool.submit(open_live, spec, config=config, stream_id=sid) for spec, sid in zip(specs, sids)]
-    try:
-        opened = [f.result() for f in futures]
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        for f in futures:
-            if not f.cancelled() and f.exception() is None:
-                f.result().close()
-        raise
-    pool.shutdown()
-    return opened
+    return open_many(list(zip(specs, sids)), config)
 
 
 def run_live(specs: list[str], question: str, out: str | Path, cfg: PipelineConfig, *,

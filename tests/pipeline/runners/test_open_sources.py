@@ -1,10 +1,12 @@
-"""open_sources: the sources open side by side, in the order given, and a failure closes the rest."""
+"""open_sources (sources.live.open_many): the sources open side by side, in the order given, and a
+failure closes the rest."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
+import sources.live
 from pipeline.runners import live as live_runner
 from sources import SourceError
 from sources.live import LiveConfig
@@ -30,7 +32,7 @@ def test_sources_open_side_by_side_in_order(monkeypatch):
         barrier.wait()
         return FakeSource(spec, stream_id)
 
-    monkeypatch.setattr(live_runner, "open_live", fake_open)
+    monkeypatch.setattr(sources.live, "open_live", fake_open)
     specs = urls(8)
     opened = live_runner.open_sources(specs, LiveConfig())
     assert [s.spec for s in opened] == specs
@@ -38,7 +40,7 @@ def test_sources_open_side_by_side_in_order(monkeypatch):
 
 
 def test_same_name_gets_distinct_ids_and_stream_ids_name_each(monkeypatch):
-    monkeypatch.setattr(live_runner, "open_live", lambda spec, *, config, stream_id: FakeSource(spec, stream_id))
+    monkeypatch.setattr(sources.live, "open_live", lambda spec, *, config, stream_id: FakeSource(spec, stream_id))
     spec = "rtsp://cam.example/live"
     assert [s.stream_id for s in live_runner.open_sources([spec] * 3, LiveConfig())] == \
         ["cam.example_live", "cam.example_live_2", "cam.example_live_3"]
@@ -57,7 +59,7 @@ def test_a_failure_raises_the_first_in_order_and_closes_the_opened(monkeypatch):
             made.append(source)
         return source
 
-    monkeypatch.setattr(live_runner, "open_live", fake_open)
+    monkeypatch.setattr(sources.live, "open_live", fake_open)
     with pytest.raises(SourceError, match="cam3"):
         live_runner.open_sources(urls(24), LiveConfig())
     assert made and all(s.closed for s in made)
@@ -65,7 +67,7 @@ def test_a_failure_raises_the_first_in_order_and_closes_the_opened(monkeypatch):
 
 def test_a_bad_spec_fails_before_anything_opens(monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(live_runner, "open_live", lambda spec, **_: calls.append(spec))
+    monkeypatch.setattr(sources.live, "open_live", lambda spec, **_: calls.append(spec))
     with pytest.raises(SourceError, match="invalid live source"):
         live_runner.open_sources(["rtsp://cam.example/live", ""], LiveConfig())
     assert calls == []

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import fixed_query, git_commit, host_topology, scratch_result  # noqa: E402
+from benchmarks.common import cpu_times, fixed_query, git_commit, host_topology, scratch_result  # noqa: E402
 from benchmarks.loopback import TSServer, TSServerProcess, encode_clip  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
@@ -130,11 +130,11 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
              f"{args.warmup:g} s of warm-up, then {args.seconds:g} s measured")
         time.sleep(args.warmup)
         marks["t0"], marks["s0"] = time.monotonic(), snapshot(sources, sink.counters)
-        marks["cpu0"] = (time.process_time(), host_cpu())
+        marks["cpu0"] = (time.process_time(), cpu_times())
         marks["lat0"] = {sid: len(c.answer_latency) for sid, c in sink.counters.items()}
         time.sleep(args.seconds)
         marks["t1"], marks["s1"] = time.monotonic(), snapshot(sources, sink.counters)
-        marks["cpu1"] = (time.process_time(), host_cpu())
+        marks["cpu1"] = (time.process_time(), cpu_times())
         marks["lat"] = [lat for sid, c in sink.counters.items() for lat in list(c.answer_latency)[marks["lat0"][sid]:]]
         marks["frame_lat"] = [lat for c in sink.counters.values() for lat in list(c.frame_latency)[-64:]]
         batcher = next(s.batcher for s in graphs[0].stages if hasattr(s, "batcher"))
@@ -147,9 +147,9 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
     def setup_progress(every_s: float = 15.0) -> None:
         """Until the graph is up: every every_s, the graphs captured so far and the machine's CPU use
         (a slow start says whether it is capturing slowly or waiting)."""
-        last = host_cpu()
+        last = cpu_times()
         while not up.wait(every_s):
-            now = host_cpu()
+            now = cpu_times()
             busy = (f", host CPU {100 * (now[0] - last[0]) / max(1, now[1] - last[1]):.0f}% busy"
                     if now is not None and last is not None else "")
             note(f"{len(urls)} streams: setting up, {len(LEDGER.entries(started, 'capture'))} graphs captured{busy}")
@@ -204,16 +204,6 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
             # encode: kept: cells through the tower and reused from the streams' caches (cumulative)
             "kept_counters": dict(vlm.kept_encoder.counters) if hasattr(vlm, "kept_encoder") else {},
             **cold_start(started, answered, args.cold_seconds, result.warm_up)}
-
-
-def host_cpu() -> tuple[int, int] | None:
-    """(busy, total) jiffies of the whole machine since boot (/proc/stat), None off Linux."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
-    return sum(fields) - idle, sum(fields)
 
 
 def cpu_use(before: tuple, after: tuple, span: float) -> dict:

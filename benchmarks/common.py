@@ -85,7 +85,7 @@ def fixed_query(question: str = "") -> torch.Tensor:
     return torch.nn.functional.normalize(torch.ones(384), dim=0)
 
 
-def _cpu_times() -> tuple[int, int] | None:
+def cpu_times() -> tuple[int, int] | None:
     """(busy, total) jiffies of all CPUs from /proc/stat (None off Linux): busy leaves out idle and iowait."""
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -135,9 +135,9 @@ class LoadSampler:
         self._thread.join()
 
     def _run(self) -> None:
-        last = _cpu_times()
+        last = cpu_times()
         while not self._stop.wait(self.period):
-            now = _cpu_times()
+            now = cpu_times()
             sample: dict[str, Any] = {"t": time.time()}
             if now is not None and last is not None and now[1] > last[1]:
                 sample["cpu_busy"] = (now[0] - last[0]) / (now[1] - last[1])

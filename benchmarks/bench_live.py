@@ -316,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                         "default)")
     p.add_argument("--decoder", choices=("pyav", "nvdec"), default=LiveConfig.decoder,
                    help="LiveConfig.decoder: the streams decoded by PyAV on the CPU or by the GPU's NVDEC")
-    p.add_argument("--capture-processes", type=int, default=0, metavar="N",
-                   help="LiveConfig.capture_processes: capture the streams in N worker processes (default 0: threads)")
+    p.add_argument("--capture-processes", type=int, default=None, metavar="N",
+                   help="LiveConfig.capture_processes: capture the streams in N worker processes, 0: threads "
+                        "(default: the pipeline's, 4 processes from 16 streams on)")
     p.add_argument("--decode-threads", type=int, default=LiveConfig.decode_threads,
                    help="LiveConfig.decode_threads: FFmpeg threads per stream "
                         "(default %(default)s; 0: FFmpeg's choice)")
@@ -401,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in counts:
             row = measure([server.url(i) for i in range(n)], vlm, args, device, work / f"live{n}.zarr")
+            row["capture_workers"] = live_config(args).capture_workers(n)   # 0: threads
             rows.append(row)
             print(json.dumps(row), flush=True)
             write(rows, None, complete=False)

@@ -281,6 +281,47 @@ def _bench_setting(vlm, frames, keep, new_tokens: int, reps: int, scores: torch.
                 peak_mem_gib=peak)
 
 
+def answer_ttft(vlm, frames, keep, scores, reps: int, pass2: bool) -> dict:
+    """Time to first token through VLM.answer (one new token), the path the pipeline's stages take,
+    with pass 2 on (keep: pass 1's candidates, candidate_factor times the budget; pass 2 keeps the
+    budget among them by the question's attention) or off (keep: the budget), at the VLM's other
+    settings (vlm.encode kept, kept_context 1 unless changed)."""
+    from pipeline.vlm.passes import Passes
+    base, passes = vlm.config, vlm.passes
+    vlm.config = replace(base, max_new_tokens=1, pass2="attention" if pass2 else "off")
+    vlm.kept_encoder.context = vlm.config.kept_context
+    vlm.passes = Passes(vlm) if vlm.config.multipass else None
+    try:
+        req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps, scores=scores)
+        seconds, out = timed(lambda: vlm.answer([req]), vlm.device, reps)
+    finally:
+        vlm.config, vlm.passes = base, passes
+    return dict(answer_ttft_ms=seconds * 1e3, tokens_kept=out[0].tokens_kept, tokens_full=out[0].tokens_full,
+                passes=out[0].passes)
+
+
+def pass2_rows(vlm, frames, relevance, retentions: list[float], reps: int, keep_on: str) -> list[dict]:
+    """--pass2: per retention, time to first token through VLM.answer single pass and with pass 2
+    (candidates at candidate_factor times the retention), and the stock model through the same path."""
+    factor = vlm.config.candidate_factor
+    shares = sorted({*retentions, *(min(1.0, r * factor) for r in retentions)})
+    maps = keep_maps(relevance, shares, vlm.geometry.temporal_patch_size)
+    scores = relevance
+    if keep_on == "host":
+        maps, scores = {r: m.cpu().numpy() for r, m in maps.items()}, relevance.cpu().numpy()
+    rows = [dict(setting="stock, answer()", retention=1.0, **answer_ttft(vlm, frames, None, None, reps, False))]
+    for r in retentions:
+        rows.append(dict(setting=f"arr-coc {int(r * 100)}%, answer()", retention=r,
+                         **answer_ttft(vlm, frames, maps[r], scores, reps, False)))
+        rows.append(dict(setting=f"arr-coc {int(r * 100)}%, pass 2 of {int(min(1.0, r * factor) * 100)}%, answer()",
+                         retention=r, **answer_ttft(vlm, frames, maps[min(1.0, r * factor)], scores, reps, True)))
+    for row in rows:
+        row["answer_ttft_x_stock"] = rows[0]["answer_ttft_ms"] / row["answer_ttft_ms"]
+        print(f"# {row['setting']}: {row['tokens_kept']} of {row['tokens_full']} tokens, {row['passes']} pass(es), "
+              f"time to first token {row['answer_ttft_ms']:.1f} ms ({row['answer_ttft_x_stock']:.2f}x stock)", flush=True)
+    return rows
+
+
 def build_vlm(name: str, device: torch.device, dtype: torch.dtype, cfg: VLMConfig):
     # full-size architectures: English-word merges, so the prompt's text tokens cost what they do with Qwen's vocabulary
     tokenizer = build_tokenizer("bytes" if name.startswith("tiny-") else "english")
@@ -368,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
                          "kept tokens gathered into whole windows, so none is encoded only to complete one)")
     ap.add_argument("--pageable-frames", action="store_true",
                     help="hand the window over as a numpy array (pageable), not stacked in page-locked memory")
+    ap.add_argument("--pass2", action="store_true",
+                    help="also time to first token through VLM.answer with pass 2 on (vlm.pass2=attention, pass 1 "
+                         "keeping candidate_factor times each retention) against single pass and stock through the "
+                         "same call, at the VLM's default settings (`pass2` in the JSON)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     ap.add_argument("--out", default=str(scratch_result("bench_vlm.json")),
                     help="JSON path (default: %(default)s; name benchmarks/results/... to commit a result)")
@@ -387,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                     fast_lm=not args.hf_lm)
     frames = synthetic_window(T, size, size)
     window = window_frames(list(frames), device.type == "cuda" and not args.pageable_frames)
-    results = []
+    results, answer_rows = [], []
     for arch in archs:
         t0 = time.perf_counter()
         vlm = build_vlm(arch, device, dtype, cfg)
@@ -442,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
             forward = by_label.get(HF_FORWARD)
             r["ttft_x_hf_forward"] = forward["ttft_ms"] / r["ttft_ms"] if forward else None
         results += arch_rows
+        if args.pass2:
+            answer_rows += [dict(r, arch=arch) for r in pass2_rows(vlm, window, relevance, args.retention, reps,
+                                                                    args.keep_on)]
         del vlm
         gc.collect()  # the VLM and its cached decoders (graphs, KV caches) reference each other
         if device.type == "cuda":
@@ -458,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                   cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
                   graph_prefill_max_tokens=cfg.graph_prefill_max_tokens if cfg.cuda_graphs else 0,
                   fast_lm=cfg.fast_lm,
-                  results=results)
+                  results=results, pass2=answer_rows or None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -215,7 +215,7 @@ class Pipeline:
              transport: Transport = "tcp", timeout: float = 5.0, buffer: int = 16,
              max_reconnects: int | None = None, metrics_every: float = 5.0, answers_out: TextIO | None = None,
              stop: threading.Event | None = None, vlm_process: bool = False, stagger: bool = True,
-             decode_threads: int = 2, capture_processes: int = 0) -> LiveResult:
+             decode_threads: int = 2, capture_processes: int | None = None) -> LiveResult:
         """Answer a question continuously over live sources, as `python -m pipeline live` does:
         one answer every `every` seconds (2 unless set) or at each scene change, until `duration`
         ends, the sources end, `stop` is set or Ctrl-C. sources: camera index, device, rtsp(s):// or
@@ -227,7 +227,8 @@ class Pipeline:
         (LiveConfig.decode_threads, default 2; 0: FFmpeg's choice). With decoder nvdec, network
         streams and realtime files decode on the GPU (decode.fallback as for files); cameras
         (OpenCV) and decord's choice decode as before. capture_processes N > 0: the sources are
-        captured in N worker processes (LiveConfig.capture_processes; PyAV only), 0: in threads here."""
+        captured in N worker processes (LiveConfig.capture_processes; PyAV only), 0: in threads here,
+        None (default): 4 processes from 16 sources on, threads below."""
         from sinks import store_location
         from sources.live import LiveConfig
 

@@ -27,6 +27,11 @@ SourceKind = Literal["camera", "network", "file"]
 NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https")
 TRANSPORTS = ("tcp", "udp")
 FALLBACK_FPS = 30.0   # for streams that declare no frame rate (the store needs one)
+# live.capture_processes left unset: from this many sources on, capture in this many worker processes.
+# One H200 of a 32-CPU host, 720p30 (docs/performance.md): 48 streams in threads 15.5% of frames dropped,
+# p95 1.78 s, 11.4 CPU cores in the pipeline's process; in 4 processes 4.0%, 0.83 s, 2.7 cores.
+AUTO_CAPTURE_MIN_SOURCES = 16
+AUTO_CAPTURE_PROCESSES = 4
 _RECEIVED_MAX = 256   # packet arrival times kept until their frame comes out of the decoder
 
 
@@ -76,8 +81,10 @@ class LiveConfig:
                        2 (default): one frame held back, two cores' decode rate, plenty for
                        720p/1080p H.264; 1: none held back; 0: FFmpeg's choice, up to one thread
                        per core, each holding a frame back (many frames of latency on a big host).
-    capture_processes: 0 (default): each source's capture thread runs in this process; N: N worker
-                       processes share the sources and hand frames over through shared memory
+    capture_processes: None (default): AUTO_CAPTURE_PROCESSES worker processes from
+                       AUTO_CAPTURE_MIN_SOURCES sources up (PyAV, no connection policy), threads below;
+                       0: each source's capture thread runs in this process; N: N worker processes
+                       share the sources and hand frames over through shared memory
                        (sources/capture_process.py), so that many streams' decoding does not
                        compete with the pipeline's threads for the interpreter lock. PyAV only.
     """
@@ -97,7 +104,7 @@ class LiveConfig:
     connect: Callable[[str], "Route"] | None = field(default=None, compare=False, repr=False)
     decoder: Literal["pyav", "nvdec"] = "pyav"
     fallback: bool = False
-    capture_processes: int = 0
+    capture_processes: int | None = None
 
     def __post_init__(self) -> None:
         from arr_coc._validate import ConfigError, check_choice, check_int, check_range
@@ -115,11 +122,20 @@ class LiveConfig:
         check_int("live.decode_threads", self.decode_threads)
         check_range("live.decode_threads", self.decode_threads, 0, 64)
         check_choice("live.decoder", self.decoder, ("pyav", "nvdec"))
-        check_int("live.capture_processes", self.capture_processes)
-        check_range("live.capture_processes", self.capture_processes, 0, 256)
+        if self.capture_processes is not None:
+            check_int("live.capture_processes", self.capture_processes)
+            check_range("live.capture_processes", self.capture_processes, 0, 256)
         if self.capture_processes and self.decoder != "pyav":
             raise ConfigError("live.capture_processes needs live.decoder pyav: NVDEC's frames stay on the GPU "
                               "of the process that decoded them")
+
+    def capture_workers(self, n_sources: int) -> int:
+        """Worker processes that capture `n_sources` sources (0: threads in this process)."""
+        if self.capture_processes is not None:
+            return self.capture_processes
+        if self.decoder != "pyav" or self.connect is not None or n_sources < AUTO_CAPTURE_MIN_SOURCES:
+            return 0
+        return AUTO_CAPTURE_PROCESSES
 
     def backoff_s(self, failures: int, rng: random.Random) -> float:
         """Delay before the reconnect attempt that follows `failures` failed ones in this outage."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 38, one GPU, about 8 minutes: live capacity with the capture in threads (the default) against
-# worker processes (live.capture_processes), 720p30 streams answered every 2 s, all other defaults.
+# Issue 38, one GPU, about 8 minutes: live capacity with the capture in threads against worker processes
+# (live.capture_processes; the default from 16 streams on), 720p30 streams answered every 2 s, all other defaults.
 # 48 streams with threads processed 0.9 frames/s a stream on a 16-CPU H200 host, every pipeline
 # thread waiting for the interpreter lock (docs/performance.md); does capture in processes hold them?
 # Alternates the two settings (processes first) so that the machine's drift lands on both.
@@ -25,7 +25,7 @@ run() {   # name, bench_live arguments
 }
 for n in ${COUNTS[*]}; do
     echo "== $n streams, capture in $PROCESSES processes"; run "live_${n}_processes" --streams "$n" --capture-processes "$PROCESSES"
-    echo "== $n streams, capture threads"; run "live_${n}_threads" --streams "$n"
+    echo "== $n streams, capture threads"; run "live_${n}_threads" --streams "$n" --capture-processes 0
 done
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"
 import json, pathlib, sys

@@ -221,10 +221,11 @@ def _add_live(sub: Any) -> None:
     p.add_argument("--decode-threads", type=int, default=2, metavar="N",
                    help="FFmpeg decoding threads per network stream, each holding a frame back (latencies count "
                         "it; default: %(default)s; 1: none held back; 0: FFmpeg's choice, up to one per core)")
-    p.add_argument("--capture-processes", type=int, default=0, metavar="N",
+    p.add_argument("--capture-processes", type=int, default=None, metavar="N",
                    help="capture the sources in N worker processes (PyAV), frames handed over through shared "
-                        "memory, so that many streams' decoding does not hold up the pipeline's threads "
-                        "(default: 0, a capture thread per source in this process)")
+                        "memory, so that many streams' decoding does not hold up the pipeline's threads; 0: a "
+                        "capture thread per source in this process (default: 4 processes from 16 sources on, "
+                        "threads below)")
     p.add_argument("--vlm-process", action="store_true",
                    help="run the VLM in a process of its own (no interpreter lock shared with the capture and "
                         "front-end threads; off by default: docs/performance.md)")

@@ -71,9 +71,10 @@ def open_sources(specs: list[str], config: LiveConfig, stream_ids: list[str] | N
         elif seen[sid] > 1:
             sid = f"{sid}_{seen[sid]}"
         sids.append(sid)
-    if config.capture_processes:
+    workers = config.capture_workers(len(specs))
+    if workers:
         from sources.capture_process import open_in_processes
-        return open_in_processes(specs, sids, config, config.capture_processes)
+        return open_in_processes(specs, sids, config, workers)
     return open_many(list(zip(specs, sids)), config)
 
 

@@ -87,6 +87,27 @@ def test_a_dead_worker_ends_its_sources_with_an_error(tmp_path):
     assert not Path("/dev/shm", source.group._shm[0].name.lstrip("/")).exists()   # this side unlinked the ring
 
 
+def test_many_sources_are_captured_in_processes_unless_told(monkeypatch):
+    """Unset, live.capture_processes means threads below AUTO_CAPTURE_MIN_SOURCES sources and
+    AUTO_CAPTURE_PROCESSES workers from there on; a number given, NVDEC or a connection policy wins."""
+    from pipeline.runners import live as live_runner
+    from sources.live_connections import AUTO_CAPTURE_MIN_SOURCES as MIN, AUTO_CAPTURE_PROCESSES as AUTO
+
+    auto = LiveConfig()
+    assert auto.capture_processes is None
+    assert [auto.capture_workers(n) for n in (1, MIN - 1, MIN, 48)] == [0, 0, AUTO, AUTO]
+    assert LiveConfig(capture_processes=0).capture_workers(48) == 0
+    assert LiveConfig(capture_processes=3).capture_workers(1) == 3
+    assert LiveConfig(decoder="nvdec").capture_workers(48) == 0
+    assert LiveConfig(connect=lambda url: None).capture_workers(48) == 0
+
+    import sources.capture_process as capture_process
+    seen = []
+    monkeypatch.setattr(capture_process, "open_in_processes", lambda specs, sids, cfg, n: seen.append((len(specs), n)))
+    live_runner.open_sources([f"http://127.0.0.1:9/{i}" for i in range(MIN)], auto)
+    assert seen == [(MIN, AUTO)]
+
+
 def test_nvdec_cannot_cross_processes():
     with pytest.raises(ConfigError, match="capture_processes needs live.decoder pyav"):
         LiveConfig(capture_processes=2, decoder="nvdec")

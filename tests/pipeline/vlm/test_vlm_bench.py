@@ -65,6 +65,24 @@ def test_bench_kept_context_rows_encode_more_cells(tmp_path):
     assert ring["tokens_kept"] == plain["tokens_kept"] and ring["vision_cells"] > plain["vision_cells"]
 
 
+def test_bench_pass2_rows_time_both_passes_through_answer(tmp_path):
+    """--pass2: through VLM.answer, stock, single pass and pass 2 over candidate_factor times the
+    candidates; pass 2 keeps about the single pass's budget, and the VLM's own setting is back after."""
+    bench = load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--arch", "tiny-qwen2_vl", "--new-tokens", "2", "--retention", "0.25",
+                       "--encode", "kept", "--pass2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["pass2"]
+    assert [r["setting"] for r in rows] == ["stock, answer()", "arr-coc 25%, answer()",
+                                            "arr-coc 25%, pass 2 of 75%, answer()"]
+    stock, single, two = rows
+    assert stock["tokens_kept"] == stock["tokens_full"] == 32 and stock["answer_ttft_x_stock"] == 1.0
+    assert single["tokens_kept"] == 8                     # 4 of the 16 cells of each of the 2 frame pairs
+    # pass 2 keeps a third of the 24 candidates: the same budget, chosen by the question's attention
+    assert two["tokens_kept"] == 8 and two["passes"] == 1
+    assert all(r["answer_ttft_ms"] > 0 and r["arch"] == "tiny-qwen2_vl" for r in rows)
+
+
 def test_bench_qwen3_vl_through_the_fast_engine(tmp_path):
     """--arch tiny-qwen3_vl: the fast engine's rows (stock, each retention with the tower on every
     patch and on the kept cells) and the stock model through transformers' own Qwen3-VL forward."""

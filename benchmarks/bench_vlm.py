@@ -318,7 +318,8 @@ def pass2_rows(vlm, frames, relevance, retentions: list[float], reps: int, keep_
     for row in rows:
         row["answer_ttft_x_stock"] = rows[0]["answer_ttft_ms"] / row["answer_ttft_ms"]
         print(f"# {row['setting']}: {row['tokens_kept']} of {row['tokens_full']} tokens, {row['passes']} pass(es), "
-              f"time to first token {row['answer_ttft_ms']:.1f} ms ({row['answer_ttft_x_stock']:.2f}x stock)", flush=True)
+              f"time to first token {row['answer_ttft_ms']:.1f} ms ({row['answer_ttft_x_stock']:.2f}x stock)",
+              flush=True)
     return rows
 
 

@@ -23,7 +23,8 @@ from ._validate import ConfigError
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "default.safetensors"
 # named checkpoints shipped with the package: "default" (trained on generated scenes, any VLM) and
-# "synth-qa" (default fine-tuned through arrcoc-synth-qa's answers: configs/train_vlm_qa.yaml)
+# "synth-qa" (relevance on the QA renderers' training clips, configs/train_renderers.yaml, then trained
+# through arrcoc-synth-qa's answers, configs/train_renderers_vlm_qa.yaml: benchmarks/gpu/train_arrcoc.sh)
 NAMED_WEIGHTS = {"default": DEFAULT_WEIGHTS, "synth-qa": DEFAULT_WEIGHTS.with_name("synth-qa.safetensors")}
 
 

@@ -80,6 +80,11 @@ class DecodeConfig:
         check_range("decode.shared_mb", self.shared_mb, 16, 1 << 20)
 
 
+# ARR-COC weights trained for a shipped answer model (runtime.model_weights "auto"): arrcoc-synth-qa's
+# synth-qa were trained on its renderers' clips through its answers (docs/training.md)
+PAIRED_WEIGHTS = {"arrcoc-synth-qa": "synth-qa"}
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -88,7 +93,9 @@ class RuntimeConfig:
     batch_size: int = 16              # frames per batch through the GPU stages
     queue_capacity: int = 4           # batches buffered between two stages
     cuda_graphs: bool = True          # replay full batches of the front end as CUDA graphs (GPU only)
-    model_weights: str = "default"    # ARR-COC weights: "default" (shipped, trained), "none" (initial values) or a path
+    # ARR-COC weights: "auto" (the weights trained for the answering VLM, PAIRED_WEIGHTS; else "default"),
+    # "default" (shipped, trained on generated scenes for any VLM), "synth-qa", "none" (initial values) or a path
+    model_weights: str = "auto"
     # how a thread waiting for the GPU waits (pipeline/runtime/cuda.py set_cuda_wait): "block" sleeps
     # until the GPU is done; "auto" is CUDA's own choice, which spins a core per waiting thread
     # while the process has fewer CUDA contexts than CPUs
@@ -101,6 +108,13 @@ class RuntimeConfig:
         check_range("runtime.queue_capacity", self.queue_capacity, 1, 1024)
         if not self.vlm.strip():
             raise ConfigError("runtime.vlm must not be empty; use 'none' for allocation only")
+
+    @property
+    def arrcoc_weights(self) -> str:
+        """runtime.model_weights with "auto" resolved for runtime.vlm."""
+        if self.model_weights == "auto":
+            return PAIRED_WEIGHTS.get(self.vlm, "default")
+        return self.model_weights
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,17 @@ def runtime_device(cfg: PipelineConfig) -> torch.device:
 
 
 def build_model(cfg: PipelineConfig, device: torch.device, *, answering: bool = False) -> ARRCOC:
-    """ARR-COC for MiniLM queries, with the weights runtime.model_weights names (which must fit it
-    exactly). answering: a VLM answers from this model's allocations, so the allocator keeps pass 1's
-    candidates of the budget plan (pipeline/budget.py: pass 2's or the tempering ladder's)."""
+    """ARR-COC for MiniLM queries, with the weights runtime.model_weights names ("auto": those trained
+    for runtime.vlm, else default; they must fit it exactly). answering: a VLM answers from this
+    model's allocations, so the allocator keeps pass 1's candidates of the budget plan
+    (pipeline/budget.py: pass 2's or the tempering ladder's)."""
     from arr_coc.checkpoint import load_pretrained
 
     model_cfg = cfg.model
     if answering:
         model_cfg = replace(model_cfg, attending=BudgetPlan.of(cfg.vlm).pass1(model_cfg.attending))
     model = ARRCOC(model_cfg, query_dim=QUERY_DIM)
-    load_pretrained(model, cfg.runtime.model_weights, "runtime.model_weights")
+    load_pretrained(model, cfg.runtime.arrcoc_weights, "runtime.model_weights")
     return model.to(device).eval()
 
 

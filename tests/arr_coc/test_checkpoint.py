@@ -72,9 +72,10 @@ class TestShippedDefault:
         assert not torch.equal(m.state_dict()["knowing.participatory.log_scale"],
                                ARRCOC(query_dim=384).state_dict()["knowing.participatory.log_scale"])
 
-    def test_synth_qa_is_the_default_fine_tuned_by_its_own_config(self):
-        """runtime.model_weights=synth-qa: the shipped fine-tune through arrcoc-synth-qa's answers, made
-        from the default by configs/train_vlm_qa.yaml (its metadata records that config)."""
+    def test_synth_qa_is_trained_through_arrcoc_synth_qa_answers(self):
+        """runtime.model_weights=synth-qa: relevance on the QA renderers, then trained through
+        arrcoc-synth-qa's answers by configs/train_renderers_vlm_qa.yaml (its metadata records that
+        config and the relevance weights it started from); not the default's values."""
         import json
         from arr_coc.checkpoint import NAMED_WEIGHTS, read_weights
 
@@ -83,12 +84,27 @@ class TestShippedDefault:
         tuned, meta = read_weights(NAMED_WEIGHTS["synth-qa"])
         assert all(torch.equal(v, tuned[k]) for k, v in m.state_dict().items())
         config = json.loads(meta["train_config"])
-        assert config["vlm"] == "arrcoc-synth-qa" and config["init"] == "default"
+        assert config["vlm"] == "arrcoc-synth-qa" and config["init"].endswith("arrcoc_relevance.safetensors")
         assert [s["name"] for s in config["stages"]] == ["vlm_qa"]
         default, _ = read_weights(DEFAULT_WEIGHTS)
         assert any(not torch.equal(v, default[k]) for k, v in tuned.items() if k in default)
         with pytest.raises(ConfigError, match="allowed: default, synth-qa, none or a .safetensors path"):
             load_pretrained(m, "synth-qa-missing", "runtime.model_weights")
+
+    def test_auto_weights_are_the_answer_models_own(self):
+        """runtime.model_weights "auto" (the default): synth-qa under arrcoc-synth-qa, default under any
+        other VLM; a name given is kept."""
+        from arr_coc.checkpoint import NAMED_WEIGHTS, read_weights
+        from pipeline.config import PipelineConfig, RuntimeConfig
+        from pipeline.core.setup import build_model
+
+        assert RuntimeConfig().model_weights == "auto"
+        assert RuntimeConfig(vlm="arrcoc-synth-qa").arrcoc_weights == "synth-qa"
+        assert RuntimeConfig(vlm="Qwen/Qwen2-VL-2B-Instruct").arrcoc_weights == "default"
+        assert RuntimeConfig(vlm="arrcoc-synth-qa", model_weights="default").arrcoc_weights == "default"
+        model = build_model(PipelineConfig(runtime=RuntimeConfig(vlm="arrcoc-synth-qa")), torch.device("cpu"))
+        tuned, _ = read_weights(NAMED_WEIGHTS["synth-qa"])
+        assert all(torch.equal(v, tuned[k]) for k, v in model.state_dict().items())
 
     def test_other_query_width_is_an_error_not_a_partial_load(self):
         with pytest.raises(ConfigError, match=r"runtime.model_weights=default: .*5 shape mismatches .*"

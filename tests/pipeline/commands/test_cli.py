@@ -171,17 +171,20 @@ def test_allocation_demo_makes_its_clip_then_the_store_overlay_and_contact_sheet
 def test_default_demo_answers_its_clips_questions_with_the_shipped_model(capsys, tmp_path):
     """`make demo` on a CPU-only machine, nothing downloaded: the shipped arrcoc-synth-qa answers the
     held-out clip's questions; the summary puts each answer next to the exact one and the tokens.
-    The model reads colours (the moving object's, the one after the cut) reliably: those must be right."""
+    Most answers are right: 4 of the 6 with the shipped weights (the answer model scores 0.74-0.80 with
+    ARR-COC at 10-25% on 100 clips of this generator, docs/performance.md); a broken model, prompt or
+    token selection answers at chance."""
     out = tmp_path / "demo" / "demo.zarr"
     code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--device", "cpu", "--no-progress")
     assert code == 0, err
     summary = json.loads(stdout.strip().splitlines()[0])
     assert summary["vlm"] == "arrcoc-synth-qa" and len(summary["answers"]) == 6
     by_question = {a["question"]: a for a in summary["answers"]}
-    for question, answer in by_question.items():
+    for answer in by_question.values():
         assert 0 < answer["tokens_kept"] < answer["tokens_full"]
-        if "color" in question.lower():
-            assert answer["correct"] and answer["answer"] == answer["expected"], answer
+        assert answer["correct"] == (answer["answer"] == answer["expected"]), answer
+    assert sum(a["correct"] for a in summary["answers"]) >= 4, summary["answers"]
+    assert summary["correct"] == f"{sum(a['correct'] for a in summary['answers'])}/6"
     assert validate_store(out) == [] and summary["scene_changes"][-1] > 0      # the clip's cut is found
     assert ((tmp_path / "demo" / "demo_overlay.mp4").stat().st_size > 0
             and (tmp_path / "demo" / "demo_contact.png").is_file())

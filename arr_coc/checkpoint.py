@@ -28,9 +28,10 @@ DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "default.safeten
 NAMED_WEIGHTS = {"default": DEFAULT_WEIGHTS, "synth-qa": DEFAULT_WEIGHTS.with_name("synth-qa.safetensors")}
 
 
-def resolve_weights(spec: str | os.PathLike, name: str = "weights") -> Path | None:
+def resolve_weights(spec: str | os.PathLike, name: str = "weights", also: tuple[str, ...] = ()) -> Path | None:
     """"default" | "synth-qa" | "none" | a path -> the file to load, or None for the initial values.
-    name: what the caller calls the spec in its errors (e.g. runtime.model_weights)."""
+    name: what the caller calls the spec in its errors (e.g. runtime.model_weights); also: the
+    caller's own names its errors list as allowed too (the pipeline's "auto", resolved before)."""
     if isinstance(spec, str) and spec == "none":
         return None
     if not isinstance(spec, (str, os.PathLike)):
@@ -38,7 +39,7 @@ def resolve_weights(spec: str | os.PathLike, name: str = "weights") -> Path | No
     path = NAMED_WEIGHTS[spec] if isinstance(spec, str) and spec in NAMED_WEIGHTS else Path(spec)
     if not path.is_file():
         raise ConfigError(f"{name}={str(spec)!r}: no such file {path}; "
-                          f"allowed: {', '.join(NAMED_WEIGHTS)}, none or a .safetensors path")
+                          f"allowed: {', '.join((*also, *NAMED_WEIGHTS))}, none or a .safetensors path")
     return path
 
 
@@ -100,11 +101,12 @@ def _more(keys: list[str]) -> str:
     return f" and {len(keys) - _NAMED} more" if len(keys) > _NAMED else ""
 
 
-def load_pretrained(model: nn.Module, spec: str | os.PathLike, name: str = "weights") -> None:
+def load_pretrained(model: nn.Module, spec: str | os.PathLike, name: str = "weights",
+                    also: tuple[str, ...] = ()) -> None:
     """Apply a weights spec to a freshly built model. Every spec must fit exactly: the shipped
     default fits the default architecture with 384-d (MiniLM) queries; for another architecture
-    or query width, train a checkpoint for it or start from "none"."""
-    path = resolve_weights(spec, name)
+    or query width, train a checkpoint for it or start from "none". also: as resolve_weights."""
+    path = resolve_weights(spec, name, also)
     if path is None:
         return
     try:

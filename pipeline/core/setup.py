@@ -43,7 +43,7 @@ def build_model(cfg: PipelineConfig, device: torch.device, *, answering: bool = 
     if answering:
         model_cfg = replace(model_cfg, attending=BudgetPlan.of(cfg.vlm).pass1(model_cfg.attending))
     model = ARRCOC(model_cfg, query_dim=QUERY_DIM)
-    load_pretrained(model, cfg.runtime.arrcoc_weights, "runtime.model_weights")
+    load_pretrained(model, cfg.runtime.arrcoc_weights, "runtime.model_weights", also=("auto",))
     return model.to(device).eval()
 
 

@@ -105,6 +105,8 @@ class TestShippedDefault:
         model = build_model(PipelineConfig(runtime=RuntimeConfig(vlm="arrcoc-synth-qa")), torch.device("cpu"))
         tuned, _ = read_weights(NAMED_WEIGHTS["synth-qa"])
         assert all(torch.equal(v, tuned[k]) for k, v in model.state_dict().items())
+        with pytest.raises(ConfigError, match="allowed: auto, default, synth-qa, none or a .safetensors path"):
+            build_model(PipelineConfig(runtime=RuntimeConfig(model_weights="autoo")), torch.device("cpu"))
 
     def test_other_query_width_is_an_error_not_a_partial_load(self):
         with pytest.raises(ConfigError, match=r"runtime.model_weights=default: .*5 shape mismatches .*"

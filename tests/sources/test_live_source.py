@@ -256,7 +256,9 @@ class TestRTSP:
         # nothing before the gap was lost: every frame delivered before it was taken, in order
         indices = [f.index for f in before + more + after]
         assert indices == list(range(indices[0], indices[0] + len(indices)))
-        assert stats.dropped == 0 and stats.reconnects == 1
+        # frames the consumer took none of before its first read may be dropped (a loaded machine
+        # starts reading late: 2 of them in one CI run), none after it (the indices run on)
+        assert stats.dropped <= indices[0] and stats.reconnects == 1
         # how the stream ended depends on where in a packet the server died: at a boundary FFmpeg
         # sees the connection close, mid-packet (seen under load) invalid data
         assert re.fullmatch(r"(server closed the connection|stream error: invalid data found when processing input)"

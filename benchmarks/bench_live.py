@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import cpu_times, fixed_query, git_commit, host_topology, scratch_result  # noqa: E402
+from benchmarks.common import busy_share, cpu_times, fixed_query, git_commit, host_topology, scratch_result  # noqa: E402
 from benchmarks.loopback import TSServer, TSServerProcess, encode_clip  # noqa: E402
 from pipeline.config import PipelineConfig, RuntimeConfig  # noqa: E402
 from pipeline.configio import load_config  # noqa: E402
@@ -150,8 +150,8 @@ def measure(urls: list[str], vlm, args, device: torch.device, out: Path) -> dict
         last = cpu_times()
         while not up.wait(every_s):
             now = cpu_times()
-            busy = (f", host CPU {100 * (now[0] - last[0]) / max(1, now[1] - last[1]):.0f}% busy"
-                    if now is not None and last is not None else "")
+            share = busy_share(last, now)
+            busy = f", host CPU {100 * share:.0f}% busy" if share is not None else ""
             note(f"{len(urls)} streams: setting up, {len(LEDGER.entries(started, 'capture'))} graphs captured{busy}")
             last = now
 
@@ -210,8 +210,8 @@ def cpu_use(before: tuple, after: tuple, span: float) -> dict:
     """CPU cores the pipeline's process kept busy over the measured span, and the machine's busy
     share (every process: the loopback server, a VLM process of its own, the rest of the host)."""
     out = {"cpu_cores_pipeline": round((after[0] - before[0]) / span, 2)}
-    if before[1] is not None and after[1] is not None and after[1][1] > before[1][1]:
-        out["host_cpu_busy_share"] = round((after[1][0] - before[1][0]) / (after[1][1] - before[1][1]), 3)
+    if (share := busy_share(before[1], after[1])) is not None:
+        out["host_cpu_busy_share"] = round(share, 3)
     return out
 
 

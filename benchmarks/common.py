@@ -95,6 +95,14 @@ def cpu_times() -> tuple[int, int] | None:
     return total - fields[3] - fields[4], total
 
 
+def busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The machine's busy share of its CPU time between two cpu_times() samples (None: either is
+    missing, or no time passed between them)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def _gpu_utilization() -> list[float] | None:
     """Each GPU's utilization (% of the last sample period with a kernel running) from nvidia-smi,
     None where it cannot be read."""
@@ -139,8 +147,8 @@ class LoadSampler:
         while not self._stop.wait(self.period):
             now = cpu_times()
             sample: dict[str, Any] = {"t": time.time()}
-            if now is not None and last is not None and now[1] > last[1]:
-                sample["cpu_busy"] = (now[0] - last[0]) / (now[1] - last[1])
+            if (busy := busy_share(last, now)) is not None:
+                sample["cpu_busy"] = busy
             last = now
             if self.gpu:
                 util = _gpu_utilization()

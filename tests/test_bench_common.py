@@ -198,6 +198,14 @@ def test_load_sampler_reads_the_cpus_over_a_window():
 
 
 
+def test_busy_share_between_two_cpu_samples():
+    from benchmarks.common import busy_share
+
+    assert busy_share((30, 100), (90, 200)) == pytest.approx(0.6)
+    assert busy_share(None, (90, 200)) is None and busy_share((30, 100), None) is None
+    assert busy_share((30, 100), (30, 100)) is None                # no time passed
+
+
 def test_kernel_summary_counts_kernels_per_unit():
     import torch
     from torch.profiler import ProfilerActivity, profile

@@ -287,15 +287,18 @@ def answer_ttft(vlm, frames, keep, scores, reps: int, pass2: bool) -> dict:
     budget among them by the question's attention) or off (keep: the budget), at the VLM's other
     settings (vlm.encode kept, kept_context 1 unless changed)."""
     from pipeline.vlm.passes import Passes
-    base, passes = vlm.config, vlm.passes
+    kept = vlm.kept_encoder
+    base, passes, encoder_state = vlm.config, vlm.passes, (kept.context, kept.whole_windows)
     vlm.config = replace(base, max_new_tokens=1, pass2="attention" if pass2 else "off")
-    vlm.kept_encoder.context = vlm.config.kept_context
+    # the VLM's own kept-encoder settings, not the last bench_setting row's
+    kept.context, kept.whole_windows = vlm.config.kept_context, vlm.config.kept_windows == "whole"
     vlm.passes = Passes(vlm) if vlm.config.multipass else None
     try:
         req = AnswerRequest("bench", frames, keep, QUESTION, 0.0, frames.shape[0] / vlm.config.fps, scores=scores)
         seconds, out = timed(lambda: vlm.answer([req]), vlm.device, reps)
     finally:
         vlm.config, vlm.passes = base, passes
+        kept.context, kept.whole_windows = encoder_state
     return dict(answer_ttft_ms=seconds * 1e3, tokens_kept=out[0].tokens_kept, tokens_full=out[0].tokens_full,
                 passes=out[0].passes)
 

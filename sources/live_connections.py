@@ -397,7 +397,7 @@ class NvdecNetworkConnection(NetworkConnection):
 
         nvdec.check_available(spec.name)
         super().__init__(spec, cfg, size)
-        self._name, self._fallback, self._converted = spec.name, cfg.fallback, 0
+        self._name, self._fallback, self._decoded = spec.name, cfg.fallback, 0
         # the packets before the first frame, for PyAV to decode if NVDEC refuses the stream then
         self._unframed: collections.deque[av.Packet] = collections.deque(maxlen=_RECEIVED_MAX)
         try:
@@ -414,12 +414,12 @@ class NvdecNetworkConnection(NetworkConnection):
         if self._feed is None:   # NVDEC refused the stream: PyAV decodes (live.fallback)
             yield from super()._decode(packet)
             return
-        if not self._converted:
+        if not self._decoded:
             self._unframed.append(_copy(packet, self.stream) if self._feed.consumes else packet)
         try:
             frames = self._feed.decode(packet)
         except NvdecError as e:
-            if self._converted:
+            if self._decoded:
                 raise   # damage mid-stream: a lost stream, reconnected
             self._refused(str(e))
             for held in self._unframed:   # PyAV decodes from the connection's start, no frame lost
@@ -427,12 +427,15 @@ class NvdecNetworkConnection(NetworkConnection):
             self._unframed.clear()
             return
         for pts, nv12 in frames:
+            self._decoded += 1
+            self._unframed.clear()
+            if not self.wanted():   # no conversion nobody waits for: a live run's setup (its graph
+                yield pts, None     # captures) would compete with every stream's for the interpreter
+                continue
             try:
-                rgb = self._convert.convert(nv12, self._converted)   # before the decoder's next call reuses nv12
+                rgb = self._convert.convert(nv12, self._decoded - 1)   # before the decoder's next call reuses nv12
             except SourceError as e:   # the stream changed size or format: reconnect, as at a new size
                 raise Lost(f"stream error: {lowercase_first(str(e))}") from None
-            self._converted += 1
-            self._unframed.clear()
             yield pts, self._resize(rgb)
 
     def _refused(self, reason: str) -> None:

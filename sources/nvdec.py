@@ -26,9 +26,10 @@ that a caller that allows it (decode.fallback) can say so and decode with PyAV.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from sources.errors import SourceError
 
@@ -47,17 +48,86 @@ NVDEC_CODECS = {"h264": "H264", "hevc": "HEVC", "av1": "AV1", "vp8": "VP8", "vp9
 # codes, parameter sets in the stream). MPEG-TS and raw streams are Annex B already.
 _ANNEXB_FILTERS = {"h264": "h264_mp4toannexb", "hevc": "hevc_mp4toannexb"}
 _NOPTS = -(1 << 62)   # pts of a packet without one; FFmpeg's AV_NOPTS_VALUE (INT64_MIN) is below it too
-# Held by every CUDA-graph capture (pipeline/runtime/cuda.py takes this one lock as its CAPTURE_LOCK)
-# and here around each call into NVDEC (decoder creation, Decode, the conversion, close): the
-# decoder allocates, maps and frees device memory on its own, and a live run opens streams and
-# decodes while the VLM captures its graphs at warm-up (H200, 32 live NVDEC streams: captures
-# failed, then "beginAllocateToPool: already recording to mempool_id"). Held alone, it serializes
-# the decoders of all streams: 32 live streams then ran at 6.6 frames/s each on an H200 (72% dropped).
-# A shared side for decoders (captures alone, decoders together) was tried at bac0cae: the same
-# 32-stream run then printed nothing in 210 s (a hang, cause not found: PyNvVideoCodec's decoders
-# called at once from many threads, or the lock); it was taken back. NVDEC for many live streams
-# is not ready: docs/usage.md says so.
-CAPTURE_LOCK = threading.RLock()
+class CaptureLock:
+    """The one lock between CUDA-graph captures and the work that must not overlap one. A capture
+    holds it alone (`with lock:`, re-entrant, as threading.RLock). Everything else that only must
+    not run during a capture holds it shared (`with lock.shared():`) and overlaps the rest: NVDEC's
+    decoders of many streams, page-locked allocations and device-wide syncs of the stages and the
+    VLM. A waiting capture goes first: no new shared holder enters until it is done. The shared side
+    is re-entrant per thread, and the capturing thread may enter it; a thread that holds it shared
+    and asks to capture gets a RuntimeError (it would wait for itself)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = self._shared = self._waiting = 0
+        self._local = threading.local()      # .depth: this thread's nesting of shared()
+
+    def acquire(self) -> bool:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            if getattr(self._local, "depth", 0):
+                raise RuntimeError("CaptureLock: a thread holding the shared side cannot take it alone")
+            self._waiting += 1
+            try:
+                while self._owner is not None or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._owner, self._depth = me, 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("CaptureLock released by a thread that does not hold it")
+            self._depth -= 1
+            if not self._depth:
+                self._owner = None
+                self._cond.notify_all()
+
+    def __enter__(self) -> "CaptureLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        counted = False
+        if not depth:
+            with self._cond:
+                if self._owner != threading.get_ident():   # (the capturing thread holds it already)
+                    while self._owner is not None or self._waiting:
+                        self._cond.wait()
+                    self._shared += 1
+                    counted = True
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if counted:
+                with self._cond:
+                    self._shared -= 1
+                    if not self._shared:
+                        self._cond.notify_all()
+
+
+# Held alone by every CUDA-graph capture (pipeline/runtime/cuda.py takes this one lock as its
+# CAPTURE_LOCK) and shared around each call into NVDEC (decoder creation, Decode, the conversion,
+# close): a decoding thread invalidates a capture running in another (H200, 32 live NVDEC streams
+# decoding through the VLM's warm-up: "cudaErrorStreamCaptureInvalidated", then "beginAllocateToPool:
+# already recording to mempool_id"). History (docs/performance.md): held alone by decoders too, it
+# cut 32 live streams to 6.6 frames/s each; shared by decoders but still taken alone by the stages'
+# page-locked allocations, those 32 streams' warm-up took ~4 s a graph (every stream converting)
+# and their steady state 5.3 frames/s each (a lock convoy behind every allocation).
+CAPTURE_LOCK = CaptureLock()
 # Files convert this many frames per call of yuv_to_rgb (its ~12 kernels launched once per batch);
 # live streams one at a time, as each comes in.
 CONVERT_BATCH = 8
@@ -165,7 +235,7 @@ class _PyNvDecoder:
                                      outputColorType=nvc.OutputColorType.NATIVE)
 
         try:
-            with CAPTURE_LOCK:
+            with CAPTURE_LOCK.shared():
                 try:
                     self._decoder, self.ordered = create(self.stream.cuda_stream), True
                 except Exception:  # a stream it does not validate: its own, synchronized at each frame
@@ -181,13 +251,13 @@ class _PyNvDecoder:
             data.bsl_data, data.bsl = packet.buffer_ptr, packet.buffer_size
             data.pts = _NOPTS if packet.pts is None else packet.pts
         try:
-            with CAPTURE_LOCK, torch.cuda.stream(self.stream):   # DLPack makes each frame ready on this stream
+            with CAPTURE_LOCK.shared(), torch.cuda.stream(self.stream):   # DLPack makes each frame ready on this stream
                 return [(_pts(f.getPTS()), torch.from_dlpack(f)) for f in self._decoder.Decode(data)]
         except Exception as e:  # PyNvVCExceptionDecode / Cuda / Unsupported, RuntimeError
             raise NvdecError(_first_line(e)) from e
 
     def close(self) -> None:
-        with CAPTURE_LOCK:
+        with CAPTURE_LOCK.shared():
             self._decoder = None
 
 
@@ -320,13 +390,11 @@ class Nv12ToRgb:
                               f"{w}x{h} -> {tuple(nv12.shape)} {nv12.dtype}")
 
     def _on_stream(self) -> Any:
-        """On the decoder's stream, and holding CAPTURE_LOCK (no conversion while a graph is captured)."""
-        import contextlib
-
+        """On the decoder's stream, and holding CAPTURE_LOCK shared (no conversion while a graph is captured)."""
         import torch
 
         stack = contextlib.ExitStack()
-        stack.enter_context(CAPTURE_LOCK)
+        stack.enter_context(CAPTURE_LOCK.shared())
         if self._stream is not None:
             stack.enter_context(torch.cuda.stream(self._stream))
         return stack

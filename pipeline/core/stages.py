@@ -121,7 +121,7 @@ class DecodeStage(Stage):
         """cudaHostRegister the slots so copies from them are asynchronous DMA. Where the driver
         refuses (some containers limit locked memory), copies still work, synchronously."""
         cudart = torch.cuda.cudart()
-        with CAPTURE_LOCK:  # (un)registering page-locked memory: not while another thread captures
+        with CAPTURE_LOCK.shared():  # (un)registering page-locked memory: not while another thread captures
             err = cudart.cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0)
         if int(getattr(err, "value", err)) == 0:
             self._registered = buffer.ctypes.data
@@ -155,7 +155,7 @@ class DecodeStage(Stage):
 
     def close(self) -> None:
         if self._registered is not None:  # before the slots are unmapped
-            with CAPTURE_LOCK:  # a device-wide sync would invalidate another thread's capture
+            with CAPTURE_LOCK.shared():  # a device-wide sync would invalidate another thread's capture
                 torch.cuda.synchronize(self.device)
                 torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
@@ -278,7 +278,7 @@ class RealizeStage(Stage):
                 allocation, state, _ = self.model.realize(item.texture, self.query, state,
                                                           query_mask=self.query_mask, vlm_frames=vlm_frames)
             self.states[item.batch.stream_id] = state
-            with CAPTURE_LOCK if self.cuda else nullcontext():
+            with CAPTURE_LOCK.shared() if self.cuda else nullcontext():
                 host = allocation.to("cpu", non_blocking=self.cuda)
             ready = None
             if self.cuda:

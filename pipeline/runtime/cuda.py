@@ -136,14 +136,14 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     host = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda" or host.device.type != "cpu" or host.is_pinned():
         return host.to(device, non_blocking=True)
-    with CAPTURE_LOCK:  # a page-locked allocation: not while another thread captures
+    with CAPTURE_LOCK.shared():  # a page-locked allocation: not while another thread captures
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
 
 def host_uint8(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
     """An empty uint8 host tensor, page-locked when `pin` (not while another thread captures)."""
-    with CAPTURE_LOCK if pin else nullcontext():
+    with CAPTURE_LOCK.shared() if pin else nullcontext():
         return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
 
 

@@ -43,6 +43,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -51,6 +52,7 @@ from sources.errors import SourceError, StreamInterruptedWarning
 from sources.frame import Frame
 from sources.live_connections import (CONNECTIONS, NETWORK_SCHEMES, TRANSPORTS, Connection, LiveConfig, Lost,
                                       SourceKind, SourceSpec, Stalled)
+from sources.nvdec import HeldNv12
 from sources.reconnect import Outage, Reconnect
 
 __all__ = ["BufferedSource", "Gap", "LatestFrames", "LiveConfig", "LiveSource", "NETWORK_SCHEMES", "SourceKind",
@@ -125,6 +127,48 @@ def parse_source(spec: str, *, realtime: bool = False) -> SourceSpec:
         raise SourceError(f"{spec} is a file; pass --realtime to play it as a live source at its frame rate "
                           f"(or use `python -m pipeline run` to process it offline)")
     return SourceSpec("file", str(path), _sanitize(path.stem), spec)
+
+
+@dataclass(frozen=True)
+class HeldFrame:
+    """A frame in LatestFrames whose pixels are not RGB yet (NVDEC's NV12 copy, sources/nvdec.py):
+    Frame's place in the stream, converted to a Frame when taken (frames_of)."""
+
+    stream_id: str
+    index: int
+    pts_s: float
+    pixels: Any
+    arrival_s: float | None = None
+
+
+def frames_of(items: list) -> list[Frame]:
+    """The Frames of what LatestFrames.take returned: held frames converted together, each run of
+    one stream connection's frames in one call (nvdec.convert_held); Frames as they are."""
+    if not any(isinstance(f, HeldFrame) for f in items):
+        return items
+    from sources import nvdec
+
+    out: list[Frame] = []
+    run: list[HeldFrame] = []
+
+    def flush() -> None:
+        if run:
+            rgb = nvdec.convert_held([f.pixels for f in run])                      # (n, H, W, 3)
+            out.extend(Frame(f.stream_id, f.index, f.pts_s, rgb[k], f.arrival_s) for k, f in enumerate(run))
+            run.clear()
+
+    for item in items:
+        if isinstance(item, HeldFrame) and (not run or (item.pixels.converter is run[0].pixels.converter
+                                                         and item.pixels.size == run[0].pixels.size)):
+            run.append(item)
+            continue
+        flush()
+        if isinstance(item, HeldFrame):
+            run.append(item)
+        else:
+            out.append(item)
+    flush()
+    return out
 
 
 class LatestFrames:
@@ -226,7 +270,8 @@ class BufferedSource:
     def take(self, max_frames: int, timeout_s: float = 0.05) -> tuple[list[Frame], Gap | None]:
         if self.began_at is None:
             self.begin()
-        return self.buffer.take(max_frames, timeout_s)
+        frames, gap = self.buffer.take(max_frames, timeout_s)
+        return frames_of(frames), gap
 
     def __enter__(self):
         return self
@@ -364,9 +409,12 @@ class LiveSource(BufferedSource):
                 if rgb is None:   # read before the consumer was ready: begin() forgets these anyway
                     self._last = (pts, arrival)
                     continue
-                if isinstance(rgb, np.ndarray):   # NVDEC's frames are contiguous device tensors already
-                    rgb = np.ascontiguousarray(rgb)
-                self.buffer.put(Frame(self.stream_id, self.frames_in, pts, rgb, arrival), gap)
+                if isinstance(rgb, HeldNv12):   # NVDEC's NV12, converted when taken (with the rest of its batch)
+                    frame = HeldFrame(self.stream_id, self.frames_in, pts, rgb, arrival)
+                else:   # (NVDEC's RGB of a realtime file: a contiguous device tensor already)
+                    rgb = np.ascontiguousarray(rgb) if isinstance(rgb, np.ndarray) else rgb
+                    frame = Frame(self.stream_id, self.frames_in, pts, rgb, arrival)
+                self.buffer.put(frame, gap)
                 self.frames_in += 1
                 self._last = (pts, arrival)
                 self._arrivals.append(arrival)

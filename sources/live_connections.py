@@ -381,7 +381,11 @@ class CameraConnection(Connection):
 
 
 class NvdecNetworkConnection(NetworkConnection):
-    """A network stream decoded by NVDEC (sources/nvdec.py), frames as CUDA tensors.
+    """A network stream decoded by NVDEC (sources/nvdec.py), frames as CUDA tensors: each frame is
+    handed on as its own copy of the NV12 planes (nvdec.HeldNv12) and converted to RGB when the
+    consumer takes it, together with the rest of its batch (LiveSource.take), not here: 32 streams
+    converting frame by frame in their threads held the interpreter the VLM needs (H200, 32 live
+    streams: 6.2 frames/s each, docs/performance.md).
 
     PyAV opens and demuxes the stream exactly as for NetworkConnection (its options, open and read
     timeouts, stall and drop detection, packet arrival times); the packets go to an NVDEC session
@@ -432,11 +436,11 @@ class NvdecNetworkConnection(NetworkConnection):
             if not self.wanted():   # no conversion nobody waits for: a live run's setup (its graph
                 yield pts, None     # captures) would compete with every stream's for the interpreter
                 continue
-            try:
-                rgb = self._convert.convert(nv12, self._decoded - 1)   # before the decoder's next call reuses nv12
+            try:   # copied out before the decoder's next call reuses nv12; converted when taken
+                held = self._convert.hold(nv12, self._decoded - 1, (self.height, self.width))
             except SourceError as e:   # the stream changed size or format: reconnect, as at a new size
                 raise Lost(f"stream error: {lowercase_first(str(e))}") from None
-            yield pts, self._resize(rgb)
+            yield pts, held
 
     def _refused(self, reason: str) -> None:
         """NVDEC cannot decode this stream: NvdecUnavailable, or with live.fallback a warning and PyAV."""
@@ -448,15 +452,6 @@ class NvdecNetworkConnection(NetworkConnection):
                       NvdecFallbackWarning, stacklevel=2)
         self._feed, feed = None, self._feed
         feed.close()
-
-    def _resize(self, rgb: Any) -> Any:
-        if tuple(rgb.shape[:2]) == (self.height, self.width):
-            return rgb
-        import torch.nn.functional as F
-
-        chw = rgb.permute(2, 0, 1)[None].float()                                     # (1, 3, h, w)
-        out = F.interpolate(chw, size=(self.height, self.width), mode="bilinear", antialias=True, align_corners=False)
-        return out[0].permute(1, 2, 0).round_().clamp_(0, 255).to(rgb.dtype).contiguous()   # (H, W, 3)
 
     def close(self) -> None:
         super().close()

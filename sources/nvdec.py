@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Protocol
 
 from sources.errors import SourceError
 
@@ -332,7 +332,9 @@ class Nv12ToRgb:
     One frame: `convert`. Several (files): `add` each frame as it comes out of the decoder (a copy
     into a batch of slots; the decoder's memory is then free for its next frame), `take` converts
     the frames added in one call of yuv_to_rgb: its kernels launched once per batch, not per frame.
-    The work runs on the decoder's stream (NvdecDecoder.stream), off the default stream."""
+    The work runs on the decoder's stream (NvdecDecoder.stream), off the default stream. Live
+    streams: `hold` copies a frame out and converts nothing; the consumer converts what it takes,
+    all at once (convert_held), in its own thread."""
 
     def __init__(self, layout: YuvLayout, name: str, decoder: NvdecDecoder, batch: int = 1) -> None:
         self.layout, self.name, self.batch = layout, name, batch
@@ -353,6 +355,24 @@ class Nv12ToRgb:
             rgb = yuv_to_rgb(nv12.reshape(1, -1), self.layout)[0]      # (H', W', 3)
         self._finish()
         return rgb
+
+    def hold(self, nv12: torch.Tensor, index: int, size: tuple[int, int]) -> HeldNv12:
+        """One frame copied out of the decoder's memory (on its stream, before its next call), not
+        converted: the conversion's dozen kernels and the size change to `size` (H, W) wait for
+        convert_held, which runs them once for every frame a consumer takes together. Frames the
+        consumer never takes (dropped while it was behind) are never converted."""
+        import torch
+
+        self._check(nv12, index)
+        ready = None
+        with self._on_stream():
+            planes = nv12.reshape(-1).clone()                             # (frame_bytes,)
+            if self._stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self._stream)
+        if not self._ordered:   # the decoder's next frame may overwrite this one's memory at once
+            self._finish()
+        return HeldNv12(planes, self, ready, size)
 
     def add(self, nv12: torch.Tensor, index: int) -> None:
         import torch
@@ -402,3 +422,48 @@ class Nv12ToRgb:
     def _finish(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+class HeldNv12(NamedTuple):
+    """A live NVDEC frame between its decoder and its consumer (Nv12ToRgb.hold): its own copy of the
+    NV12 planes, the converter of its stream (layout, decoder stream), the event the copy is done at
+    on that stream (None off the GPU), and the (H, W) its RGB is wanted at."""
+    planes: Any
+    converter: Nv12ToRgb
+    ready: Any
+    size: tuple[int, int]
+
+
+def convert_held(frames: list[HeldNv12]) -> torch.Tensor:
+    """Held frames of one stream's converter -> (n, H, W, 3) uint8 RGB at their size, converted on
+    the calling thread's current CUDA stream in one call of yuv_to_rgb (and one resize where the
+    stream's frames are not at the size the source started with)."""
+    import torch
+
+    from sources.yuv import yuv_to_rgb
+
+    converter, size = frames[0].converter, frames[0].size
+    if any(f.converter is not converter or f.size != size for f in frames):
+        raise ValueError("convert_held: the frames come from more than one converter or size")
+    planes = frames[0].planes
+    with CAPTURE_LOCK.shared():
+        if planes.is_cuda:
+            current = torch.cuda.current_stream(planes.device)
+            if frames[-1].ready is not None:   # the copies ran in order on the decoder's stream
+                current.wait_event(frames[-1].ready)
+            for f in frames:                   # allocated there, read here: not reused before this runs
+                f.planes.record_stream(current)
+        rgb = yuv_to_rgb(torch.stack([f.planes for f in frames]), converter.layout)   # (n, h, w, 3)
+        return resize_rgb(rgb, size)
+
+
+def resize_rgb(rgb: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(n, h, w, 3) uint8 -> (n, H, W, 3) uint8 (bilinear, antialiased: a stream that came back at
+    another size is scaled to the size it started with); itself when already that size."""
+    import torch.nn.functional as F
+
+    if tuple(rgb.shape[1:3]) == tuple(size):
+        return rgb
+    nchw = rgb.permute(0, 3, 1, 2).float()
+    out = F.interpolate(nchw, size=tuple(size), mode="bilinear", antialias=True, align_corners=False)
+    return out.permute(0, 2, 3, 1).round_().clamp_(0, 255).to(rgb.dtype).contiguous()

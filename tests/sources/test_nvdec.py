@@ -538,6 +538,92 @@ class TestDamage:
         assert np.allclose([f.pts_s for f in got], [f.pts_s for f in ref])
 
 
+def as_rgb(pixels):
+    """A live connection's pixels as a host array: NVDEC's held NV12 converted as a consumer's take
+    converts it (nvdec.convert_held), tensors copied to the host."""
+    if isinstance(pixels, nvdec.HeldNv12):
+        pixels = nvdec.convert_held([pixels])[0]
+    return pixels.cpu().numpy() if isinstance(pixels, torch.Tensor) else pixels
+
+
+class TestHeldFrames:
+    """Live NVDEC frames are held as NV12 copies and converted when a consumer takes them: each run
+    of one connection's frames in one conversion, frames dropped before being taken never."""
+
+    @staticmethod
+    def held(clip, size=None):
+        """(HeldNv12 of every frame of the clip through one converter, PyAV's RGB frames)."""
+        with av.open(str(clip)) as c:
+            frames = list(c.decode(c.streams.video[0]))
+        h, w = frames[0].height, frames[0].width
+        converter = nvdec.Nv12ToRgb(yuv_layout("yuv420p", 1, 1, h, w, semi_planar=True), "c",
+                                    PyAVNv12Decoder("c", "h264"))
+        held = [converter.hold(torch.from_numpy(f.reformat(format="nv12").to_ndarray()), k, size or (h, w))
+                for k, f in enumerate(frames)]
+        return held, [f.to_ndarray(format="rgb24") for f in frames]
+
+    def test_a_batch_equals_frame_by_frame(self, clip):
+        held, _ = self.held(clip)
+        batch = nvdec.convert_held(held[:7])
+        one = torch.stack([nvdec.convert_held([h])[0] for h in held[:7]])
+        assert torch.equal(batch, one) and batch.shape == (7, 72, 96, 3)
+
+    def test_runs_of_one_connection_convert_together(self, clip, monkeypatch):
+        from sources.frame import Frame
+        from sources.live import HeldFrame, frames_of
+
+        a, _ = self.held(clip)
+        b, _ = self.held(clip)                                      # another connection (a reconnect)
+        calls: list[int] = []
+        real = nvdec.convert_held
+        monkeypatch.setattr(nvdec, "convert_held", lambda frames: (calls.append(len(frames)), real(frames))[1])
+        plain = Frame("s", 2, 0.08, np.zeros((72, 96, 3), np.uint8))
+        items = [HeldFrame("s", 0, 0.0, a[0]), HeldFrame("s", 1, 0.04, a[1]), plain,
+                 HeldFrame("s", 3, 0.12, a[3]), HeldFrame("s", 4, 0.16, b[4]), HeldFrame("s", 5, 0.2, b[5])]
+        out = frames_of(items)
+        assert calls == [2, 1, 2]
+        assert [f.index for f in out] == [0, 1, 2, 3, 4, 5] and out[2] is plain
+        assert all(isinstance(f.rgb, torch.Tensor) and f.rgb.shape == (72, 96, 3) for f in out if f is not plain)
+        assert torch.equal(out[4].rgb, real([b[4]])[0])
+
+    def test_frames_dropped_before_a_take_are_never_converted(self, clip, monkeypatch):
+        from sources.live import HeldFrame, LatestFrames, frames_of
+
+        held, _ = self.held(clip)
+        converted: list[int] = []
+        real = nvdec.convert_held
+        monkeypatch.setattr(nvdec, "convert_held", lambda frames: (converted.extend(id(f) for f in frames),
+                                                                  real(frames))[1])
+        buffer = LatestFrames(capacity=3)
+        for k in range(10):                                         # the consumer fell behind
+            buffer.put(HeldFrame("s", k, k / 25, held[k]))
+        frames, _ = buffer.take(8, timeout_s=0.0)
+        out = frames_of(frames)
+        assert [f.index for f in out] == [7, 8, 9] and buffer.dropped == 7
+        assert converted == [id(h) for h in held[7:10]]
+
+    def test_a_stream_back_at_another_size_is_scaled_as_before(self, clip):
+        """The connection's frames are wanted at the size the source started with: resized in the
+        batch, each frame as it would be alone."""
+        import torch.nn.functional as F
+
+        held, _ = self.held(clip, size=(36, 48))
+        batch = nvdec.convert_held(held[:4])
+        assert batch.shape == (4, 36, 48, 3) and batch.dtype == torch.uint8
+        full = nvdec.convert_held(self.held(clip)[0][:4])
+        for k in range(4):
+            chw = full[k].permute(2, 0, 1)[None].float()
+            alone = F.interpolate(chw, size=(36, 48), mode="bilinear", antialias=True, align_corners=False)
+            alone = alone[0].permute(1, 2, 0).round_().clamp_(0, 255).to(torch.uint8)
+            assert (batch[k].int() - alone.int()).abs().max() <= 1
+
+    def test_mixed_converters_in_one_call_are_refused(self, clip):
+        a, _ = self.held(clip)
+        b, _ = self.held(clip)
+        with pytest.raises(ValueError, match="more than one converter"):
+            nvdec.convert_held([a[0], b[1]])
+
+
 class TestLive:
     """Network streams with live.decoder nvdec: PyAV's connection (a file opened as a stream, and a
     loopback HTTP MPEG-TS stream), its packets through the NVDEC double."""
@@ -559,7 +645,7 @@ class TestLive:
                 got.append(item)
         conn.close()
         assert len(got) == len(ref) and np.allclose([g[0] for g in got], [f.pts_s for f in ref])
-        diff = np.abs(np.stack([g[1].numpy() for g in got]).astype(int) - np.stack([f.rgb for f in ref]).astype(int))
+        diff = np.abs(np.stack([as_rgb(g[1]) for g in got]).astype(int) - np.stack([f.rgb for f in ref]).astype(int))
         assert diff.max() <= 2 and all(g[2] is not None for g in got)
         assert fake_nvdec.decoders[0].closed
 
@@ -574,13 +660,13 @@ class TestLive:
         ref, _ = read(clip)
         conn = CONNECTIONS["network"](self.spec(clip), LiveConfig(decoder="nvdec"), None)
         converted: list[int] = []
-        real = module.Nv12ToRgb.convert
+        real = module.Nv12ToRgb.hold
 
-        def convert(self, nv12, index):
+        def hold(self, nv12, index, size):
             converted.append(index)
-            return real(self, nv12, index)
+            return real(self, nv12, index, size)
 
-        monkeypatch.setattr(module.Nv12ToRgb, "convert", convert)
+        monkeypatch.setattr(module.Nv12ToRgb, "hold", hold)
         wanted = [False]
         conn.wanted = lambda: wanted[0]
         got = []
@@ -592,7 +678,7 @@ class TestLive:
         conn.close()
         assert len(got) == len(ref) and got[:3] == [None] * 3 and all(g is not None for g in got[3:])
         assert converted == list(range(3, len(ref)))     # indices count the decoded frames, skipped ones too
-        assert np.abs(got[3].numpy().astype(int) - ref[3].rgb.astype(int)).max() <= 2
+        assert np.abs(as_rgb(got[3]).astype(int) - ref[3].rgb.astype(int)).max() <= 2
 
     def test_loopback_http_stream_as_pyav(self, tmp_path, fake_nvdec):
         """The same live stream, read from its start by both decoders: the same pts, and arrival times
@@ -616,7 +702,7 @@ class TestLive:
             assert isinstance(ref_conn, NetworkConnection) and not isinstance(ref_conn, NvdecNetworkConnection)
             ref = first(ref_conn, 40)
         assert [round(t, 6) for t, _, _ in nv] == [round(t, 6) for t, _, _ in ref]
-        diff = np.abs(np.stack([rgb.numpy() for _, rgb, _ in nv]).astype(int) - np.stack([r for _, r, _ in ref]))
+        diff = np.abs(np.stack([as_rgb(rgb) for _, rgb, _ in nv]).astype(int) - np.stack([r for _, r, _ in ref]))
         assert diff.max() <= 2
         # past what the probe buffered (~15 frames), the packets come paced at 30 fps, and so do the
         # arrival stamps: the last 20 frames span about 19 frame times. A loaded machine reads some in
@@ -807,7 +893,7 @@ class TestOnTheGPU:
         conn.close()
         times, ref_times = np.array([g[0] for g in got]), np.array([f.pts_s for f in ref])
         assert len(got) == len(ref) and np.allclose(times - times[0], ref_times - ref_times[0], atol=1e-3)
-        rgb = np.stack([g[1].cpu().numpy() for g in got]).astype(int)
+        rgb = np.stack([as_rgb(g[1]) for g in got]).astype(int)
         diff = np.abs(rgb - np.stack([f.rgb for f in ref]).astype(int))
         assert diff.mean() < 1.0 and diff.max() <= 4, (diff.mean(), diff.max())
 
@@ -866,7 +952,7 @@ class TestOnTheGPU:
             out = []
             try:
                 for t, rgb, came in conn.frames():
-                    out.append((t, rgb.cpu().numpy() if isinstance(rgb, torch.Tensor) else rgb, came))
+                    out.append((t, as_rgb(rgb), came))
                     if len(out) == n:
                         return out
             finally:

@@ -680,6 +680,30 @@ class TestLive:
         assert converted == list(range(3, len(ref)))     # indices count the decoded frames, skipped ones too
         assert np.abs(as_rgb(got[3]).astype(int) - ref[3].rgb.astype(int)).max() <= 2
 
+    @pytest.mark.filterwarnings("ignore:no VLM is loaded")
+    def test_a_live_run_takes_held_frames_through_the_pipeline(self, tmp_path, fake_nvdec):
+        """`live` with decoder nvdec end to end (CPU, the NVDEC double): the held NV12 frames are
+        converted as the capture stage takes them and reach the store like PyAV's."""
+        import io
+
+        from pipeline.config import PipelineConfig, RuntimeConfig
+        from pipeline.core.live_stages import LiveOptions
+        from pipeline.runners.live import run_live
+        from sinks import read_stream, validate_store
+        from sources.live import LiveConfig
+
+        live = LiveConfig(decoder="nvdec", open_timeout_s=2.0, read_timeout_s=1.0, backoff_initial_s=0.05,
+                          backoff_max_s=0.4)
+        cfg = PipelineConfig(runtime=RuntimeConfig(device="cpu", batch_size=4, model_weights="none"))
+        with http_ts_server(tmp_path, size=(160, 120), fps=30, seconds=2.0) as server:
+            result = run_live([server.url()], "where is the ball?", tmp_path / "o.zarr", cfg, live=live,
+                              options=LiveOptions(duration_s=2.5), status_out=io.StringIO())
+        assert validate_store(tmp_path / "o.zarr") == [] and result.errors == []
+        data = read_stream(tmp_path / "o.zarr", result.stream_ids[0])
+        assert len(data["pts"]) >= 10 and np.all(np.diff(data["pts"]) > 0)
+        assert data["attrs"]["width"] == 160 and data["tokens"].sum() > 0
+        assert fake_nvdec.decoders and fake_nvdec.decoders[0].frames >= len(data["pts"])
+
     def test_loopback_http_stream_as_pyav(self, tmp_path, fake_nvdec):
         """The same live stream, read from its start by both decoders: the same pts, and arrival times
         that are the packets'."""

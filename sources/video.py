@@ -27,6 +27,7 @@ from av.video.reformatter import VideoReformatter
 from sources.errors import NvdecFallbackWarning, SourceError, VideoTruncatedWarning
 from sources.frame import Frame
 from sources.nvdec import NvdecError, NvdecUnavailable
+from sources.sampling import NONREF_CODECS, PTS_TOL_S as _PTS_TOL_S, NonrefSkip, Sampler as _Sampler
 from sources.video_probe import (DECODERS, DEFAULT_MAX_PIXELS, NOT_VIDEO_CODECS, Decoder, VideoInfo, _check_args,
                                  _check_start, _decord_numpy, _duration_s, _ends_mid_packet, _first_frame,
                                  _open_container, _reason, _upright, _video_info, check_file)
@@ -35,9 +36,6 @@ __all__ = ["DECODERS", "DEFAULT_MAX_PIXELS", "NOT_VIDEO_CODECS", "Decoder", "Nvd
            "VideoSource", "check_file", "open_video", "probe"]
 
 
-# Containers round timestamps to their time base (Matroska: 1 ms), so a frame that sits on a
-# sampling tick or on start_s / end_s can read up to half a millisecond early.
-_PTS_TOL_S = 1e-3
 # Decoding that ends this much before the end the file declares means the file was cut short
 # (the slack absorbs a video track that is a little shorter than the container's audio).
 _MISSING_TAIL_S = 0.5
@@ -109,6 +107,7 @@ class VideoSource:
     """
 
     decoder: str
+    _nonref: NonrefSkip | None = None   # PyAV, a target fps: frames left undecoded (sources/sampling.py)
 
     def __init__(self, path: Path, *, fps: float | None, start_s: float, end_s: float | None,
                  max_frames: int | None, stream_id: str, threads: int = 0,
@@ -194,6 +193,8 @@ class VideoSource:
 
     def _finish(self, last_pts_s: float | None) -> None:
         """At the end of the stream: flag and warn if decoding stopped short of the declared end."""
+        skipped_s = None if self._nonref is None else self._nonref.last_s   # undecoded frames reached it too
+        last_pts_s = last_pts_s if skipped_s is None or (last_pts_s or 0) > skipped_s else skipped_s
         reason = self._damage or self._missing_tail(last_pts_s)
         if reason is None:
             return
@@ -247,10 +248,14 @@ class _PyAVSource(VideoSource):
         stream.thread_type = "AUTO"  # frame + slice threads: several times faster on multi-core CPUs
         if self.threads:
             stream.thread_count = self.threads
+        if self._target_fps is not None and stream.codec_context.name in NONREF_CODECS:
+            self._nonref = NonrefSkip(stream, self.start_s - _PTS_TOL_S)   # frames no one keeps or needs
 
     def _decode_packet(self, packet: av.Packet) -> list[Any]:
         """The frames one packet completes (the final empty packet flushes the decoder); raises
         one of _DECODE_ERRORS."""
+        if self._nonref is not None:
+            self._nonref.before(packet)
         return packet.decode()
 
     def _flush_decoder(self) -> list[Any]:
@@ -346,19 +351,27 @@ class _PyAVSource(VideoSource):
         start = self.start_s - _PTS_TOL_S
         # frame.time is not used: frames flushed after damage carry no time_base
         time_base, start_pts = float(self._stream.time_base), self._stream.start_time or 0
-        sampler = self._sampler()
+        sampler, skip = self._sampler(), self._nonref
         frames, self._first = itertools.chain((self._first,), self._decoded), None
 
         def timed() -> Iterator[tuple[int, float, av.VideoFrame]]:
             index = self._index_base - 1
             for frame in frames:
+                if skip is not None:
+                    skip.came_out(frame.pts)
                 t = None if frame.pts is None else (frame.pts - start_pts) * time_base
                 if t is not None and t < start:
                     continue  # decoded from the keyframe before start_s
-                index += 1
-                yield index, index / self.source_fps if t is None else t, frame
+                index += 1   # (+ the frames skipped before it: their places in the full stream)
+                at = index + (skip.skipped if skip is not None else 0)
+                yield at, at / self.source_fps if t is None else t, frame
 
-        yield from self._sample(sampler, timed())
+        if skip is not None:
+            skip.arm(start)
+        for kept in self._sample(sampler, timed()):
+            if skip is not None and sampler.period is not None:
+                skip.arm(sampler.next_tick - _PTS_TOL_S)   # nothing before the next tick will be kept
+            yield kept
 
     def _frames(self) -> Iterator[Frame]:
         rotation = self.info.rotation
@@ -569,29 +582,3 @@ class _NvdecSource(_PyAVSource):
                 yield from batch()
         if pending:
             yield from batch()
-
-
-class _Sampler:
-    """Keeps frames with start_s <= pts < end_s; with a target fps only the first frame at or after
-    each 1/fps tick (ticks at start_s + k / fps); at most max_frames."""
-
-    def __init__(self, fps: float | None, start_s: float, end_s: float | None, max_frames: int | None):
-        self.period = None if fps is None else 1.0 / fps
-        self.start_s, self.end_s, self.max_frames = start_s, end_s, max_frames
-        self.next_tick, self.kept = start_s, 0
-
-    @property
-    def full(self) -> bool:
-        return self.max_frames is not None and self.kept >= self.max_frames
-
-    def keep(self, pts_s: float) -> bool | None:
-        """True: keep the frame, False: skip it, None: stop (end_s reached)."""
-        if self.end_s is not None and pts_s >= self.end_s - _PTS_TOL_S:
-            return None
-        if pts_s < self.next_tick - _PTS_TOL_S:
-            return False
-        if self.period is not None:  # the next tick strictly after this frame: no frame twice
-            ticks = math.floor((pts_s - self.start_s + _PTS_TOL_S) / self.period) + 1
-            self.next_tick = self.start_s + ticks * self.period
-        self.kept += 1
-        return True

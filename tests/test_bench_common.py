@@ -357,3 +357,18 @@ def test_loopback_server_process_serves_the_clip_and_ends_with_close(tmp_path):
         proc = server._proc
     assert [(f.width, f.height) for f in frames] == [(160, 96)] * 5
     assert proc.poll() is not None
+
+
+def test_sampled_decode_bench_runs_and_reads_the_same_frames(tmp_path):
+    """bench_sampled_decode's smoke run: a row per read, the same frames kept with and without
+    NonrefSkip, some left undecoded, and the JSON where --out says."""
+    import json
+
+    from benchmarks import bench_sampled_decode
+
+    out = tmp_path / "r.json"
+    bench_sampled_decode.main(["--sizes", "144p", "--fps", "2", "--repeats", "1", "--workdir", str(tmp_path),
+                               "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["read"] for r in rows] == ["yuv", "rgb"]
+    assert all(r["kept"] == 20 and r["left_undecoded"] > 0 and r["full_cpu_ms"] > 0 for r in rows)

@@ -25,8 +25,8 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.bench_pipeline import SIZES, PanningFrames, git_commit
-from benchmarks.common import cpu_name, scratch_result, write_result
+from benchmarks.bench_pipeline import SIZES, PanningFrames
+from benchmarks.common import cpu_name, git_commit, scratch_result, write_result
 from sources import open_video
 from sources import video as video_module
 from sources.synthetic import write_video

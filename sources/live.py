@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import random
 import re
@@ -48,11 +49,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from sources import nvdec
 from sources.errors import SourceError, StreamInterruptedWarning
 from sources.frame import Frame
 from sources.live_connections import (CONNECTIONS, NETWORK_SCHEMES, TRANSPORTS, Connection, LiveConfig, Lost,
                                       SourceKind, SourceSpec, Stalled)
-from sources.nvdec import HeldNv12
 from sources.reconnect import Outage, Reconnect
 
 __all__ = ["BufferedSource", "Gap", "LatestFrames", "LiveConfig", "LiveSource", "NETWORK_SCHEMES", "SourceKind",
@@ -146,28 +147,15 @@ def frames_of(items: list) -> list[Frame]:
     one stream connection's frames in one call (nvdec.convert_held); Frames as they are."""
     if not any(isinstance(f, HeldFrame) for f in items):
         return items
-    from sources import nvdec
-
     out: list[Frame] = []
-    run: list[HeldFrame] = []
-
-    def flush() -> None:
-        if run:
-            rgb = nvdec.convert_held([f.pixels for f in run])                      # (n, H, W, 3)
-            out.extend(Frame(f.stream_id, f.index, f.pts_s, rgb[k], f.arrival_s) for k, f in enumerate(run))
-            run.clear()
-
-    for item in items:
-        if isinstance(item, HeldFrame) and (not run or (item.pixels.converter is run[0].pixels.converter
-                                                         and item.pixels.size == run[0].pixels.size)):
-            run.append(item)
+    for key, run in itertools.groupby(items, lambda f: (f.pixels.converter, f.pixels.size)
+                                      if isinstance(f, HeldFrame) else None):
+        if key is None:
+            out.extend(run)
             continue
-        flush()
-        if isinstance(item, HeldFrame):
-            run.append(item)
-        else:
-            out.append(item)
-    flush()
+        held = list(run)
+        rgb = nvdec.convert_held([f.pixels for f in held])                         # (n, H, W, 3)
+        out.extend(Frame(f.stream_id, f.index, f.pts_s, rgb[k], f.arrival_s) for k, f in enumerate(held))
     return out
 
 
@@ -409,7 +397,7 @@ class LiveSource(BufferedSource):
                 if rgb is None:   # read before the consumer was ready: begin() forgets these anyway
                     self._last = (pts, arrival)
                     continue
-                if isinstance(rgb, HeldNv12):   # NVDEC's NV12, converted when taken (with the rest of its batch)
+                if isinstance(rgb, nvdec.HeldNv12):   # NVDEC's NV12, converted when taken (with the rest of its batch)
                     frame = HeldFrame(self.stream_id, self.frames_in, pts, rgb, arrival)
                 else:   # (NVDEC's RGB of a realtime file: a contiguous device tensor already)
                     rgb = np.ascontiguousarray(rgb) if isinstance(rgb, np.ndarray) else rgb

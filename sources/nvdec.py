@@ -329,12 +329,12 @@ class Nv12ToRgb:
     (sources/yuv.py), each finished before it is handed on, so that a consumer on any CUDA stream
     can read it (and calls record_stream before the tensor can be freed under it).
 
-    One frame: `convert`. Several (files): `add` each frame as it comes out of the decoder (a copy
-    into a batch of slots; the decoder's memory is then free for its next frame), `take` converts
-    the frames added in one call of yuv_to_rgb: its kernels launched once per batch, not per frame.
-    The work runs on the decoder's stream (NvdecDecoder.stream), off the default stream. Live
-    streams: `hold` copies a frame out and converts nothing; the consumer converts what it takes,
-    all at once (convert_held), in its own thread."""
+    Files: `add` each frame as it comes out of the decoder (a copy into a batch of slots; the
+    decoder's memory is then free for its next frame), `take` converts the frames added in one call
+    of yuv_to_rgb: its kernels launched once per batch, not per frame. The work runs on the
+    decoder's stream (NvdecDecoder.stream), off the default stream. Live streams: `hold` copies a
+    frame out and converts nothing; the consumer converts what it takes, all at once
+    (convert_held), in its own thread."""
 
     def __init__(self, layout: YuvLayout, name: str, decoder: NvdecDecoder, batch: int = 1) -> None:
         self.layout, self.name, self.batch = layout, name, batch
@@ -345,16 +345,6 @@ class Nv12ToRgb:
     @property
     def full(self) -> bool:
         return self.count == self.batch
-
-    def convert(self, nv12: torch.Tensor, index: int) -> torch.Tensor:
-        """One frame -> (H', W', 3)."""
-        from sources.yuv import yuv_to_rgb
-
-        self._check(nv12, index)
-        with self._on_stream():
-            rgb = yuv_to_rgb(nv12.reshape(1, -1), self.layout)[0]      # (H', W', 3)
-        self._finish()
-        return rgb
 
     def hold(self, nv12: torch.Tensor, index: int, size: tuple[int, int]) -> HeldNv12:
         """One frame copied out of the decoder's memory (on its stream, before its next call), not

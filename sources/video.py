@@ -194,7 +194,7 @@ class VideoSource:
     def _finish(self, last_pts_s: float | None) -> None:
         """At the end of the stream: flag and warn if decoding stopped short of the declared end."""
         skipped_s = None if self._nonref is None else self._nonref.last_s   # undecoded frames reached it too
-        last_pts_s = last_pts_s if skipped_s is None or (last_pts_s or 0) > skipped_s else skipped_s
+        last_pts_s = max((t for t in (last_pts_s, skipped_s) if t is not None), default=None)
         reason = self._damage or self._missing_tail(last_pts_s)
         if reason is None:
             return

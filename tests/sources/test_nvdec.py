@@ -492,12 +492,18 @@ class TestPyNvDecoder:
             decoder.decode(av.Packet(b"bad"))
 
 
+def alone(converter, nv12, index):
+    """One frame converted by itself: a batch of one through add and take."""
+    converter.add(nv12, index)
+    return converter.take()[0]
+
+
 class TestBatchedConversion:
     def test_batches_equal_frame_by_frame(self, clip):
         planes = [nv12 for _, nv12 in pyav_frames(clip)][:11]
         layout = nvdec.nv12_layout("c", "h264", "yuv420p", 1, 1, 72, 96)
         single = nvdec.Nv12ToRgb(layout, "c", PyAVNv12Decoder("c", "h264"))
-        one = [single.convert(p, k) for k, p in enumerate(planes)]
+        one = [alone(single, p, k) for k, p in enumerate(planes)]
         batched = nvdec.Nv12ToRgb(layout, "c", PyAVNv12Decoder("c", "h264"), batch=4)
         out = []
         for k, p in enumerate(planes):
@@ -959,8 +965,8 @@ class TestOnTheGPU:
             batched = nvdec.Nv12ToRgb(layout, "c", decoder, batch=5)
             for k, p in enumerate(planes.cuda()):
                 batched.add(p.view(135, 160), k)
-            one = [nvdec.Nv12ToRgb(layout, "c", decoder).convert(p.view(135, 160), k)
-                   for k, p in enumerate(planes.cuda())]
+            single = nvdec.Nv12ToRgb(layout, "c", decoder)
+            one = [alone(single, p.view(135, 160), k) for k, p in enumerate(planes.cuda())]
             assert torch.equal(batched.take(), torch.stack(one))
 
     def test_live_http_mpeg_ts_stream_equals_pyav(self, http_stream):

@@ -13,16 +13,8 @@ cd "$(dirname "$0")/../.."
 PROCESSES=${1:-4}
 shift || true
 COUNTS=("${@:-48 32}")
-OUT="${OUT:-out/live_capture}"
-PY="${PYTHON:-python3}"
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-run() {   # name, bench_live arguments
-    local name=$1; shift
-    timeout "${RUN_LIMIT:-170}" "$PY" benchmarks/bench_live.py --device "${DEVICE:-cuda}" ${EXTRA:-} --soak 0 --warmup 20 --seconds 30 \
-        --cold-seconds 10 "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-    grep -v "INVALID INDEX" "$OUT/$name.log" | grep -v '^{' | tail -2
-}
+source benchmarks/gpu/live_runs.sh
+live_setup out/live_capture
 for n in ${COUNTS[*]}; do
     echo "== $n streams, capture in $PROCESSES processes"; run "live_${n}_processes" --streams "$n" --capture-processes "$PROCESSES"
     echo "== $n streams, capture threads"; run "live_${n}_threads" --streams "$n" --capture-processes 0

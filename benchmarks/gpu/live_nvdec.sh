@@ -12,16 +12,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 COUNTS=("${@:-32 48}")
-OUT="${OUT:-out/live_nvdec}"
-PY="${PYTHON:-python3}"
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-run() {   # name, bench_live arguments
-    local name=$1; shift
-    timeout "${RUN_LIMIT:-170}" "$PY" benchmarks/bench_live.py --device "${DEVICE:-cuda}" ${EXTRA:-} --soak 0 --warmup 15 \
-        --seconds 30 --cold-seconds 10 "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-    grep -v "INVALID INDEX" "$OUT/$name.log" | grep -v '^{' | tail -2
-}
+source benchmarks/gpu/live_runs.sh
+live_setup out/live_nvdec
+LIVE_WARMUP_S=${LIVE_WARMUP_S:-15}
 for n in ${COUNTS[*]}; do
     for decoder in ${DECODERS:-nvdec pyav}; do
         echo "== $n streams, decoder $decoder"; run "live_${n}_${decoder}" --streams "$n" --decoder "$decoder"
